@@ -1,0 +1,147 @@
+//! Running one command: environment, cwd, stdin, bounded stdout/stderr capture, timeout
+//! (the whole process group is killed), exit status.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use dsec_common::api::ExecResult;
+use dsec_common::channel::ExecSpec;
+
+use crate::children::Table;
+
+pub type Env = BTreeMap<String, String>;
+
+/// How long to wait for output pipes after the command exits, for when a background
+/// process it started keeps them open.
+const PIPE_GRACE: Duration = Duration::from_millis(200);
+
+/// The environment aether was started with (the image's and the sandbox's), which every
+/// command inherits before its own variables.
+pub fn base_env() -> Env {
+    let mut env: Env = std::env::vars().collect();
+    env.entry("PATH".into())
+        .or_insert_with(|| "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into());
+    env.entry("HOME".into()).or_insert_with(|| "/root".into());
+    env
+}
+
+struct Capture {
+    data: Vec<u8>,
+    truncated: bool,
+}
+
+fn capture(mut r: impl Read + Send + 'static, cap: u64) -> mpsc::Receiver<Capture> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut out = Capture {
+            data: Vec::new(),
+            truncated: false,
+        };
+        let mut buf = [0u8; 64 * 1024];
+        loop {
+            match r.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => {
+                    let room = (cap as usize).saturating_sub(out.data.len());
+                    if n > room {
+                        out.truncated = true;
+                    }
+                    out.data.extend_from_slice(&buf[..n.min(room)]);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => break,
+            }
+        }
+        let _ = tx.send(out);
+    });
+    rx
+}
+
+pub fn run(spec: ExecSpec, table: &Table, base: &Env) -> Result<ExecResult, String> {
+    let Some(program) = spec.argv.first() else {
+        return Err("empty argv".into());
+    };
+    let mut cmd = Command::new(program);
+    cmd.args(&spec.argv[1..])
+        .env_clear()
+        .envs(base)
+        .envs(&spec.env)
+        .stdin(if spec.stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    let cwd = spec.cwd.clone().unwrap_or_else(|| "/".into());
+    cmd.current_dir(&cwd);
+    let started = Instant::now();
+    let mut child = {
+        let mut managed = table.lock();
+        let child = cmd.spawn().map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => format!(
+                "cannot run {program:?} in {cwd:?}: the program or the working directory does not exist"
+            ),
+            _ => format!("cannot run {program:?}: {e}"),
+        })?;
+        managed.insert(child.id());
+        child
+    };
+    let pid = child.id();
+    let out_rx = child.stdout.take().map(|s| capture(s, spec.max_output_bytes));
+    let err_rx = child.stderr.take().map(|s| capture(s, spec.max_output_bytes));
+    if let (Some(mut stdin), Some(data)) = (child.stdin.take(), spec.stdin) {
+        std::thread::spawn(move || {
+            let _ = stdin.write_all(data.as_bytes());
+        });
+    }
+    let (done_tx, done_rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done_tx.send(child.wait());
+    });
+    let mut timed_out = false;
+    let status = match spec.timeout_ms {
+        Some(ms) => match done_rx.recv_timeout(Duration::from_millis(ms)) {
+            Ok(s) => s,
+            Err(_) => {
+                timed_out = true;
+                // SAFETY: signalling the process group we created for this command.
+                unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
+                done_rx.recv().map_err(|e| e.to_string())?
+            }
+        },
+        None => done_rx.recv().map_err(|e| e.to_string())?,
+    };
+    table.release(pid);
+    let status = status.map_err(|e| format!("waiting for the command: {e}"))?;
+    if timed_out {
+        // Whatever the command left behind in its group goes too.
+        unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
+    }
+    let collect = |rx: Option<mpsc::Receiver<Capture>>| {
+        rx.and_then(|rx| rx.recv_timeout(PIPE_GRACE).ok())
+            .unwrap_or(Capture {
+                data: Vec::new(),
+                truncated: false,
+            })
+    };
+    let out = collect(out_rx);
+    let err = collect(err_rx);
+    let signal = status.signal();
+    Ok(ExecResult {
+        stdout: String::from_utf8_lossy(&out.data).into_owned(),
+        stderr: String::from_utf8_lossy(&err.data).into_owned(),
+        exit_code: status.code().unwrap_or_else(|| 128 + signal.unwrap_or(0)),
+        signal,
+        timed_out,
+        oom_killed: false,
+        stdout_truncated: out.truncated,
+        stderr_truncated: err.truncated,
+        duration_ms: started.elapsed().as_millis() as u64,
+    })
+}

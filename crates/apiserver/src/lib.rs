@@ -1,0 +1,247 @@
+//! The apiserver: the public REST/JSON API (described by `openapi.json`, served at
+//! `/openapi.json`), API-key authentication through IAM, and routing of each request to
+//! the edge its sandbox id names. It holds no per-sandbox state.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path, RawQuery, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use dsec_common::api::{
+    ClusterStatus, CreateSandboxRequest, ExecRequest, ForkRequest, ListSandboxesResponse,
+    SetTimeoutRequest,
+};
+use dsec_common::id::SandboxId;
+use dsec_common::{ApiError, ErrorCode};
+use dsec_edge::Edge;
+use dsec_iam::KeyStore;
+use serde::de::DeserializeOwned;
+
+pub const OPENAPI: &str = include_str!("../openapi.json");
+
+#[derive(Clone)]
+pub struct AppState {
+    pub edge: Arc<Edge>,
+    pub keys: Arc<dyn KeyStore>,
+}
+
+/// An [`ApiError`] as an HTTP response: its status and `{"code","message"}`.
+pub struct Failure(pub ApiError);
+
+impl From<ApiError> for Failure {
+    fn from(e: ApiError) -> Self {
+        Failure(e)
+    }
+}
+
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.0.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        (status, axum::Json(self.0)).into_response()
+    }
+}
+
+type ApiResult<T> = Result<T, Failure>;
+
+fn json<T: serde::Serialize>(status: StatusCode, v: &T) -> Response {
+    (status, axum::Json(v)).into_response()
+}
+
+/// Parses a JSON body, saying what was wrong in terms of the request.
+fn body<T: DeserializeOwned>(bytes: &Bytes, what: &str) -> Result<T, Failure> {
+    if bytes.is_empty() {
+        return Err(ApiError::invalid(format!("{what} needs a JSON body; see /openapi.json")).into());
+    }
+    serde_json::from_slice(bytes).map_err(|e| {
+        let kind = if e.is_syntax() || e.is_eof() { "is not valid JSON" } else { "does not match the schema" };
+        ApiError::invalid(format!("the {what} body {kind}: {e}; see /openapi.json")).into()
+    })
+}
+
+pub fn router(state: AppState) -> Router {
+    let api = Router::new()
+        .route("/v1/status", get(status))
+        .route("/v1/sandboxes", post(create).get(list))
+        .route("/v1/sandboxes/{id}", get(get_one).delete(stop))
+        .route("/v1/sandboxes/{id}/exec", post(exec))
+        .route("/v1/sandboxes/{id}/fork", post(fork))
+        .route("/v1/sandboxes/{id}/timeout", post(set_timeout))
+        .route("/v1/images", get(images))
+        .route_layer(middleware::from_fn_with_state(state.clone(), auth));
+    Router::new()
+        .route("/healthz", get(|| async { axum::Json(serde_json::json!({"ok": true})) }))
+        .route(
+            "/openapi.json",
+            get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }),
+        )
+        .merge(api)
+        .fallback(|| async {
+            Failure(ApiError::not_found("no such endpoint; the API is described at /openapi.json"))
+        })
+        .method_not_allowed_fallback(|| async {
+            Failure(ApiError::new(ErrorCode::InvalidArgument, "method not allowed on this endpoint; see /openapi.json"))
+        })
+        .layer(DefaultBodyLimit::max(64 << 20))
+        .with_state(state)
+}
+
+fn api_key(headers: &HeaderMap) -> Option<&str> {
+    if let Some(v) = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
+        return v.strip_prefix("Bearer ").map(str::trim);
+    }
+    headers.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim)
+}
+
+async fn auth(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    match api_key(req.headers()) {
+        None => Failure(ApiError::new(
+            ErrorCode::Unauthenticated,
+            "missing API key: send `Authorization: Bearer dsk.…` (dsec up printed one and wrote it to client.toml)",
+        ))
+        .into_response(),
+        Some(k) => match st.keys.authenticate(k) {
+            Some(_) => next.run(req).await,
+            None => Failure(ApiError::new(
+                ErrorCode::Unauthenticated,
+                "API key not recognised: check DSEC_API_KEY or client.toml",
+            ))
+            .into_response(),
+        },
+    }
+}
+
+/// Checks that the id is well formed and names an edge this apiserver reaches.
+fn route(st: &AppState, id: &str) -> ApiResult<()> {
+    let parsed = SandboxId::parse(id).map_err(|e| ApiError::invalid(e.to_string()))?;
+    if parsed.edge() != st.edge.name() {
+        return Err(ApiError::not_found(format!(
+            "sandbox {id} belongs to edge {}, which this apiserver does not know",
+            parsed.edge()
+        ))
+        .into());
+    }
+    Ok(())
+}
+
+async fn status(State(st): State<AppState>) -> Response {
+    let mut view = dsec_watcher::ClusterView::default();
+    view.update(st.edge.status());
+    let s: ClusterStatus = view.status();
+    json(StatusCode::OK, &s)
+}
+
+async fn create(State(st): State<AppState>, bytes: Bytes) -> ApiResult<Response> {
+    let req: CreateSandboxRequest = body(&bytes, "create sandbox")?;
+    let info = st.edge.create(req).await?;
+    Ok(json(StatusCode::CREATED, &info))
+}
+
+fn label_filter(q: Option<&str>) -> ApiResult<BTreeMap<String, String>> {
+    let mut out = BTreeMap::new();
+    for pair in q.unwrap_or("").split('&').filter(|s| !s.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        if k != "label" {
+            return Err(ApiError::invalid(format!("unknown query parameter {k:?}; use label=KEY=VALUE")).into());
+        }
+        let v = percent_decode(v);
+        let (lk, lv) = v
+            .split_once('=')
+            .ok_or_else(|| ApiError::invalid(format!("label filter {v:?} must be KEY=VALUE")))?;
+        out.insert(lk.to_string(), lv.to_string());
+    }
+    Ok(out)
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < b.len() => {
+                match u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("zz"), 16) {
+                    Ok(v) => {
+                        out.push(v);
+                        i += 2;
+                    }
+                    Err(_) => out.push(b'%'),
+                }
+            }
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+async fn list(State(st): State<AppState>, RawQuery(q): RawQuery) -> ApiResult<Response> {
+    let labels = label_filter(q.as_deref())?;
+    Ok(json(StatusCode::OK, &ListSandboxesResponse { sandboxes: st.edge.list(&labels) }))
+}
+
+async fn get_one(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
+    route(&st, &id)?;
+    Ok(json(StatusCode::OK, &st.edge.get(&id)?))
+}
+
+async fn stop(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
+    route(&st, &id)?;
+    st.edge.stop(&id).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn exec(State(st): State<AppState>, Path(id): Path<String>, bytes: Bytes) -> ApiResult<Response> {
+    route(&st, &id)?;
+    let req: ExecRequest = body(&bytes, "exec")?;
+    Ok(json(StatusCode::OK, &st.edge.exec(&id, req).await?))
+}
+
+async fn fork(State(st): State<AppState>, Path(id): Path<String>, bytes: Bytes) -> ApiResult<Response> {
+    route(&st, &id)?;
+    let req: ForkRequest = if bytes.is_empty() { body(&Bytes::from_static(b"{}"), "fork")? } else { body(&bytes, "fork")? };
+    Ok(json(StatusCode::CREATED, &st.edge.fork(&id, req).await?))
+}
+
+async fn set_timeout(State(st): State<AppState>, Path(id): Path<String>, bytes: Bytes) -> ApiResult<Response> {
+    route(&st, &id)?;
+    let req: SetTimeoutRequest = body(&bytes, "set timeout")?;
+    Ok(json(StatusCode::OK, &st.edge.set_timeout(&id, req.ttl_seconds).await?))
+}
+
+async fn images(State(st): State<AppState>) -> ApiResult<Response> {
+    let store = st.edge.images().clone();
+    let list = tokio::task::spawn_blocking(move || store.list())
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    Ok(json(StatusCode::OK, &serde_json::json!({ "images": list })))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn label_filters_parse_and_reject_unknown_params() {
+        let m = label_filter(Some("label=a%3D1=x&label=b=2")).unwrap();
+        assert_eq!(m.get("a"), Some(&"1=x".to_string()));
+        assert_eq!(m.get("b"), Some(&"2".to_string()));
+        assert!(label_filter(Some("foo=1")).is_err());
+        assert!(label_filter(Some("label=novalue")).is_err());
+        assert_eq!(percent_decode("a%20b+c%zz"), "a b c%zz");
+    }
+
+    #[test]
+    fn openapi_document_is_valid_json_with_every_route() {
+        let v: serde_json::Value = serde_json::from_str(OPENAPI).unwrap();
+        for p in ["/v1/sandboxes", "/v1/sandboxes/{id}", "/v1/sandboxes/{id}/exec", "/v1/sandboxes/{id}/fork", "/v1/sandboxes/{id}/timeout", "/v1/status", "/v1/images"] {
+            assert!(v["paths"].get(p).is_some(), "{p} missing from openapi.json");
+        }
+    }
+}

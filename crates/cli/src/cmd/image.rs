@@ -1,0 +1,159 @@
+//! `dsec image build|ls|inspect|rm`: work directly on the image store directory.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use dsec_image::build::BuildSpec;
+use dsec_image::{ImageRef, ImageStore};
+
+use crate::{DataDirArg, output};
+
+#[derive(clap::Subcommand)]
+pub enum ImageCommand {
+    /// Build an image from a spec file (Debian packages + steps)
+    #[command(after_help = "Example:\n  dsec image build images/py-3.11.toml\n\nSpec format:\n  name = \"root/py:3.11\"\n  [debian]\n  packages = [\"python3\"]\n  [[step]]\n  run = \"echo hi > /etc/motd\"")]
+    Build(BuildArgs),
+    /// List images
+    #[command(after_help = "Example:\n  dsec image ls --json")]
+    Ls(StoreArgs),
+    /// Show an image's manifest
+    #[command(after_help = "Example:\n  dsec image inspect root/py:3.11")]
+    Inspect(RefArgs),
+    /// Remove an image reference and the layers nothing else uses
+    #[command(after_help = "Example:\n  dsec image rm root/py:3.11")]
+    Rm(RefArgs),
+}
+
+#[derive(clap::Args)]
+pub struct StoreArgs {
+    #[command(flatten)]
+    pub data: DataDirArg,
+    /// Image store directory (default: <data-dir>/images)
+    #[arg(long, env = "DSEC_IMAGE_STORE")]
+    pub store: Option<PathBuf>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(clap::Args)]
+pub struct BuildArgs {
+    /// Spec file (TOML)
+    pub spec: PathBuf,
+    /// Build only if the reference does not exist yet
+    #[arg(long)]
+    pub if_missing: bool,
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+#[derive(clap::Args)]
+pub struct RefArgs {
+    pub reference: String,
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+fn open(a: &StoreArgs) -> Result<ImageStore> {
+    let root = a.store.clone().unwrap_or_else(|| a.data.data_dir.join("images"));
+    Ok(ImageStore::open(root)?)
+}
+
+/// Layers that sandboxes of this machine's edge still use.
+fn layers_in_use(a: &StoreArgs) -> std::collections::HashSet<String> {
+    let mut out = std::collections::HashSet::new();
+    let dir = a.data.data_dir.join("edge/sandboxes");
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if let Ok(b) = std::fs::read(e.path().join("state.json"))
+            && let Ok(v) = serde_json::from_slice::<serde_json::Value>(&b)
+            && let Some(ls) = v["layers"].as_array()
+        {
+            out.extend(ls.iter().filter_map(|l| l.as_str().map(str::to_string)));
+        }
+    }
+    out
+}
+
+pub async fn run(c: ImageCommand) -> Result<i32> {
+    tokio::task::spawn_blocking(move || run_blocking(c)).await?
+}
+
+fn run_blocking(c: ImageCommand) -> Result<i32> {
+    match c {
+        ImageCommand::Build(a) => {
+            let text = std::fs::read_to_string(&a.spec).with_context(|| format!("reading {}", a.spec.display()))?;
+            let spec = BuildSpec::parse(&text)?;
+            let store = open(&a.store)?;
+            let name = ImageRef::parse(&spec.name)?;
+            if a.if_missing && store.resolve(&name).is_ok() {
+                println!("{name} exists; not rebuilding");
+                return Ok(0);
+            }
+            let t0 = Instant::now();
+            let tty = std::io::stderr().is_terminal() && !a.store.json;
+            let bar = indicatif::ProgressBar::new_spinner();
+            if tty {
+                bar.enable_steady_tick(Duration::from_millis(120));
+            } else {
+                bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+            }
+            let mut step = String::new();
+            let digest = dsec_image::build::build(&store, &spec, &mut |line: &str| {
+                let is_step = line.starts_with("step ") || line.starts_with("mmdebstrap ") || line.starts_with("layer ") || line.starts_with("tagged ");
+                if is_step {
+                    step = line.to_string();
+                }
+                if tty {
+                    if is_step {
+                        bar.println(format!("==> {line}"));
+                    }
+                    bar.set_message(format!("[{:>4.0}s] {}", t0.elapsed().as_secs_f64(), line.chars().take(100).collect::<String>()));
+                } else if !a.store.json {
+                    eprintln!("{line}");
+                }
+            });
+            bar.finish_and_clear();
+            let digest = digest?;
+            if a.store.json {
+                output::print_json(&serde_json::json!({"reference": name.to_string(), "digest": digest, "seconds": t0.elapsed().as_secs_f64()}));
+            } else {
+                println!("built {name} ({}) in {:.1} s", &digest[..12], t0.elapsed().as_secs_f64());
+            }
+            Ok(0)
+        }
+        ImageCommand::Ls(a) => {
+            let list = open(&a)?.list()?;
+            if a.json {
+                output::print_json(&list);
+                return Ok(0);
+            }
+            let rows = list
+                .iter()
+                .map(|e| {
+                    vec![
+                        e.reference.clone(),
+                        e.digest[..12].to_string(),
+                        e.manifest.layers.len().to_string(),
+                        format!("{:.1} MiB", e.manifest.size_bytes as f64 / 1048576.0),
+                        output::ago_ms(e.manifest.created_ms),
+                    ]
+                })
+                .collect();
+            println!("{}", output::table(&["reference", "digest", "layers", "size", "created"], rows));
+            Ok(0)
+        }
+        ImageCommand::Inspect(a) => {
+            let r = ImageRef::parse(&a.reference)?;
+            let (digest, m) = open(&a.store)?.resolve(&r)?;
+            output::print_json(&serde_json::json!({"reference": r.to_string(), "digest": digest, "manifest": m}));
+            Ok(0)
+        }
+        ImageCommand::Rm(a) => {
+            let r = ImageRef::parse(&a.reference)?;
+            let n = open(&a.store)?.remove(&r, &layers_in_use(&a.store))?;
+            println!("removed {r} ({n} layers freed)");
+            Ok(0)
+        }
+    }
+}

@@ -1,0 +1,3 @@
+pub mod image;
+pub mod sandbox;
+pub mod up;

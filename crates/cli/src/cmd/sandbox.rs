@@ -1,0 +1,255 @@
+//! Sandbox commands: run, exec, ls, rm, fork, set-timeout.
+
+use std::collections::BTreeMap;
+
+use anyhow::Result;
+use dsec_common::api::{
+    CreateSandboxRequest, ExecRequest, ExecResult, ForkRequest, ForkResponse,
+    ListSandboxesResponse, SandboxInfo, SetTimeoutRequest,
+};
+use hyper::Method;
+
+use crate::client::{self, Api};
+use crate::{ApiArgs, output};
+
+fn api(a: &ApiArgs) -> Result<Api> {
+    Api::new(&client::resolve(a.api_url.as_deref(), a.api_key.as_deref(), None)?)
+}
+
+fn parse_label(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("{s:?} is not KEY=VALUE"))
+}
+
+#[derive(clap::Args)]
+pub struct RunArgs {
+    /// Image reference, e.g. root/py:3.11
+    pub image: String,
+    /// Command to run after the sandbox starts (after `--`)
+    #[arg(last = true)]
+    pub command: Vec<String>,
+    #[arg(long, default_value = "container")]
+    pub backend: String,
+    /// CPU cores (fractions allowed)
+    #[arg(long)]
+    pub cpus: Option<f64>,
+    /// Memory limit in MiB
+    #[arg(long)]
+    pub memory: Option<f64>,
+    /// Writable disk limit in MiB
+    #[arg(long)]
+    pub disk: Option<f64>,
+    /// Process limit
+    #[arg(long)]
+    pub pids: Option<f64>,
+    /// Lifetime in seconds
+    #[arg(long)]
+    pub ttl: Option<f64>,
+    #[arg(long = "label", value_parser = parse_label)]
+    pub labels: Vec<(String, String)>,
+    #[arg(long = "env", short = 'e', value_parser = parse_label)]
+    pub env: Vec<(String, String)>,
+    /// Stop the sandbox after the command
+    #[arg(long)]
+    pub rm: bool,
+    #[command(flatten)]
+    pub api: ApiArgs,
+}
+
+#[derive(clap::Args)]
+pub struct ExecArgs {
+    pub id: String,
+    #[arg(last = true, required = true)]
+    pub command: Vec<String>,
+    #[arg(long)]
+    pub timeout: Option<f64>,
+    #[arg(long)]
+    pub cwd: Option<String>,
+    #[arg(long = "env", short = 'e', value_parser = parse_label)]
+    pub env: Vec<(String, String)>,
+    #[command(flatten)]
+    pub api: ApiArgs,
+}
+
+#[derive(clap::Args)]
+pub struct LsArgs {
+    #[arg(long = "label", value_parser = parse_label)]
+    pub labels: Vec<(String, String)>,
+    #[command(flatten)]
+    pub api: ApiArgs,
+}
+
+#[derive(clap::Args)]
+pub struct RmArgs {
+    #[arg(required = true)]
+    pub ids: Vec<String>,
+    #[command(flatten)]
+    pub api: ApiArgs,
+}
+
+#[derive(clap::Args)]
+pub struct ForkArgs {
+    pub id: String,
+    #[arg(long, default_value_t = 1)]
+    pub count: u32,
+    #[command(flatten)]
+    pub api: ApiArgs,
+}
+
+#[derive(clap::Args)]
+pub struct TimeoutArgs {
+    pub id: String,
+    /// Seconds from now
+    pub ttl_seconds: u64,
+    #[command(flatten)]
+    pub api: ApiArgs,
+}
+
+/// Prints a command's output and returns its exit code as ours.
+fn show_exec(r: &ExecResult, json: bool) -> i32 {
+    if json {
+        output::print_json(r);
+        return r.exit_code;
+    }
+    print!("{}", r.stdout);
+    eprint!("{}", r.stderr);
+    if r.timed_out {
+        eprintln!("dsec: command timed out and was killed");
+    }
+    if r.oom_killed {
+        eprintln!("dsec: the sandbox ran out of memory (memory_limit_mb) and the kernel killed a process");
+    }
+    if r.stdout_truncated || r.stderr_truncated {
+        eprintln!("dsec: output was truncated");
+    }
+    r.exit_code
+}
+
+fn exec_request(cmd: &[String], env: &[(String, String)], timeout: Option<f64>, cwd: Option<String>) -> ExecRequest {
+    ExecRequest {
+        argv: Some(cmd.to_vec()),
+        env: env.iter().cloned().collect(),
+        timeout_seconds: timeout,
+        cwd,
+        ..Default::default()
+    }
+}
+
+pub async fn run(a: RunArgs) -> Result<i32> {
+    let api = api(&a.api)?;
+    let req = CreateSandboxRequest {
+        backend: a.backend.clone(),
+        image: a.image.clone(),
+        cpu_cores_limit: a.cpus,
+        memory_limit_mb: a.memory,
+        disk_limit_mb: a.disk,
+        pids_limit: a.pids,
+        ttl_seconds: a.ttl,
+        idle_timeout_seconds: None,
+        labels: a.labels.iter().cloned().collect::<BTreeMap<_, _>>(),
+        env: BTreeMap::new(),
+    };
+    let sb: SandboxInfo = api.call(Method::POST, "/v1/sandboxes", Some(&req)).await?;
+    if a.command.is_empty() {
+        if a.api.json {
+            output::print_json(&sb);
+        } else {
+            println!("{}", sb.id);
+        }
+        return Ok(0);
+    }
+    if !a.api.json {
+        eprintln!("sandbox {}", sb.id);
+    }
+    let r: Result<ExecResult> = api
+        .call(Method::POST, &format!("/v1/sandboxes/{}/exec", sb.id), Some(&exec_request(&a.command, &a.env, None, None)))
+        .await;
+    if a.rm {
+        api.call::<serde_json::Value>(Method::DELETE, &format!("/v1/sandboxes/{}", sb.id), None::<&()>).await?;
+    }
+    Ok(show_exec(&r?, a.api.json))
+}
+
+pub async fn exec(a: ExecArgs) -> Result<i32> {
+    let api = api(&a.api)?;
+    let r: ExecResult = api
+        .call(Method::POST, &format!("/v1/sandboxes/{}/exec", a.id), Some(&exec_request(&a.command, &a.env, a.timeout, a.cwd.clone())))
+        .await?;
+    Ok(show_exec(&r, a.api.json))
+}
+
+pub async fn ls(a: LsArgs) -> Result<i32> {
+    let api = api(&a.api)?;
+    let q: Vec<String> = a.labels.iter().map(|(k, v)| format!("label={k}%3D{v}")).collect();
+    let path = if q.is_empty() { "/v1/sandboxes".to_string() } else { format!("/v1/sandboxes?{}", q.join("&")) };
+    let l: ListSandboxesResponse = api.call(Method::GET, &path, None::<&()>).await?;
+    if a.api.json {
+        output::print_json(&l);
+        return Ok(0);
+    }
+    let rows = l
+        .sandboxes
+        .iter()
+        .map(|s| {
+            vec![
+                s.id.clone(),
+                s.backend.clone(),
+                s.image.clone(),
+                format!("{:?}", s.state).to_lowercase(),
+                format!("{} cpu / {} MiB", s.limits.cpu_cores, s.limits.memory_mb),
+                output::ago_ms(s.created_at_ms),
+                output::in_ms(s.expires_at_ms),
+            ]
+        })
+        .collect();
+    println!("{}", output::table(&["id", "backend", "image", "state", "limits", "created", "expires"], rows));
+    Ok(0)
+}
+
+pub async fn rm(a: RmArgs) -> Result<i32> {
+    let api = api(&a.api)?;
+    let mut failed = 0;
+    for id in &a.ids {
+        match api.call::<serde_json::Value>(Method::DELETE, &format!("/v1/sandboxes/{id}"), None::<&()>).await {
+            Ok(_) => println!("{id}"),
+            Err(e) => {
+                eprintln!("{id}: {e:#}");
+                failed += 1;
+            }
+        }
+    }
+    Ok(if failed > 0 { 1 } else { 0 })
+}
+
+pub async fn fork(a: ForkArgs) -> Result<i32> {
+    let api = api(&a.api)?;
+    let req = ForkRequest {
+        count: a.count as f64,
+        labels: BTreeMap::new(),
+    };
+    let r: ForkResponse = api.call(Method::POST, &format!("/v1/sandboxes/{}/fork", a.id), Some(&req)).await?;
+    if a.api.json {
+        output::print_json(&r);
+        return Ok(0);
+    }
+    for s in &r.sandboxes {
+        println!("{}", s.id);
+    }
+    eprintln!("source paused {} ms; {}", r.source_paused_ms, r.note);
+    Ok(0)
+}
+
+pub async fn set_timeout(a: TimeoutArgs) -> Result<i32> {
+    let api = api(&a.api)?;
+    let s: SandboxInfo = api
+        .call(Method::POST, &format!("/v1/sandboxes/{}/timeout", a.id), Some(&SetTimeoutRequest { ttl_seconds: a.ttl_seconds as f64 }))
+        .await?;
+    if a.api.json {
+        output::print_json(&s);
+    } else {
+        println!("{} expires {}", s.id, output::in_ms(s.expires_at_ms));
+    }
+    Ok(0)
+}
+

@@ -1,0 +1,308 @@
+//! `dsec up`, `serve`, `down`, `status`: the embedded single-machine deployment. `up`
+//! starts `dsec serve` detached (its log is `<data-dir>/dsec.log`) and waits until it
+//! answers; `serve` runs every role in one process.
+
+use std::net::SocketAddr;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use dsec_common::api::ClusterStatus;
+use dsec_common::client_config::{self, ClientConfig};
+use dsec_edge::{Edge, EdgeConfig};
+use dsec_iam::{FileKeyStore, Role};
+use hyper::Method;
+use serde::Deserialize;
+
+use crate::client::{self, Api};
+use crate::output;
+
+#[derive(clap::Args, Clone)]
+pub struct UpArgs {
+    #[command(flatten)]
+    pub data: crate::DataDirArg,
+    /// Address the API listens on
+    #[arg(long, default_value = "127.0.0.1:7600")]
+    pub listen: SocketAddr,
+    /// OCI runtime for containers: auto, crun, runc or a path
+    #[arg(long)]
+    pub oci_runtime: Option<String>,
+    /// Node name (part of every sandbox id)
+    #[arg(long)]
+    pub node_name: Option<String>,
+    /// Stay in the foreground (what the systemd unit does)
+    #[arg(long)]
+    pub foreground: bool,
+}
+
+#[derive(clap::Args)]
+pub struct DownArgs {
+    #[command(flatten)]
+    pub data: crate::DataDirArg,
+    /// Leave sandboxes running; the next `dsec up` re-adopts them
+    #[arg(long)]
+    pub keep_sandboxes: bool,
+}
+
+#[derive(clap::Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub data: crate::DataDirArg,
+    #[command(flatten)]
+    pub api: crate::ApiArgs,
+}
+
+/// `<data-dir>/config.toml`: optional; flags override it.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct ServerConfig {
+    listen: Option<SocketAddr>,
+    edge: Option<EdgeConfig>,
+}
+
+fn pid_file(d: &Path) -> PathBuf {
+    d.join("dsec.pid")
+}
+
+fn read_pid(d: &Path) -> Option<i32> {
+    let pid: i32 = std::fs::read_to_string(pid_file(d)).ok()?.trim().parse().ok()?;
+    // SAFETY: signal 0 only checks that the process exists.
+    (unsafe { libc::kill(pid, 0) } == 0).then_some(pid)
+}
+
+async fn healthy(url: &str) -> bool {
+    let Ok(api) = Api::new(&ClientConfig {
+        api_url: url.to_string(),
+        api_key: String::new(),
+    }) else {
+        return false;
+    };
+    api.call::<serde_json::Value>(Method::GET, "/healthz", None::<&()>).await.is_ok()
+}
+
+pub async fn up(a: UpArgs) -> Result<i32> {
+    if a.foreground {
+        return serve(a).await;
+    }
+    let dir = &a.data.data_dir;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let url = format!("http://{}", a.listen);
+    if read_pid(dir).is_some() && healthy(&url).await {
+        println!("OpenDsec is already running ({url}).");
+        return print_client(dir, false);
+    }
+    let log = dir.join("dsec.log");
+    let logf = std::fs::OpenOptions::new().create(true).append(true).open(&log)?;
+    let exe = std::env::current_exe()?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg("serve").arg("--data-dir").arg(dir).arg("--listen").arg(a.listen.to_string());
+    if let Some(r) = &a.oci_runtime {
+        cmd.arg("--oci-runtime").arg(r);
+    }
+    if let Some(n) = &a.node_name {
+        cmd.arg("--node-name").arg(n);
+    }
+    cmd.stdin(std::process::Stdio::null()).stdout(logf.try_clone()?).stderr(logf);
+    // SAFETY: setsid between fork and exec: the server outlives this shell session.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().context("starting dsec serve")?;
+    let t0 = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait()? {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(15).collect();
+            bail!(
+                "the server exited ({status}) while starting; last lines of {}:\n{}",
+                log.display(),
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
+        }
+        if dir.join("client.toml").exists() && healthy(&url).await {
+            break;
+        }
+        if t0.elapsed() > Duration::from_secs(60) {
+            bail!("the server did not answer on {url} within 60 s; see {}", log.display());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    println!("OpenDsec is up in {:.1} s (pid {}, log {}).", t0.elapsed().as_secs_f64(), child.id(), log.display());
+    print_client(dir, true)
+}
+
+fn print_client(dir: &Path, copy: bool) -> Result<i32> {
+    let path = dir.join("client.toml");
+    let c = ClientConfig::load(&path)?;
+    println!("API URL:  {}", c.api_url);
+    println!("API key:  {}", c.api_key);
+    println!("Client config: {}", path.display());
+    if copy && let Some(def) = client_config::default_path() {
+        if let Some(parent) = def.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        write_private(&def, &c.to_toml())?;
+        println!("               (copied to {})", def.display());
+    }
+    println!("Try: dsec run root/py:3.11 -- python3 -c 'print(6*7)'");
+    Ok(0)
+}
+
+fn write_private(p: &Path, text: &str) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    use std::io::Write;
+    let tmp = p.with_extension("tmp");
+    let mut f = std::fs::OpenOptions::new().create(true).write(true).truncate(true).mode(0o600).open(&tmp)?;
+    f.write_all(text.as_bytes())?;
+    std::fs::rename(&tmp, p)?;
+    Ok(())
+}
+
+pub async fn serve(a: UpArgs) -> Result<i32> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let dir = a.data.data_dir.clone();
+    std::fs::create_dir_all(&dir)?;
+    let dir = dir.canonicalize()?;
+    let cfg_path = dir.join("config.toml");
+    let server_cfg: ServerConfig = match std::fs::read_to_string(&cfg_path) {
+        Ok(t) => toml::from_str(&t).with_context(|| format!("{} is not valid", cfg_path.display()))?,
+        Err(_) => ServerConfig::default(),
+    };
+    let mut edge_cfg = server_cfg.edge.unwrap_or_else(|| EdgeConfig {
+        state_dir: dir.join("edge"),
+        image_store: dir.join("images"),
+        ..EdgeConfig::default()
+    });
+    if let Some(r) = a.oci_runtime {
+        edge_cfg.oci_runtime = r;
+    }
+    if let Some(n) = a.node_name {
+        edge_cfg.name = n;
+    }
+    let listen = if a.listen.to_string() == "127.0.0.1:7600" { server_cfg.listen.unwrap_or(a.listen) } else { a.listen };
+    let keys = Arc::new(FileKeyStore::open(dir.join("iam/keys.json"))?);
+    let client_path = dir.join("client.toml");
+    let url = format!("http://{listen}");
+    let existing = ClientConfig::load(&client_path).ok();
+    let key = match existing {
+        Some(c) if dsec_iam::KeyStore::authenticate(keys.as_ref(), &c.api_key).is_some() => c.api_key,
+        _ => keys.create_key("admin", Role::Admin)?,
+    };
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("cannot listen on {listen} (is another dsec running? use --listen)"))?;
+    let edge = Edge::start(edge_cfg).await.map_err(|e| anyhow::anyhow!("starting the edge: {}", e.message))?;
+    for b in edge.status().backends {
+        tracing::info!(backend = %b.name, available = b.available, "{}", b.detail);
+    }
+    let reaper = edge.spawn_reaper();
+    let app = dsec_apiserver::router(dsec_apiserver::AppState {
+        edge: edge.clone(),
+        keys: keys.clone(),
+    });
+    std::fs::write(pid_file(&dir), std::process::id().to_string())?;
+    write_private(&client_path, &ClientConfig { api_url: url.clone(), api_key: key }.to_toml())?;
+    tracing::info!("API listening on {url}");
+    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(None::<bool>);
+    tokio::spawn(async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        let (Ok(mut term), Ok(mut int), Ok(mut keep)) =
+            (signal(SignalKind::terminate()), signal(SignalKind::interrupt()), signal(SignalKind::user_defined2()))
+        else {
+            return;
+        };
+        let stop_sandboxes = tokio::select! {
+            _ = term.recv() => true,
+            _ = int.recv() => true,
+            _ = keep.recv() => false,
+        };
+        let _ = stop_tx.send(Some(stop_sandboxes));
+    });
+    let mut rx2 = stop_rx.clone();
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            let _ = rx2.wait_for(|v| v.is_some()).await;
+        })
+        .await?;
+    reaper.abort();
+    let stop_sandboxes = stop_rx.borrow_and_update().unwrap_or(true);
+    if stop_sandboxes {
+        tracing::info!("stopping all sandboxes");
+        edge.stop_all().await;
+    } else {
+        tracing::info!("leaving sandboxes running for the next start");
+    }
+    let _ = std::fs::remove_file(pid_file(&dir));
+    Ok(0)
+}
+
+pub async fn down(a: DownArgs) -> Result<i32> {
+    let dir = &a.data.data_dir;
+    let Some(pid) = read_pid(dir) else {
+        println!("OpenDsec is not running (no live pid in {}).", pid_file(dir).display());
+        return Ok(0);
+    };
+    let sig = if a.keep_sandboxes { libc::SIGUSR2 } else { libc::SIGTERM };
+    // SAFETY: signalling the server whose pid file we read.
+    unsafe { libc::kill(pid, sig) };
+    let t0 = Instant::now();
+    while unsafe { libc::kill(pid, 0) } == 0 {
+        if t0.elapsed() > Duration::from_secs(120) {
+            bail!("server pid {pid} did not stop within 120 s");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    println!(
+        "OpenDsec stopped in {:.1} s{}.",
+        t0.elapsed().as_secs_f64(),
+        if a.keep_sandboxes { "; sandboxes left running" } else { "" }
+    );
+    Ok(0)
+}
+
+pub async fn status(a: StatusArgs) -> Result<i32> {
+    let cfg = client::resolve(a.api.api_url.as_deref(), a.api.api_key.as_deref(), Some(&a.data.data_dir))?;
+    let api = Api::new(&cfg)?;
+    let s: ClusterStatus = api.call(Method::GET, "/v1/status", None::<&()>).await?;
+    if a.api.json {
+        output::print_json(&s);
+        return Ok(0);
+    }
+    println!("OpenDsec {} at {}", s.version, cfg.api_url);
+    let rows = s
+        .nodes
+        .iter()
+        .map(|n| {
+            vec![
+                n.name.clone(),
+                if n.healthy { "healthy".into() } else { "unhealthy".into() },
+                n.sandboxes.to_string(),
+                format!("{} cores ({:.1} committed)", n.cpus, n.committed_cpu_cores),
+                format!("{}/{} MiB free ({} committed)", n.memory_available_mb, n.memory_total_mb, n.committed_memory_mb),
+                format!("{} MiB", n.disk_free_mb),
+                n.cgroup_mode.clone(),
+            ]
+        })
+        .collect();
+    println!("{}", output::table(&["node", "health", "sandboxes", "cpu", "memory", "disk free", "cgroups"], rows));
+    let rows = s
+        .nodes
+        .iter()
+        .flat_map(|n| {
+            n.backends.iter().map(move |b| {
+                vec![n.name.clone(), b.name.clone(), if b.available { "yes".into() } else { "no".into() }, b.detail.clone()]
+            })
+        })
+        .collect();
+    println!("{}", output::table(&["node", "backend", "available", "detail"], rows));
+    Ok(0)
+}

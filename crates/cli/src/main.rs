@@ -1,0 +1,109 @@
+//! `dsec`: the OpenDsec CLI and every server role as a subcommand.
+
+mod client;
+mod cmd;
+mod output;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+pub const DEFAULT_DATA_DIR: &str = "/var/lib/dsec";
+
+#[derive(Parser)]
+#[command(name = "dsec", version, about = "OpenDsec: sandboxes for agents and RL rollouts", after_help = "Example:\n  dsec up && dsec run root/py:3.11 -- python3 -c 'print(6*7)'")]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Flags every API client command takes.
+#[derive(clap::Args, Clone)]
+pub struct ApiArgs {
+    /// API URL (default: from client.toml)
+    #[arg(long, env = "DSEC_API_URL", global = true)]
+    pub api_url: Option<String>,
+    /// API key, dsk.… (default: from client.toml)
+    #[arg(long, env = "DSEC_API_KEY", global = true, hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Print JSON instead of tables
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+#[derive(clap::Args, Clone)]
+pub struct DataDirArg {
+    /// Where all state lives
+    #[arg(long, env = "DSEC_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
+    pub data_dir: PathBuf,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Start every role on this machine in the background and print the API URL and key
+    #[command(after_help = "Example:\n  dsec up --data-dir /var/lib/dsec")]
+    Up(cmd::up::UpArgs),
+    /// Run the server in the foreground (what `dsec up` starts)
+    #[command(hide = true)]
+    Serve(cmd::up::UpArgs),
+    /// Stop the server started by `dsec up` (and, unless --keep-sandboxes, its sandboxes)
+    #[command(after_help = "Example:\n  dsec down --data-dir /var/lib/dsec")]
+    Down(cmd::up::DownArgs),
+    /// Show nodes, backends, capacity and sandboxes
+    #[command(after_help = "Example:\n  dsec status --json")]
+    Status(cmd::up::StatusArgs),
+    /// Create a sandbox from an image; with a command, run it and print its output
+    #[command(after_help = "Example:\n  dsec run root/py:3.11 --memory 1024 -- python3 -c 'print(6*7)'\n  dsec run --rm root/base -- uname -a")]
+    Run(cmd::sandbox::RunArgs),
+    /// Run a command in a sandbox
+    #[command(after_help = "Example:\n  dsec exec local-0123456789ab -- ls -l /")]
+    Exec(cmd::sandbox::ExecArgs),
+    /// List sandboxes
+    #[command(after_help = "Example:\n  dsec ls --label task=demo")]
+    Ls(cmd::sandbox::LsArgs),
+    /// Stop and remove sandboxes
+    #[command(after_help = "Example:\n  dsec rm local-0123456789ab")]
+    Rm(cmd::sandbox::RmArgs),
+    /// Fork a running sandbox into copies (containers: filesystem only, not memory)
+    #[command(after_help = "Example:\n  dsec fork local-0123456789ab --count 4")]
+    Fork(cmd::sandbox::ForkArgs),
+    /// Extend a sandbox's lifetime
+    #[command(name = "set-timeout", after_help = "Example:\n  dsec set-timeout local-0123456789ab 3600")]
+    SetTimeout(cmd::sandbox::TimeoutArgs),
+    /// Build, list, inspect and remove images
+    #[command(subcommand)]
+    Image(cmd::image::ImageCommand),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let result = rt.block_on(async move {
+        match cli.command {
+            Command::Up(a) => cmd::up::up(a).await,
+            Command::Serve(a) => cmd::up::serve(a).await,
+            Command::Down(a) => cmd::up::down(a).await,
+            Command::Status(a) => cmd::up::status(a).await,
+            Command::Run(a) => cmd::sandbox::run(a).await,
+            Command::Exec(a) => cmd::sandbox::exec(a).await,
+            Command::Ls(a) => cmd::sandbox::ls(a).await,
+            Command::Rm(a) => cmd::sandbox::rm(a).await,
+            Command::Fork(a) => cmd::sandbox::fork(a).await,
+            Command::SetTimeout(a) => cmd::sandbox::set_timeout(a).await,
+            Command::Image(c) => cmd::image::run(c).await,
+        }
+    });
+    match result {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(1);
+        }
+    }
+}

@@ -1,0 +1,187 @@
+//! Public API models (REST/JSON). `proto/dsec/v1/sandbox.proto` describes the same
+//! messages; field names match.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// `POST /v1/sandboxes`. Numbers are JSON numbers; the edge checks each is a whole
+/// number in range and names the field when it is not.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSandboxRequest {
+    /// `container` (always), `vm` or `microvm` where the node can run them.
+    #[serde(default = "default_backend")]
+    pub backend: String,
+    /// An image reference from the image store, e.g. `root/py:3.11`.
+    pub image: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_cores_limit: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_limit_mb: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_limit_mb: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pids_limit: Option<f64>,
+    /// Total lifetime from now; extended by `set_timeout`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_seconds: Option<f64>,
+    /// Stop after this long without an API call for the sandbox.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout_seconds: Option<f64>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    /// Environment given to every command run in the sandbox.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+}
+
+pub fn default_backend() -> String {
+    "container".to_string()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SandboxState {
+    Creating,
+    Running,
+    Paused,
+    Stopping,
+    Stopped,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Limits {
+    pub cpu_cores: f64,
+    pub memory_mb: u64,
+    pub disk_mb: u64,
+    pub pids: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxInfo {
+    pub id: String,
+    pub edge: String,
+    pub backend: String,
+    pub image: String,
+    pub state: SandboxState,
+    pub limits: Limits,
+    /// Unix milliseconds.
+    pub created_at_ms: u64,
+    /// Unix milliseconds at which the TTL stops the sandbox.
+    pub expires_at_ms: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout_seconds: Option<u64>,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// Processes the kernel killed for exceeding `memory_limit_mb`.
+    #[serde(default)]
+    pub oom_kills: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forked_from: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ListSandboxesResponse {
+    pub sandboxes: Vec<SandboxInfo>,
+}
+
+/// `POST /v1/sandboxes/{id}/exec`. Exactly one of `cmd` (run by `/bin/sh -c`) and `argv`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExecRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cmd: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub argv: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_seconds: Option<f64>,
+    /// Bytes written to the command's stdin, which is then closed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdin: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ExecResult {
+    pub stdout: String,
+    pub stderr: String,
+    /// The exit status, or 128 + signal number when a signal ended the command.
+    pub exit_code: i32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<i32>,
+    #[serde(default)]
+    pub timed_out: bool,
+    /// The kernel's OOM killer ended a process of this command's sandbox while it ran.
+    #[serde(default)]
+    pub oom_killed: bool,
+    #[serde(default)]
+    pub stdout_truncated: bool,
+    #[serde(default)]
+    pub stderr_truncated: bool,
+    pub duration_ms: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForkRequest {
+    #[serde(default = "one")]
+    pub count: f64,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ForkResponse {
+    pub sandboxes: Vec<SandboxInfo>,
+    /// Whether the copies carry the source's process memory (VM backends) or only its
+    /// filesystem (containers).
+    pub memory_preserved: bool,
+    pub note: String,
+    /// How long the source was frozen while its writable layer was copied.
+    pub source_paused_ms: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SetTimeoutRequest {
+    pub ttl_seconds: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BackendStatus {
+    pub name: String,
+    pub available: bool,
+    /// What the backend runs on (e.g. `crun 1.8.1`), or why it is unavailable.
+    pub detail: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeStatus {
+    pub name: String,
+    pub healthy: bool,
+    pub backends: Vec<BackendStatus>,
+    /// `v1`, `v2` or `hybrid`.
+    pub cgroup_mode: String,
+    pub cpus: u32,
+    pub memory_total_mb: u64,
+    pub memory_available_mb: u64,
+    pub disk_free_mb: u64,
+    pub sandboxes: u64,
+    /// Resources promised to running sandboxes.
+    pub committed_cpu_cores: f64,
+    pub committed_memory_mb: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ClusterStatus {
+    pub version: String,
+    pub nodes: Vec<NodeStatus>,
+}

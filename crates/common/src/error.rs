@@ -1,0 +1,109 @@
+//! The one error shape every API returns: an HTTP status, a machine-readable code and a
+//! sentence that says what to fix.
+
+use serde::{Deserialize, Serialize};
+
+/// Machine-readable error codes. The HTTP status follows from the code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    InvalidArgument,
+    Unauthenticated,
+    PermissionDenied,
+    NotFound,
+    AlreadyExists,
+    FailedPrecondition,
+    ResourceExhausted,
+    Unimplemented,
+    Unavailable,
+    DeadlineExceeded,
+    Internal,
+}
+
+impl ErrorCode {
+    pub fn http_status(self) -> u16 {
+        match self {
+            ErrorCode::InvalidArgument => 400,
+            ErrorCode::Unauthenticated => 401,
+            ErrorCode::PermissionDenied => 403,
+            ErrorCode::NotFound => 404,
+            ErrorCode::AlreadyExists => 409,
+            ErrorCode::FailedPrecondition => 409,
+            ErrorCode::ResourceExhausted => 429,
+            ErrorCode::Unimplemented => 501,
+            ErrorCode::Unavailable => 503,
+            ErrorCode::DeadlineExceeded => 504,
+            ErrorCode::Internal => 500,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::InvalidArgument => "invalid_argument",
+            ErrorCode::Unauthenticated => "unauthenticated",
+            ErrorCode::PermissionDenied => "permission_denied",
+            ErrorCode::NotFound => "not_found",
+            ErrorCode::AlreadyExists => "already_exists",
+            ErrorCode::FailedPrecondition => "failed_precondition",
+            ErrorCode::ResourceExhausted => "resource_exhausted",
+            ErrorCode::Unimplemented => "unimplemented",
+            ErrorCode::Unavailable => "unavailable",
+            ErrorCode::DeadlineExceeded => "deadline_exceeded",
+            ErrorCode::Internal => "internal",
+        }
+    }
+}
+
+/// The JSON body of every error response: `{"code": "...", "message": "..."}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{code:?}: {message}")]
+pub struct ApiError {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        ApiError {
+            code,
+            message: message.into(),
+        }
+    }
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::InvalidArgument, message)
+    }
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::NotFound, message)
+    }
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::Internal, message)
+    }
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::Unavailable, message)
+    }
+    pub fn precondition(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::FailedPrecondition, message)
+    }
+    pub fn unimplemented(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::Unimplemented, message)
+    }
+    pub fn exhausted(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::ResourceExhausted, message)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_serialises_as_code_and_message() {
+        let e = ApiError::not_found("sandbox e0-abc does not exist");
+        let v = serde_json::to_value(&e).unwrap();
+        assert_eq!(v["code"], "not_found");
+        assert_eq!(v["message"], "sandbox e0-abc does not exist");
+        assert_eq!(e.code.http_status(), 404);
+        let back: ApiError = serde_json::from_value(v).unwrap();
+        assert_eq!(back, e);
+    }
+}

@@ -1,0 +1,10 @@
+//! Types every OpenDsec component shares: the public API models, the error model,
+//! sandbox ids (which name their edge) and the client configuration file.
+
+pub mod api;
+pub mod channel;
+pub mod client_config;
+pub mod error;
+pub mod id;
+
+pub use error::{ApiError, ErrorCode};

@@ -1,0 +1,289 @@
+//! The `container` backend: an OCI runtime binary runs each sandbox from a bundle the edge
+//! writes, over an overlay of the image's read-only layers and a size-limited upper.
+//! Fork copies the writable layer; process memory is not carried over.
+
+mod oci;
+mod rootfs;
+mod runtime;
+
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use dsec_common::ApiError;
+use dsec_common::api::BackendStatus;
+use dsec_image::ImageStore;
+
+pub use oci::{CAPABILITIES, DENIED_SYSCALLS};
+pub use runtime::OciRuntime;
+
+use super::{Backend, SandboxPaths};
+use crate::cgroup::{self, CgroupMode};
+use crate::registry::SandboxRecord;
+
+pub struct ContainerBackend {
+    runtime: Result<OciRuntime, String>,
+    aether: Result<PathBuf, String>,
+    images: ImageStore,
+    mode: CgroupMode,
+}
+
+fn cid(rec: &SandboxRecord) -> String {
+    format!("dsec-{}", rec.id)
+}
+
+/// Whether an ELF file has no program interpreter, i.e. runs without a dynamic loader.
+pub fn is_static_elf(p: &Path) -> bool {
+    let Ok(bytes) = std::fs::read(p) else { return false };
+    if bytes.len() < 64 || &bytes[..4] != b"\x7fELF" || bytes[4] != 2 {
+        return false;
+    }
+    let u16_at = |o: usize| u16::from_le_bytes([bytes[o], bytes[o + 1]]) as usize;
+    let u64_at = |o: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&bytes[o..o + 8]);
+        u64::from_le_bytes(b) as usize
+    };
+    let (phoff, phentsize, phnum) = (u64_at(32), u16_at(54), u16_at(56));
+    (0..phnum).all(|i| {
+        let o = phoff + i * phentsize;
+        o + 4 <= bytes.len() && u32::from_le_bytes([bytes[o], bytes[o + 1], bytes[o + 2], bytes[o + 3]]) != 3
+    })
+}
+
+/// Finds the static `dsec-aether`: the configured path, `$DSEC_AETHER`, next to the running
+/// binary, or the static build output of this workspace.
+pub fn find_aether(configured: Option<&Path>) -> Result<PathBuf, String> {
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Some(p) = configured {
+        candidates.push(p.to_path_buf());
+    } else {
+        if let Some(p) = std::env::var_os("DSEC_AETHER") {
+            candidates.push(p.into());
+        }
+        if let Ok(exe) = std::env::current_exe()
+            && let Some(dir) = exe.parent()
+        {
+            candidates.push(dir.join("dsec-aether"));
+            candidates.push(dir.join("../x86_64-unknown-linux-gnu/release/dsec-aether"));
+            candidates.push(dir.join("../../x86_64-unknown-linux-gnu/release/dsec-aether"));
+        }
+        candidates.push("/usr/local/lib/dsec/dsec-aether".into());
+    }
+    for c in &candidates {
+        if c.is_file() && is_static_elf(c) {
+            return c.canonicalize().map_err(|e| e.to_string());
+        }
+    }
+    Err(format!(
+        "no statically linked dsec-aether found (looked at {}); build it with `make aether` or set aether_binary",
+        candidates.iter().map(|c| c.display().to_string()).collect::<Vec<_>>().join(", ")
+    ))
+}
+
+/// 65536, or the edge's hard RLIMIT_NOFILE if that is lower (a runtime cannot raise it).
+fn nofile_limit() -> u64 {
+    // SAFETY: getrlimit fills the struct.
+    let mut r: libc::rlimit = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0 {
+        return 1024;
+    }
+    (r.rlim_max as u64).min(65536)
+}
+
+impl ContainerBackend {
+    pub fn new(
+        runtime_choice: &str,
+        runtime_state: &Path,
+        aether: Option<&Path>,
+        images: ImageStore,
+        mode: CgroupMode,
+    ) -> ContainerBackend {
+        ContainerBackend {
+            runtime: OciRuntime::resolve(runtime_choice, runtime_state, mode),
+            aether: find_aether(aether),
+            images,
+            mode,
+        }
+    }
+
+    fn rt(&self) -> Result<&OciRuntime, ApiError> {
+        self.runtime
+            .as_ref()
+            .map_err(|e| ApiError::unavailable(format!("container backend unavailable: {e}")))
+    }
+
+    fn create_inner(&self, rec: &SandboxRecord, paths: &SandboxPaths, seed: Option<&Path>) -> Result<(), String> {
+        let rt = self.runtime.as_ref().map_err(Clone::clone)?;
+        let aether = self.aether.as_ref().map_err(Clone::clone)?;
+        let dir = &paths.dir;
+        let disk = dir.join("disk");
+        let rootfs = dir.join("rootfs");
+        rootfs::mount_disk(&disk, rec.limits.disk_mb)?;
+        if let Some(seed) = seed {
+            let out = Command::new("cp")
+                .arg("-a")
+                .arg(format!("{}/.", seed.display()))
+                .arg(disk.join("upper"))
+                .output()
+                .map_err(|e| format!("copying the fork source's files: {e}"))?;
+            if !out.status.success() {
+                return Err(format!(
+                    "copying the fork source's files failed (disk_limit_mb too small?): {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ));
+            }
+        }
+        let lowers: Vec<PathBuf> = rec.layers.iter().rev().map(|l| self.images.layer_path(l)).collect();
+        rootfs::mount_overlay(&lowers, &disk, &rootfs)?;
+        let hosts = dir.join("hosts");
+        std::fs::write(&hosts, "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost\n127.0.1.1\tsandbox\n")
+            .map_err(|e| format!("writing hosts: {e}"))?;
+        let cgroup_path = cgroup::sandbox_cgroup_path(&rec.id);
+        let limit_swap = match self.mode {
+            CgroupMode::V2 => true,
+            _ => Path::new("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes").exists(),
+        };
+        let config = oci::config(
+            rec,
+            &oci::BundleInput {
+                rootfs: &rootfs,
+                aether,
+                hosts: &hosts,
+                cgroup_path: &cgroup_path,
+                limit_swap,
+                nofile: nofile_limit(),
+            },
+        );
+        std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(&config).unwrap_or_default())
+            .map_err(|e| format!("writing config.json: {e}"))?;
+        let _ = std::fs::remove_file(&paths.channel);
+        let listener = UnixListener::bind(&paths.channel)
+            .map_err(|e| format!("creating channel socket {}: {e}", paths.channel.display()))?;
+        rt.run_detached(&cid(rec), dir, listener.as_raw_fd(), &dir.join("console.log"))?;
+        Ok(())
+    }
+}
+
+impl Backend for ContainerBackend {
+    fn name(&self) -> &'static str {
+        "container"
+    }
+
+    fn status(&self) -> BackendStatus {
+        let (available, detail) = match (&self.runtime, &self.aether) {
+            (Ok(rt), Ok(_)) => (true, format!("{}, cgroup {}", rt.describe(), self.mode.as_str())),
+            (Err(e), _) | (_, Err(e)) => (false, e.clone()),
+        };
+        BackendStatus {
+            name: "container".into(),
+            available,
+            detail,
+        }
+    }
+
+    fn fork_preserves_memory(&self) -> bool {
+        false
+    }
+
+    fn create(&self, rec: &SandboxRecord, paths: &SandboxPaths, seed: Option<&Path>) -> Result<(), ApiError> {
+        self.rt()?;
+        match self.create_inner(rec, paths, seed) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                if let Err(cleanup) = self.destroy(rec, paths) {
+                    tracing::error!(sandbox = %rec.id, "cleanup after failed create: {}", cleanup.message);
+                }
+                Err(ApiError::internal(format!("creating container sandbox: {e}")))
+            }
+        }
+    }
+
+    fn is_alive(&self, rec: &SandboxRecord) -> bool {
+        let Ok(rt) = self.rt() else { return false };
+        matches!(rt.state(&cid(rec)).as_deref(), Some("running" | "paused" | "created"))
+    }
+
+    fn pause(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
+        self.rt()?
+            .pause(&cid(rec))
+            .map_err(|e| ApiError::internal(format!("pausing: {e}")))
+    }
+
+    fn resume(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
+        self.rt()?
+            .resume(&cid(rec))
+            .map_err(|e| ApiError::internal(format!("resuming: {e}")))
+    }
+
+    fn snapshot_fs(&self, _rec: &SandboxRecord, paths: &SandboxPaths, dest: &Path) -> Result<(), ApiError> {
+        std::fs::create_dir_all(dest)
+            .map_err(|e| ApiError::internal(format!("creating {}: {e}", dest.display())))?;
+        let out = Command::new("cp")
+            .arg("-a")
+            .arg("--reflink=auto")
+            .arg(format!("{}/.", paths.dir.join("disk/upper").display()))
+            .arg(dest)
+            .output()
+            .map_err(|e| ApiError::internal(format!("copying the writable layer: {e}")))?;
+        if !out.status.success() {
+            return Err(ApiError::internal(format!(
+                "copying the writable layer failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        Ok(())
+    }
+
+    fn destroy(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError> {
+        let id = cid(rec);
+        if let Ok(rt) = self.rt() {
+            if rt.state(&id).is_some() {
+                // A frozen container cannot die; thaw it first.
+                if rt.state(&id).as_deref() == Some("paused") {
+                    let _ = rt.resume(&id);
+                }
+                let _ = rt.kill_all(&id);
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while matches!(rt.state(&id).as_deref(), Some("running" | "paused")) && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                if let Err(e) = rt.delete_force(&id) {
+                    tracing::warn!(sandbox = %rec.id, "{e}");
+                }
+            }
+        }
+        let dir = &paths.dir;
+        let mut problems = Vec::new();
+        for m in [dir.join("rootfs"), dir.join("disk")] {
+            if let Err(e) = rootfs::unmount(&m) {
+                problems.push(e);
+            }
+        }
+        cgroup::remove(self.mode, &cgroup::sandbox_cgroup_path(&rec.id));
+        if problems.is_empty() {
+            let _ = Command::new("rm").arg("-rf").arg("--one-file-system").arg(dir).status();
+            Ok(())
+        } else {
+            Err(ApiError::internal(format!("cleaning up {}: {}", rec.id, problems.join("; "))))
+        }
+    }
+
+    fn oom_kills(&self, rec: &SandboxRecord) -> u64 {
+        cgroup::oom_kills(self.mode, &cgroup::sandbox_cgroup_path(&rec.id))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recognises_static_binaries() {
+        // /bin/sh on any distro is dynamically linked.
+        assert!(!is_static_elf(Path::new("/bin/sh")));
+        assert!(!is_static_elf(Path::new("/etc/hostname")));
+    }
+}

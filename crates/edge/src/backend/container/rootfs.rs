@@ -1,0 +1,94 @@
+//! The sandbox root filesystem: a size-limited tmpfs holding the overlay's upper and work
+//! directories, and the overlay (read-only image layers + that upper) mounted at `rootfs/`.
+
+use std::ffi::CString;
+use std::path::Path;
+
+fn cstr(p: &Path) -> Result<CString, String> {
+    CString::new(p.as_os_str().as_encoded_bytes()).map_err(|_| format!("path {} has a NUL byte", p.display()))
+}
+
+fn mount(src: &str, target: &Path, fstype: &str, data: &str) -> Result<(), String> {
+    let src_c = CString::new(src).map_err(|e| e.to_string())?;
+    let fs_c = CString::new(fstype).map_err(|e| e.to_string())?;
+    let data_c = CString::new(data).map_err(|e| e.to_string())?;
+    let t = cstr(target)?;
+    // SAFETY: all pointers are NUL-terminated strings that outlive the call.
+    let rc = unsafe {
+        libc::mount(
+            src_c.as_ptr(),
+            t.as_ptr(),
+            fs_c.as_ptr(),
+            libc::MS_NODEV | libc::MS_NOSUID,
+            data_c.as_ptr().cast(),
+        )
+    };
+    if rc != 0 {
+        return Err(format!(
+            "mounting {fstype} on {}: {}",
+            target.display(),
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(())
+}
+
+/// tmpfs of `size_mb` at `disk`, with `upper/` and `work/` inside.
+pub fn mount_disk(disk: &Path, size_mb: u64) -> Result<(), String> {
+    std::fs::create_dir_all(disk).map_err(|e| format!("creating {}: {e}", disk.display()))?;
+    mount("dsec-disk", disk, "tmpfs", &format!("size={size_mb}m,mode=0755"))?;
+    for sub in ["upper", "work"] {
+        std::fs::create_dir_all(disk.join(sub)).map_err(|e| format!("creating {sub}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Overlay of `lowers` (top first) under `disk/upper` at `target`.
+pub fn mount_overlay(lowers: &[std::path::PathBuf], disk: &Path, target: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(target).map_err(|e| format!("creating {}: {e}", target.display()))?;
+    let mut parts = Vec::new();
+    for l in lowers {
+        let s = l.display().to_string();
+        if s.contains([',', ':']) {
+            return Err(format!("layer path {s} contains ',' or ':', which overlayfs cannot take"));
+        }
+        parts.push(s);
+    }
+    let data = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        parts.join(":"),
+        disk.join("upper").display(),
+        disk.join("work").display()
+    );
+    if data.len() >= 4000 {
+        return Err(format!(
+            "image has too many layers ({}) for one overlay mount; flatten it with a commit",
+            lowers.len()
+        ));
+    }
+    mount("overlay", target, "overlay", &data)
+}
+
+pub fn is_mounted(p: &Path) -> bool {
+    let target = p.display().to_string();
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l.split_whitespace().nth(4) == Some(target.as_str()))
+}
+
+/// Unmounts `p` if mounted; lazily if it is busy.
+pub fn unmount(p: &Path) -> Result<(), String> {
+    if !is_mounted(p) {
+        return Ok(());
+    }
+    let c = cstr(p)?;
+    // SAFETY: NUL-terminated path.
+    if unsafe { libc::umount2(c.as_ptr(), 0) } == 0 {
+        return Ok(());
+    }
+    if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0 {
+        return Ok(());
+    }
+    Err(format!("unmounting {}: {}", p.display(), std::io::Error::last_os_error()))
+}

@@ -1,0 +1,207 @@
+//! Driving an OCI runtime binary (crun, runc, or any compatible one). On hybrid cgroup
+//! hosts crun refuses to run while `/sys/fs/cgroup/unified` has controllers, so every crun
+//! call there runs in a private mount namespace with that mount detached: crun then sees
+//! a plain v1 host. Nothing outside the call is affected.
+
+use std::ffi::CString;
+use std::os::fd::RawFd;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use crate::cgroup::CgroupMode;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Crun,
+    Runc,
+    Other,
+}
+
+#[derive(Debug, Clone)]
+pub struct OciRuntime {
+    pub path: PathBuf,
+    pub kind: Kind,
+    pub version: String,
+    /// The runtime's `--root` (its container state), private to this edge.
+    root: PathBuf,
+    hide_unified: bool,
+}
+
+fn which(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".into());
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin".into(), "/sbin".into()])
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+impl OciRuntime {
+    /// `choice`: `auto`, `crun`, `runc` or a path.
+    pub fn resolve(choice: &str, state_root: &Path, mode: CgroupMode) -> Result<OciRuntime, String> {
+        let path = match choice {
+            "auto" => which("crun").or_else(|| which("runc")).ok_or_else(|| {
+                "no OCI runtime found: install crun or runc (apt-get install crun runc), or set oci_runtime in the edge config".to_string()
+            })?,
+            "crun" | "runc" | "youki" | "runsc" => which(choice)
+                .ok_or_else(|| format!("OCI runtime {choice} is not installed or not on PATH"))?,
+            p => {
+                let p = PathBuf::from(p);
+                if !p.is_file() {
+                    return Err(format!("OCI runtime {} does not exist", p.display()));
+                }
+                p
+            }
+        };
+        let out = Command::new(&path)
+            .arg("--version")
+            .output()
+            .map_err(|e| format!("cannot run {} --version: {e}", path.display()))?;
+        let first = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .next()
+            .unwrap_or("")
+            .to_string();
+        let kind = if first.starts_with("crun") {
+            Kind::Crun
+        } else if first.starts_with("runc") {
+            Kind::Runc
+        } else {
+            Kind::Other
+        };
+        let version = first.replace(" version", "");
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let root = state_root.join(name);
+        std::fs::create_dir_all(&root).map_err(|e| format!("creating {}: {e}", root.display()))?;
+        Ok(OciRuntime {
+            path,
+            kind,
+            version,
+            root,
+            hide_unified: kind == Kind::Crun && mode == CgroupMode::Hybrid,
+        })
+    }
+
+    pub fn describe(&self) -> String {
+        if self.hide_unified {
+            format!("{} (hybrid cgroups: v1 controllers)", self.version)
+        } else {
+            self.version.clone()
+        }
+    }
+
+    /// A command for one runtime call, detached from our session so signals to the
+    /// edge's process group never reach sandboxes; `pass_fd` becomes fd 3.
+    fn command(&self, pass_fd: Option<RawFd>) -> Command {
+        let mut c = Command::new(&self.path);
+        c.arg("--root").arg(&self.root);
+        let hide = self.hide_unified;
+        let root = CString::new("/").unwrap_or_default();
+        let unified = CString::new("/sys/fs/cgroup/unified").unwrap_or_default();
+        // SAFETY: only async-signal-safe syscalls run between fork and exec.
+        unsafe {
+            c.pre_exec(move || {
+                libc::setsid();
+                if let Some(fd) = pass_fd {
+                    if fd == 3 {
+                        let flags = libc::fcntl(3, libc::F_GETFD);
+                        libc::fcntl(3, libc::F_SETFD, flags & !libc::FD_CLOEXEC);
+                    } else if libc::dup2(fd, 3) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                if hide {
+                    if libc::unshare(libc::CLONE_NEWNS) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    if libc::mount(
+                        std::ptr::null(),
+                        root.as_ptr(),
+                        std::ptr::null(),
+                        libc::MS_REC | libc::MS_PRIVATE,
+                        std::ptr::null(),
+                    ) != 0
+                    {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    libc::umount2(unified.as_ptr(), libc::MNT_DETACH);
+                }
+                Ok(())
+            });
+        }
+        c
+    }
+
+    fn run_quiet(&self, args: &[&str]) -> Result<String, String> {
+        let out = self
+            .command(None)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("cannot run {}: {e}", self.path.display()))?;
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        } else {
+            Err(format!(
+                "{} {} failed: {}",
+                self.version,
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ))
+        }
+    }
+
+    /// `run --detach`: the container's stdio goes to `log`; `listen_fd` is handed to its
+    /// first process as fd 3.
+    pub fn run_detached(&self, cid: &str, bundle: &Path, listen_fd: RawFd, log: &Path) -> Result<(), String> {
+        let logf = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .map_err(|e| format!("opening {}: {e}", log.display()))?;
+        let logf2 = logf.try_clone().map_err(|e| e.to_string())?;
+        let status = self
+            .command(Some(listen_fd))
+            .args(["run", "--detach", "--preserve-fds", "1", "--bundle"])
+            .arg(bundle)
+            .arg(cid)
+            .stdin(Stdio::null())
+            .stdout(logf)
+            .stderr(logf2)
+            .status()
+            .map_err(|e| format!("cannot run {}: {e}", self.path.display()))?;
+        if status.success() {
+            return Ok(());
+        }
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        let tail: Vec<&str> = text.lines().rev().take(5).collect();
+        Err(format!(
+            "{} run failed ({status}): {}",
+            self.version,
+            tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+        ))
+    }
+
+    /// The runtime's status string (`running`, `paused`, `stopped`, …), None if unknown.
+    pub fn state(&self, cid: &str) -> Option<String> {
+        let out = self.run_quiet(&["state", cid]).ok()?;
+        let v: serde_json::Value = serde_json::from_str(&out).ok()?;
+        v.get("status").and_then(|s| s.as_str()).map(str::to_string)
+    }
+
+    pub fn kill_all(&self, cid: &str) -> Result<(), String> {
+        self.run_quiet(&["kill", "--all", cid, "KILL"]).map(|_| ())
+    }
+
+    pub fn delete_force(&self, cid: &str) -> Result<(), String> {
+        self.run_quiet(&["delete", "--force", cid]).map(|_| ())
+    }
+
+    pub fn pause(&self, cid: &str) -> Result<(), String> {
+        self.run_quiet(&["pause", cid]).map(|_| ())
+    }
+
+    pub fn resume(&self, cid: &str) -> Result<(), String> {
+        self.run_quiet(&["resume", cid]).map(|_| ())
+    }
+}

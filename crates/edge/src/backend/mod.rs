@@ -1,0 +1,40 @@
+//! The backend interface every engine implements (containers now; QEMU and Firecracker
+//! VMs next). Methods block (they drive external runtimes); the edge calls them off the
+//! async workers.
+
+pub mod container;
+
+use std::path::{Path, PathBuf};
+
+use dsec_common::ApiError;
+use dsec_common::api::BackendStatus;
+
+use crate::registry::SandboxRecord;
+
+/// Paths the edge gives a backend for one sandbox.
+pub struct SandboxPaths {
+    /// The sandbox's private directory.
+    pub dir: PathBuf,
+    /// Where the channel socket to aether lives (on the host).
+    pub channel: PathBuf,
+}
+
+pub trait Backend: Send + Sync {
+    fn name(&self) -> &'static str;
+    fn status(&self) -> BackendStatus;
+    /// Whether fork carries process memory.
+    fn fork_preserves_memory(&self) -> bool;
+    /// Starts the sandbox; `seed` is a filesystem snapshot (from [`Backend::snapshot_fs`])
+    /// to start from. Must leave nothing behind on error.
+    fn create(&self, rec: &SandboxRecord, paths: &SandboxPaths, seed: Option<&Path>) -> Result<(), ApiError>;
+    fn is_alive(&self, rec: &SandboxRecord) -> bool;
+    fn pause(&self, rec: &SandboxRecord) -> Result<(), ApiError>;
+    fn resume(&self, rec: &SandboxRecord) -> Result<(), ApiError>;
+    /// Copies the sandbox's writable filesystem into `dest` (the caller pauses around it).
+    fn snapshot_fs(&self, rec: &SandboxRecord, paths: &SandboxPaths, dest: &Path) -> Result<(), ApiError>;
+    /// Kills every process and removes every mount, cgroup and file of the sandbox.
+    /// Idempotent: also cleans up after a half-finished create.
+    fn destroy(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError>;
+    /// OOM kills counted for the sandbox so far.
+    fn oom_kills(&self, rec: &SandboxRecord) -> u64;
+}

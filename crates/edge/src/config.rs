@@ -1,0 +1,95 @@
+//! Edge configuration: where state lives, which OCI runtime to drive, default and maximum
+//! sandbox limits.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EdgeConfig {
+    /// Node name; part of every sandbox id (`[a-z][a-z0-9]*`).
+    pub name: String,
+    /// Sandbox state, bundles and channel sockets.
+    pub state_dir: PathBuf,
+    /// The image store directory (shared filesystem in a cluster).
+    pub image_store: PathBuf,
+    /// `auto` (crun if installed, else runc), `crun`, `runc`, or a path to any OCI runtime.
+    pub oci_runtime: String,
+    /// The statically linked `dsec-aether` binary; empty means look next to `dsec`.
+    pub aether_binary: Option<PathBuf>,
+    pub defaults: SandboxDefaults,
+    pub max: SandboxMaxima,
+    /// Refuse creates once this many sandboxes run on the node.
+    pub max_sandboxes: u64,
+    /// Refuse creates when the host has less memory available than this.
+    pub reserved_memory_mb: u64,
+    /// Per-stream cap on captured command output.
+    pub max_output_bytes: u64,
+    /// Exec timeout when the request gives none.
+    pub default_exec_timeout_seconds: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SandboxDefaults {
+    pub cpu_cores: f64,
+    pub memory_mb: u64,
+    pub disk_mb: u64,
+    pub pids: u64,
+    pub ttl_seconds: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SandboxMaxima {
+    /// 0 means the node's core count.
+    pub cpu_cores: f64,
+    /// 0 means the node's memory.
+    pub memory_mb: u64,
+    pub disk_mb: u64,
+    pub pids: u64,
+    pub ttl_seconds: u64,
+}
+
+impl Default for EdgeConfig {
+    fn default() -> Self {
+        EdgeConfig {
+            name: "local".into(),
+            state_dir: PathBuf::from("/var/lib/dsec/edge"),
+            image_store: PathBuf::from("/var/lib/dsec/images"),
+            oci_runtime: "auto".into(),
+            aether_binary: None,
+            defaults: SandboxDefaults::default(),
+            max: SandboxMaxima::default(),
+            max_sandboxes: 4096,
+            reserved_memory_mb: 256,
+            max_output_bytes: 16 << 20,
+            default_exec_timeout_seconds: 600.0,
+        }
+    }
+}
+
+impl Default for SandboxDefaults {
+    fn default() -> Self {
+        SandboxDefaults {
+            cpu_cores: 1.0,
+            memory_mb: 512,
+            disk_mb: 1024,
+            pids: 1024,
+            ttl_seconds: 3600,
+        }
+    }
+}
+
+impl Default for SandboxMaxima {
+    fn default() -> Self {
+        SandboxMaxima {
+            cpu_cores: 0.0,
+            memory_mb: 0,
+            disk_mb: 65536,
+            pids: 65536,
+            ttl_seconds: 7 * 24 * 3600,
+        }
+    }
+}

@@ -1,0 +1,557 @@
+//! The edge: one per compute node. It owns the node's sandboxes (create, exec, fork, stop,
+//! TTL), drives the backends, keeps its registry on disk and re-adopts live sandboxes
+//! after a restart. It has the final say on admission.
+
+pub mod backend;
+pub mod cgroup;
+pub mod channel;
+pub mod config;
+pub mod host;
+pub mod registry;
+mod validate;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dsec_common::api::{
+    CreateSandboxRequest, ExecRequest, ExecResult, ForkRequest, ForkResponse, NodeStatus,
+    SandboxInfo, SandboxState,
+};
+use dsec_common::channel::{Request, Response};
+use dsec_common::id::SandboxId;
+use dsec_common::{ApiError, ErrorCode};
+use dsec_image::{ImageRef, ImageStore};
+
+use backend::container::ContainerBackend;
+use backend::{Backend, SandboxPaths};
+pub use config::EdgeConfig;
+use registry::{Registry, SandboxRecord, now_ms};
+
+/// Longest path a unix socket can have, less room for the file name.
+const MAX_STATE_DIR_LEN: usize = 70;
+const AGENT_START_TIMEOUT: Duration = Duration::from_secs(20);
+
+struct Entry {
+    rec: Mutex<SandboxRecord>,
+    /// Exec takes it shared; stop and fork take it exclusively.
+    op: tokio::sync::RwLock<()>,
+}
+
+impl Entry {
+    fn snapshot(&self) -> SandboxRecord {
+        self.rec.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+    fn update<R>(&self, f: impl FnOnce(&mut SandboxRecord) -> R) -> R {
+        f(&mut self.rec.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+pub struct Edge {
+    cfg: EdgeConfig,
+    images: ImageStore,
+    registry: Registry,
+    backends: BTreeMap<&'static str, Arc<dyn Backend>>,
+    sandboxes: Mutex<HashMap<String, Arc<Entry>>>,
+    mode: cgroup::CgroupMode,
+    creating: AtomicU64,
+    fork_tmp: PathBuf,
+}
+
+fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> impl Future<Output = Result<T, ApiError>> {
+    async move {
+        tokio::task::spawn_blocking(f)
+            .await
+            .map_err(|e| ApiError::internal(format!("worker failed: {e}")))
+    }
+}
+
+impl Edge {
+    /// Opens the edge's state, probes backends and re-adopts sandboxes left running by a
+    /// previous edge process (cleaning up any that died or were half-created).
+    pub async fn start(cfg: EdgeConfig) -> Result<Arc<Edge>, ApiError> {
+        if !dsec_common::id::valid_edge_name(&cfg.name) {
+            return Err(ApiError::invalid(format!(
+                "edge name {:?} is not valid: use 1-32 lower-case letters and digits, starting with a letter",
+                cfg.name
+            )));
+        }
+        let state = cfg.state_dir.display().to_string();
+        if state.len() > MAX_STATE_DIR_LEN || state.contains([',', ':']) {
+            return Err(ApiError::invalid(format!(
+                "edge state directory {state} must be at most {MAX_STATE_DIR_LEN} characters (unix socket paths are short) and contain no ',' or ':'"
+            )));
+        }
+        let images = ImageStore::open(&cfg.image_store)
+            .map_err(|e| ApiError::internal(format!("opening image store: {e}")))?;
+        let registry = Registry::open(&cfg.state_dir.join("sandboxes"))?;
+        let fork_tmp = cfg.state_dir.join("fork-tmp");
+        let _ = std::fs::remove_dir_all(&fork_tmp);
+        std::fs::create_dir_all(&fork_tmp)
+            .map_err(|e| ApiError::internal(format!("creating {}: {e}", fork_tmp.display())))?;
+        let mode = cgroup::detect();
+        let container: Arc<dyn Backend> = Arc::new(ContainerBackend::new(
+            &cfg.oci_runtime,
+            &cfg.state_dir.join("runtime"),
+            cfg.aether_binary.as_deref(),
+            images.clone(),
+            mode,
+        ));
+        let mut backends: BTreeMap<&'static str, Arc<dyn Backend>> = BTreeMap::new();
+        backends.insert(container.name(), container);
+        let edge = Arc::new(Edge {
+            cfg,
+            images,
+            registry,
+            backends,
+            sandboxes: Mutex::new(HashMap::new()),
+            mode,
+            creating: AtomicU64::new(0),
+            fork_tmp,
+        });
+        let e2 = edge.clone();
+        blocking(move || e2.adopt()).await?;
+        Ok(edge)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.cfg.name
+    }
+
+    pub fn config(&self) -> &EdgeConfig {
+        &self.cfg
+    }
+
+    pub fn images(&self) -> &ImageStore {
+        &self.images
+    }
+
+    fn paths(&self, id: &str) -> SandboxPaths {
+        let dir = self.registry.dir(id);
+        SandboxPaths {
+            channel: dir.join("aether.sock"),
+            dir,
+        }
+    }
+
+    fn adopt(&self) {
+        for r in self.registry.load_all() {
+            match r {
+                Ok(rec) => {
+                    let backend = self.backends.get(rec.backend.as_str()).cloned();
+                    let alive = rec.state != SandboxState::Creating
+                        && rec.state != SandboxState::Stopping
+                        && backend.as_ref().is_some_and(|b| b.is_alive(&rec));
+                    if alive {
+                        tracing::info!(sandbox = %rec.id, "re-adopted running sandbox");
+                        self.insert(rec);
+                    } else {
+                        tracing::info!(sandbox = %rec.id, state = ?rec.state, "cleaning up sandbox that is not running");
+                        if let Some(b) = backend {
+                            let _ = b.destroy(&rec, &self.paths(&rec.id));
+                        }
+                        let _ = std::fs::remove_dir_all(self.registry.dir(&rec.id));
+                    }
+                }
+                Err(dir) => {
+                    tracing::warn!(dir = %dir.display(), "sandbox directory without a readable state; removing");
+                    let _ = std::process::Command::new("rm").arg("-rf").arg("--one-file-system").arg(&dir).status();
+                }
+            }
+        }
+    }
+
+    fn insert(&self, rec: SandboxRecord) -> Arc<Entry> {
+        let e = Arc::new(Entry {
+            rec: Mutex::new(rec.clone()),
+            op: tokio::sync::RwLock::new(()),
+        });
+        self.sandboxes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(rec.id, e.clone());
+        e
+    }
+
+    fn entry(&self, id: &str) -> Result<Arc<Entry>, ApiError> {
+        SandboxId::parse(id).map_err(|e| ApiError::invalid(e.to_string()))?;
+        self.sandboxes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned()
+            .ok_or_else(|| ApiError::not_found(format!("sandbox {id} does not exist (it may have been stopped or its TTL ran out)")))
+    }
+
+    fn backend(&self, name: &str) -> Result<Arc<dyn Backend>, ApiError> {
+        let b = self.backends.get(name).cloned().ok_or_else(|| {
+            ApiError::invalid(format!(
+                "unknown backend {name:?}; this node offers: {}",
+                self.backends.keys().cloned().collect::<Vec<_>>().join(", ")
+            ))
+        })?;
+        let st = b.status();
+        if !st.available {
+            return Err(ApiError::unavailable(format!("backend {name} is unavailable on node {}: {}", self.cfg.name, st.detail)));
+        }
+        Ok(b)
+    }
+
+    fn touch(&self, e: &Entry) {
+        e.update(|r| r.last_activity_ms = now_ms());
+    }
+
+    pub async fn create(self: &Arc<Self>, req: CreateSandboxRequest) -> Result<SandboxInfo, ApiError> {
+        let v = validate::create(&self.cfg, &req)?;
+        let backend = self.backend(&req.backend)?;
+        let image = ImageRef::parse(&req.image).map_err(|e| ApiError::invalid(e.to_string()))?;
+        let images = self.images.clone();
+        let image2 = image.clone();
+        let (digest, manifest) = blocking(move || images.resolve(&image2)).await?.map_err(|e| match e {
+            dsec_image::ImageError::NotFound(_) => ApiError::not_found(e.to_string()),
+            other => ApiError::internal(other.to_string()),
+        })?;
+        let now = now_ms();
+        let mut env = manifest.env.clone();
+        env.extend(req.env.clone());
+        let rec = SandboxRecord {
+            id: SandboxId::generate(&self.cfg.name).to_string(),
+            edge: self.cfg.name.clone(),
+            backend: backend.name().to_string(),
+            image: image.to_string(),
+            image_digest: digest,
+            layers: manifest.layers.clone(),
+            env,
+            workdir: manifest.workdir.clone(),
+            limits: v.limits,
+            labels: req.labels.clone(),
+            state: SandboxState::Creating,
+            created_at_ms: now,
+            expires_at_ms: now + v.ttl_seconds * 1000,
+            idle_timeout_seconds: v.idle_timeout_seconds,
+            last_activity_ms: now,
+            forked_from: None,
+            oom_kills: 0,
+        };
+        self.launch(backend, rec, None).await
+    }
+
+    fn admit(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
+        let running = self.sandboxes.lock().unwrap_or_else(|p| p.into_inner()).len() as u64;
+        let creating = self.creating.load(Ordering::SeqCst);
+        if running + creating > self.cfg.max_sandboxes {
+            return Err(ApiError::exhausted(format!(
+                "node {} is full: it runs {running} sandboxes (max_sandboxes = {}); stop some or add nodes",
+                self.cfg.name, self.cfg.max_sandboxes
+            )));
+        }
+        let (_, avail) = host::memory_mb();
+        if avail < self.cfg.reserved_memory_mb + 32 {
+            return Err(ApiError::exhausted(format!(
+                "node {} has only {avail} MiB of memory available (reserve {} MiB); stop some sandboxes",
+                self.cfg.name, self.cfg.reserved_memory_mb
+            )));
+        }
+        let _ = rec;
+        Ok(())
+    }
+
+    /// Starts `rec` on `backend`: the shared path of create and fork.
+    async fn launch(self: &Arc<Self>, backend: Arc<dyn Backend>, mut rec: SandboxRecord, seed: Option<PathBuf>) -> Result<SandboxInfo, ApiError> {
+        self.creating.fetch_add(1, Ordering::SeqCst);
+        let result = async {
+            self.admit(&rec)?;
+            self.registry.save(&rec)?;
+            let paths = self.paths(&rec.id);
+            let channel = paths.channel.clone();
+            let (b2, r2) = (backend.clone(), rec.clone());
+            blocking(move || b2.create(&r2, &paths, seed.as_deref())).await??;
+            if let Err(e) = channel::wait_ready(&channel, AGENT_START_TIMEOUT).await {
+                let (b2, r2, p2) = (backend.clone(), rec.clone(), self.paths(&rec.id));
+                let _ = blocking(move || b2.destroy(&r2, &p2)).await;
+                return Err(e);
+            }
+            rec.state = SandboxState::Running;
+            self.registry.save(&rec)?;
+            Ok(rec.info())
+        }
+        .await;
+        self.creating.fetch_sub(1, Ordering::SeqCst);
+        match result {
+            Ok(info) => {
+                self.insert(rec);
+                tracing::info!(sandbox = %info.id, image = %info.image, "sandbox running");
+                Ok(info)
+            }
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(self.registry.dir(&rec.id));
+                Err(e)
+            }
+        }
+    }
+
+    pub fn get(&self, id: &str) -> Result<SandboxInfo, ApiError> {
+        Ok(self.entry(id)?.snapshot().info())
+    }
+
+    /// Sandboxes whose labels include every `key=value` in `labels`.
+    pub fn list(&self, labels: &BTreeMap<String, String>) -> Vec<SandboxInfo> {
+        let map = self.sandboxes.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out: Vec<SandboxInfo> = map
+            .values()
+            .map(|e| e.snapshot())
+            .filter(|r| labels.iter().all(|(k, v)| r.labels.get(k) == Some(v)))
+            .map(|r| r.info())
+            .collect();
+        out.sort_by(|a, b| a.created_at_ms.cmp(&b.created_at_ms).then(a.id.cmp(&b.id)));
+        out
+    }
+
+    pub async fn exec(self: &Arc<Self>, id: &str, req: ExecRequest) -> Result<ExecResult, ApiError> {
+        let e = self.entry(id)?;
+        let spec = validate::exec(&self.cfg, &req)?;
+        let _g = e.op.read().await;
+        let rec = e.snapshot();
+        match rec.state {
+            SandboxState::Running => {}
+            SandboxState::Paused => return Err(ApiError::precondition(format!("sandbox {id} is paused; resume it first"))),
+            s => return Err(ApiError::precondition(format!("sandbox {id} is {s:?}, not running"))),
+        }
+        self.touch(&e);
+        let backend = self.backend(&rec.backend)?;
+        let (b2, r2) = (backend.clone(), rec.clone());
+        let before = blocking(move || b2.oom_kills(&r2)).await?;
+        let wait = Duration::from_millis(spec.timeout_ms.unwrap_or(0)) + Duration::from_secs(30);
+        let resp = channel::call(&self.paths(id).channel, &Request::Exec(spec), wait).await?;
+        let (b2, r2) = (backend.clone(), rec.clone());
+        let after = blocking(move || b2.oom_kills(&r2)).await?;
+        self.touch(&e);
+        match resp {
+            Response::Exec(mut r) => {
+                r.oom_killed = after > before;
+                if after != rec.oom_kills {
+                    e.update(|r| r.oom_kills = after);
+                    let _ = self.registry.save(&e.snapshot());
+                }
+                Ok(r)
+            }
+            Response::Error { message } => Err(ApiError::invalid(message)),
+            other => Err(ApiError::internal(format!("unexpected reply from sandbox agent: {other:?}"))),
+        }
+    }
+
+    pub async fn fork(self: &Arc<Self>, id: &str, req: ForkRequest) -> Result<ForkResponse, ApiError> {
+        let count = validate::fork_count(&req)?;
+        let e = self.entry(id)?;
+        let src = e.snapshot();
+        let backend = self.backend(&src.backend)?;
+        let mut seed_id = [0u8; 8];
+        dsec_common::id::fill_random(&mut seed_id);
+        let seed = self.fork_tmp.join(format!("{}-{}", src.id, seed_id.iter().map(|b| format!("{b:02x}")).collect::<String>()));
+        let paused_ms;
+        {
+            let _g = e.op.write().await;
+            if e.snapshot().state != SandboxState::Running {
+                return Err(ApiError::precondition(format!("sandbox {id} is not running; only a running sandbox can be forked")));
+            }
+            self.touch(&e);
+            let (b2, r2, p2, s2) = (backend.clone(), src.clone(), self.paths(id), seed.clone());
+            let t0 = Instant::now();
+            let copied = blocking(move || {
+                b2.pause(&r2)?;
+                let r = b2.snapshot_fs(&r2, &p2, &s2);
+                let resumed = b2.resume(&r2);
+                r.and(resumed)
+            })
+            .await?;
+            paused_ms = t0.elapsed().as_millis() as u64;
+            if let Err(err) = copied {
+                let _ = std::fs::remove_dir_all(&seed);
+                return Err(err);
+            }
+        }
+        let now = now_ms();
+        let mut tasks = Vec::new();
+        for _ in 0..count {
+            let mut labels = src.labels.clone();
+            labels.extend(req.labels.clone());
+            let rec = SandboxRecord {
+                id: SandboxId::generate(&self.cfg.name).to_string(),
+                state: SandboxState::Creating,
+                created_at_ms: now,
+                expires_at_ms: now + src.expires_at_ms.saturating_sub(src.created_at_ms).max(1000),
+                last_activity_ms: now,
+                forked_from: Some(src.id.clone()),
+                oom_kills: 0,
+                labels,
+                ..src.clone()
+            };
+            let (edge, b, s) = (self.clone(), backend.clone(), seed.clone());
+            tasks.push(tokio::spawn(async move { edge.launch(b, rec, Some(s)).await }));
+        }
+        let mut made = Vec::new();
+        let mut first_err = None;
+        for t in tasks {
+            match t.await {
+                Ok(Ok(info)) => made.push(info),
+                Ok(Err(err)) => {
+                    first_err.get_or_insert(err);
+                }
+                Err(join) => {
+                    first_err.get_or_insert(ApiError::internal(format!("fork worker failed: {join}")));
+                }
+            }
+        }
+        let s2 = seed.clone();
+        let _ = blocking(move || std::process::Command::new("rm").arg("-rf").arg(&s2).status()).await;
+        if let Some(err) = first_err {
+            for info in &made {
+                let _ = self.stop(&info.id).await;
+            }
+            return Err(ApiError::new(err.code, format!("fork failed, no copies kept: {}", err.message)));
+        }
+        Ok(ForkResponse {
+            sandboxes: made,
+            memory_preserved: backend.fork_preserves_memory(),
+            note: if backend.fork_preserves_memory() {
+                "copies carry the source's memory and filesystem".into()
+            } else {
+                format!(
+                    "{} backend: copies carry the source's filesystem (its writable layer) but not its process memory; processes start fresh",
+                    backend.name()
+                )
+            },
+            source_paused_ms: paused_ms,
+        })
+    }
+
+    pub async fn stop(self: &Arc<Self>, id: &str) -> Result<(), ApiError> {
+        let e = self.entry(id)?;
+        let _g = e.op.write().await;
+        let rec = e.update(|r| {
+            r.state = SandboxState::Stopping;
+            r.clone()
+        });
+        let _ = self.registry.save(&rec);
+        let backend = self.backends.get(rec.backend.as_str()).cloned();
+        if let Some(b) = backend {
+            let paths = self.paths(id);
+            let r2 = rec.clone();
+            blocking(move || b.destroy(&r2, &paths)).await??;
+        }
+        let _ = std::fs::remove_dir_all(self.registry.dir(id));
+        self.sandboxes.lock().unwrap_or_else(|p| p.into_inner()).remove(id);
+        tracing::info!(sandbox = %id, "sandbox stopped");
+        Ok(())
+    }
+
+    pub async fn set_timeout(&self, id: &str, ttl_seconds: f64) -> Result<SandboxInfo, ApiError> {
+        let secs = validate::ttl(&self.cfg, "ttl_seconds", ttl_seconds)?;
+        let e = self.entry(id)?;
+        let rec = e.update(|r| {
+            r.expires_at_ms = now_ms() + secs * 1000;
+            r.last_activity_ms = now_ms();
+            r.clone()
+        });
+        self.registry.save(&rec)?;
+        Ok(rec.info())
+    }
+
+    pub fn status(&self) -> NodeStatus {
+        let (total, avail) = host::memory_mb();
+        let map = self.sandboxes.lock().unwrap_or_else(|p| p.into_inner());
+        let (cpu, mem) = map.values().fold((0.0, 0), |(c, m), e| {
+            let r = e.snapshot();
+            (c + r.limits.cpu_cores, m + r.limits.memory_mb)
+        });
+        NodeStatus {
+            name: self.cfg.name.clone(),
+            healthy: true,
+            backends: self.backends.values().map(|b| b.status()).collect(),
+            cgroup_mode: self.mode.as_str().into(),
+            cpus: host::cpus(),
+            memory_total_mb: total,
+            memory_available_mb: avail,
+            disk_free_mb: host::disk_free_mb(&self.cfg.state_dir),
+            sandboxes: map.len() as u64,
+            committed_cpu_cores: cpu,
+            committed_memory_mb: mem,
+        }
+    }
+
+    /// Layer digests that running sandboxes use (image removal must keep them).
+    pub fn layers_in_use(&self) -> std::collections::HashSet<String> {
+        let map = self.sandboxes.lock().unwrap_or_else(|p| p.into_inner());
+        map.values().flat_map(|e| e.snapshot().layers).collect()
+    }
+
+    /// Stops sandboxes whose TTL or idle timeout ran out, and forgets ones that died.
+    pub async fn reap_once(self: &Arc<Self>) {
+        let now = now_ms();
+        let entries: Vec<(String, SandboxRecord)> = {
+            let map = self.sandboxes.lock().unwrap_or_else(|p| p.into_inner());
+            map.iter().map(|(k, e)| (k.clone(), e.snapshot())).collect()
+        };
+        for (id, rec) in entries {
+            if rec.state != SandboxState::Running && rec.state != SandboxState::Paused {
+                continue;
+            }
+            let expired = now >= rec.expires_at_ms;
+            let idle = rec
+                .idle_timeout_seconds
+                .is_some_and(|s| now >= rec.last_activity_ms + s * 1000);
+            let dead = !expired && !idle && !agent_alive(&self.paths(&id).channel);
+            if expired || idle || dead {
+                let why = if expired { "ttl expired" } else if idle { "idle timeout" } else { "sandbox died" };
+                tracing::info!(sandbox = %id, "{why}; stopping");
+                if let Err(e) = self.stop(&id).await {
+                    tracing::warn!(sandbox = %id, "stopping: {}", e.message);
+                }
+            }
+        }
+    }
+
+    /// Runs the TTL reaper until the process ends.
+    pub fn spawn_reaper(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let edge = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(500));
+            loop {
+                tick.tick().await;
+                edge.reap_once().await;
+            }
+        })
+    }
+
+    /// Stops every sandbox (for `dsec down`).
+    pub async fn stop_all(self: &Arc<Self>) {
+        let ids: Vec<String> = self.sandboxes.lock().unwrap_or_else(|p| p.into_inner()).keys().cloned().collect();
+        let mut tasks = Vec::new();
+        for id in ids {
+            let edge = self.clone();
+            tasks.push(tokio::spawn(async move { edge.stop(&id).await }));
+        }
+        for t in tasks {
+            let _ = t.await;
+        }
+    }
+
+    pub fn is_not_found(e: &ApiError) -> bool {
+        e.code == ErrorCode::NotFound
+    }
+
+    pub fn state_dir(&self) -> &Path {
+        &self.cfg.state_dir
+    }
+}
+
+/// The agent holds its listening socket for as long as it lives: a refused connect means
+/// the sandbox is gone.
+fn agent_alive(sock: &Path) -> bool {
+    match std::os::unix::net::UnixStream::connect(sock) {
+        Ok(_) => true,
+        Err(e) => e.kind() != std::io::ErrorKind::ConnectionRefused && e.kind() != std::io::ErrorKind::NotFound,
+    }
+}

@@ -1,0 +1,105 @@
+//! The edge's registry of sandboxes, one `state.json` per sandbox directory, written
+//! atomically on every change, so a restarted edge knows what it owns and can re-adopt
+//! live sandboxes and clean up half-created ones.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use dsec_common::ApiError;
+use dsec_common::api::{Limits, SandboxInfo, SandboxState};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxRecord {
+    pub id: String,
+    pub edge: String,
+    pub backend: String,
+    pub image: String,
+    pub image_digest: String,
+    /// Layer digests bottom first, resolved at create time.
+    pub layers: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub workdir: Option<String>,
+    pub limits: Limits,
+    pub labels: BTreeMap<String, String>,
+    pub state: SandboxState,
+    pub created_at_ms: u64,
+    pub expires_at_ms: u64,
+    pub idle_timeout_seconds: Option<u64>,
+    pub last_activity_ms: u64,
+    pub forked_from: Option<String>,
+    pub oom_kills: u64,
+}
+
+impl SandboxRecord {
+    pub fn info(&self) -> SandboxInfo {
+        SandboxInfo {
+            id: self.id.clone(),
+            edge: self.edge.clone(),
+            backend: self.backend.clone(),
+            image: self.image.clone(),
+            state: self.state,
+            limits: self.limits.clone(),
+            created_at_ms: self.created_at_ms,
+            expires_at_ms: self.expires_at_ms,
+            idle_timeout_seconds: self.idle_timeout_seconds,
+            labels: self.labels.clone(),
+            oom_kills: self.oom_kills,
+            forked_from: self.forked_from.clone(),
+        }
+    }
+}
+
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+pub struct Registry {
+    root: PathBuf,
+}
+
+impl Registry {
+    pub fn open(root: &Path) -> Result<Registry, ApiError> {
+        std::fs::create_dir_all(root)
+            .map_err(|e| ApiError::internal(format!("creating {}: {e}", root.display())))?;
+        Ok(Registry {
+            root: root.to_path_buf(),
+        })
+    }
+
+    /// The sandbox's own directory; ids are validated before they get here.
+    pub fn dir(&self, id: &str) -> PathBuf {
+        self.root.join(id)
+    }
+
+    pub fn save(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
+        let dir = self.dir(&rec.id);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| ApiError::internal(format!("creating {}: {e}", dir.display())))?;
+        let tmp = dir.join("state.json.tmp");
+        let bytes = serde_json::to_vec_pretty(rec).unwrap_or_default();
+        std::fs::write(&tmp, bytes)
+            .and_then(|_| std::fs::rename(&tmp, dir.join("state.json")))
+            .map_err(|e| ApiError::internal(format!("saving state of {}: {e}", rec.id)))
+    }
+
+    /// Every record on disk (unreadable ones are reported with their directory).
+    pub fn load_all(&self) -> Vec<Result<SandboxRecord, PathBuf>> {
+        let Ok(rd) = std::fs::read_dir(&self.root) else {
+            return Vec::new();
+        };
+        rd.flatten()
+            .filter(|e| e.path().is_dir())
+            .map(|e| {
+                let p = e.path();
+                std::fs::read(p.join("state.json"))
+                    .ok()
+                    .and_then(|b| serde_json::from_slice(&b).ok())
+                    .ok_or(p)
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,436 @@
+//! `dsec image build`: a base from Debian packages (mmdebstrap) or an existing image,
+//! then steps (`run`, `file`, `env`). Each `run` or `file` step becomes one layer.
+//!
+//! ```toml
+//! name = "root/py:3.11"
+//! [debian]
+//! suite = "bookworm"
+//! packages = ["python3"]
+//! [[step]]
+//! run = "python3 -m compileall -q /usr/lib/python3.11"
+//! [[step]]
+//! file = "/etc/motd"
+//! content = "hello\n"
+//! ```
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use serde::Deserialize;
+
+use crate::store::{Manifest, now_ms, remove_tree};
+use crate::{ImageError, ImageRef, ImageStore, IoContext};
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BuildSpec {
+    pub name: String,
+    /// Start from an image already in the store.
+    #[serde(default)]
+    pub from: Option<String>,
+    /// Start from a Debian root filesystem made by mmdebstrap.
+    #[serde(default)]
+    pub debian: Option<DebianBase>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub workdir: Option<String>,
+    #[serde(default, rename = "step")]
+    pub steps: Vec<Step>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DebianBase {
+    #[serde(default = "default_suite")]
+    pub suite: String,
+    #[serde(default = "default_variant")]
+    pub variant: String,
+    #[serde(default)]
+    pub packages: Vec<String>,
+    #[serde(default)]
+    pub mirror: Option<String>,
+}
+
+fn default_suite() -> String {
+    "bookworm".into()
+}
+fn default_variant() -> String {
+    "minbase".into()
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Step {
+    #[serde(default)]
+    pub run: Option<String>,
+    #[serde(default)]
+    pub file: Option<String>,
+    #[serde(default)]
+    pub content: Option<String>,
+    /// Octal, e.g. "0755".
+    #[serde(default)]
+    pub mode: Option<String>,
+    #[serde(default)]
+    pub env: Option<BTreeMap<String, String>>,
+}
+
+fn valid_package(p: &str) -> bool {
+    !p.is_empty()
+        && p.len() <= 128
+        && p.as_bytes()[0].is_ascii_alphanumeric()
+        && p.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"+-.:=~".contains(&b))
+}
+
+/// A path inside the image: absolute, normal components only.
+fn image_path(p: &str) -> Result<std::path::PathBuf, ImageError> {
+    let path = Path::new(p);
+    if !path.is_absolute()
+        || path
+            .components()
+            .skip(1)
+            .any(|c| !matches!(c, std::path::Component::Normal(_)))
+    {
+        return Err(ImageError::Build(format!(
+            "file path {p:?} must be absolute and must not contain '..' or '.'"
+        )));
+    }
+    Ok(path.components().skip(1).collect())
+}
+
+impl BuildSpec {
+    pub fn parse(text: &str) -> Result<BuildSpec, ImageError> {
+        let spec: BuildSpec = toml::from_str(text)
+            .map_err(|e| ImageError::Build(format!("image spec is not valid: {e}")))?;
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    pub fn validate(&self) -> Result<(), ImageError> {
+        ImageRef::parse(&self.name)?;
+        match (&self.from, &self.debian) {
+            (Some(f), None) => {
+                ImageRef::parse(f)?;
+            }
+            (None, Some(d)) => {
+                if let Some(p) = d.packages.iter().find(|p| !valid_package(p)) {
+                    return Err(ImageError::Build(format!("{p:?} is not a Debian package name")));
+                }
+                if !d.suite.bytes().all(|b| b.is_ascii_lowercase() || b == b'-') {
+                    return Err(ImageError::Build(format!("{:?} is not a Debian suite", d.suite)));
+                }
+                if !["extract", "custom", "essential", "apt", "required", "minbase", "buildd", "important", "debootstrap", "standard"]
+                    .contains(&d.variant.as_str())
+                {
+                    return Err(ImageError::Build(format!("{:?} is not an mmdebstrap variant", d.variant)));
+                }
+            }
+            _ => {
+                return Err(ImageError::Build(
+                    "an image spec needs exactly one base: `from = \"ns/name:tag\"` or a [debian] table".into(),
+                ));
+            }
+        }
+        for (i, s) in self.steps.iter().enumerate() {
+            let kinds = [s.run.is_some(), s.file.is_some(), s.env.is_some()]
+                .iter()
+                .filter(|x| **x)
+                .count();
+            if kinds != 1 {
+                return Err(ImageError::Build(format!(
+                    "step {} must have exactly one of `run`, `file` or `env`",
+                    i + 1
+                )));
+            }
+            if let Some(f) = &s.file {
+                image_path(f)?;
+                if let Some(m) = &s.mode {
+                    u32::from_str_radix(m, 8).map_err(|_| {
+                        ImageError::Build(format!("step {}: mode {m:?} is not octal", i + 1))
+                    })?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Builds `spec` into `store`, calling `progress` with one line at a time.
+pub fn build(
+    store: &ImageStore,
+    spec: &BuildSpec,
+    progress: &mut dyn FnMut(&str),
+) -> Result<String, ImageError> {
+    spec.validate()?;
+    let name = ImageRef::parse(&spec.name)?;
+    let (mut layers, mut env, mut workdir, mut size, mut source) = match &spec.from {
+        Some(f) => {
+            let r = ImageRef::parse(f)?;
+            let (_, m) = store.resolve(&r)?;
+            (m.layers, m.env, m.workdir, m.size_bytes, format!("from {r}"))
+        }
+        None => (Vec::new(), BTreeMap::new(), None, 0, String::new()),
+    };
+    if let Some(d) = &spec.debian {
+        progress(&format!(
+            "mmdebstrap {} ({}) with {}",
+            d.suite,
+            d.variant,
+            if d.packages.is_empty() { "no extra packages".to_string() } else { d.packages.join(", ") }
+        ));
+        let (digest, sz) = debian_layer(store, d, progress)?;
+        progress(&format!("layer {} ({} MiB)", &digest[..12], sz >> 20));
+        layers.push(digest);
+        size += sz;
+        source = format!(
+            "debian {} {} +[{}]",
+            d.suite,
+            d.variant,
+            d.packages.join(",")
+        );
+    }
+    env.extend(spec.env.clone());
+    if spec.workdir.is_some() {
+        workdir = spec.workdir.clone();
+    }
+    for (i, step) in spec.steps.iter().enumerate() {
+        let n = i + 1;
+        if let Some(e) = &step.env {
+            progress(&format!("step {n}: env {}", e.keys().cloned().collect::<Vec<_>>().join(" ")));
+            env.extend(e.clone());
+            continue;
+        }
+        let dir = store.temp_dir("layer")?;
+        if let Some(cmd) = &step.run {
+            progress(&format!("step {n}: run {cmd}"));
+            run_step(store, &layers, &env, &dir, cmd, progress)?;
+        } else if let Some(f) = &step.file {
+            progress(&format!("step {n}: file {f}"));
+            let rel = image_path(f)?;
+            let dest = dir.join("upper").join(rel);
+            if let Some(parent) = dest.parent() {
+                std::fs::create_dir_all(parent).ctx(|| format!("creating {}", parent.display()))?;
+            }
+            std::fs::write(&dest, step.content.as_deref().unwrap_or(""))
+                .ctx(|| format!("writing {}", dest.display()))?;
+            let mode = step
+                .mode
+                .as_deref()
+                .and_then(|m| u32::from_str_radix(m, 8).ok())
+                .unwrap_or(0o644);
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(mode))
+                .ctx(|| format!("chmod {}", dest.display()))?;
+        }
+        let upper = dir.join("upper");
+        let (digest, sz) = store.add_layer(&upper)?;
+        remove_tree(&dir)?;
+        progress(&format!("layer {} ({} KiB)", &digest[..12], sz >> 10));
+        layers.push(digest);
+        size += sz;
+    }
+    if !spec.steps.is_empty() {
+        source.push_str(&format!("; {} steps", spec.steps.len()));
+    }
+    let manifest = Manifest {
+        schema_version: 1,
+        layers,
+        env,
+        workdir,
+        created_ms: now_ms(),
+        size_bytes: size,
+        source,
+    };
+    let digest = store.put_manifest(&manifest)?;
+    store.tag(&name, &digest)?;
+    progress(&format!("tagged {name} -> {}", &digest[..12]));
+    Ok(digest)
+}
+
+/// Runs a child and forwards each line of its combined output to `progress`.
+fn run_logged(cmd: &mut Command, what: &str, progress: &mut dyn FnMut(&str)) -> Result<(), ImageError> {
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().ctx(|| format!("starting {what}"))?;
+    let stdout = child.stdout.take();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let tx2 = tx.clone();
+    let t_out = std::thread::spawn(move || {
+        if let Some(o) = stdout {
+            for line in BufReader::new(o).lines().map_while(Result::ok) {
+                let _ = tx2.send(line);
+            }
+        }
+    });
+    let stderr = child.stderr.take();
+    let t_err = std::thread::spawn(move || {
+        if let Some(e) = stderr {
+            for line in BufReader::new(e).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        }
+    });
+    let mut tail: Vec<String> = Vec::new();
+    for line in rx {
+        progress(&line);
+        tail.push(line);
+        if tail.len() > 20 {
+            tail.remove(0);
+        }
+    }
+    let _ = t_out.join();
+    let _ = t_err.join();
+    let status = child.wait().ctx(|| format!("waiting for {what}"))?;
+    if !status.success() {
+        return Err(ImageError::Build(format!(
+            "{what} failed ({status}); last output:\n{}",
+            tail.join("\n")
+        )));
+    }
+    Ok(())
+}
+
+fn debian_layer(
+    store: &ImageStore,
+    d: &DebianBase,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(String, u64), ImageError> {
+    let dir = store.temp_dir("debian")?;
+    let rootfs = dir.join("rootfs");
+    let mut cmd = Command::new("mmdebstrap");
+    cmd.arg(format!("--variant={}", d.variant))
+        .arg("--aptopt=APT::Install-Recommends \"false\"")
+        .arg("--dpkgopt=path-exclude=/usr/share/man/*")
+        .arg("--dpkgopt=path-exclude=/usr/share/doc/*")
+        .arg("--dpkgopt=path-include=/usr/share/doc/*/copyright")
+        .arg("--dpkgopt=path-exclude=/usr/share/locale/*")
+        .arg("--dpkgopt=path-exclude=/usr/share/info/*");
+    if !d.packages.is_empty() {
+        cmd.arg(format!("--include={}", d.packages.join(",")));
+    }
+    cmd.arg(&d.suite).arg(&rootfs);
+    if let Some(m) = &d.mirror {
+        cmd.arg(m);
+    }
+    let r = run_logged(&mut cmd, "mmdebstrap", progress);
+    if let Err(e) = r {
+        let _ = remove_tree(&dir);
+        return Err(e);
+    }
+    // Sandboxes get their resolver from the edge; don't bake the build host's into images.
+    let _ = std::fs::remove_file(rootfs.join("etc/resolv.conf"));
+    let _ = std::fs::write(rootfs.join("etc/hostname"), "sandbox\n");
+    let out = store.add_layer(&rootfs);
+    let _ = remove_tree(&dir);
+    out
+}
+
+/// Runs `cmd` with the image so far as the root filesystem (overlay, host network), in a
+/// private mount and pid namespace so nothing outlives the step; the changes land in
+/// `dir/upper`.
+fn run_step(
+    store: &ImageStore,
+    layers: &[String],
+    env: &BTreeMap<String, String>,
+    dir: &Path,
+    cmd: &str,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(), ImageError> {
+    if layers.is_empty() {
+        return Err(ImageError::Build("a `run` step needs a base image".into()));
+    }
+    for sub in ["upper", "work", "merged"] {
+        std::fs::create_dir_all(dir.join(sub)).ctx(|| format!("creating {sub}"))?;
+    }
+    let lower = layers
+        .iter()
+        .rev()
+        .map(|l| store.layer_path(l).display().to_string())
+        .collect::<Vec<_>>()
+        .join(":");
+    let script = r#"set -e
+mount -t overlay overlay -o "lowerdir=$L,upperdir=$D/upper,workdir=$D/work" "$D/merged"
+M="$D/merged"
+mkdir -p "$M/proc" "$M/dev" "$M/tmp"
+mount -t proc proc "$M/proc"
+mount --rbind /dev "$M/dev"
+if [ -e /etc/resolv.conf ]; then
+  touch "$M/etc/resolv.conf" 2>/dev/null && mount --bind /etc/resolv.conf "$M/etc/resolv.conf" && RESOLV=1
+fi
+set +e
+chroot "$M" /bin/sh -c "$STEP_CMD"
+rc=$?
+if [ -n "$RESOLV" ]; then umount "$M/etc/resolv.conf"; [ -s "$D/upper/etc/resolv.conf" ] || rm -f "$D/upper/etc/resolv.conf"; fi
+exit $rc
+"#;
+    let mut c = Command::new("unshare");
+    c.args(["--mount", "--pid", "--fork", "--kill-child", "--propagation", "private", "sh", "-c", script])
+        .env_clear()
+        .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .env("HOME", "/root")
+        .envs(env)
+        .env("L", lower)
+        .env("D", dir)
+        .env("STEP_CMD", cmd);
+    run_logged(&mut c, &format!("step `{cmd}`"), progress)?;
+    let _ = remove_tree(&dir.join("work"));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spec_validation_says_what_is_wrong() {
+        let ok = BuildSpec::parse(
+            "name = \"root/py:3.11\"\n[debian]\npackages = [\"python3\"]\n[[step]]\nfile = \"/etc/motd\"\ncontent = \"hi\"\n",
+        )
+        .unwrap();
+        assert_eq!(ok.debian.unwrap().suite, "bookworm");
+        let err = |t: &str| BuildSpec::parse(t).unwrap_err().to_string();
+        assert!(err("name = \"root/x\"\n").contains("exactly one base"));
+        assert!(err("name = \"root/x\"\n[debian]\npackages = [\"a;rm\"]\n").contains("package"));
+        assert!(err("name = \"root/x\"\nfrom = \"root/b\"\n[[step]]\nfile = \"/a/../../b\"\n").contains(".."));
+        assert!(err("name = \"root/x\"\nfrom = \"root/b\"\n[[step]]\nrun = \"a\"\nfile = \"/b\"\n").contains("exactly one"));
+        assert!(err("name = \"Bad\"\nfrom = \"root/b\"\n").contains("not a valid image reference"));
+        assert!(err("name = \"root/x\"\nfrom = \"root/b\"\nbogus = 1\n").contains("unknown field"));
+    }
+
+    #[test]
+    fn file_and_env_steps_make_layers_on_a_base() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = ImageStore::open(tmp.path()).unwrap();
+        let base = store.temp_dir("b").unwrap();
+        std::fs::create_dir_all(base.join("etc")).unwrap();
+        let (l, _) = store.add_layer(&base).unwrap();
+        let m = Manifest {
+            schema_version: 1,
+            layers: vec![l.clone()],
+            env: BTreeMap::new(),
+            workdir: None,
+            created_ms: 0,
+            size_bytes: 0,
+            source: String::new(),
+        };
+        store.tag(&ImageRef::parse("root/b").unwrap(), &store.put_manifest(&m).unwrap()).unwrap();
+        let spec = BuildSpec::parse(
+            "name = \"root/c:1\"\nfrom = \"root/b\"\n[[step]]\nenv = { A = \"1\" }\n[[step]]\nfile = \"/etc/motd\"\ncontent = \"hi\"\nmode = \"0600\"\n",
+        )
+        .unwrap();
+        let mut lines = Vec::new();
+        build(&store, &spec, &mut |s| lines.push(s.to_string())).unwrap();
+        let (_, m) = store.resolve(&ImageRef::parse("root/c:1").unwrap()).unwrap();
+        assert_eq!(m.layers.len(), 2);
+        assert_eq!(m.layers[0], l);
+        assert_eq!(m.env["A"], "1");
+        let motd = store.layer_path(&m.layers[1]).join("etc/motd");
+        assert_eq!(std::fs::read_to_string(&motd).unwrap(), "hi");
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(std::fs::metadata(&motd).unwrap().permissions().mode() & 0o777, 0o600);
+        assert!(lines.iter().any(|l| l.contains("tagged root/c:1")));
+    }
+}

@@ -1,0 +1,48 @@
+//! Images: a directory-backed store of content-addressed layers and named references
+//! (`root/py:3.11`), and a builder that makes images from Debian packages plus steps.
+//!
+//! Store layout (any directory; a shared filesystem for a cluster):
+//! ```text
+//! layers/<sha256>/        one unpacked layer, used read-only as an overlay lowerdir
+//! manifests/<sha256>.json image manifest (layers bottom-up, env, cmd)
+//! refs/<ns>/<name>/<tag>  the manifest digest a reference points at
+//! tmp/                    work in progress; renamed into place when complete
+//! ```
+
+pub mod build;
+pub mod digest;
+pub mod reference;
+pub mod store;
+
+pub use reference::ImageRef;
+pub use store::{ImageStore, Manifest};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    #[error("{0}")]
+    BadReference(String),
+    #[error("image {0} does not exist in the image store; build it with `dsec image build` or list images with `dsec image ls`")]
+    NotFound(String),
+    #[error("image store is damaged: {0}")]
+    Corrupt(String),
+    #[error("image build failed: {0}")]
+    Build(String),
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        source: std::io::Error,
+    },
+}
+
+pub(crate) trait IoContext<T> {
+    fn ctx(self, context: impl FnOnce() -> String) -> Result<T, ImageError>;
+}
+
+impl<T> IoContext<T> for std::io::Result<T> {
+    fn ctx(self, context: impl FnOnce() -> String) -> Result<T, ImageError> {
+        self.map_err(|source| ImageError::Io {
+            context: context(),
+            source,
+        })
+    }
+}

@@ -1,0 +1,325 @@
+//! The image store on disk. Writes go to `tmp/` and are renamed into place, so a crash
+//! never leaves a half-written layer or reference visible.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::digest::{sha256_hex, tree_digest, valid_digest};
+use crate::{ImageError, ImageRef, IoContext};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub schema_version: u32,
+    /// Layer digests, bottom first.
+    pub layers: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workdir: Option<String>,
+    pub created_ms: u64,
+    /// Sum of the layers' tar sizes.
+    pub size_bytes: u64,
+    /// How the image was made, for `dsec image inspect`.
+    pub source: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ImageEntry {
+    pub reference: String,
+    pub digest: String,
+    pub manifest: Manifest,
+}
+
+#[derive(Debug, Clone)]
+pub struct ImageStore {
+    root: PathBuf,
+}
+
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+impl ImageStore {
+    pub fn open(root: impl Into<PathBuf>) -> Result<ImageStore, ImageError> {
+        let root = root.into();
+        for sub in ["layers", "manifests", "refs", "tmp"] {
+            let p = root.join(sub);
+            std::fs::create_dir_all(&p).ctx(|| format!("creating {}", p.display()))?;
+        }
+        Ok(ImageStore { root })
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    pub fn layer_path(&self, digest: &str) -> PathBuf {
+        self.root.join("layers").join(digest)
+    }
+
+    /// A fresh, empty directory under `tmp/` for work in progress.
+    pub fn temp_dir(&self, what: &str) -> Result<PathBuf, ImageError> {
+        let mut r = [0u8; 8];
+        dsec_common::id::fill_random(&mut r);
+        let p = self
+            .root
+            .join("tmp")
+            .join(format!("{what}-{}", hex::encode(r)));
+        std::fs::create_dir_all(&p).ctx(|| format!("creating {}", p.display()))?;
+        Ok(p)
+    }
+
+    /// Moves a finished directory tree into the store as a layer; returns (digest, size).
+    pub fn add_layer(&self, dir: &Path) -> Result<(String, u64), ImageError> {
+        let (digest, size) = tree_digest(dir)?;
+        let dest = self.layer_path(&digest);
+        if dest.exists() {
+            remove_tree(dir)?;
+        } else {
+            std::fs::rename(dir, &dest)
+                .ctx(|| format!("moving layer into {}", dest.display()))?;
+        }
+        Ok((digest, size))
+    }
+
+    pub fn put_manifest(&self, m: &Manifest) -> Result<String, ImageError> {
+        let bytes = serde_json::to_vec_pretty(m)
+            .map_err(|e| ImageError::Corrupt(format!("encoding manifest: {e}")))?;
+        let digest = sha256_hex(&bytes);
+        let dest = self.root.join("manifests").join(format!("{digest}.json"));
+        write_atomic(&self.root.join("tmp"), &dest, &bytes)?;
+        Ok(digest)
+    }
+
+    pub fn manifest(&self, digest: &str) -> Result<Manifest, ImageError> {
+        if !valid_digest(digest) {
+            return Err(ImageError::Corrupt(format!("bad manifest digest {digest:?}")));
+        }
+        let p = self.root.join("manifests").join(format!("{digest}.json"));
+        let bytes = std::fs::read(&p).ctx(|| format!("reading {}", p.display()))?;
+        let m: Manifest = serde_json::from_slice(&bytes)
+            .map_err(|e| ImageError::Corrupt(format!("{}: {e}", p.display())))?;
+        for l in &m.layers {
+            if !valid_digest(l) {
+                return Err(ImageError::Corrupt(format!("{}: bad layer {l:?}", p.display())));
+            }
+        }
+        Ok(m)
+    }
+
+    pub fn tag(&self, r: &ImageRef, digest: &str) -> Result<(), ImageError> {
+        let dest = self.root.join("refs").join(r.rel_path());
+        if let Some(parent) = dest.parent() {
+            std::fs::create_dir_all(parent).ctx(|| format!("creating {}", parent.display()))?;
+        }
+        write_atomic(&self.root.join("tmp"), &dest, digest.as_bytes())
+    }
+
+    /// The manifest digest and manifest a reference points at.
+    pub fn resolve(&self, r: &ImageRef) -> Result<(String, Manifest), ImageError> {
+        let p = self.root.join("refs").join(r.rel_path());
+        let digest = match std::fs::read_to_string(&p) {
+            Ok(s) => s.trim().to_string(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(ImageError::NotFound(r.to_string()));
+            }
+            Err(e) => return Err(e).ctx(|| format!("reading {}", p.display())),
+        };
+        let m = self.manifest(&digest)?;
+        for l in &m.layers {
+            if !self.layer_path(l).is_dir() {
+                return Err(ImageError::Corrupt(format!("image {r}: layer {l} is missing")));
+            }
+        }
+        Ok((digest, m))
+    }
+
+    pub fn list(&self) -> Result<Vec<ImageEntry>, ImageError> {
+        let mut out = Vec::new();
+        let refs = self.root.join("refs");
+        let mut stack = vec![refs.clone()];
+        while let Some(dir) = stack.pop() {
+            for e in std::fs::read_dir(&dir).ctx(|| format!("listing {}", dir.display()))? {
+                let e = e.ctx(|| format!("listing {}", dir.display()))?;
+                let p = e.path();
+                if p.is_dir() {
+                    stack.push(p);
+                    continue;
+                }
+                let Ok(rel) = p.strip_prefix(&refs) else { continue };
+                let parts: Vec<String> = rel
+                    .iter()
+                    .map(|c| c.to_string_lossy().into_owned())
+                    .collect();
+                let Some((tag, repo)) = parts.split_last() else { continue };
+                let Ok(r) = ImageRef::parse(&format!("{}:{tag}", repo.join("/"))) else {
+                    continue;
+                };
+                if let Ok((digest, manifest)) = self.resolve(&r) {
+                    out.push(ImageEntry {
+                        reference: r.to_string(),
+                        digest,
+                        manifest,
+                    });
+                }
+            }
+        }
+        out.sort_by(|a, b| a.reference.cmp(&b.reference));
+        Ok(out)
+    }
+
+    /// Removes a reference, then every layer and manifest no reference (and nothing in
+    /// `layers_in_use`) needs any more. Returns the number of layers removed.
+    pub fn remove(
+        &self,
+        r: &ImageRef,
+        layers_in_use: &HashSet<String>,
+    ) -> Result<usize, ImageError> {
+        let p = self.root.join("refs").join(r.rel_path());
+        match std::fs::remove_file(&p) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(ImageError::NotFound(r.to_string()));
+            }
+            Err(e) => return Err(e).ctx(|| format!("removing {}", p.display())),
+        }
+        self.gc(layers_in_use)
+    }
+
+    pub fn gc(&self, layers_in_use: &HashSet<String>) -> Result<usize, ImageError> {
+        let live = self.list()?;
+        let mut keep_layers = layers_in_use.clone();
+        let mut keep_manifests = HashSet::new();
+        for e in &live {
+            keep_manifests.insert(e.digest.clone());
+            keep_layers.extend(e.manifest.layers.iter().cloned());
+        }
+        let mut removed = 0;
+        let layers = self.root.join("layers");
+        for e in std::fs::read_dir(&layers).ctx(|| "listing layers".into())? {
+            let e = e.ctx(|| "listing layers".into())?;
+            let name = e.file_name().to_string_lossy().into_owned();
+            if valid_digest(&name) && !keep_layers.contains(&name) {
+                remove_tree(&e.path())?;
+                removed += 1;
+            }
+        }
+        let manifests = self.root.join("manifests");
+        for e in std::fs::read_dir(&manifests).ctx(|| "listing manifests".into())? {
+            let e = e.ctx(|| "listing manifests".into())?;
+            let name = e.file_name().to_string_lossy().into_owned();
+            let stem = name.trim_end_matches(".json");
+            if valid_digest(stem) && !keep_manifests.contains(stem) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+        Ok(removed)
+    }
+}
+
+fn write_atomic(tmp_dir: &Path, dest: &Path, bytes: &[u8]) -> Result<(), ImageError> {
+    let mut r = [0u8; 8];
+    dsec_common::id::fill_random(&mut r);
+    let tmp = tmp_dir.join(format!("w-{}", hex::encode(r)));
+    std::fs::write(&tmp, bytes).ctx(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, dest).ctx(|| format!("writing {}", dest.display()))
+}
+
+/// Removes a tree that may hold read-only directories.
+pub fn remove_tree(p: &Path) -> Result<(), ImageError> {
+    match std::fs::remove_dir_all(p) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(_) => {
+            let status = std::process::Command::new("rm")
+                .arg("-rf")
+                .arg("--one-file-system")
+                .arg(p)
+                .status()
+                .ctx(|| format!("removing {}", p.display()))?;
+            if status.success() {
+                Ok(())
+            } else {
+                Err(ImageError::Io {
+                    context: format!("removing {}", p.display()),
+                    source: std::io::Error::other("rm -rf failed"),
+                })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layer(store: &ImageStore, file: &str, content: &str) -> String {
+        let d = store.temp_dir("t").unwrap();
+        std::fs::write(d.join(file), content).unwrap();
+        store.add_layer(&d).unwrap().0
+    }
+
+    #[test]
+    fn layers_are_content_addressed_and_refs_resolve() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = ImageStore::open(tmp.path()).unwrap();
+        let a = layer(&store, "x", "1");
+        let a2 = layer(&store, "x", "1");
+        let b = layer(&store, "x", "2");
+        assert_eq!(a, a2, "same tree, same digest");
+        assert_ne!(a, b);
+        let m = Manifest {
+            schema_version: 1,
+            layers: vec![a.clone(), b.clone()],
+            env: BTreeMap::new(),
+            workdir: None,
+            created_ms: 1,
+            size_bytes: 2,
+            source: "test".into(),
+        };
+        let d = store.put_manifest(&m).unwrap();
+        let r = ImageRef::parse("root/t:1").unwrap();
+        store.tag(&r, &d).unwrap();
+        let (d2, m2) = store.resolve(&r).unwrap();
+        assert_eq!((d2, m2), (d, m));
+        assert_eq!(store.list().unwrap().len(), 1);
+        assert!(matches!(
+            store.resolve(&ImageRef::parse("root/none").unwrap()),
+            Err(ImageError::NotFound(_))
+        ));
+    }
+
+    #[test]
+    fn remove_collects_unreferenced_layers_only() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = ImageStore::open(tmp.path()).unwrap();
+        let shared = layer(&store, "s", "shared");
+        let own = layer(&store, "o", "own");
+        let mk = |layers: Vec<String>| Manifest {
+            schema_version: 1,
+            layers,
+            env: BTreeMap::new(),
+            workdir: None,
+            created_ms: 0,
+            size_bytes: 0,
+            source: String::new(),
+        };
+        let r1 = ImageRef::parse("root/a").unwrap();
+        let r2 = ImageRef::parse("root/b").unwrap();
+        store
+            .tag(&r1, &store.put_manifest(&mk(vec![shared.clone(), own.clone()])).unwrap())
+            .unwrap();
+        store
+            .tag(&r2, &store.put_manifest(&mk(vec![shared.clone()])).unwrap())
+            .unwrap();
+        assert_eq!(store.remove(&r1, &HashSet::new()).unwrap(), 1);
+        assert!(store.layer_path(&shared).is_dir());
+        assert!(!store.layer_path(&own).exists());
+        assert!(matches!(store.remove(&r1, &HashSet::new()), Err(ImageError::NotFound(_))));
+    }
+}

@@ -1,0 +1,62 @@
+//! The watcher: polls every edge and aggregates node state (capacity, load, backends,
+//! sandboxes per project) for the apiservers' placement. In the single-node `dsec up`
+//! there is one edge and the apiserver reads it directly; this crate holds the view type
+//! that the cluster watcher serves.
+
+use dsec_common::api::{ClusterStatus, NodeStatus};
+
+/// The aggregated view of every node.
+#[derive(Debug, Default, Clone)]
+pub struct ClusterView {
+    nodes: Vec<NodeStatus>,
+}
+
+impl ClusterView {
+    pub fn update(&mut self, node: NodeStatus) {
+        match self.nodes.iter_mut().find(|n| n.name == node.name) {
+            Some(n) => *n = node,
+            None => self.nodes.push(node),
+        }
+        self.nodes.sort_by(|a, b| a.name.cmp(&b.name));
+    }
+
+    pub fn status(&self) -> ClusterStatus {
+        ClusterStatus {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            nodes: self.nodes.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(name: &str, sandboxes: u64) -> NodeStatus {
+        NodeStatus {
+            name: name.into(),
+            healthy: true,
+            backends: vec![],
+            cgroup_mode: "v2".into(),
+            cpus: 2,
+            memory_total_mb: 1,
+            memory_available_mb: 1,
+            disk_free_mb: 1,
+            sandboxes,
+            committed_cpu_cores: 0.0,
+            committed_memory_mb: 0,
+        }
+    }
+
+    #[test]
+    fn update_replaces_a_node_and_keeps_order() {
+        let mut v = ClusterView::default();
+        v.update(node("b", 1));
+        v.update(node("a", 1));
+        v.update(node("b", 5));
+        let s = v.status();
+        assert_eq!(s.nodes.len(), 2);
+        assert_eq!(s.nodes[0].name, "a");
+        assert_eq!(s.nodes[1].sandboxes, 5);
+    }
+}
