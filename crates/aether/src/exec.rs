@@ -34,9 +34,17 @@ struct Capture {
     truncated: bool,
 }
 
-fn capture(mut r: impl Read + Send + 'static, cap: u64) -> mpsc::Receiver<Capture> {
+/// Starts a helper thread; fails (instead of panicking) when the pids limit is reached.
+fn spawn(f: impl FnOnce() + Send + 'static) -> Result<(), String> {
+    std::thread::Builder::new()
+        .spawn(f)
+        .map(|_| ())
+        .map_err(|e| format!("the sandbox is at its process limit (pids_limit): {e}"))
+}
+
+fn capture(mut r: impl Read + Send + 'static, cap: u64) -> Result<mpsc::Receiver<Capture>, String> {
     let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
+    spawn(move || {
         let mut out = Capture {
             data: Vec::new(),
             truncated: false,
@@ -57,8 +65,8 @@ fn capture(mut r: impl Read + Send + 'static, cap: u64) -> mpsc::Receiver<Captur
             }
         }
         let _ = tx.send(out);
-    });
-    rx
+    })?;
+    Ok(rx)
 }
 
 pub fn run(spec: ExecSpec, table: &Table, base: &Env) -> Result<ExecResult, String> {
@@ -93,25 +101,47 @@ pub fn run(spec: ExecSpec, table: &Table, base: &Env) -> Result<ExecResult, Stri
         child
     };
     let pid = child.id();
-    let out_rx = child.stdout.take().map(|s| capture(s, spec.max_output_bytes));
-    let err_rx = child.stderr.take().map(|s| capture(s, spec.max_output_bytes));
-    if let (Some(mut stdin), Some(data)) = (child.stdin.take(), spec.stdin) {
-        std::thread::spawn(move || {
-            let _ = stdin.write_all(data.as_bytes());
-        });
-    }
+    let kill_group = || unsafe {
+        // SAFETY: signalling the process group we created for this command.
+        libc::kill(-(pid as i32), libc::SIGKILL);
+    };
+    let helpers = (|| {
+        let out_rx = child.stdout.take().map(|s| capture(s, spec.max_output_bytes)).transpose()?;
+        let err_rx = child.stderr.take().map(|s| capture(s, spec.max_output_bytes)).transpose()?;
+        if let (Some(mut stdin), Some(data)) = (child.stdin.take(), spec.stdin.clone()) {
+            spawn(move || {
+                let _ = stdin.write_all(data.as_bytes());
+            })?;
+        }
+        Ok::<_, String>((out_rx, err_rx))
+    })();
+    let (out_rx, err_rx) = match helpers {
+        Ok(h) => h,
+        Err(e) => {
+            kill_group();
+            let _ = child.wait();
+            table.release(pid);
+            return Err(e);
+        }
+    };
     let (done_tx, done_rx) = mpsc::channel();
-    std::thread::spawn(move || {
+    // If no waiter thread can be made, the child is dropped unwaited and, once released
+    // from the table, reaped by the reaper.
+    let waiter = spawn(move || {
         let _ = done_tx.send(child.wait());
     });
+    if let Err(e) = waiter {
+        kill_group();
+        table.release(pid);
+        return Err(e);
+    }
     let mut timed_out = false;
     let status = match spec.timeout_ms {
         Some(ms) => match done_rx.recv_timeout(Duration::from_millis(ms)) {
             Ok(s) => s,
             Err(_) => {
                 timed_out = true;
-                // SAFETY: signalling the process group we created for this command.
-                unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
+                kill_group();
                 done_rx.recv().map_err(|e| e.to_string())?
             }
         },
@@ -120,8 +150,15 @@ pub fn run(spec: ExecSpec, table: &Table, base: &Env) -> Result<ExecResult, Stri
     table.release(pid);
     let status = status.map_err(|e| format!("waiting for the command: {e}"))?;
     if timed_out {
-        // Whatever the command left behind in its group goes too.
-        unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
+        // Whatever the command left behind in its group goes too. Members may still be
+        // forking while the signal goes out (a fork bomb), so repeat until none is left.
+        for _ in 0..500 {
+            // SAFETY: as in kill_group.
+            if unsafe { libc::kill(-(pid as i32), libc::SIGKILL) } != 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
     let collect = |rx: Option<mpsc::Receiver<Capture>>| {
         rx.and_then(|rx| rx.recv_timeout(PIPE_GRACE).ok())

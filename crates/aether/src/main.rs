@@ -37,9 +37,13 @@ fn main() {
     for conn in listener.incoming() {
         match conn {
             Ok(stream) => {
-                let table = table.clone();
-                let base_env = base_env.clone();
-                std::thread::spawn(move || serve(stream, &table, &base_env));
+                let (t, e) = (table.clone(), base_env.clone());
+                // Threads count against the sandbox's pids limit; when none can be made
+                // (a fork bomb), the connection is dropped, never the agent.
+                let spawned = std::thread::Builder::new().spawn(move || serve(stream, &t, &e));
+                if spawned.is_err() {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
             }
             Err(e) => {
                 eprintln!("dsec-aether: accept: {e}");

@@ -536,6 +536,9 @@ impl Edge {
         for t in tasks {
             let _ = t.await;
         }
+        if self.sandboxes.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+            cgroup::remove_parents(self.mode);
+        }
     }
 
     pub fn is_not_found(e: &ApiError) -> bool {

@@ -98,11 +98,19 @@ class DSecClient:
     async def close(self) -> None:
         await self._http.aclose()
 
-    async def _request(self, method: str, path: str, json: Any = None, timeout: float | None = None) -> Any:
-        try:
-            r = await self._http.request(method, path, json=json, timeout=timeout or self._timeout)
-        except httpx.TransportError as e:
-            raise DSecError("unavailable", f"cannot reach the OpenDsec API at {self.api_url}: {e}") from e
+    async def _request(self, method: str, path: str, json: Any = None, timeout: float | None = None,
+                       params: Any = None) -> Any:
+        # Reads and deletes are safe to send again when a pooled connection went stale
+        # (e.g. the server restarted); other calls are never repeated.
+        attempts = 2 if method in ("GET", "DELETE") else 1
+        for attempt in range(attempts):
+            try:
+                r = await self._http.request(method, path, json=json, params=params, timeout=timeout or self._timeout)
+                break
+            except httpx.TransportError as e:
+                if attempt + 1 < attempts:
+                    continue
+                raise DSecError("unavailable", f"cannot reach the OpenDsec API at {self.api_url}: {e}") from e
         if r.status_code >= 400:
             try:
                 body = r.json()
@@ -125,10 +133,8 @@ class DSecClient:
 
     async def list_sandboxes(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
         params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
-        r = await self._http.get("/v1/sandboxes", params=params)
-        if r.status_code >= 400:
-            raise from_response(r.status_code, r.json())
-        return [SandboxInfo.from_json(s) for s in r.json()["sandboxes"]]
+        r = await self._request("GET", "/v1/sandboxes", params=params)
+        return [SandboxInfo.from_json(s) for s in r["sandboxes"]]
 
     async def status(self) -> dict[str, Any]:
         return await self._request("GET", "/v1/status")

@@ -32,6 +32,9 @@ pub struct UpArgs {
     /// Node name (part of every sandbox id)
     #[arg(long)]
     pub node_name: Option<String>,
+    /// Image store directory (default: <data-dir>/images; a shared filesystem in a cluster)
+    #[arg(long, env = "DSEC_IMAGE_STORE")]
+    pub image_store: Option<PathBuf>,
     /// Stay in the foreground (what the systemd unit does)
     #[arg(long)]
     pub foreground: bool,
@@ -103,6 +106,9 @@ pub async fn up(a: UpArgs) -> Result<i32> {
     }
     if let Some(n) = &a.node_name {
         cmd.arg("--node-name").arg(n);
+    }
+    if let Some(s) = &a.image_store {
+        cmd.arg("--image-store").arg(s);
     }
     cmd.stdin(std::process::Stdio::null()).stdout(logf.try_clone()?).stderr(logf);
     // SAFETY: setsid between fork and exec: the server outlives this shell session.
@@ -187,6 +193,9 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
     }
     if let Some(n) = a.node_name {
         edge_cfg.name = n;
+    }
+    if let Some(s) = a.image_store {
+        edge_cfg.image_store = s;
     }
     let listen = if a.listen.to_string() == "127.0.0.1:7600" { server_cfg.listen.unwrap_or(a.listen) } else { a.listen };
     let keys = Arc::new(FileKeyStore::open(dir.join("iam/keys.json"))?);

@@ -98,6 +98,12 @@ pub fn remove(mode: CgroupMode, rel: &str) {
     }
 }
 
+/// Removes the shared parent cgroups once no sandbox uses them (at shutdown; during
+/// operation a concurrent create may be about to use them).
+pub fn remove_parents(mode: CgroupMode) {
+    remove(mode, "/dsec");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

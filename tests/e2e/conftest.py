@@ -1,0 +1,125 @@
+# SPDX-License-Identifier: AGPL-3.0-only
+"""End-to-end fixtures: one `dsec up` for the session (own data dir and port), images built
+once and kept between runs, and leak checks that look at the host itself."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DSEC = os.environ.get("DSEC_BIN", str(ROOT / "target/debug/dsec"))
+DATA = Path(os.environ.get("DSEC_TEST_DIR", "/var/tmp/dsec-test"))
+LISTEN = os.environ.get("DSEC_TEST_LISTEN", "127.0.0.1:7611")
+
+sys.path.insert(0, str(ROOT / "sdk/python"))
+
+from opendsec import DSecClient  # noqa: E402
+
+
+def dsec(*args: str, check: bool = True, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    e = dict(os.environ)
+    e["DSEC_CONFIG"] = str(DATA / "client.toml")
+    e.pop("DSEC_API_URL", None)
+    e.pop("DSEC_API_KEY", None)
+    if env:
+        e.update(env)
+    r = subprocess.run([DSEC, *args], capture_output=True, text=True, timeout=timeout, env=e)
+    if check and r.returncode != 0:
+        raise AssertionError(f"dsec {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def cgroup_mode() -> str:
+    if Path("/sys/fs/cgroup/cgroup.controllers").exists():
+        return "v2"
+    return "hybrid" if Path("/sys/fs/cgroup/unified/cgroup.controllers").exists() else "v1"
+
+
+def cgroup_file(controller: str, sandbox_id: str, name: str) -> Path:
+    if cgroup_mode() == "v2":
+        return Path("/sys/fs/cgroup/dsec") / sandbox_id / name
+    return Path("/sys/fs/cgroup") / controller / "dsec" / sandbox_id / name
+
+
+def leftovers(sandbox_id: str | None = None) -> list[str]:
+    """Everything a sandbox (or any, with None) could leave on the host."""
+    pat = sandbox_id or "*"
+    out: list[str] = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        mp = line.split()[4]
+        if mp.startswith(str(DATA / "edge/sandboxes")) and (sandbox_id is None or sandbox_id in mp):
+            out.append(f"mount {mp}")
+    cg = glob.glob(f"/sys/fs/cgroup/*/dsec/{pat}") + glob.glob(f"/sys/fs/cgroup/dsec/{pat}")
+    out += [f"cgroup {p}" for p in cg if os.path.isdir(p)]
+    out += [f"dir {p}" for p in glob.glob(str(DATA / "edge/sandboxes" / pat))]
+    out += [f"runtime state {p}" for p in glob.glob(str(DATA / f"edge/runtime/*/dsec-{pat}"))]
+    return out
+
+
+def aether_processes() -> list[int]:
+    pids = []
+    for p in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            if Path(p).read_bytes().startswith(b"/.dsec/aether"):
+                pids.append(int(p.split("/")[2]))
+        except OSError:
+            pass
+    return pids
+
+
+def build_images() -> None:
+    for spec in ("images/base.toml", "images/py-3.11.toml"):
+        dsec("image", "build", str(ROOT / spec), "--if-missing", "--data-dir", str(DATA), timeout=1800)
+
+
+def server_up(extra: tuple[str, ...] = ()) -> None:
+    dsec("up", "--data-dir", str(DATA), "--listen", LISTEN, *extra, timeout=120)
+
+
+def server_down(*extra: str) -> None:
+    dsec("down", "--data-dir", str(DATA), *extra, check=False, timeout=180)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def server():
+    if os.geteuid() != 0:
+        pytest.exit("the end-to-end tests create containers and need root", returncode=1)
+    DATA.mkdir(parents=True, exist_ok=True)
+    server_down()
+    build_images()
+    server_up()
+    os.environ["DSEC_CONFIG"] = str(DATA / "client.toml")
+    os.environ.pop("DSEC_API_URL", None)
+    os.environ.pop("DSEC_API_KEY", None)
+    yield
+    server_down()
+    left = leftovers()
+    assert not left, f"left behind after the session: {left}"
+    assert not aether_processes(), "sandbox processes outlived the server"
+
+
+@pytest.fixture
+async def client():
+    async with DSecClient() as c:
+        yield c
+        # Each test stops what it made; anything still listed here is a bug in the test
+        # or a leak in the server.
+        for s in await c.list_sandboxes():
+            await (await c.get_sandbox(s.id)).stop()
+
+
+def wait_for(pred, timeout: float = 10.0, every: float = 0.1):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(every)
+    return pred()

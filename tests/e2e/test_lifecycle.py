@@ -1,0 +1,97 @@
+# SPDX-License-Identifier: AGPL-3.0-only
+"""Exec details, TTL and keep-alive, fork of the filesystem, and restarts that disturb
+nothing."""
+
+import asyncio
+import os
+import signal
+import time
+
+from conftest import DATA, leftovers, server_down, server_up, wait_for
+from opendsec import DSecClient, DSecRunArgs, NotFoundError
+
+# Counts `sleep 1000` processes (the base image has no pgrep).
+COUNT_SLEEPS = "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' ' | grep -o 'sleep 100[0]' | wc -l"
+
+
+async def test_exec_env_cwd_stdin_exit_codes_and_timeout(client):
+    sb = await client.run_sandbox(DSecRunArgs(image="root/py:3.11", env={"FROM_CREATE": "c"}))
+    try:
+        r = await sb.run_shell("echo out; echo err >&2; exit 7")
+        assert (r.stdout, r.stderr, r.exit_code) == ("out\n", "err\n", 7)
+        r = await sb.exec(["sh", "-c", 'echo "$FROM_CREATE $X $(pwd)"'], env={"X": "x"}, cwd="/tmp")
+        assert r.stdout == "c x /tmp\n"
+        r = await sb.exec(["cat"], stdin="from stdin")
+        assert r.stdout == "from stdin"
+        t0 = time.monotonic()
+        r = await sb.run_shell("sleep 30", timeout=1)
+        assert r.timed_out and r.exit_code == 137
+        assert time.monotonic() - t0 < 10
+        r = await sb.exec(["python3", "-c", "import sys; sys.stdout.write('x' * (20 << 20))"])
+        assert r.stdout_truncated and len(r.stdout) == 16 << 20
+    finally:
+        await sb.stop()
+
+
+async def test_ttl_stops_sandbox_and_set_timeout_extends_it(client):
+    short = await client.run_sandbox(DSecRunArgs(image="root/base", ttl_seconds=2))
+    kept = await client.run_sandbox(DSecRunArgs(image="root/base", ttl_seconds=2))
+    idle = await client.run_sandbox(DSecRunArgs(image="root/base", idle_timeout_seconds=2))
+    info = await kept.set_timeout(60)
+    assert info.expires_at_ms > short.info.expires_at_ms + 50_000
+    await asyncio.sleep(4)
+    try:
+        await short.refresh()
+        raise AssertionError("sandbox outlived its TTL")
+    except NotFoundError:
+        pass
+    try:
+        await idle.refresh()
+        raise AssertionError("sandbox outlived its idle timeout")
+    except NotFoundError:
+        pass
+    assert (await kept.run_shell("echo alive")).stdout == "alive\n"
+    assert leftovers(short.id) == [] and leftovers(idle.id) == []
+    await kept.stop()
+
+
+async def test_fork_copies_files_not_memory_and_copies_are_independent(client):
+    src = await client.run_sandbox(DSecRunArgs(image="root/py:3.11", labels={"role": "src"}))
+    try:
+        await src.run_shell("mkdir -p /work && echo state-1 > /work/state && (sleep 1000 >/dev/null 2>&1 &)")
+        forks = await src.fork(count=3, labels={"role": "copy"})
+        assert len(forks) == 3
+        assert src.last_fork["memory_preserved"] is False
+        for i, f in enumerate(forks):
+            assert f.info.forked_from == src.id and f.info.labels["role"] == "copy"
+            r = await f.run_shell(f"cat /work/state; echo copy-{i} > /work/state; {COUNT_SLEEPS}")
+            assert r.stdout.splitlines()[0] == "state-1"
+            assert r.stdout.splitlines()[1] == "0", "a container fork must not carry processes"
+        assert (await src.run_shell(f"cat /work/state; {COUNT_SLEEPS}")).stdout == "state-1\n1\n"
+        for i, f in enumerate(forks):
+            assert (await f.run_shell("cat /work/state")).stdout == f"copy-{i}\n"
+            await f.stop()
+    finally:
+        await src.stop()
+
+
+async def test_restart_keeps_sandboxes_running(client):
+    sb = await client.run_sandbox(DSecRunArgs(image="root/py:3.11"))
+    await sb.run_shell("echo kept > /root/file; (sleep 1000 >/dev/null 2>&1 &)")
+    # A graceful restart that keeps sandboxes, then a kill -9 of the server.
+    server_down("--keep-sandboxes")
+    server_up()
+    async with DSecClient() as c2:
+        again = await c2.get_sandbox(sb.id)
+        assert again.info.state == "running"
+        r = await again.run_shell(f"cat /root/file; {COUNT_SLEEPS}")
+        assert r.stdout == "kept\n1\n"
+    pid = int((DATA / "dsec.pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    assert wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 10)
+    server_up()
+    async with DSecClient() as c3:
+        r = await (await c3.get_sandbox(sb.id)).run_shell(f"cat /root/file; {COUNT_SLEEPS}")
+        assert r.stdout == "kept\n1\n"
+        await (await c3.get_sandbox(sb.id)).stop()
+    assert leftovers(sb.id) == []
