@@ -27,14 +27,8 @@ pub fn start_reaper(table: Arc<Table>) {
         loop {
             // SAFETY: siginfo_t is plain data; waitid fills it.
             let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-            let rc = unsafe {
-                libc::waitid(
-                    libc::P_ALL,
-                    0,
-                    &mut info,
-                    libc::WEXITED | libc::WNOWAIT,
-                )
-            };
+            let rc =
+                unsafe { libc::waitid(libc::P_ALL, 0, &mut info, libc::WEXITED | libc::WNOWAIT) };
             if rc != 0 {
                 // ECHILD: no children at all right now.
                 std::thread::sleep(Duration::from_millis(20));

@@ -106,8 +106,16 @@ pub fn run(spec: ExecSpec, table: &Table, base: &Env) -> Result<ExecResult, Stri
         libc::kill(-(pid as i32), libc::SIGKILL);
     };
     let helpers = (|| {
-        let out_rx = child.stdout.take().map(|s| capture(s, spec.max_output_bytes)).transpose()?;
-        let err_rx = child.stderr.take().map(|s| capture(s, spec.max_output_bytes)).transpose()?;
+        let out_rx = child
+            .stdout
+            .take()
+            .map(|s| capture(s, spec.max_output_bytes))
+            .transpose()?;
+        let err_rx = child
+            .stderr
+            .take()
+            .map(|s| capture(s, spec.max_output_bytes))
+            .transpose()?;
         if let (Some(mut stdin), Some(data)) = (child.stdin.take(), spec.stdin.clone()) {
             spawn(move || {
                 let _ = stdin.write_all(data.as_bytes());

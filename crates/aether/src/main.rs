@@ -25,7 +25,9 @@ fn main() {
     unsafe {
         libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0);
         if libc::fcntl(LISTEN_FD, libc::F_SETFD, libc::FD_CLOEXEC) != 0 {
-            eprintln!("dsec-aether: no channel socket on fd {LISTEN_FD}; started outside a sandbox?");
+            eprintln!(
+                "dsec-aether: no channel socket on fd {LISTEN_FD}; started outside a sandbox?"
+            );
             std::process::exit(2);
         }
     }

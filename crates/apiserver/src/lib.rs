@@ -31,6 +31,7 @@ pub struct AppState {
 }
 
 /// An [`ApiError`] as an HTTP response: its status and `{"code","message"}`.
+#[derive(Debug)]
 pub struct Failure(pub ApiError);
 
 impl From<ApiError> for Failure {
@@ -41,7 +42,8 @@ impl From<ApiError> for Failure {
 
 impl IntoResponse for Failure {
     fn into_response(self) -> Response {
-        let status = StatusCode::from_u16(self.0.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let status = StatusCode::from_u16(self.0.code.http_status())
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         (status, axum::Json(self.0)).into_response()
     }
 }
@@ -55,10 +57,16 @@ fn json<T: serde::Serialize>(status: StatusCode, v: &T) -> Response {
 /// Parses a JSON body, saying what was wrong in terms of the request.
 fn body<T: DeserializeOwned>(bytes: &Bytes, what: &str) -> Result<T, Failure> {
     if bytes.is_empty() {
-        return Err(ApiError::invalid(format!("{what} needs a JSON body; see /openapi.json")).into());
+        return Err(
+            ApiError::invalid(format!("{what} needs a JSON body; see /openapi.json")).into(),
+        );
     }
     serde_json::from_slice(bytes).map_err(|e| {
-        let kind = if e.is_syntax() || e.is_eof() { "is not valid JSON" } else { "does not match the schema" };
+        let kind = if e.is_syntax() || e.is_eof() {
+            "is not valid JSON"
+        } else {
+            "does not match the schema"
+        };
         ApiError::invalid(format!("the {what} body {kind}: {e}; see /openapi.json")).into()
     })
 }
@@ -74,27 +82,41 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/images", get(images))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
-        .route("/healthz", get(|| async { axum::Json(serde_json::json!({"ok": true})) }))
+        .route(
+            "/healthz",
+            get(|| async { axum::Json(serde_json::json!({"ok": true})) }),
+        )
         .route(
             "/openapi.json",
             get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }),
         )
         .merge(api)
         .fallback(|| async {
-            Failure(ApiError::not_found("no such endpoint; the API is described at /openapi.json"))
+            Failure(ApiError::not_found(
+                "no such endpoint; the API is described at /openapi.json",
+            ))
         })
         .method_not_allowed_fallback(|| async {
-            Failure(ApiError::new(ErrorCode::InvalidArgument, "method not allowed on this endpoint; see /openapi.json"))
+            Failure(ApiError::new(
+                ErrorCode::InvalidArgument,
+                "method not allowed on this endpoint; see /openapi.json",
+            ))
         })
         .layer(DefaultBodyLimit::max(64 << 20))
         .with_state(state)
 }
 
 fn api_key(headers: &HeaderMap) -> Option<&str> {
-    if let Some(v) = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
+    if let Some(v) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    {
         return v.strip_prefix("Bearer ").map(str::trim);
     }
-    headers.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim)
+    headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
 }
 
 async fn auth(State(st): State<AppState>, req: Request, next: Next) -> Response {
@@ -146,7 +168,10 @@ fn label_filter(q: Option<&str>) -> ApiResult<BTreeMap<String, String>> {
     for pair in q.unwrap_or("").split('&').filter(|s| !s.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         if k != "label" {
-            return Err(ApiError::invalid(format!("unknown query parameter {k:?}; use label=KEY=VALUE")).into());
+            return Err(ApiError::invalid(format!(
+                "unknown query parameter {k:?}; use label=KEY=VALUE"
+            ))
+            .into());
         }
         let v = percent_decode(v);
         let (lk, lv) = v
@@ -165,7 +190,8 @@ fn percent_decode(s: &str) -> String {
         match b[i] {
             b'+' => out.push(b' '),
             b'%' if i + 2 < b.len() => {
-                match u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("zz"), 16) {
+                match u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("zz"), 16)
+                {
                     Ok(v) => {
                         out.push(v);
                         i += 2;
@@ -182,7 +208,12 @@ fn percent_decode(s: &str) -> String {
 
 async fn list(State(st): State<AppState>, RawQuery(q): RawQuery) -> ApiResult<Response> {
     let labels = label_filter(q.as_deref())?;
-    Ok(json(StatusCode::OK, &ListSandboxesResponse { sandboxes: st.edge.list(&labels) }))
+    Ok(json(
+        StatusCode::OK,
+        &ListSandboxesResponse {
+            sandboxes: st.edge.list(&labels),
+        },
+    ))
 }
 
 async fn get_one(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
@@ -196,22 +227,41 @@ async fn stop(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult<R
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
-async fn exec(State(st): State<AppState>, Path(id): Path<String>, bytes: Bytes) -> ApiResult<Response> {
+async fn exec(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
     route(&st, &id)?;
     let req: ExecRequest = body(&bytes, "exec")?;
     Ok(json(StatusCode::OK, &st.edge.exec(&id, req).await?))
 }
 
-async fn fork(State(st): State<AppState>, Path(id): Path<String>, bytes: Bytes) -> ApiResult<Response> {
+async fn fork(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
     route(&st, &id)?;
-    let req: ForkRequest = if bytes.is_empty() { body(&Bytes::from_static(b"{}"), "fork")? } else { body(&bytes, "fork")? };
+    let req: ForkRequest = if bytes.is_empty() {
+        body(&Bytes::from_static(b"{}"), "fork")?
+    } else {
+        body(&bytes, "fork")?
+    };
     Ok(json(StatusCode::CREATED, &st.edge.fork(&id, req).await?))
 }
 
-async fn set_timeout(State(st): State<AppState>, Path(id): Path<String>, bytes: Bytes) -> ApiResult<Response> {
+async fn set_timeout(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
     route(&st, &id)?;
     let req: SetTimeoutRequest = body(&bytes, "set timeout")?;
-    Ok(json(StatusCode::OK, &st.edge.set_timeout(&id, req.ttl_seconds).await?))
+    Ok(json(
+        StatusCode::OK,
+        &st.edge.set_timeout(&id, req.ttl_seconds).await?,
+    ))
 }
 
 async fn images(State(st): State<AppState>) -> ApiResult<Response> {
@@ -240,7 +290,15 @@ mod tests {
     #[test]
     fn openapi_document_is_valid_json_with_every_route() {
         let v: serde_json::Value = serde_json::from_str(OPENAPI).unwrap();
-        for p in ["/v1/sandboxes", "/v1/sandboxes/{id}", "/v1/sandboxes/{id}/exec", "/v1/sandboxes/{id}/fork", "/v1/sandboxes/{id}/timeout", "/v1/status", "/v1/images"] {
+        for p in [
+            "/v1/sandboxes",
+            "/v1/sandboxes/{id}",
+            "/v1/sandboxes/{id}/exec",
+            "/v1/sandboxes/{id}/fork",
+            "/v1/sandboxes/{id}/timeout",
+            "/v1/status",
+            "/v1/images",
+        ] {
             assert!(v["paths"].get(p).is_some(), "{p} missing from openapi.json");
         }
     }

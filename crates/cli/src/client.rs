@@ -24,7 +24,11 @@ pub struct Api {
 
 /// Where the client settings come from, in order: flags, environment, `data_dir`'s
 /// client.toml (when given), `$DSEC_CONFIG`, `~/.config/dsec/client.toml`.
-pub fn resolve(url: Option<&str>, key: Option<&str>, data_dir: Option<&Path>) -> Result<ClientConfig> {
+pub fn resolve(
+    url: Option<&str>,
+    key: Option<&str>,
+    data_dir: Option<&Path>,
+) -> Result<ClientConfig> {
     let file = data_dir
         .map(|d| d.join("client.toml"))
         .filter(|p| p.exists())
@@ -60,24 +64,35 @@ impl Api {
         })
     }
 
-    async fn send(&self, method: Method, path: &str, body: Option<Vec<u8>>) -> Result<(StatusCode, Bytes)> {
+    async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<(StatusCode, Bytes)> {
         let req = Request::builder()
             .method(method)
             .uri(format!("{}{path}", self.base))
             .header("authorization", format!("Bearer {}", self.key))
             .header("content-type", "application/json")
             .body(Full::new(Bytes::from(body.unwrap_or_default())))?;
-        let resp = self
-            .http
-            .request(req)
-            .await
-            .with_context(|| format!("cannot reach the OpenDsec API at {} (is `dsec up` running?)", self.base))?;
+        let resp = self.http.request(req).await.with_context(|| {
+            format!(
+                "cannot reach the OpenDsec API at {} (is `dsec up` running?)",
+                self.base
+            )
+        })?;
         let status = resp.status();
         let bytes = resp.into_body().collect().await?.to_bytes();
         Ok((status, bytes))
     }
 
-    pub async fn call<T: DeserializeOwned>(&self, method: Method, path: &str, body: Option<&impl Serialize>) -> Result<T> {
+    pub async fn call<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&impl Serialize>,
+    ) -> Result<T> {
         let body = body.map(serde_json::to_vec).transpose()?;
         let (status, bytes) = self.send(method, path, body).await?;
         if !status.is_success() {

@@ -11,7 +11,12 @@ use clap::{Parser, Subcommand};
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/dsec";
 
 #[derive(Parser)]
-#[command(name = "dsec", version, about = "OpenDsec: sandboxes for agents and RL rollouts", after_help = "Example:\n  dsec up && dsec run root/py:3.11 -- python3 -c 'print(6*7)'")]
+#[command(
+    name = "dsec",
+    version,
+    about = "OpenDsec: sandboxes for agents and RL rollouts",
+    after_help = "Example:\n  dsec up && dsec run root/py:3.11 -- python3 -c 'print(6*7)'"
+)]
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -53,7 +58,9 @@ enum Command {
     #[command(after_help = "Example:\n  dsec status --json")]
     Status(cmd::up::StatusArgs),
     /// Create a sandbox from an image; with a command, run it and print its output
-    #[command(after_help = "Example:\n  dsec run root/py:3.11 --memory 1024 -- python3 -c 'print(6*7)'\n  dsec run --rm root/base -- uname -a")]
+    #[command(
+        after_help = "Example:\n  dsec run root/py:3.11 --memory 1024 -- python3 -c 'print(6*7)'\n  dsec run --rm root/base -- uname -a"
+    )]
     Run(cmd::sandbox::RunArgs),
     /// Run a command in a sandbox
     #[command(after_help = "Example:\n  dsec exec local-0123456789ab -- ls -l /")]
@@ -68,7 +75,10 @@ enum Command {
     #[command(after_help = "Example:\n  dsec fork local-0123456789ab --count 4")]
     Fork(cmd::sandbox::ForkArgs),
     /// Extend a sandbox's lifetime
-    #[command(name = "set-timeout", after_help = "Example:\n  dsec set-timeout local-0123456789ab 3600")]
+    #[command(
+        name = "set-timeout",
+        after_help = "Example:\n  dsec set-timeout local-0123456789ab 3600"
+    )]
     SetTimeout(cmd::sandbox::TimeoutArgs),
     /// Build, list, inspect and remove images
     #[command(subcommand)]
@@ -77,7 +87,10 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");

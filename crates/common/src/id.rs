@@ -14,7 +14,9 @@ pub struct SandboxId {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("'{0}' is not a sandbox id: expected <edge>-<12 characters of [0-9a-z]>, as returned by create")]
+#[error(
+    "'{0}' is not a sandbox id: expected <edge>-<12 characters of [0-9a-z]>, as returned by create"
+)]
 pub struct BadId(pub String);
 
 impl SandboxId {

@@ -39,7 +39,10 @@ pub async fn call(sock: &Path, req: &Request, timeout: Duration) -> Result<Respo
     tokio::time::timeout(timeout, fut).await.map_err(|_| {
         ApiError::new(
             dsec_common::ErrorCode::DeadlineExceeded,
-            format!("the sandbox agent did not answer within {} s", timeout.as_secs_f64()),
+            format!(
+                "the sandbox agent did not answer within {} s",
+                timeout.as_secs_f64()
+            ),
         )
     })?
 }
@@ -51,7 +54,9 @@ pub async fn wait_ready(sock: &Path, within: Duration) -> Result<(), ApiError> {
         match call(sock, &Request::Ping, Duration::from_secs(2)).await {
             Ok(Response::Pong { .. }) => return Ok(()),
             Ok(other) => {
-                return Err(ApiError::internal(format!("unexpected reply to ping: {other:?}")));
+                return Err(ApiError::internal(format!(
+                    "unexpected reply to ping: {other:?}"
+                )));
             }
             Err(e) if tokio::time::Instant::now() >= deadline => {
                 return Err(ApiError::unavailable(format!(

@@ -60,12 +60,12 @@ pub struct Edge {
     fork_tmp: PathBuf,
 }
 
-fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> impl Future<Output = Result<T, ApiError>> {
-    async move {
-        tokio::task::spawn_blocking(f)
-            .await
-            .map_err(|e| ApiError::internal(format!("worker failed: {e}")))
-    }
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::internal(format!("worker failed: {e}")))
 }
 
 impl Edge {
@@ -157,7 +157,11 @@ impl Edge {
                 }
                 Err(dir) => {
                     tracing::warn!(dir = %dir.display(), "sandbox directory without a readable state; removing");
-                    let _ = std::process::Command::new("rm").arg("-rf").arg("--one-file-system").arg(&dir).status();
+                    let _ = std::process::Command::new("rm")
+                        .arg("-rf")
+                        .arg("--one-file-system")
+                        .arg(&dir)
+                        .status();
                 }
             }
         }
@@ -182,7 +186,11 @@ impl Edge {
             .unwrap_or_else(|p| p.into_inner())
             .get(id)
             .cloned()
-            .ok_or_else(|| ApiError::not_found(format!("sandbox {id} does not exist (it may have been stopped or its TTL ran out)")))
+            .ok_or_else(|| {
+                ApiError::not_found(format!(
+                    "sandbox {id} does not exist (it may have been stopped or its TTL ran out)"
+                ))
+            })
     }
 
     fn backend(&self, name: &str) -> Result<Arc<dyn Backend>, ApiError> {
@@ -194,7 +202,10 @@ impl Edge {
         })?;
         let st = b.status();
         if !st.available {
-            return Err(ApiError::unavailable(format!("backend {name} is unavailable on node {}: {}", self.cfg.name, st.detail)));
+            return Err(ApiError::unavailable(format!(
+                "backend {name} is unavailable on node {}: {}",
+                self.cfg.name, st.detail
+            )));
         }
         Ok(b)
     }
@@ -203,16 +214,21 @@ impl Edge {
         e.update(|r| r.last_activity_ms = now_ms());
     }
 
-    pub async fn create(self: &Arc<Self>, req: CreateSandboxRequest) -> Result<SandboxInfo, ApiError> {
+    pub async fn create(
+        self: &Arc<Self>,
+        req: CreateSandboxRequest,
+    ) -> Result<SandboxInfo, ApiError> {
         let v = validate::create(&self.cfg, &req)?;
         let backend = self.backend(&req.backend)?;
         let image = ImageRef::parse(&req.image).map_err(|e| ApiError::invalid(e.to_string()))?;
         let images = self.images.clone();
         let image2 = image.clone();
-        let (digest, manifest) = blocking(move || images.resolve(&image2)).await?.map_err(|e| match e {
-            dsec_image::ImageError::NotFound(_) => ApiError::not_found(e.to_string()),
-            other => ApiError::internal(other.to_string()),
-        })?;
+        let (digest, manifest) = blocking(move || images.resolve(&image2))
+            .await?
+            .map_err(|e| match e {
+                dsec_image::ImageError::NotFound(_) => ApiError::not_found(e.to_string()),
+                other => ApiError::internal(other.to_string()),
+            })?;
         let now = now_ms();
         let mut env = manifest.env.clone();
         env.extend(req.env.clone());
@@ -239,7 +255,11 @@ impl Edge {
     }
 
     fn admit(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
-        let running = self.sandboxes.lock().unwrap_or_else(|p| p.into_inner()).len() as u64;
+        let running = self
+            .sandboxes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len() as u64;
         let creating = self.creating.load(Ordering::SeqCst);
         if running + creating > self.cfg.max_sandboxes {
             return Err(ApiError::exhausted(format!(
@@ -259,7 +279,12 @@ impl Edge {
     }
 
     /// Starts `rec` on `backend`: the shared path of create and fork.
-    async fn launch(self: &Arc<Self>, backend: Arc<dyn Backend>, mut rec: SandboxRecord, seed: Option<PathBuf>) -> Result<SandboxInfo, ApiError> {
+    async fn launch(
+        self: &Arc<Self>,
+        backend: Arc<dyn Backend>,
+        mut rec: SandboxRecord,
+        seed: Option<PathBuf>,
+    ) -> Result<SandboxInfo, ApiError> {
         self.creating.fetch_add(1, Ordering::SeqCst);
         let result = async {
             self.admit(&rec)?;
@@ -309,15 +334,27 @@ impl Edge {
         out
     }
 
-    pub async fn exec(self: &Arc<Self>, id: &str, req: ExecRequest) -> Result<ExecResult, ApiError> {
+    pub async fn exec(
+        self: &Arc<Self>,
+        id: &str,
+        req: ExecRequest,
+    ) -> Result<ExecResult, ApiError> {
         let e = self.entry(id)?;
         let spec = validate::exec(&self.cfg, &req)?;
         let _g = e.op.read().await;
         let rec = e.snapshot();
         match rec.state {
             SandboxState::Running => {}
-            SandboxState::Paused => return Err(ApiError::precondition(format!("sandbox {id} is paused; resume it first"))),
-            s => return Err(ApiError::precondition(format!("sandbox {id} is {s:?}, not running"))),
+            SandboxState::Paused => {
+                return Err(ApiError::precondition(format!(
+                    "sandbox {id} is paused; resume it first"
+                )));
+            }
+            s => {
+                return Err(ApiError::precondition(format!(
+                    "sandbox {id} is {s:?}, not running"
+                )));
+            }
         }
         self.touch(&e);
         let backend = self.backend(&rec.backend)?;
@@ -338,23 +375,38 @@ impl Edge {
                 Ok(r)
             }
             Response::Error { message } => Err(ApiError::invalid(message)),
-            other => Err(ApiError::internal(format!("unexpected reply from sandbox agent: {other:?}"))),
+            other => Err(ApiError::internal(format!(
+                "unexpected reply from sandbox agent: {other:?}"
+            ))),
         }
     }
 
-    pub async fn fork(self: &Arc<Self>, id: &str, req: ForkRequest) -> Result<ForkResponse, ApiError> {
+    pub async fn fork(
+        self: &Arc<Self>,
+        id: &str,
+        req: ForkRequest,
+    ) -> Result<ForkResponse, ApiError> {
         let count = validate::fork_count(&req)?;
         let e = self.entry(id)?;
         let src = e.snapshot();
         let backend = self.backend(&src.backend)?;
         let mut seed_id = [0u8; 8];
         dsec_common::id::fill_random(&mut seed_id);
-        let seed = self.fork_tmp.join(format!("{}-{}", src.id, seed_id.iter().map(|b| format!("{b:02x}")).collect::<String>()));
+        let seed = self.fork_tmp.join(format!(
+            "{}-{}",
+            src.id,
+            seed_id
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>()
+        ));
         let paused_ms;
         {
             let _g = e.op.write().await;
             if e.snapshot().state != SandboxState::Running {
-                return Err(ApiError::precondition(format!("sandbox {id} is not running; only a running sandbox can be forked")));
+                return Err(ApiError::precondition(format!(
+                    "sandbox {id} is not running; only a running sandbox can be forked"
+                )));
             }
             self.touch(&e);
             let (b2, r2, p2, s2) = (backend.clone(), src.clone(), self.paths(id), seed.clone());
@@ -381,7 +433,11 @@ impl Edge {
                 id: SandboxId::generate(&self.cfg.name).to_string(),
                 state: SandboxState::Creating,
                 created_at_ms: now,
-                expires_at_ms: now + src.expires_at_ms.saturating_sub(src.created_at_ms).max(1000),
+                expires_at_ms: now
+                    + src
+                        .expires_at_ms
+                        .saturating_sub(src.created_at_ms)
+                        .max(1000),
                 last_activity_ms: now,
                 forked_from: Some(src.id.clone()),
                 oom_kills: 0,
@@ -389,7 +445,9 @@ impl Edge {
                 ..src.clone()
             };
             let (edge, b, s) = (self.clone(), backend.clone(), seed.clone());
-            tasks.push(tokio::spawn(async move { edge.launch(b, rec, Some(s)).await }));
+            tasks.push(tokio::spawn(
+                async move { edge.launch(b, rec, Some(s)).await },
+            ));
         }
         let mut made = Vec::new();
         let mut first_err = None;
@@ -400,17 +458,27 @@ impl Edge {
                     first_err.get_or_insert(err);
                 }
                 Err(join) => {
-                    first_err.get_or_insert(ApiError::internal(format!("fork worker failed: {join}")));
+                    first_err
+                        .get_or_insert(ApiError::internal(format!("fork worker failed: {join}")));
                 }
             }
         }
         let s2 = seed.clone();
-        let _ = blocking(move || std::process::Command::new("rm").arg("-rf").arg(&s2).status()).await;
+        let _ = blocking(move || {
+            std::process::Command::new("rm")
+                .arg("-rf")
+                .arg(&s2)
+                .status()
+        })
+        .await;
         if let Some(err) = first_err {
             for info in &made {
                 let _ = self.stop(&info.id).await;
             }
-            return Err(ApiError::new(err.code, format!("fork failed, no copies kept: {}", err.message)));
+            return Err(ApiError::new(
+                err.code,
+                format!("fork failed, no copies kept: {}", err.message),
+            ));
         }
         Ok(ForkResponse {
             sandboxes: made,
@@ -442,7 +510,10 @@ impl Edge {
             blocking(move || b.destroy(&r2, &paths)).await??;
         }
         let _ = std::fs::remove_dir_all(self.registry.dir(id));
-        self.sandboxes.lock().unwrap_or_else(|p| p.into_inner()).remove(id);
+        self.sandboxes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
         tracing::info!(sandbox = %id, "sandbox stopped");
         Ok(())
     }
@@ -504,7 +575,13 @@ impl Edge {
                 .is_some_and(|s| now >= rec.last_activity_ms + s * 1000);
             let dead = !expired && !idle && !agent_alive(&self.paths(&id).channel);
             if expired || idle || dead {
-                let why = if expired { "ttl expired" } else if idle { "idle timeout" } else { "sandbox died" };
+                let why = if expired {
+                    "ttl expired"
+                } else if idle {
+                    "idle timeout"
+                } else {
+                    "sandbox died"
+                };
                 tracing::info!(sandbox = %id, "{why}; stopping");
                 if let Err(e) = self.stop(&id).await {
                     tracing::warn!(sandbox = %id, "stopping: {}", e.message);
@@ -527,7 +604,13 @@ impl Edge {
 
     /// Stops every sandbox (for `dsec down`).
     pub async fn stop_all(self: &Arc<Self>) {
-        let ids: Vec<String> = self.sandboxes.lock().unwrap_or_else(|p| p.into_inner()).keys().cloned().collect();
+        let ids: Vec<String> = self
+            .sandboxes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .cloned()
+            .collect();
         let mut tasks = Vec::new();
         for id in ids {
             let edge = self.clone();
@@ -536,7 +619,12 @@ impl Edge {
         for t in tasks {
             let _ = t.await;
         }
-        if self.sandboxes.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+        if self
+            .sandboxes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty()
+        {
             cgroup::remove_parents(self.mode);
         }
     }
@@ -555,6 +643,9 @@ impl Edge {
 fn agent_alive(sock: &Path) -> bool {
     match std::os::unix::net::UnixStream::connect(sock) {
         Ok(_) => true,
-        Err(e) => e.kind() != std::io::ErrorKind::ConnectionRefused && e.kind() != std::io::ErrorKind::NotFound,
+        Err(e) => {
+            e.kind() != std::io::ErrorKind::ConnectionRefused
+                && e.kind() != std::io::ErrorKind::NotFound
+        }
     }
 }

@@ -32,12 +32,24 @@ pub fn ttl(cfg: &EdgeConfig, field: &str, v: f64) -> Result<u64, ApiError> {
 
 pub fn create(cfg: &EdgeConfig, req: &CreateSandboxRequest) -> Result<CreateParams, ApiError> {
     if req.image.trim().is_empty() {
-        return Err(ApiError::invalid("image is required, e.g. \"root/py:3.11\" (see `dsec image ls`)"));
+        return Err(ApiError::invalid(
+            "image is required, e.g. \"root/py:3.11\" (see `dsec image ls`)",
+        ));
     }
     let (total_mb, _) = host::memory_mb();
-    let max_cpu = if cfg.max.cpu_cores > 0.0 { cfg.max.cpu_cores } else { host::cpus() as f64 };
-    let max_mem = if cfg.max.memory_mb > 0 { cfg.max.memory_mb } else { total_mb.max(16) };
-    let cpu = req.cpu_cores_limit.unwrap_or(cfg.defaults.cpu_cores.min(max_cpu));
+    let max_cpu = if cfg.max.cpu_cores > 0.0 {
+        cfg.max.cpu_cores
+    } else {
+        host::cpus() as f64
+    };
+    let max_mem = if cfg.max.memory_mb > 0 {
+        cfg.max.memory_mb
+    } else {
+        total_mb.max(16)
+    };
+    let cpu = req
+        .cpu_cores_limit
+        .unwrap_or(cfg.defaults.cpu_cores.min(max_cpu));
     if !cpu.is_finite() || cpu < 0.01 || cpu > max_cpu {
         return Err(ApiError::invalid(format!(
             "cpu_cores_limit must be from 0.01 to {max_cpu} (this node's limit) (got {cpu})"
@@ -57,16 +69,36 @@ pub fn create(cfg: &EdgeConfig, req: &CreateSandboxRequest) -> Result<CreatePara
         cfg.max.disk_mb,
         " MiB",
     )?;
-    let pids = whole("pids_limit", req.pids_limit.unwrap_or(cfg.defaults.pids as f64), 16, cfg.max.pids, "")?;
-    let ttl_seconds = ttl(cfg, "ttl_seconds", req.ttl_seconds.unwrap_or(cfg.defaults.ttl_seconds as f64))?;
+    let pids = whole(
+        "pids_limit",
+        req.pids_limit.unwrap_or(cfg.defaults.pids as f64),
+        16,
+        cfg.max.pids,
+        "",
+    )?;
+    let ttl_seconds = ttl(
+        cfg,
+        "ttl_seconds",
+        req.ttl_seconds.unwrap_or(cfg.defaults.ttl_seconds as f64),
+    )?;
     let idle_timeout_seconds = req
         .idle_timeout_seconds
-        .map(|v| whole("idle_timeout_seconds", v, 1, cfg.max.ttl_seconds, " seconds"))
+        .map(|v| {
+            whole(
+                "idle_timeout_seconds",
+                v,
+                1,
+                cfg.max.ttl_seconds,
+                " seconds",
+            )
+        })
         .transpose()?;
     labels(&req.labels)?;
     for (k, v) in &req.env {
         if k.is_empty() || k.contains(['=', '\0']) || v.contains('\0') {
-            return Err(ApiError::invalid(format!("env variable {k:?} is not valid: names must be non-empty without '=' or NUL")));
+            return Err(ApiError::invalid(format!(
+                "env variable {k:?} is not valid: names must be non-empty without '=' or NUL"
+            )));
         }
     }
     Ok(CreateParams {
@@ -83,7 +115,10 @@ pub fn create(cfg: &EdgeConfig, req: &CreateSandboxRequest) -> Result<CreatePara
 
 pub fn labels(l: &std::collections::BTreeMap<String, String>) -> Result<(), ApiError> {
     if l.len() > MAX_LABELS {
-        return Err(ApiError::invalid(format!("at most {MAX_LABELS} labels (got {})", l.len())));
+        return Err(ApiError::invalid(format!(
+            "at most {MAX_LABELS} labels (got {})",
+            l.len()
+        )));
     }
     for (k, v) in l {
         if k.is_empty() || k.len() > 128 || v.len() > 1024 || k.contains(['=', ',']) {
@@ -100,22 +135,34 @@ pub fn exec(cfg: &EdgeConfig, req: &ExecRequest) -> Result<ExecSpec, ApiError> {
         (Some(c), None) => vec!["/bin/sh".to_string(), "-c".to_string(), c.clone()],
         (None, Some(a)) if !a.is_empty() => a.clone(),
         (None, Some(_)) => return Err(ApiError::invalid("argv must not be empty")),
-        _ => return Err(ApiError::invalid("give exactly one of cmd (a shell command line) or argv (a program and its arguments)")),
+        _ => {
+            return Err(ApiError::invalid(
+                "give exactly one of cmd (a shell command line) or argv (a program and its arguments)",
+            ));
+        }
     };
     if argv.iter().any(|a| a.contains('\0')) {
-        return Err(ApiError::invalid("command arguments must not contain NUL bytes"));
+        return Err(ApiError::invalid(
+            "command arguments must not contain NUL bytes",
+        ));
     }
     if let Some(cwd) = &req.cwd
         && !cwd.starts_with('/')
     {
-        return Err(ApiError::invalid(format!("cwd must be an absolute path (got {cwd:?})")));
+        return Err(ApiError::invalid(format!(
+            "cwd must be an absolute path (got {cwd:?})"
+        )));
     }
     for k in req.env.keys() {
         if k.is_empty() || k.contains(['=', '\0']) {
-            return Err(ApiError::invalid(format!("env variable {k:?} is not valid")));
+            return Err(ApiError::invalid(format!(
+                "env variable {k:?} is not valid"
+            )));
         }
     }
-    let timeout = req.timeout_seconds.unwrap_or(cfg.default_exec_timeout_seconds);
+    let timeout = req
+        .timeout_seconds
+        .unwrap_or(cfg.default_exec_timeout_seconds);
     if !timeout.is_finite() || timeout <= 0.0 || timeout > cfg.max.ttl_seconds as f64 {
         return Err(ApiError::invalid(format!(
             "timeout_seconds must be more than 0 and at most {} (got {timeout})",
@@ -157,7 +204,10 @@ mod tests {
         let err = |f: fn(&mut CreateSandboxRequest)| {
             let mut r = req();
             f(&mut r);
-            create(&cfg, &r).err().map(|e| e.message).unwrap_or_default()
+            create(&cfg, &r)
+                .err()
+                .map(|e| e.message)
+                .unwrap_or_default()
         };
         assert!(err(|r| r.memory_limit_mb = Some(0.0)).starts_with("memory_limit_mb must be"));
         assert!(err(|r| r.memory_limit_mb = Some(-5.0)).contains("got -5"));
@@ -180,9 +230,20 @@ mod tests {
             ..Default::default()
         };
         assert!(exec(&cfg, &both).is_err());
-        let spec = exec(&cfg, &ExecRequest { cmd: Some("echo hi".into()), ..Default::default() }).unwrap();
+        let spec = exec(
+            &cfg,
+            &ExecRequest {
+                cmd: Some("echo hi".into()),
+                ..Default::default()
+            },
+        )
+        .unwrap();
         assert_eq!(spec.argv, ["/bin/sh", "-c", "echo hi"]);
-        let rel = ExecRequest { cmd: Some("ls".into()), cwd: Some("tmp".into()), ..Default::default() };
+        let rel = ExecRequest {
+            cmd: Some("ls".into()),
+            cwd: Some("tmp".into()),
+            ..Default::default()
+        };
         assert!(exec(&cfg, &rel).unwrap_err().message.contains("absolute"));
     }
 }

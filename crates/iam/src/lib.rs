@@ -157,7 +157,10 @@ mod tests {
         let key = store.create_key("admin", Role::Admin).unwrap();
         assert!(key.starts_with("dsk.") && key.len() == 36);
         let on_disk = std::fs::read_to_string(&p).unwrap();
-        assert!(!on_disk.contains(&key[4..]), "plaintext key written to disk");
+        assert!(
+            !on_disk.contains(&key[4..]),
+            "plaintext key written to disk"
+        );
         let reopened = FileKeyStore::open(&p).unwrap();
         assert_eq!(reopened.authenticate(&key).unwrap().role, Role::Admin);
         assert!(reopened.authenticate("dsk.wrong").is_none());

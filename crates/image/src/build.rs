@@ -117,15 +117,34 @@ impl BuildSpec {
             }
             (None, Some(d)) => {
                 if let Some(p) = d.packages.iter().find(|p| !valid_package(p)) {
-                    return Err(ImageError::Build(format!("{p:?} is not a Debian package name")));
+                    return Err(ImageError::Build(format!(
+                        "{p:?} is not a Debian package name"
+                    )));
                 }
                 if !d.suite.bytes().all(|b| b.is_ascii_lowercase() || b == b'-') {
-                    return Err(ImageError::Build(format!("{:?} is not a Debian suite", d.suite)));
+                    return Err(ImageError::Build(format!(
+                        "{:?} is not a Debian suite",
+                        d.suite
+                    )));
                 }
-                if !["extract", "custom", "essential", "apt", "required", "minbase", "buildd", "important", "debootstrap", "standard"]
-                    .contains(&d.variant.as_str())
+                if ![
+                    "extract",
+                    "custom",
+                    "essential",
+                    "apt",
+                    "required",
+                    "minbase",
+                    "buildd",
+                    "important",
+                    "debootstrap",
+                    "standard",
+                ]
+                .contains(&d.variant.as_str())
                 {
-                    return Err(ImageError::Build(format!("{:?} is not an mmdebstrap variant", d.variant)));
+                    return Err(ImageError::Build(format!(
+                        "{:?} is not an mmdebstrap variant",
+                        d.variant
+                    )));
                 }
             }
             _ => {
@@ -170,7 +189,13 @@ pub fn build(
         Some(f) => {
             let r = ImageRef::parse(f)?;
             let (_, m) = store.resolve(&r)?;
-            (m.layers, m.env, m.workdir, m.size_bytes, format!("from {r}"))
+            (
+                m.layers,
+                m.env,
+                m.workdir,
+                m.size_bytes,
+                format!("from {r}"),
+            )
         }
         None => (Vec::new(), BTreeMap::new(), None, 0, String::new()),
     };
@@ -179,7 +204,11 @@ pub fn build(
             "mmdebstrap {} ({}) with {}",
             d.suite,
             d.variant,
-            if d.packages.is_empty() { "no extra packages".to_string() } else { d.packages.join(", ") }
+            if d.packages.is_empty() {
+                "no extra packages".to_string()
+            } else {
+                d.packages.join(", ")
+            }
         ));
         let (digest, sz) = debian_layer(store, d, progress)?;
         progress(&format!("layer {} ({} MiB)", &digest[..12], sz >> 20));
@@ -199,7 +228,10 @@ pub fn build(
     for (i, step) in spec.steps.iter().enumerate() {
         let n = i + 1;
         if let Some(e) = &step.env {
-            progress(&format!("step {n}: env {}", e.keys().cloned().collect::<Vec<_>>().join(" ")));
+            progress(&format!(
+                "step {n}: env {}",
+                e.keys().cloned().collect::<Vec<_>>().join(" ")
+            ));
             env.extend(e.clone());
             continue;
         }
@@ -251,8 +283,14 @@ pub fn build(
 }
 
 /// Runs a child and forwards each line of its combined output to `progress`.
-fn run_logged(cmd: &mut Command, what: &str, progress: &mut dyn FnMut(&str)) -> Result<(), ImageError> {
-    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+fn run_logged(
+    cmd: &mut Command,
+    what: &str,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(), ImageError> {
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     let mut child = cmd.spawn().ctx(|| format!("starting {what}"))?;
     let stdout = child.stdout.take();
     let (tx, rx) = std::sync::mpsc::channel::<String>();
@@ -366,15 +404,28 @@ if [ -n "$RESOLV" ]; then umount "$M/etc/resolv.conf"; [ -s "$D/upper/etc/resolv
 exit $rc
 "#;
     let mut c = Command::new("unshare");
-    c.args(["--mount", "--pid", "--fork", "--kill-child", "--propagation", "private", "sh", "-c", script])
-        .env_clear()
-        .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
-        .env("DEBIAN_FRONTEND", "noninteractive")
-        .env("HOME", "/root")
-        .envs(env)
-        .env("L", lower)
-        .env("D", dir)
-        .env("STEP_CMD", cmd);
+    c.args([
+        "--mount",
+        "--pid",
+        "--fork",
+        "--kill-child",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        script,
+    ])
+    .env_clear()
+    .env(
+        "PATH",
+        "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    )
+    .env("DEBIAN_FRONTEND", "noninteractive")
+    .env("HOME", "/root")
+    .envs(env)
+    .env("L", lower)
+    .env("D", dir)
+    .env("STEP_CMD", cmd);
     run_logged(&mut c, &format!("step `{cmd}`"), progress)?;
     let _ = remove_tree(&dir.join("work"));
     Ok(())
@@ -394,8 +445,14 @@ mod tests {
         let err = |t: &str| BuildSpec::parse(t).unwrap_err().to_string();
         assert!(err("name = \"root/x\"\n").contains("exactly one base"));
         assert!(err("name = \"root/x\"\n[debian]\npackages = [\"a;rm\"]\n").contains("package"));
-        assert!(err("name = \"root/x\"\nfrom = \"root/b\"\n[[step]]\nfile = \"/a/../../b\"\n").contains(".."));
-        assert!(err("name = \"root/x\"\nfrom = \"root/b\"\n[[step]]\nrun = \"a\"\nfile = \"/b\"\n").contains("exactly one"));
+        assert!(
+            err("name = \"root/x\"\nfrom = \"root/b\"\n[[step]]\nfile = \"/a/../../b\"\n")
+                .contains("..")
+        );
+        assert!(
+            err("name = \"root/x\"\nfrom = \"root/b\"\n[[step]]\nrun = \"a\"\nfile = \"/b\"\n")
+                .contains("exactly one")
+        );
         assert!(err("name = \"Bad\"\nfrom = \"root/b\"\n").contains("not a valid image reference"));
         assert!(err("name = \"root/x\"\nfrom = \"root/b\"\nbogus = 1\n").contains("unknown field"));
     }
@@ -416,21 +473,31 @@ mod tests {
             size_bytes: 0,
             source: String::new(),
         };
-        store.tag(&ImageRef::parse("root/b").unwrap(), &store.put_manifest(&m).unwrap()).unwrap();
+        store
+            .tag(
+                &ImageRef::parse("root/b").unwrap(),
+                &store.put_manifest(&m).unwrap(),
+            )
+            .unwrap();
         let spec = BuildSpec::parse(
             "name = \"root/c:1\"\nfrom = \"root/b\"\n[[step]]\nenv = { A = \"1\" }\n[[step]]\nfile = \"/etc/motd\"\ncontent = \"hi\"\nmode = \"0600\"\n",
         )
         .unwrap();
         let mut lines = Vec::new();
         build(&store, &spec, &mut |s| lines.push(s.to_string())).unwrap();
-        let (_, m) = store.resolve(&ImageRef::parse("root/c:1").unwrap()).unwrap();
+        let (_, m) = store
+            .resolve(&ImageRef::parse("root/c:1").unwrap())
+            .unwrap();
         assert_eq!(m.layers.len(), 2);
         assert_eq!(m.layers[0], l);
         assert_eq!(m.env["A"], "1");
         let motd = store.layer_path(&m.layers[1]).join("etc/motd");
         assert_eq!(std::fs::read_to_string(&motd).unwrap(), "hi");
         use std::os::unix::fs::PermissionsExt;
-        assert_eq!(std::fs::metadata(&motd).unwrap().permissions().mode() & 0o777, 0o600);
+        assert_eq!(
+            std::fs::metadata(&motd).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
         assert!(lines.iter().any(|l| l.contains("tagged root/c:1")));
     }
 }

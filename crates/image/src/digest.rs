@@ -15,7 +15,9 @@ pub fn sha256_hex(data: &[u8]) -> String {
 }
 
 pub fn valid_digest(s: &str) -> bool {
-    s.len() == 64 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    s.len() == 64
+        && s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
 /// Digest of a directory tree, and its size in bytes (the tar stream's length).
@@ -52,9 +54,7 @@ pub fn tree_digest(dir: &Path) -> Result<(String, u64), ImageError> {
             hasher.update(&buf[..n]);
         }
     }
-    let output = child
-        .wait_with_output()
-        .ctx(|| "waiting for tar".into())?;
+    let output = child.wait_with_output().ctx(|| "waiting for tar".into())?;
     if !output.status.success() {
         return Err(ImageError::Build(format!(
             "tar failed on {}: {}",

@@ -21,7 +21,9 @@ pub use store::{ImageStore, Manifest};
 pub enum ImageError {
     #[error("{0}")]
     BadReference(String),
-    #[error("image {0} does not exist in the image store; build it with `dsec image build` or list images with `dsec image ls`")]
+    #[error(
+        "image {0} does not exist in the image store; build it with `dsec image build` or list images with `dsec image ls`"
+    )]
     NotFound(String),
     #[error("image store is damaged: {0}")]
     Corrupt(String),

@@ -24,7 +24,8 @@ fn valid_tag(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 128
         && s.as_bytes()[0].is_ascii_alphanumeric()
-        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
 }
 
 impl ImageRef {
@@ -89,8 +90,18 @@ mod tests {
     #[test]
     fn rejects_path_tricks_and_bad_names() {
         for bad in [
-            "", "py", "root/../x", "../etc/passwd", "/root/py", "root//py", "root/py:",
-            "root/py:../x", "Root/py", "root/.hidden", "root/py:a/b", "root/p y",
+            "",
+            "py",
+            "root/../x",
+            "../etc/passwd",
+            "/root/py",
+            "root//py",
+            "root/py:",
+            "root/py:../x",
+            "Root/py",
+            "root/.hidden",
+            "root/py:a/b",
+            "root/p y",
         ] {
             assert!(ImageRef::parse(bad).is_err(), "{bad} accepted");
         }

@@ -81,8 +81,7 @@ impl ImageStore {
         if dest.exists() {
             remove_tree(dir)?;
         } else {
-            std::fs::rename(dir, &dest)
-                .ctx(|| format!("moving layer into {}", dest.display()))?;
+            std::fs::rename(dir, &dest).ctx(|| format!("moving layer into {}", dest.display()))?;
         }
         Ok((digest, size))
     }
@@ -98,7 +97,9 @@ impl ImageStore {
 
     pub fn manifest(&self, digest: &str) -> Result<Manifest, ImageError> {
         if !valid_digest(digest) {
-            return Err(ImageError::Corrupt(format!("bad manifest digest {digest:?}")));
+            return Err(ImageError::Corrupt(format!(
+                "bad manifest digest {digest:?}"
+            )));
         }
         let p = self.root.join("manifests").join(format!("{digest}.json"));
         let bytes = std::fs::read(&p).ctx(|| format!("reading {}", p.display()))?;
@@ -106,7 +107,10 @@ impl ImageStore {
             .map_err(|e| ImageError::Corrupt(format!("{}: {e}", p.display())))?;
         for l in &m.layers {
             if !valid_digest(l) {
-                return Err(ImageError::Corrupt(format!("{}: bad layer {l:?}", p.display())));
+                return Err(ImageError::Corrupt(format!(
+                    "{}: bad layer {l:?}",
+                    p.display()
+                )));
             }
         }
         Ok(m)
@@ -133,7 +137,9 @@ impl ImageStore {
         let m = self.manifest(&digest)?;
         for l in &m.layers {
             if !self.layer_path(l).is_dir() {
-                return Err(ImageError::Corrupt(format!("image {r}: layer {l} is missing")));
+                return Err(ImageError::Corrupt(format!(
+                    "image {r}: layer {l} is missing"
+                )));
             }
         }
         Ok((digest, m))
@@ -151,12 +157,16 @@ impl ImageStore {
                     stack.push(p);
                     continue;
                 }
-                let Ok(rel) = p.strip_prefix(&refs) else { continue };
+                let Ok(rel) = p.strip_prefix(&refs) else {
+                    continue;
+                };
                 let parts: Vec<String> = rel
                     .iter()
                     .map(|c| c.to_string_lossy().into_owned())
                     .collect();
-                let Some((tag, repo)) = parts.split_last() else { continue };
+                let Some((tag, repo)) = parts.split_last() else {
+                    continue;
+                };
                 let Ok(r) = ImageRef::parse(&format!("{}:{tag}", repo.join("/"))) else {
                     continue;
                 };
@@ -312,7 +322,12 @@ mod tests {
         let r1 = ImageRef::parse("root/a").unwrap();
         let r2 = ImageRef::parse("root/b").unwrap();
         store
-            .tag(&r1, &store.put_manifest(&mk(vec![shared.clone(), own.clone()])).unwrap())
+            .tag(
+                &r1,
+                &store
+                    .put_manifest(&mk(vec![shared.clone(), own.clone()]))
+                    .unwrap(),
+            )
             .unwrap();
         store
             .tag(&r2, &store.put_manifest(&mk(vec![shared.clone()])).unwrap())
@@ -320,6 +335,9 @@ mod tests {
         assert_eq!(store.remove(&r1, &HashSet::new()).unwrap(), 1);
         assert!(store.layer_path(&shared).is_dir());
         assert!(!store.layer_path(&own).exists());
-        assert!(matches!(store.remove(&r1, &HashSet::new()), Err(ImageError::NotFound(_))));
+        assert!(matches!(
+            store.remove(&r1, &HashSet::new()),
+            Err(ImageError::NotFound(_))
+        ));
     }
 }

@@ -13,7 +13,9 @@ use crate::{DataDirArg, output};
 #[derive(clap::Subcommand)]
 pub enum ImageCommand {
     /// Build an image from a spec file (Debian packages + steps)
-    #[command(after_help = "Example:\n  dsec image build images/py-3.11.toml\n\nSpec format:\n  name = \"root/py:3.11\"\n  [debian]\n  packages = [\"python3\"]\n  [[step]]\n  run = \"echo hi > /etc/motd\"")]
+    #[command(
+        after_help = "Example:\n  dsec image build images/py-3.11.toml\n\nSpec format:\n  name = \"root/py:3.11\"\n  [debian]\n  packages = [\"python3\"]\n  [[step]]\n  run = \"echo hi > /etc/motd\""
+    )]
     Build(BuildArgs),
     /// List images
     #[command(after_help = "Example:\n  dsec image ls --json")]
@@ -56,7 +58,10 @@ pub struct RefArgs {
 }
 
 fn open(a: &StoreArgs) -> Result<ImageStore> {
-    let root = a.store.clone().unwrap_or_else(|| a.data.data_dir.join("images"));
+    let root = a
+        .store
+        .clone()
+        .unwrap_or_else(|| a.data.data_dir.join("images"));
     Ok(ImageStore::open(root)?)
 }
 
@@ -82,7 +87,8 @@ pub async fn run(c: ImageCommand) -> Result<i32> {
 fn run_blocking(c: ImageCommand) -> Result<i32> {
     match c {
         ImageCommand::Build(a) => {
-            let text = std::fs::read_to_string(&a.spec).with_context(|| format!("reading {}", a.spec.display()))?;
+            let text = std::fs::read_to_string(&a.spec)
+                .with_context(|| format!("reading {}", a.spec.display()))?;
             let spec = BuildSpec::parse(&text)?;
             let store = open(&a.store)?;
             let name = ImageRef::parse(&spec.name)?;
@@ -100,7 +106,10 @@ fn run_blocking(c: ImageCommand) -> Result<i32> {
             }
             let mut step = String::new();
             let digest = dsec_image::build::build(&store, &spec, &mut |line: &str| {
-                let is_step = line.starts_with("step ") || line.starts_with("mmdebstrap ") || line.starts_with("layer ") || line.starts_with("tagged ");
+                let is_step = line.starts_with("step ")
+                    || line.starts_with("mmdebstrap ")
+                    || line.starts_with("layer ")
+                    || line.starts_with("tagged ");
                 if is_step {
                     step = line.to_string();
                 }
@@ -108,7 +117,11 @@ fn run_blocking(c: ImageCommand) -> Result<i32> {
                     if is_step {
                         bar.println(format!("==> {line}"));
                     }
-                    bar.set_message(format!("[{:>4.0}s] {}", t0.elapsed().as_secs_f64(), line.chars().take(100).collect::<String>()));
+                    bar.set_message(format!(
+                        "[{:>4.0}s] {}",
+                        t0.elapsed().as_secs_f64(),
+                        line.chars().take(100).collect::<String>()
+                    ));
                 } else if !a.store.json {
                     eprintln!("{line}");
                 }
@@ -116,9 +129,15 @@ fn run_blocking(c: ImageCommand) -> Result<i32> {
             bar.finish_and_clear();
             let digest = digest?;
             if a.store.json {
-                output::print_json(&serde_json::json!({"reference": name.to_string(), "digest": digest, "seconds": t0.elapsed().as_secs_f64()}));
+                output::print_json(
+                    &serde_json::json!({"reference": name.to_string(), "digest": digest, "seconds": t0.elapsed().as_secs_f64()}),
+                );
             } else {
-                println!("built {name} ({}) in {:.1} s", &digest[..12], t0.elapsed().as_secs_f64());
+                println!(
+                    "built {name} ({}) in {:.1} s",
+                    &digest[..12],
+                    t0.elapsed().as_secs_f64()
+                );
             }
             Ok(0)
         }
@@ -140,13 +159,18 @@ fn run_blocking(c: ImageCommand) -> Result<i32> {
                     ]
                 })
                 .collect();
-            println!("{}", output::table(&["reference", "digest", "layers", "size", "created"], rows));
+            println!(
+                "{}",
+                output::table(&["reference", "digest", "layers", "size", "created"], rows)
+            );
             Ok(0)
         }
         ImageCommand::Inspect(a) => {
             let r = ImageRef::parse(&a.reference)?;
             let (digest, m) = open(&a.store)?.resolve(&r)?;
-            output::print_json(&serde_json::json!({"reference": r.to_string(), "digest": digest, "manifest": m}));
+            output::print_json(
+                &serde_json::json!({"reference": r.to_string(), "digest": digest, "manifest": m}),
+            );
             Ok(0)
         }
         ImageCommand::Rm(a) => {

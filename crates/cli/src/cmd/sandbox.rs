@@ -13,7 +13,11 @@ use crate::client::{self, Api};
 use crate::{ApiArgs, output};
 
 fn api(a: &ApiArgs) -> Result<Api> {
-    Api::new(&client::resolve(a.api_url.as_deref(), a.api_key.as_deref(), None)?)
+    Api::new(&client::resolve(
+        a.api_url.as_deref(),
+        a.api_key.as_deref(),
+        None,
+    )?)
 }
 
 fn parse_label(s: &str) -> Result<(String, String), String> {
@@ -118,7 +122,9 @@ fn show_exec(r: &ExecResult, json: bool) -> i32 {
         eprintln!("dsec: command timed out and was killed");
     }
     if r.oom_killed {
-        eprintln!("dsec: the sandbox ran out of memory (memory_limit_mb) and the kernel killed a process");
+        eprintln!(
+            "dsec: the sandbox ran out of memory (memory_limit_mb) and the kernel killed a process"
+        );
     }
     if r.stdout_truncated || r.stderr_truncated {
         eprintln!("dsec: output was truncated");
@@ -126,7 +132,12 @@ fn show_exec(r: &ExecResult, json: bool) -> i32 {
     r.exit_code
 }
 
-fn exec_request(cmd: &[String], env: &[(String, String)], timeout: Option<f64>, cwd: Option<String>) -> ExecRequest {
+fn exec_request(
+    cmd: &[String],
+    env: &[(String, String)],
+    timeout: Option<f64>,
+    cwd: Option<String>,
+) -> ExecRequest {
     ExecRequest {
         argv: Some(cmd.to_vec()),
         env: env.iter().cloned().collect(),
@@ -163,10 +174,19 @@ pub async fn run(a: RunArgs) -> Result<i32> {
         eprintln!("sandbox {}", sb.id);
     }
     let r: Result<ExecResult> = api
-        .call(Method::POST, &format!("/v1/sandboxes/{}/exec", sb.id), Some(&exec_request(&a.command, &a.env, None, None)))
+        .call(
+            Method::POST,
+            &format!("/v1/sandboxes/{}/exec", sb.id),
+            Some(&exec_request(&a.command, &a.env, None, None)),
+        )
         .await;
     if a.rm {
-        api.call::<serde_json::Value>(Method::DELETE, &format!("/v1/sandboxes/{}", sb.id), None::<&()>).await?;
+        api.call::<serde_json::Value>(
+            Method::DELETE,
+            &format!("/v1/sandboxes/{}", sb.id),
+            None::<&()>,
+        )
+        .await?;
     }
     Ok(show_exec(&r?, a.api.json))
 }
@@ -174,15 +194,27 @@ pub async fn run(a: RunArgs) -> Result<i32> {
 pub async fn exec(a: ExecArgs) -> Result<i32> {
     let api = api(&a.api)?;
     let r: ExecResult = api
-        .call(Method::POST, &format!("/v1/sandboxes/{}/exec", a.id), Some(&exec_request(&a.command, &a.env, a.timeout, a.cwd.clone())))
+        .call(
+            Method::POST,
+            &format!("/v1/sandboxes/{}/exec", a.id),
+            Some(&exec_request(&a.command, &a.env, a.timeout, a.cwd.clone())),
+        )
         .await?;
     Ok(show_exec(&r, a.api.json))
 }
 
 pub async fn ls(a: LsArgs) -> Result<i32> {
     let api = api(&a.api)?;
-    let q: Vec<String> = a.labels.iter().map(|(k, v)| format!("label={k}%3D{v}")).collect();
-    let path = if q.is_empty() { "/v1/sandboxes".to_string() } else { format!("/v1/sandboxes?{}", q.join("&")) };
+    let q: Vec<String> = a
+        .labels
+        .iter()
+        .map(|(k, v)| format!("label={k}%3D{v}"))
+        .collect();
+    let path = if q.is_empty() {
+        "/v1/sandboxes".to_string()
+    } else {
+        format!("/v1/sandboxes?{}", q.join("&"))
+    };
     let l: ListSandboxesResponse = api.call(Method::GET, &path, None::<&()>).await?;
     if a.api.json {
         output::print_json(&l);
@@ -203,7 +235,15 @@ pub async fn ls(a: LsArgs) -> Result<i32> {
             ]
         })
         .collect();
-    println!("{}", output::table(&["id", "backend", "image", "state", "limits", "created", "expires"], rows));
+    println!(
+        "{}",
+        output::table(
+            &[
+                "id", "backend", "image", "state", "limits", "created", "expires"
+            ],
+            rows
+        )
+    );
     Ok(0)
 }
 
@@ -211,7 +251,10 @@ pub async fn rm(a: RmArgs) -> Result<i32> {
     let api = api(&a.api)?;
     let mut failed = 0;
     for id in &a.ids {
-        match api.call::<serde_json::Value>(Method::DELETE, &format!("/v1/sandboxes/{id}"), None::<&()>).await {
+        match api
+            .call::<serde_json::Value>(Method::DELETE, &format!("/v1/sandboxes/{id}"), None::<&()>)
+            .await
+        {
             Ok(_) => println!("{id}"),
             Err(e) => {
                 eprintln!("{id}: {e:#}");
@@ -228,7 +271,13 @@ pub async fn fork(a: ForkArgs) -> Result<i32> {
         count: a.count as f64,
         labels: BTreeMap::new(),
     };
-    let r: ForkResponse = api.call(Method::POST, &format!("/v1/sandboxes/{}/fork", a.id), Some(&req)).await?;
+    let r: ForkResponse = api
+        .call(
+            Method::POST,
+            &format!("/v1/sandboxes/{}/fork", a.id),
+            Some(&req),
+        )
+        .await?;
     if a.api.json {
         output::print_json(&r);
         return Ok(0);
@@ -243,7 +292,13 @@ pub async fn fork(a: ForkArgs) -> Result<i32> {
 pub async fn set_timeout(a: TimeoutArgs) -> Result<i32> {
     let api = api(&a.api)?;
     let s: SandboxInfo = api
-        .call(Method::POST, &format!("/v1/sandboxes/{}/timeout", a.id), Some(&SetTimeoutRequest { ttl_seconds: a.ttl_seconds as f64 }))
+        .call(
+            Method::POST,
+            &format!("/v1/sandboxes/{}/timeout", a.id),
+            Some(&SetTimeoutRequest {
+                ttl_seconds: a.ttl_seconds as f64,
+            }),
+        )
         .await?;
     if a.api.json {
         output::print_json(&s);
@@ -252,4 +307,3 @@ pub async fn set_timeout(a: TimeoutArgs) -> Result<i32> {
     }
     Ok(0)
 }
-

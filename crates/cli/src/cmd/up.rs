@@ -70,7 +70,11 @@ fn pid_file(d: &Path) -> PathBuf {
 }
 
 fn read_pid(d: &Path) -> Option<i32> {
-    let pid: i32 = std::fs::read_to_string(pid_file(d)).ok()?.trim().parse().ok()?;
+    let pid: i32 = std::fs::read_to_string(pid_file(d))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
     // SAFETY: signal 0 only checks that the process exists.
     (unsafe { libc::kill(pid, 0) } == 0).then_some(pid)
 }
@@ -82,7 +86,9 @@ async fn healthy(url: &str) -> bool {
     }) else {
         return false;
     };
-    api.call::<serde_json::Value>(Method::GET, "/healthz", None::<&()>).await.is_ok()
+    api.call::<serde_json::Value>(Method::GET, "/healthz", None::<&()>)
+        .await
+        .is_ok()
 }
 
 pub async fn up(a: UpArgs) -> Result<i32> {
@@ -97,10 +103,17 @@ pub async fn up(a: UpArgs) -> Result<i32> {
         return print_client(dir, false);
     }
     let log = dir.join("dsec.log");
-    let logf = std::fs::OpenOptions::new().create(true).append(true).open(&log)?;
+    let logf = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log)?;
     let exe = std::env::current_exe()?;
     let mut cmd = std::process::Command::new(exe);
-    cmd.arg("serve").arg("--data-dir").arg(dir).arg("--listen").arg(a.listen.to_string());
+    cmd.arg("serve")
+        .arg("--data-dir")
+        .arg(dir)
+        .arg("--listen")
+        .arg(a.listen.to_string());
     if let Some(r) = &a.oci_runtime {
         cmd.arg("--oci-runtime").arg(r);
     }
@@ -110,7 +123,9 @@ pub async fn up(a: UpArgs) -> Result<i32> {
     if let Some(s) = &a.image_store {
         cmd.arg("--image-store").arg(s);
     }
-    cmd.stdin(std::process::Stdio::null()).stdout(logf.try_clone()?).stderr(logf);
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(logf.try_clone()?)
+        .stderr(logf);
     // SAFETY: setsid between fork and exec: the server outlives this shell session.
     unsafe {
         cmd.pre_exec(|| {
@@ -134,11 +149,19 @@ pub async fn up(a: UpArgs) -> Result<i32> {
             break;
         }
         if t0.elapsed() > Duration::from_secs(60) {
-            bail!("the server did not answer on {url} within 60 s; see {}", log.display());
+            bail!(
+                "the server did not answer on {url} within 60 s; see {}",
+                log.display()
+            );
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    println!("OpenDsec is up in {:.1} s (pid {}, log {}).", t0.elapsed().as_secs_f64(), child.id(), log.display());
+    println!(
+        "OpenDsec is up in {:.1} s (pid {}, log {}).",
+        t0.elapsed().as_secs_f64(),
+        child.id(),
+        log.display()
+    );
     print_client(dir, true)
 }
 
@@ -160,10 +183,15 @@ fn print_client(dir: &Path, copy: bool) -> Result<i32> {
 }
 
 fn write_private(p: &Path, text: &str) -> Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
     use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
     let tmp = p.with_extension("tmp");
-    let mut f = std::fs::OpenOptions::new().create(true).write(true).truncate(true).mode(0o600).open(&tmp)?;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
     f.write_all(text.as_bytes())?;
     std::fs::rename(&tmp, p)?;
     Ok(())
@@ -171,7 +199,9 @@ fn write_private(p: &Path, text: &str) -> Result<()> {
 
 pub async fn serve(a: UpArgs) -> Result<i32> {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
@@ -180,7 +210,9 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
     let dir = dir.canonicalize()?;
     let cfg_path = dir.join("config.toml");
     let server_cfg: ServerConfig = match std::fs::read_to_string(&cfg_path) {
-        Ok(t) => toml::from_str(&t).with_context(|| format!("{} is not valid", cfg_path.display()))?,
+        Ok(t) => {
+            toml::from_str(&t).with_context(|| format!("{} is not valid", cfg_path.display()))?
+        }
         Err(_) => ServerConfig::default(),
     };
     let mut edge_cfg = server_cfg.edge.unwrap_or_else(|| EdgeConfig {
@@ -197,19 +229,29 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
     if let Some(s) = a.image_store {
         edge_cfg.image_store = s;
     }
-    let listen = if a.listen.to_string() == "127.0.0.1:7600" { server_cfg.listen.unwrap_or(a.listen) } else { a.listen };
+    let listen = if a.listen.to_string() == "127.0.0.1:7600" {
+        server_cfg.listen.unwrap_or(a.listen)
+    } else {
+        a.listen
+    };
     let keys = Arc::new(FileKeyStore::open(dir.join("iam/keys.json"))?);
     let client_path = dir.join("client.toml");
     let url = format!("http://{listen}");
     let existing = ClientConfig::load(&client_path).ok();
     let key = match existing {
-        Some(c) if dsec_iam::KeyStore::authenticate(keys.as_ref(), &c.api_key).is_some() => c.api_key,
+        Some(c) if dsec_iam::KeyStore::authenticate(keys.as_ref(), &c.api_key).is_some() => {
+            c.api_key
+        }
         _ => keys.create_key("admin", Role::Admin)?,
     };
     let listener = tokio::net::TcpListener::bind(listen)
         .await
-        .with_context(|| format!("cannot listen on {listen} (is another dsec running? use --listen)"))?;
-    let edge = Edge::start(edge_cfg).await.map_err(|e| anyhow::anyhow!("starting the edge: {}", e.message))?;
+        .with_context(|| {
+            format!("cannot listen on {listen} (is another dsec running? use --listen)")
+        })?;
+    let edge = Edge::start(edge_cfg)
+        .await
+        .map_err(|e| anyhow::anyhow!("starting the edge: {}", e.message))?;
     for b in edge.status().backends {
         tracing::info!(backend = %b.name, available = b.available, "{}", b.detail);
     }
@@ -219,14 +261,23 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
         keys: keys.clone(),
     });
     std::fs::write(pid_file(&dir), std::process::id().to_string())?;
-    write_private(&client_path, &ClientConfig { api_url: url.clone(), api_key: key }.to_toml())?;
+    write_private(
+        &client_path,
+        &ClientConfig {
+            api_url: url.clone(),
+            api_key: key,
+        }
+        .to_toml(),
+    )?;
     tracing::info!("API listening on {url}");
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(None::<bool>);
     tokio::spawn(async move {
         use tokio::signal::unix::{SignalKind, signal};
-        let (Ok(mut term), Ok(mut int), Ok(mut keep)) =
-            (signal(SignalKind::terminate()), signal(SignalKind::interrupt()), signal(SignalKind::user_defined2()))
-        else {
+        let (Ok(mut term), Ok(mut int), Ok(mut keep)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::user_defined2()),
+        ) else {
             return;
         };
         let stop_sandboxes = tokio::select! {
@@ -257,10 +308,17 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
 pub async fn down(a: DownArgs) -> Result<i32> {
     let dir = &a.data.data_dir;
     let Some(pid) = read_pid(dir) else {
-        println!("OpenDsec is not running (no live pid in {}).", pid_file(dir).display());
+        println!(
+            "OpenDsec is not running (no live pid in {}).",
+            pid_file(dir).display()
+        );
         return Ok(0);
     };
-    let sig = if a.keep_sandboxes { libc::SIGUSR2 } else { libc::SIGTERM };
+    let sig = if a.keep_sandboxes {
+        libc::SIGUSR2
+    } else {
+        libc::SIGTERM
+    };
     // SAFETY: signalling the server whose pid file we read.
     unsafe { libc::kill(pid, sig) };
     let t0 = Instant::now();
@@ -273,13 +331,21 @@ pub async fn down(a: DownArgs) -> Result<i32> {
     println!(
         "OpenDsec stopped in {:.1} s{}.",
         t0.elapsed().as_secs_f64(),
-        if a.keep_sandboxes { "; sandboxes left running" } else { "" }
+        if a.keep_sandboxes {
+            "; sandboxes left running"
+        } else {
+            ""
+        }
     );
     Ok(0)
 }
 
 pub async fn status(a: StatusArgs) -> Result<i32> {
-    let cfg = client::resolve(a.api.api_url.as_deref(), a.api.api_key.as_deref(), Some(&a.data.data_dir))?;
+    let cfg = client::resolve(
+        a.api.api_url.as_deref(),
+        a.api.api_key.as_deref(),
+        Some(&a.data.data_dir),
+    )?;
     let api = Api::new(&cfg)?;
     let s: ClusterStatus = api.call(Method::GET, "/v1/status", None::<&()>).await?;
     if a.api.json {
@@ -293,25 +359,58 @@ pub async fn status(a: StatusArgs) -> Result<i32> {
         .map(|n| {
             vec![
                 n.name.clone(),
-                if n.healthy { "healthy".into() } else { "unhealthy".into() },
+                if n.healthy {
+                    "healthy".into()
+                } else {
+                    "unhealthy".into()
+                },
                 n.sandboxes.to_string(),
                 format!("{} cores ({:.1} committed)", n.cpus, n.committed_cpu_cores),
-                format!("{}/{} MiB free ({} committed)", n.memory_available_mb, n.memory_total_mb, n.committed_memory_mb),
+                format!(
+                    "{}/{} MiB free ({} committed)",
+                    n.memory_available_mb, n.memory_total_mb, n.committed_memory_mb
+                ),
                 format!("{} MiB", n.disk_free_mb),
                 n.cgroup_mode.clone(),
             ]
         })
         .collect();
-    println!("{}", output::table(&["node", "health", "sandboxes", "cpu", "memory", "disk free", "cgroups"], rows));
+    println!(
+        "{}",
+        output::table(
+            &[
+                "node",
+                "health",
+                "sandboxes",
+                "cpu",
+                "memory",
+                "disk free",
+                "cgroups"
+            ],
+            rows
+        )
+    );
     let rows = s
         .nodes
         .iter()
         .flat_map(|n| {
             n.backends.iter().map(move |b| {
-                vec![n.name.clone(), b.name.clone(), if b.available { "yes".into() } else { "no".into() }, b.detail.clone()]
+                vec![
+                    n.name.clone(),
+                    b.name.clone(),
+                    if b.available {
+                        "yes".into()
+                    } else {
+                        "no".into()
+                    },
+                    b.detail.clone(),
+                ]
             })
         })
         .collect();
-    println!("{}", output::table(&["node", "backend", "available", "detail"], rows));
+    println!(
+        "{}",
+        output::table(&["node", "backend", "available", "detail"], rows)
+    );
     Ok(0)
 }

@@ -26,12 +26,22 @@ pub trait Backend: Send + Sync {
     fn fork_preserves_memory(&self) -> bool;
     /// Starts the sandbox; `seed` is a filesystem snapshot (from [`Backend::snapshot_fs`])
     /// to start from. Must leave nothing behind on error.
-    fn create(&self, rec: &SandboxRecord, paths: &SandboxPaths, seed: Option<&Path>) -> Result<(), ApiError>;
+    fn create(
+        &self,
+        rec: &SandboxRecord,
+        paths: &SandboxPaths,
+        seed: Option<&Path>,
+    ) -> Result<(), ApiError>;
     fn is_alive(&self, rec: &SandboxRecord) -> bool;
     fn pause(&self, rec: &SandboxRecord) -> Result<(), ApiError>;
     fn resume(&self, rec: &SandboxRecord) -> Result<(), ApiError>;
     /// Copies the sandbox's writable filesystem into `dest` (the caller pauses around it).
-    fn snapshot_fs(&self, rec: &SandboxRecord, paths: &SandboxPaths, dest: &Path) -> Result<(), ApiError>;
+    fn snapshot_fs(
+        &self,
+        rec: &SandboxRecord,
+        paths: &SandboxPaths,
+        dest: &Path,
+    ) -> Result<(), ApiError>;
     /// Kills every process and removes every mount, cgroup and file of the sandbox.
     /// Idempotent: also cleans up after a half-finished create.
     fn destroy(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError>;

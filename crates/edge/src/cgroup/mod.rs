@@ -38,8 +38,12 @@ fn detect_from(mountinfo: &str, root: &Path) -> CgroupMode {
     let mut v2_unified = false;
     let mut any_v1 = false;
     for line in mountinfo.lines() {
-        let Some((pre, post)) = line.split_once(" - ") else { continue };
-        let Some(mount_point) = pre.split_whitespace().nth(4) else { continue };
+        let Some((pre, post)) = line.split_once(" - ") else {
+            continue;
+        };
+        let Some(mount_point) = pre.split_whitespace().nth(4) else {
+            continue;
+        };
         let fstype = post.split_whitespace().next().unwrap_or("");
         let root_s = root.to_string_lossy();
         match fstype {
@@ -112,7 +116,8 @@ mod tests {
 31 30 0:27 / /sys/fs/cgroup/unified rw,nosuid shared:10 - cgroup2 cgroup2 rw
 32 30 0:28 / /sys/fs/cgroup/memory rw,nosuid shared:11 - cgroup cgroup rw,memory
 ";
-    const V2: &str = "30 25 0:26 / /sys/fs/cgroup rw,nosuid shared:9 - cgroup2 cgroup2 rw,nsdelegate
+    const V2: &str =
+        "30 25 0:26 / /sys/fs/cgroup rw,nosuid shared:9 - cgroup2 cgroup2 rw,nsdelegate
 ";
     const V1: &str = "30 25 0:26 / /sys/fs/cgroup ro,nosuid shared:9 - tmpfs tmpfs ro,mode=755
 32 30 0:28 / /sys/fs/cgroup/memory rw,nosuid shared:11 - cgroup cgroup rw,memory
@@ -136,6 +141,9 @@ mod tests {
             v2::parse_key("low 0\nhigh 0\nmax 4\noom 2\noom_kill 2\n", "oom_kill"),
             2
         );
-        assert_eq!(v2::parse_key("usage_usec 1500\nuser_usec 1\n", "usage_usec"), 1500);
+        assert_eq!(
+            v2::parse_key("usage_usec 1500\nuser_usec 1\n", "usage_usec"),
+            1500
+        );
     }
 }

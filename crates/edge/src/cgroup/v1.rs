@@ -4,12 +4,27 @@ use std::path::PathBuf;
 
 const ROOT: &str = "/sys/fs/cgroup";
 const CONTROLLERS: &[&str] = &[
-    "memory", "cpu", "cpuacct", "cpuset", "pids", "devices", "freezer", "blkio", "net_cls",
-    "net_prio", "perf_event", "hugetlb", "rdma", "misc", "systemd",
+    "memory",
+    "cpu",
+    "cpuacct",
+    "cpuset",
+    "pids",
+    "devices",
+    "freezer",
+    "blkio",
+    "net_cls",
+    "net_prio",
+    "perf_event",
+    "hugetlb",
+    "rdma",
+    "misc",
+    "systemd",
 ];
 
 fn dir(controller: &str, rel: &str) -> PathBuf {
-    PathBuf::from(ROOT).join(controller).join(rel.trim_start_matches('/'))
+    PathBuf::from(ROOT)
+        .join(controller)
+        .join(rel.trim_start_matches('/'))
 }
 
 pub fn parse_oom_control(text: &str) -> u64 {

@@ -36,7 +36,9 @@ fn cid(rec: &SandboxRecord) -> String {
 
 /// Whether an ELF file has no program interpreter, i.e. runs without a dynamic loader.
 pub fn is_static_elf(p: &Path) -> bool {
-    let Ok(bytes) = std::fs::read(p) else { return false };
+    let Ok(bytes) = std::fs::read(p) else {
+        return false;
+    };
     if bytes.len() < 64 || &bytes[..4] != b"\x7fELF" || bytes[4] != 2 {
         return false;
     }
@@ -49,7 +51,8 @@ pub fn is_static_elf(p: &Path) -> bool {
     let (phoff, phentsize, phnum) = (u64_at(32), u16_at(54), u16_at(56));
     (0..phnum).all(|i| {
         let o = phoff + i * phentsize;
-        o + 4 <= bytes.len() && u32::from_le_bytes([bytes[o], bytes[o + 1], bytes[o + 2], bytes[o + 3]]) != 3
+        o + 4 <= bytes.len()
+            && u32::from_le_bytes([bytes[o], bytes[o + 1], bytes[o + 2], bytes[o + 3]]) != 3
     })
 }
 
@@ -79,7 +82,11 @@ pub fn find_aether(configured: Option<&Path>) -> Result<PathBuf, String> {
     }
     Err(format!(
         "no statically linked dsec-aether found (looked at {}); build it with `make aether` or set aether_binary",
-        candidates.iter().map(|c| c.display().to_string()).collect::<Vec<_>>().join(", ")
+        candidates
+            .iter()
+            .map(|c| c.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
     ))
 }
 
@@ -115,7 +122,12 @@ impl ContainerBackend {
             .map_err(|e| ApiError::unavailable(format!("container backend unavailable: {e}")))
     }
 
-    fn create_inner(&self, rec: &SandboxRecord, paths: &SandboxPaths, seed: Option<&Path>) -> Result<(), String> {
+    fn create_inner(
+        &self,
+        rec: &SandboxRecord,
+        paths: &SandboxPaths,
+        seed: Option<&Path>,
+    ) -> Result<(), String> {
         let rt = self.runtime.as_ref().map_err(Clone::clone)?;
         let aether = self.aether.as_ref().map_err(Clone::clone)?;
         let dir = &paths.dir;
@@ -136,11 +148,19 @@ impl ContainerBackend {
                 ));
             }
         }
-        let lowers: Vec<PathBuf> = rec.layers.iter().rev().map(|l| self.images.layer_path(l)).collect();
+        let lowers: Vec<PathBuf> = rec
+            .layers
+            .iter()
+            .rev()
+            .map(|l| self.images.layer_path(l))
+            .collect();
         rootfs::mount_overlay(&lowers, &disk, &rootfs)?;
         let hosts = dir.join("hosts");
-        std::fs::write(&hosts, "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost\n127.0.1.1\tsandbox\n")
-            .map_err(|e| format!("writing hosts: {e}"))?;
+        std::fs::write(
+            &hosts,
+            "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost\n127.0.1.1\tsandbox\n",
+        )
+        .map_err(|e| format!("writing hosts: {e}"))?;
         let cgroup_path = cgroup::sandbox_cgroup_path(&rec.id);
         let limit_swap = match self.mode {
             CgroupMode::V2 => true,
@@ -157,12 +177,20 @@ impl ContainerBackend {
                 nofile: nofile_limit(),
             },
         );
-        std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(&config).unwrap_or_default())
-            .map_err(|e| format!("writing config.json: {e}"))?;
+        std::fs::write(
+            dir.join("config.json"),
+            serde_json::to_vec_pretty(&config).unwrap_or_default(),
+        )
+        .map_err(|e| format!("writing config.json: {e}"))?;
         let _ = std::fs::remove_file(&paths.channel);
         let listener = UnixListener::bind(&paths.channel)
             .map_err(|e| format!("creating channel socket {}: {e}", paths.channel.display()))?;
-        rt.run_detached(&cid(rec), dir, listener.as_raw_fd(), &dir.join("console.log"))?;
+        rt.run_detached(
+            &cid(rec),
+            dir,
+            listener.as_raw_fd(),
+            &dir.join("console.log"),
+        )?;
         Ok(())
     }
 }
@@ -174,7 +202,10 @@ impl Backend for ContainerBackend {
 
     fn status(&self) -> BackendStatus {
         let (available, detail) = match (&self.runtime, &self.aether) {
-            (Ok(rt), Ok(_)) => (true, format!("{}, cgroup {}", rt.describe(), self.mode.as_str())),
+            (Ok(rt), Ok(_)) => (
+                true,
+                format!("{}, cgroup {}", rt.describe(), self.mode.as_str()),
+            ),
             (Err(e), _) | (_, Err(e)) => (false, e.clone()),
         };
         BackendStatus {
@@ -188,7 +219,12 @@ impl Backend for ContainerBackend {
         false
     }
 
-    fn create(&self, rec: &SandboxRecord, paths: &SandboxPaths, seed: Option<&Path>) -> Result<(), ApiError> {
+    fn create(
+        &self,
+        rec: &SandboxRecord,
+        paths: &SandboxPaths,
+        seed: Option<&Path>,
+    ) -> Result<(), ApiError> {
         self.rt()?;
         match self.create_inner(rec, paths, seed) {
             Ok(()) => Ok(()),
@@ -196,14 +232,19 @@ impl Backend for ContainerBackend {
                 if let Err(cleanup) = self.destroy(rec, paths) {
                     tracing::error!(sandbox = %rec.id, "cleanup after failed create: {}", cleanup.message);
                 }
-                Err(ApiError::internal(format!("creating container sandbox: {e}")))
+                Err(ApiError::internal(format!(
+                    "creating container sandbox: {e}"
+                )))
             }
         }
     }
 
     fn is_alive(&self, rec: &SandboxRecord) -> bool {
         let Ok(rt) = self.rt() else { return false };
-        matches!(rt.state(&cid(rec)).as_deref(), Some("running" | "paused" | "created"))
+        matches!(
+            rt.state(&cid(rec)).as_deref(),
+            Some("running" | "paused" | "created")
+        )
     }
 
     fn pause(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
@@ -218,7 +259,12 @@ impl Backend for ContainerBackend {
             .map_err(|e| ApiError::internal(format!("resuming: {e}")))
     }
 
-    fn snapshot_fs(&self, _rec: &SandboxRecord, paths: &SandboxPaths, dest: &Path) -> Result<(), ApiError> {
+    fn snapshot_fs(
+        &self,
+        _rec: &SandboxRecord,
+        paths: &SandboxPaths,
+        dest: &Path,
+    ) -> Result<(), ApiError> {
         std::fs::create_dir_all(dest)
             .map_err(|e| ApiError::internal(format!("creating {}: {e}", dest.display())))?;
         let out = Command::new("cp")
@@ -239,20 +285,22 @@ impl Backend for ContainerBackend {
 
     fn destroy(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError> {
         let id = cid(rec);
-        if let Ok(rt) = self.rt() {
-            if rt.state(&id).is_some() {
-                // A frozen container cannot die; thaw it first.
-                if rt.state(&id).as_deref() == Some("paused") {
-                    let _ = rt.resume(&id);
-                }
-                let _ = rt.kill_all(&id);
-                let deadline = Instant::now() + Duration::from_secs(10);
-                while matches!(rt.state(&id).as_deref(), Some("running" | "paused")) && Instant::now() < deadline {
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-                if let Err(e) = rt.delete_force(&id) {
-                    tracing::warn!(sandbox = %rec.id, "{e}");
-                }
+        if let Ok(rt) = self.rt()
+            && let Some(state) = rt.state(&id)
+        {
+            // A frozen container cannot die; thaw it first.
+            if state == "paused" {
+                let _ = rt.resume(&id);
+            }
+            let _ = rt.kill_all(&id);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while matches!(rt.state(&id).as_deref(), Some("running" | "paused"))
+                && Instant::now() < deadline
+            {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if let Err(e) = rt.delete_force(&id) {
+                tracing::warn!(sandbox = %rec.id, "{e}");
             }
         }
         let dir = &paths.dir;
@@ -264,10 +312,18 @@ impl Backend for ContainerBackend {
         }
         cgroup::remove(self.mode, &cgroup::sandbox_cgroup_path(&rec.id));
         if problems.is_empty() {
-            let _ = Command::new("rm").arg("-rf").arg("--one-file-system").arg(dir).status();
+            let _ = Command::new("rm")
+                .arg("-rf")
+                .arg("--one-file-system")
+                .arg(dir)
+                .status();
             Ok(())
         } else {
-            Err(ApiError::internal(format!("cleaning up {}: {}", rec.id, problems.join("; "))))
+            Err(ApiError::internal(format!(
+                "cleaning up {}: {}",
+                rec.id,
+                problems.join("; ")
+            )))
         }
     }
 

@@ -5,7 +5,8 @@ use std::ffi::CString;
 use std::path::Path;
 
 fn cstr(p: &Path) -> Result<CString, String> {
-    CString::new(p.as_os_str().as_encoded_bytes()).map_err(|_| format!("path {} has a NUL byte", p.display()))
+    CString::new(p.as_os_str().as_encoded_bytes())
+        .map_err(|_| format!("path {} has a NUL byte", p.display()))
 }
 
 fn mount(src: &str, target: &Path, fstype: &str, data: &str) -> Result<(), String> {
@@ -36,7 +37,12 @@ fn mount(src: &str, target: &Path, fstype: &str, data: &str) -> Result<(), Strin
 /// tmpfs of `size_mb` at `disk`, with `upper/` and `work/` inside.
 pub fn mount_disk(disk: &Path, size_mb: u64) -> Result<(), String> {
     std::fs::create_dir_all(disk).map_err(|e| format!("creating {}: {e}", disk.display()))?;
-    mount("dsec-disk", disk, "tmpfs", &format!("size={size_mb}m,mode=0755"))?;
+    mount(
+        "dsec-disk",
+        disk,
+        "tmpfs",
+        &format!("size={size_mb}m,mode=0755"),
+    )?;
     for sub in ["upper", "work"] {
         std::fs::create_dir_all(disk.join(sub)).map_err(|e| format!("creating {sub}: {e}"))?;
     }
@@ -44,13 +50,19 @@ pub fn mount_disk(disk: &Path, size_mb: u64) -> Result<(), String> {
 }
 
 /// Overlay of `lowers` (top first) under `disk/upper` at `target`.
-pub fn mount_overlay(lowers: &[std::path::PathBuf], disk: &Path, target: &Path) -> Result<(), String> {
+pub fn mount_overlay(
+    lowers: &[std::path::PathBuf],
+    disk: &Path,
+    target: &Path,
+) -> Result<(), String> {
     std::fs::create_dir_all(target).map_err(|e| format!("creating {}: {e}", target.display()))?;
     let mut parts = Vec::new();
     for l in lowers {
         let s = l.display().to_string();
         if s.contains([',', ':']) {
-            return Err(format!("layer path {s} contains ',' or ':', which overlayfs cannot take"));
+            return Err(format!(
+                "layer path {s} contains ',' or ':', which overlayfs cannot take"
+            ));
         }
         parts.push(s);
     }
@@ -90,5 +102,9 @@ pub fn unmount(p: &Path) -> Result<(), String> {
     if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0 {
         return Ok(());
     }
-    Err(format!("unmounting {}: {}", p.display(), std::io::Error::last_os_error()))
+    Err(format!(
+        "unmounting {}: {}",
+        p.display(),
+        std::io::Error::last_os_error()
+    ))
 }

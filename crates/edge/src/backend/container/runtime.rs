@@ -38,7 +38,11 @@ fn which(name: &str) -> Option<PathBuf> {
 
 impl OciRuntime {
     /// `choice`: `auto`, `crun`, `runc` or a path.
-    pub fn resolve(choice: &str, state_root: &Path, mode: CgroupMode) -> Result<OciRuntime, String> {
+    pub fn resolve(
+        choice: &str,
+        state_root: &Path,
+        mode: CgroupMode,
+    ) -> Result<OciRuntime, String> {
         let path = match choice {
             "auto" => which("crun").or_else(|| which("runc")).ok_or_else(|| {
                 "no OCI runtime found: install crun or runc (apt-get install crun runc), or set oci_runtime in the edge config".to_string()
@@ -70,7 +74,10 @@ impl OciRuntime {
             Kind::Other
         };
         let version = first.replace(" version", "");
-        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
         let root = state_root.join(name);
         std::fs::create_dir_all(&root).map_err(|e| format!("creating {}: {e}", root.display()))?;
         Ok(OciRuntime {
@@ -153,7 +160,13 @@ impl OciRuntime {
 
     /// `run --detach`: the container's stdio goes to `log`; `listen_fd` is handed to its
     /// first process as fd 3.
-    pub fn run_detached(&self, cid: &str, bundle: &Path, listen_fd: RawFd, log: &Path) -> Result<(), String> {
+    pub fn run_detached(
+        &self,
+        cid: &str,
+        bundle: &Path,
+        listen_fd: RawFd,
+        log: &Path,
+    ) -> Result<(), String> {
         let logf = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
