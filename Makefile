@@ -31,7 +31,7 @@ test-e2e: build
 test: lint test-rust test-e2e
 
 bench: build
-	DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec DSEC_AETHER=$(CURDIR)/$(AETHER) python3 bench/create_latency.py
+	DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec DSEC_AETHER=$(CURDIR)/$(AETHER) python3 bench/create_latency.py $(BENCH_ARGS)
 
 clean-test:
 	-target/$(PROFILE)/dsec down --data-dir $${DSEC_TEST_DIR:-/var/tmp/dsec-test}

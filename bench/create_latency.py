@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: AGPL-3.0-only
+"""Create-to-first-exec latency and throughput of OpenDsec container sandboxes, against the
+floor: a plain OCI runtime run of the same image (same overlay of the same layers, the
+runtime's default namespaces) in the same run.
+
+    python3 bench/create_latency.py -n 200 -c 16
+Prints p50/p90/p99 and sandboxes per second for both, and writes JSON to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "sdk/python"))
+from opendsec import DSecClient, DSecRunArgs  # noqa: E402
+
+DSEC = os.environ.get("DSEC_BIN", str(ROOT / "target/debug/dsec"))
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    k = (len(xs) - 1) * p / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summary(lat_s: list[float], wall_s: float, failures: int) -> dict:
+    return {
+        "count": len(lat_s),
+        "failures": failures,
+        "p50_ms": round(pct(lat_s, 50) * 1000, 1),
+        "p90_ms": round(pct(lat_s, 90) * 1000, 1),
+        "p99_ms": round(pct(lat_s, 99) * 1000, 1),
+        "mean_ms": round(statistics.mean(lat_s) * 1000, 1),
+        "per_second": round(len(lat_s) / wall_s, 1),
+        "wall_s": round(wall_s, 2),
+    }
+
+
+def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, **kw)
+
+
+async def bench_dsec(api_url: str, api_key: str, image: str, n: int, c: int) -> dict:
+    sem = asyncio.Semaphore(c)
+    lat: list[float] = []
+    failures = 0
+    ids: list[str] = []
+    async with DSecClient(api_url=api_url, api_key=api_key) as client:
+        async def one() -> None:
+            nonlocal failures
+            async with sem:
+                t0 = time.perf_counter()
+                try:
+                    sb = await client.run_sandbox(DSecRunArgs(image=image, memory_limit_mb=128, labels={"bench": "1"}))
+                    ids.append(sb.id)
+                    r = await sb.exec(["/bin/true"])
+                    assert r.exit_code == 0
+                    lat.append(time.perf_counter() - t0)
+                except Exception as e:  # counted, reported
+                    failures += 1
+                    print(f"  failure: {e}", file=sys.stderr)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(n)))
+        wall = time.perf_counter() - t0
+        t1 = time.perf_counter()
+
+        async def stop(i: str) -> None:
+            async with sem:
+                await (await client.get_sandbox(i)).stop()
+
+        await asyncio.gather(*(stop(i) for i in ids))
+        out = summary(lat, wall, failures)
+        out["stop_all_s"] = round(time.perf_counter() - t1, 2)
+        return out
+
+
+def bench_oci(runtime: str, layers: list[Path], n: int, c: int, hybrid: bool) -> dict:
+    """The floor: `<runtime> run` of /bin/true on an overlay of the same layers."""
+    work = Path(tempfile.mkdtemp(prefix="dsec-bench-oci-", dir="/var/tmp"))
+    spec_dir = work / "spec"
+    spec_dir.mkdir()
+    run([runtime, "spec"], cwd=spec_dir)
+    spec = json.loads((spec_dir / "config.json").read_text())
+    spec["process"]["terminal"] = False
+    spec["process"]["args"] = ["/bin/true"]
+    lower = ":".join(str(p) for p in reversed(layers))
+    lat: list[float] = []
+    failures = 0
+
+    def one(i: int) -> None:
+        nonlocal failures
+        d = work / f"c{i}"
+        (d / "upper").mkdir(parents=True)
+        (d / "work").mkdir()
+        (d / "rootfs").mkdir()
+        s = dict(spec)
+        s["root"] = {"path": str(d / "rootfs"), "readonly": False}
+        s["linux"] = dict(spec["linux"], cgroupsPath=f"/dsec-bench/c{i}")
+        (d / "config.json").write_text(json.dumps(s))
+        cmd = f"{runtime} --root {work}/state run --bundle {d} bench-{i}"
+        if hybrid:
+            cmd = f"umount /sys/fs/cgroup/unified 2>/dev/null; {cmd}"
+        t0 = time.perf_counter()
+        try:
+            run(["mount", "-t", "overlay", "overlay", "-o",
+                 f"lowerdir={lower},upperdir={d}/upper,workdir={d}/work", str(d / "rootfs")])
+            run(["unshare", "-m", "--propagation", "private", "sh", "-c", cmd], stdin=subprocess.DEVNULL)
+            lat.append(time.perf_counter() - t0)
+        except subprocess.CalledProcessError as e:
+            failures += 1
+            print(f"  oci failure: {e.stderr.strip()}", file=sys.stderr)
+        finally:
+            subprocess.run(["umount", str(d / "rootfs")], capture_output=True)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(c) as ex:
+        list(ex.map(one, range(n)))
+    wall = time.perf_counter() - t0
+    shutil.rmtree(work, ignore_errors=True)
+    for ctl in Path("/sys/fs/cgroup").iterdir():
+        p = ctl / "dsec-bench"
+        if p.is_dir():
+            for child in p.iterdir():
+                if child.is_dir():
+                    child.rmdir()
+            p.rmdir()
+    return summary(lat, wall, failures)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", type=int, default=200, help="sandboxes to create")
+    ap.add_argument("-c", type=int, default=16, help="concurrency")
+    ap.add_argument("--image", default="root/base:latest")
+    ap.add_argument("--runtime", default="crun", help="OCI runtime for both OpenDsec and the floor")
+    ap.add_argument("--data-dir", default="/var/tmp/dsec-bench")
+    ap.add_argument("--image-store", default=None, help="default: <data-dir>/images (built if missing)")
+    ap.add_argument("--listen", default="127.0.0.1:7613")
+    a = ap.parse_args()
+
+    data = Path(a.data_dir)
+    store = Path(a.image_store) if a.image_store else data / "images"
+    for spec in ("images/base.toml", "images/py-3.11.toml"):
+        run([DSEC, "image", "build", str(ROOT / spec), "--if-missing", "--store", str(store)])
+    subprocess.run([DSEC, "down", "--data-dir", str(data)], capture_output=True)
+    run([DSEC, "up", "--data-dir", str(data), "--listen", a.listen, "--oci-runtime", a.runtime,
+         "--image-store", str(store)])
+    try:
+        cfg = dict(l.split(" = ", 1) for l in (data / "client.toml").read_text().splitlines() if " = " in l)
+        url, key = json.loads(cfg["api_url"]), json.loads(cfg["api_key"])
+        manifest = json.loads(run([DSEC, "image", "inspect", a.image, "--store", str(store)]).stdout)["manifest"]
+        layers = [store / "layers" / l for l in manifest["layers"]]
+        hybrid = Path("/sys/fs/cgroup/unified/cgroup.controllers").exists() and a.runtime.endswith("crun")
+        print(f"OpenDsec create->first exec, {a.image}, n={a.n}, concurrency={a.c}, runtime={a.runtime}")
+        d = asyncio.run(bench_dsec(url, key, a.image, a.n, a.c))
+        print(f"plain `{a.runtime} run /bin/true` on an overlay of the same layers (floor)")
+        o = bench_oci(a.runtime, layers, a.n, a.c, hybrid)
+    finally:
+        run([DSEC, "down", "--data-dir", str(data)])
+    rows = [("opendsec", d), (f"{a.runtime} run (floor)", o)]
+    print(f"\n{'':22} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'per s':>7} {'fail':>5}")
+    for name, r in rows:
+        print(f"{name:22} {r['p50_ms']:8.1f} {r['p90_ms']:8.1f} {r['p99_ms']:8.1f} {r['per_second']:7.1f} {r['failures']:5d}")
+    out = {"bench": "create_latency", "image": a.image, "n": a.n, "concurrency": a.c, "runtime": a.runtime,
+           "host_cpus": os.cpu_count(), "opendsec": d, "oci_floor": o, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    res = ROOT / "bench/results"
+    res.mkdir(parents=True, exist_ok=True)
+    path = res / f"create_latency-{int(time.time())}.json"
+    path.write_text(json.dumps(out, indent=2))
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

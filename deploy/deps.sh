@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs what OpenDsec needs on a Debian/Ubuntu host: OCI runtimes, the image builder,
+# kernel tools, and the Python packages the SDK and the tests use. Idempotent.
+set -euo pipefail
+pkgs=(crun runc mmdebstrap debootstrap busybox-static nftables iproute2 procps psmisc e2fsprogs util-linux tar make gcc libc6-dev python3-pip)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "==> apt-get install ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+if ! command -v cargo >/dev/null; then
+  echo "error: Rust (cargo >= 1.90) is needed to build OpenDsec; install it with rustup (https://rustup.rs)" >&2
+  exit 1
+fi
+python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore httpx pytest pytest-asyncio 2>/dev/null \
+  || python3 -m pip install -q --disable-pip-version-check --break-system-packages httpx pytest pytest-asyncio
