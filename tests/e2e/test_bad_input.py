@@ -113,3 +113,14 @@ async def test_bad_exec_and_fork_requests(client, raw):
     finally:
         await sb.stop()
     assert leftovers() == []
+
+
+@pytest.mark.parametrize("backend", ["vm", "microvm"])
+async def test_backends_not_in_this_build_say_so(raw, backend):
+    r = await raw.post("/v1/sandboxes", json={"image": "root/base", "backend": backend})
+    msg = err(r, 503, "unavailable")
+    assert backend in msg and "not included in this build" in msg and 'backend="container"' in msg
+    st = (await raw.get("/v1/status")).json()
+    b = [x for x in st["nodes"][0]["backends"] if x["name"] == backend][0]
+    assert b["available"] is False
+    assert leftovers() == []

@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dsec_common::api::{
-    CreateSandboxRequest, ExecRequest, ExecResult, ForkRequest, ForkResponse, NodeStatus,
-    SandboxInfo, SandboxState,
+    BackendStatus, CreateSandboxRequest, ExecRequest, ExecResult, ForkRequest, ForkResponse,
+    NodeStatus, SandboxInfo, SandboxState,
 };
 use dsec_common::channel::{Request, Response};
 use dsec_common::id::SandboxId;
@@ -30,14 +30,42 @@ use backend::{Backend, SandboxPaths};
 pub use config::EdgeConfig;
 use registry::{Registry, SandboxRecord, now_ms};
 
+/// VM backends the API names but this build does not include yet; requests for them get a
+/// clear "unavailable" with what the host would need.
+struct Planned {
+    name: &'static str,
+    needs: &'static str,
+}
+
+const PLANNED_BACKENDS: &[Planned] = &[
+    Planned {
+        name: "microvm",
+        needs: "hardware KVM and a firecracker binary",
+    },
+    Planned {
+        name: "vm",
+        needs: "qemu-system-x86_64 (KVM or TCG)",
+    },
+];
+
+impl Planned {
+    fn detail(&self) -> String {
+        format!(
+            "not included in this build yet (it will need {})",
+            self.needs
+        )
+    }
+}
+
 /// Longest path a unix socket can have, less room for the file name.
 const MAX_STATE_DIR_LEN: usize = 70;
 const AGENT_START_TIMEOUT: Duration = Duration::from_secs(20);
 
 struct Entry {
     rec: Mutex<SandboxRecord>,
-    /// Exec takes it shared; stop and fork take it exclusively.
-    op: tokio::sync::RwLock<()>,
+    /// Serialises stop and fork. Exec takes no lock: a stop must never wait for a
+    /// long-running command (it kills it).
+    op: tokio::sync::Mutex<()>,
 }
 
 impl Entry {
@@ -170,7 +198,7 @@ impl Edge {
     fn insert(&self, rec: SandboxRecord) -> Arc<Entry> {
         let e = Arc::new(Entry {
             rec: Mutex::new(rec.clone()),
-            op: tokio::sync::RwLock::new(()),
+            op: tokio::sync::Mutex::new(()),
         });
         self.sandboxes
             .lock()
@@ -194,6 +222,13 @@ impl Edge {
     }
 
     fn backend(&self, name: &str) -> Result<Arc<dyn Backend>, ApiError> {
+        if let Some(p) = PLANNED_BACKENDS.iter().find(|p| p.name == name) {
+            return Err(ApiError::unavailable(format!(
+                "backend {name} is not available on node {}: {}; use backend=\"container\"",
+                self.cfg.name,
+                p.detail()
+            )));
+        }
         let b = self.backends.get(name).cloned().ok_or_else(|| {
             ApiError::invalid(format!(
                 "unknown backend {name:?}; this node offers: {}",
@@ -254,7 +289,7 @@ impl Edge {
         self.launch(backend, rec, None).await
     }
 
-    fn admit(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
+    fn admit(&self) -> Result<(), ApiError> {
         let running = self
             .sandboxes
             .lock()
@@ -274,7 +309,6 @@ impl Edge {
                 self.cfg.name, self.cfg.reserved_memory_mb
             )));
         }
-        let _ = rec;
         Ok(())
     }
 
@@ -287,7 +321,7 @@ impl Edge {
     ) -> Result<SandboxInfo, ApiError> {
         self.creating.fetch_add(1, Ordering::SeqCst);
         let result = async {
-            self.admit(&rec)?;
+            self.admit()?;
             self.registry.save(&rec)?;
             let paths = self.paths(&rec.id);
             let channel = paths.channel.clone();
@@ -341,7 +375,6 @@ impl Edge {
     ) -> Result<ExecResult, ApiError> {
         let e = self.entry(id)?;
         let spec = validate::exec(&self.cfg, &req)?;
-        let _g = e.op.read().await;
         let rec = e.snapshot();
         match rec.state {
             SandboxState::Running => {}
@@ -361,7 +394,15 @@ impl Edge {
         let (b2, r2) = (backend.clone(), rec.clone());
         let before = blocking(move || b2.oom_kills(&r2)).await?;
         let wait = Duration::from_millis(spec.timeout_ms.unwrap_or(0)) + Duration::from_secs(30);
-        let resp = channel::call(&self.paths(id).channel, &Request::Exec(spec), wait).await?;
+        let resp = match channel::call(&self.paths(id).channel, &Request::Exec(spec), wait).await {
+            Ok(r) => r,
+            Err(_) if e.snapshot().state != SandboxState::Running => {
+                return Err(ApiError::precondition(format!(
+                    "sandbox {id} was stopped while the command ran"
+                )));
+            }
+            Err(err) => return Err(err),
+        };
         let (b2, r2) = (backend.clone(), rec.clone());
         let after = blocking(move || b2.oom_kills(&r2)).await?;
         self.touch(&e);
@@ -402,7 +443,7 @@ impl Edge {
         ));
         let paused_ms;
         {
-            let _g = e.op.write().await;
+            let _g = e.op.lock().await;
             if e.snapshot().state != SandboxState::Running {
                 return Err(ApiError::precondition(format!(
                     "sandbox {id} is not running; only a running sandbox can be forked"
@@ -497,7 +538,7 @@ impl Edge {
 
     pub async fn stop(self: &Arc<Self>, id: &str) -> Result<(), ApiError> {
         let e = self.entry(id)?;
-        let _g = e.op.write().await;
+        let _g = e.op.lock().await;
         let rec = e.update(|r| {
             r.state = SandboxState::Stopping;
             r.clone()
@@ -540,7 +581,16 @@ impl Edge {
         NodeStatus {
             name: self.cfg.name.clone(),
             healthy: true,
-            backends: self.backends.values().map(|b| b.status()).collect(),
+            backends: self
+                .backends
+                .values()
+                .map(|b| b.status())
+                .chain(PLANNED_BACKENDS.iter().map(|p| BackendStatus {
+                    name: p.name.into(),
+                    available: false,
+                    detail: p.detail(),
+                }))
+                .collect(),
             cgroup_mode: self.mode.as_str().into(),
             cpus: host::cpus(),
             memory_total_mb: total,
@@ -558,8 +608,9 @@ impl Edge {
         map.values().flat_map(|e| e.snapshot().layers).collect()
     }
 
-    /// Stops sandboxes whose TTL or idle timeout ran out, and forgets ones that died.
-    pub async fn reap_once(self: &Arc<Self>) {
+    /// Stops sandboxes whose TTL or idle timeout ran out and, with `check_alive`, ones
+    /// whose agent has gone.
+    pub async fn reap_once(self: &Arc<Self>, check_alive: bool) {
         let now = now_ms();
         let entries: Vec<(String, SandboxRecord)> = {
             let map = self.sandboxes.lock().unwrap_or_else(|p| p.into_inner());
@@ -573,7 +624,7 @@ impl Edge {
             let idle = rec
                 .idle_timeout_seconds
                 .is_some_and(|s| now >= rec.last_activity_ms + s * 1000);
-            let dead = !expired && !idle && !agent_alive(&self.paths(&id).channel);
+            let dead = check_alive && !expired && !idle && !agent_alive(&self.paths(&id).channel);
             if expired || idle || dead {
                 let why = if expired {
                     "ttl expired"
@@ -583,9 +634,12 @@ impl Edge {
                     "sandbox died"
                 };
                 tracing::info!(sandbox = %id, "{why}; stopping");
-                if let Err(e) = self.stop(&id).await {
-                    tracing::warn!(sandbox = %id, "stopping: {}", e.message);
-                }
+                let edge = self.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = edge.stop(&id).await {
+                        tracing::warn!(sandbox = %id, "stopping: {}", e.message);
+                    }
+                });
             }
         }
     }
@@ -595,9 +649,9 @@ impl Edge {
         let edge = self.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(500));
-            loop {
+            for n in 0u64.. {
                 tick.tick().await;
-                edge.reap_once().await;
+                edge.reap_once(n % 10 == 0).await;
             }
         })
     }
