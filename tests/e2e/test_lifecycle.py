@@ -3,6 +3,7 @@
 nothing."""
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -88,9 +89,18 @@ async def test_restart_keeps_sandboxes_running(client):
         assert r.stdout == "kept\n1\n"
     pid = int((DATA / "dsec.pid").read_text())
     os.kill(pid, signal.SIGKILL)
+    # A create that was cut short leaves a "creating" record; the next start removes it.
+    half = DATA / "edge/sandboxes/local-00000000000a"
+    half.mkdir(parents=True)
+    state = json.loads((DATA / f"edge/sandboxes/{sb.id}/state.json").read_text())
+    state.update(id="local-00000000000a", state="creating")
+    (half / "state.json").write_text(json.dumps(state))
+    (DATA / "edge/sandboxes/garbage-dir").mkdir()
     assert wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 10)
     server_up()
+    assert not half.exists() and not (DATA / "edge/sandboxes/garbage-dir").exists()
     async with DSecClient() as c3:
+        assert [s.id for s in await c3.list_sandboxes()] == [sb.id]
         r = await (await c3.get_sandbox(sb.id)).run_shell(f"cat /root/file; {COUNT_SLEEPS}")
         assert r.stdout == "kept\n1\n"
         await (await c3.get_sandbox(sb.id)).stop()
