@@ -100,6 +100,23 @@ fn nofile_limit() -> u64 {
     (r.rlim_max as u64).min(65536)
 }
 
+/// Copies the contents of `src` into `dest`, keeping owners, modes, links, xattrs and
+/// overlay whiteouts (`cp -a`; reflinks where the filesystem has them).
+fn copy_tree(src: &Path, dest: &Path) -> Result<(), String> {
+    let out = Command::new("cp")
+        .arg("-a")
+        .arg("--reflink=auto")
+        .arg(format!("{}/.", src.display()))
+        .arg(dest)
+        .output()
+        .map_err(|e| format!("cannot run cp: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
+    }
+}
+
 impl ContainerBackend {
     pub fn new(
         runtime_choice: &str,
@@ -135,18 +152,9 @@ impl ContainerBackend {
         let rootfs = dir.join("rootfs");
         rootfs::mount_disk(&disk, rec.limits.disk_mb)?;
         if let Some(seed) = seed {
-            let out = Command::new("cp")
-                .arg("-a")
-                .arg(format!("{}/.", seed.display()))
-                .arg(disk.join("upper"))
-                .output()
-                .map_err(|e| format!("copying the fork source's files: {e}"))?;
-            if !out.status.success() {
-                return Err(format!(
-                    "copying the fork source's files failed (disk_limit_mb too small?): {}",
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ));
-            }
+            copy_tree(seed, &disk.join("upper")).map_err(|e| {
+                format!("copying the fork source's files (disk_limit_mb too small?): {e}")
+            })?;
         }
         let lowers: Vec<PathBuf> = rec
             .layers
@@ -267,20 +275,8 @@ impl Backend for ContainerBackend {
     ) -> Result<(), ApiError> {
         std::fs::create_dir_all(dest)
             .map_err(|e| ApiError::internal(format!("creating {}: {e}", dest.display())))?;
-        let out = Command::new("cp")
-            .arg("-a")
-            .arg("--reflink=auto")
-            .arg(format!("{}/.", paths.dir.join("disk/upper").display()))
-            .arg(dest)
-            .output()
-            .map_err(|e| ApiError::internal(format!("copying the writable layer: {e}")))?;
-        if !out.status.success() {
-            return Err(ApiError::internal(format!(
-                "copying the writable layer failed: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            )));
-        }
-        Ok(())
+        copy_tree(&paths.dir.join("disk/upper"), dest)
+            .map_err(|e| ApiError::internal(format!("copying the writable layer: {e}")))
     }
 
     fn destroy(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError> {
