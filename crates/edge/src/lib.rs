@@ -16,13 +16,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use dsec_common::ApiError;
 use dsec_common::api::{
     BackendStatus, CreateSandboxRequest, ExecRequest, ExecResult, ForkRequest, ForkResponse,
     NodeStatus, SandboxInfo, SandboxState,
 };
 use dsec_common::channel::{Request, Response};
 use dsec_common::id::SandboxId;
-use dsec_common::{ApiError, ErrorCode};
 use dsec_image::{ImageRef, ImageStore};
 
 use backend::container::ContainerBackend;
@@ -146,10 +146,6 @@ impl Edge {
 
     pub fn name(&self) -> &str {
         &self.cfg.name
-    }
-
-    pub fn config(&self) -> &EdgeConfig {
-        &self.cfg
     }
 
     pub fn images(&self) -> &ImageStore {
@@ -602,12 +598,6 @@ impl Edge {
         }
     }
 
-    /// Layer digests that running sandboxes use (image removal must keep them).
-    pub fn layers_in_use(&self) -> std::collections::HashSet<String> {
-        let map = self.sandboxes.lock().unwrap_or_else(|p| p.into_inner());
-        map.values().flat_map(|e| e.snapshot().layers).collect()
-    }
-
     /// Stops sandboxes whose TTL or idle timeout ran out and, with `check_alive`, ones
     /// whose agent has gone.
     pub async fn reap_once(self: &Arc<Self>, check_alive: bool) {
@@ -681,14 +671,6 @@ impl Edge {
         {
             cgroup::remove_parents(self.mode);
         }
-    }
-
-    pub fn is_not_found(e: &ApiError) -> bool {
-        e.code == ErrorCode::NotFound
-    }
-
-    pub fn state_dir(&self) -> &Path {
-        &self.cfg.state_dir
     }
 }
 

@@ -292,24 +292,19 @@ fn run_logged(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     let mut child = cmd.spawn().ctx(|| format!("starting {what}"))?;
-    let stdout = child.stdout.take();
     let (tx, rx) = std::sync::mpsc::channel::<String>();
-    let tx2 = tx.clone();
-    let t_out = std::thread::spawn(move || {
-        if let Some(o) = stdout {
-            for line in BufReader::new(o).lines().map_while(Result::ok) {
-                let _ = tx2.send(line);
+    let forward = |r: Option<Box<dyn std::io::Read + Send>>,
+                   tx: std::sync::mpsc::Sender<String>| {
+        std::thread::spawn(move || {
+            if let Some(r) = r {
+                for line in BufReader::new(r).lines().map_while(Result::ok) {
+                    let _ = tx.send(line);
+                }
             }
-        }
-    });
-    let stderr = child.stderr.take();
-    let t_err = std::thread::spawn(move || {
-        if let Some(e) = stderr {
-            for line in BufReader::new(e).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        }
-    });
+        })
+    };
+    let t_out = forward(child.stdout.take().map(|o| Box::new(o) as _), tx.clone());
+    let t_err = forward(child.stderr.take().map(|e| Box::new(e) as _), tx);
     let mut tail: Vec<String> = Vec::new();
     for line in rx {
         progress(&line);

@@ -65,19 +65,20 @@ fn open(a: &StoreArgs) -> Result<ImageStore> {
     Ok(ImageStore::open(root)?)
 }
 
-/// Layers that sandboxes of this machine's edge still use.
-fn layers_in_use(a: &StoreArgs) -> std::collections::HashSet<String> {
-    let mut out = std::collections::HashSet::new();
+/// Layers that sandboxes of this machine's edge still use, from the edge's registry.
+fn layers_in_use(a: &StoreArgs) -> Result<std::collections::HashSet<String>> {
     let dir = a.data.data_dir.join("edge/sandboxes");
-    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        if let Ok(b) = std::fs::read(e.path().join("state.json"))
-            && let Ok(v) = serde_json::from_slice::<serde_json::Value>(&b)
-            && let Some(ls) = v["layers"].as_array()
-        {
-            out.extend(ls.iter().filter_map(|l| l.as_str().map(str::to_string)));
-        }
+    if !dir.is_dir() {
+        return Ok(Default::default());
     }
-    out
+    let registry =
+        dsec_edge::registry::Registry::open(&dir).map_err(|e| anyhow::anyhow!(e.message))?;
+    Ok(registry
+        .load_all()
+        .into_iter()
+        .flatten()
+        .flat_map(|r| r.layers)
+        .collect())
 }
 
 pub async fn run(c: ImageCommand) -> Result<i32> {
@@ -175,7 +176,7 @@ fn run_blocking(c: ImageCommand) -> Result<i32> {
         }
         ImageCommand::Rm(a) => {
             let r = ImageRef::parse(&a.reference)?;
-            let n = open(&a.store)?.remove(&r, &layers_in_use(&a.store))?;
+            let n = open(&a.store)?.remove(&r, &layers_in_use(&a.store)?)?;
             println!("removed {r} ({n} layers freed)");
             Ok(0)
         }
