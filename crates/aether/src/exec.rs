@@ -35,7 +35,7 @@ struct Capture {
 }
 
 /// Starts a helper thread; fails (instead of panicking) when the pids limit is reached.
-fn spawn(f: impl FnOnce() + Send + 'static) -> Result<(), String> {
+pub fn spawn(f: impl FnOnce() + Send + 'static) -> Result<(), String> {
     std::thread::Builder::new()
         .spawn(f)
         .map(|_| ())
@@ -69,34 +69,54 @@ fn capture(mut r: impl Read + Send + 'static, cap: u64) -> Result<mpsc::Receiver
     Ok(rx)
 }
 
-pub fn run(spec: ExecSpec, table: &Table, base: &Env) -> Result<ExecResult, String> {
+/// The command for `spec` (argv, environment, cwd, user), not yet started.
+pub fn command(spec: &ExecSpec, base: &Env) -> Result<Command, String> {
     let Some(program) = spec.argv.first() else {
         return Err("empty argv".into());
     };
     let mut cmd = Command::new(program);
-    cmd.args(&spec.argv[1..])
-        .env_clear()
-        .envs(base)
-        .envs(&spec.env)
-        .stdin(if spec.stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
-    let cwd = spec.cwd.clone().unwrap_or_else(|| "/".into());
-    cmd.current_dir(&cwd);
+    cmd.args(&spec.argv[1..]).env_clear().envs(base);
+    if let Some(user) = &spec.user {
+        let u = crate::user::lookup(user)?;
+        cmd.uid(u.uid).gid(u.gid);
+        cmd.env("HOME", &u.home)
+            .env("USER", &u.name)
+            .env("LOGNAME", &u.name);
+    }
+    cmd.envs(&spec.env);
+    cmd.current_dir(spec.cwd.as_deref().unwrap_or("/"));
+    Ok(cmd)
+}
+
+/// Says why a command could not start, in terms of the request.
+pub fn spawn_error(spec: &ExecSpec, e: std::io::Error) -> String {
+    let program = spec.argv.first().map(String::as_str).unwrap_or("");
+    let cwd = spec.cwd.as_deref().unwrap_or("/");
+    match e.kind() {
+        std::io::ErrorKind::NotFound => format!(
+            "cannot run {program:?} in {cwd:?}: the program or the working directory does not exist"
+        ),
+        std::io::ErrorKind::PermissionDenied => {
+            format!("cannot run {program:?} in {cwd:?}: permission denied")
+        }
+        _ => format!("cannot run {program:?}: {e}"),
+    }
+}
+
+pub fn run(spec: ExecSpec, table: &Table, base: &Env) -> Result<ExecResult, String> {
+    let mut cmd = command(&spec, base)?;
+    cmd.stdin(if spec.stdin.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    })
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .process_group(0);
     let started = Instant::now();
     let mut child = {
         let mut managed = table.lock();
-        let child = cmd.spawn().map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => format!(
-                "cannot run {program:?} in {cwd:?}: the program or the working directory does not exist"
-            ),
-            _ => format!("cannot run {program:?}: {e}"),
-        })?;
+        let child = cmd.spawn().map_err(|e| spawn_error(&spec, e))?;
         managed.insert(child.id());
         child
     };

@@ -1,25 +1,52 @@
 //! dsec-aether: the first process of every sandbox. It reaps orphans (it is PID 1) and
-//! serves the runtime channel on the socket the edge handed it as fd 3. It is statically
+//! serves the runtime channel on the socket the edge handed it as fd 3: commands, managed
+//! processes, terminals, files, directory watches and shell sessions. It is statically
 //! linked so it runs in any image, and it makes itself non-dumpable so sandboxed processes
-//! cannot ptrace it or open its file descriptors through /proc.
+//! cannot ptrace it or open its file descriptors through /proc. `dsec-aether chronus
+//! SHELL` is the per-session process (see chronus.rs).
 
 mod children;
+mod chronus;
 mod exec;
+mod files;
+mod process;
+mod session;
+mod user;
+mod watch;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, BufWriter, Read, Write};
 use std::os::fd::FromRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::Arc;
+use std::time::Duration;
 
-use dsec_common::channel::{LISTEN_FD, PROTOCOL_VERSION, Request, Response};
+use dsec_common::ErrorCode;
+use dsec_common::channel::{
+    FRAME_DATA, FRAME_STDERR, FRAME_STDOUT, LISTEN_FD, PROTOCOL_VERSION, PtySize, Request,
+    Response, read_frame, write_frame, write_json,
+};
+
+use process::{Attachment, Chunk};
 
 /// A request line longer than this is refused (the edge never sends one).
 const MAX_REQUEST_BYTES: u64 = 64 << 20;
 
+struct Ctx {
+    table: Arc<children::Table>,
+    base_env: exec::Env,
+    procs: process::Procs,
+    sessions: session::Sessions,
+}
+
 fn main() {
-    if std::env::args().nth(1).as_deref() == Some("--version") {
-        println!("dsec-aether {}", env!("CARGO_PKG_VERSION"));
-        return;
+    let args: Vec<String> = std::env::args().collect();
+    match args.get(1).map(String::as_str) {
+        Some("--version") => {
+            println!("dsec-aether {}", env!("CARGO_PKG_VERSION"));
+            return;
+        }
+        Some("chronus") => chronus::main(args.get(2).map(String::as_str).unwrap_or("/bin/sh")),
+        _ => {}
     }
     // SAFETY: plain prctl/fcntl calls on our own process and fd.
     unsafe {
@@ -30,61 +57,304 @@ fn main() {
             );
             std::process::exit(2);
         }
+        // A closed connection must be a write error, not a signal that ends PID 1.
+        libc::signal(libc::SIGPIPE, libc::SIG_IGN);
     }
     // SAFETY: fd 3 is the listening socket the edge passed us (checked above).
     let listener = unsafe { UnixListener::from_raw_fd(LISTEN_FD) };
     let table = Arc::new(children::Table::default());
     children::start_reaper(table.clone());
-    let base_env = exec::base_env();
+    let ctx = Arc::new(Ctx {
+        table,
+        base_env: exec::base_env(),
+        procs: process::Procs::default(),
+        sessions: session::Sessions::default(),
+    });
     for conn in listener.incoming() {
         match conn {
             Ok(stream) => {
-                let (t, e) = (table.clone(), base_env.clone());
+                let c = ctx.clone();
                 // Threads count against the sandbox's pids limit; when none can be made
                 // (a fork bomb), the connection is dropped, never the agent.
-                let spawned = std::thread::Builder::new().spawn(move || serve(stream, &t, &e));
+                let spawned = std::thread::Builder::new().spawn(move || serve(stream, &c));
                 if spawned.is_err() {
-                    std::thread::sleep(std::time::Duration::from_millis(10));
+                    std::thread::sleep(Duration::from_millis(10));
                 }
             }
             Err(e) => {
                 eprintln!("dsec-aether: accept: {e}");
-                std::thread::sleep(std::time::Duration::from_millis(10));
+                std::thread::sleep(Duration::from_millis(10));
             }
         }
     }
 }
 
-fn serve(stream: UnixStream, table: &children::Table, base_env: &exec::Env) {
-    let mut line = String::new();
-    let read = match stream.try_clone() {
-        Ok(s) => BufReader::new(s.take(MAX_REQUEST_BYTES)).read_line(&mut line),
-        Err(e) => Err(e),
+fn err((code, message): (ErrorCode, String)) -> Response {
+    Response::Error { code, message }
+}
+
+fn invalid(message: String) -> Response {
+    Response::error(ErrorCode::InvalidArgument, message)
+}
+
+fn serve(stream: UnixStream, ctx: &Ctx) {
+    let Ok(read_half) = stream.try_clone() else {
+        return;
     };
-    let response = match read {
-        Ok(0) => return,
-        Ok(_) => match serde_json::from_str::<Request>(&line) {
-            Ok(Request::Ping) => Response::Pong {
-                version: PROTOCOL_VERSION,
-                pid: std::process::id(),
-            },
-            Ok(Request::Exec(spec)) => match exec::run(spec, table, base_env) {
-                Ok(r) => Response::Exec(r),
-                Err(message) => Response::Error { message },
-            },
-            Err(e) => Response::Error {
-                message: format!("malformed request: {e}"),
-            },
+    let mut input = BufReader::new(read_half);
+    let mut line = Vec::new();
+    match (&mut input)
+        .take(MAX_REQUEST_BYTES)
+        .read_until(b'\n', &mut line)
+    {
+        Ok(0) | Err(_) => return,
+        Ok(_) => {}
+    }
+    let mut out = stream;
+    let req = match serde_json::from_slice::<Request>(&line) {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = write_json(&mut out, &invalid(format!("malformed request: {e}")));
+            return;
+        }
+    };
+    let reply = match req {
+        Request::Ping => Response::Pong {
+            version: PROTOCOL_VERSION,
+            pid: std::process::id(),
         },
-        Err(e) => Response::Error {
-            message: format!("reading request: {e}"),
+        Request::Exec(spec) => match exec::run(spec, &ctx.table, &ctx.base_env) {
+            Ok(r) => Response::Exec(r),
+            Err(message) => invalid(message),
+        },
+        Request::Start(spec) => {
+            let attach = spec.attach;
+            match ctx.procs.start(spec, &ctx.table, &ctx.base_env) {
+                Ok(p) => {
+                    if write_json(&mut out, &Response::Started { pid: p.pid }).is_err() {
+                        return;
+                    }
+                    if attach {
+                        stream_output(p.attach(), &mut out);
+                    }
+                    return;
+                }
+                Err(message) => invalid(message),
+            }
+        }
+        Request::Attach { pid } => match ctx.procs.get(pid) {
+            Ok(p) => {
+                if write_json(&mut out, &Response::Started { pid }).is_ok() {
+                    stream_output(p.attach(), &mut out);
+                }
+                return;
+            }
+            Err(e) => err(e),
+        },
+        Request::Stdin { pid, close } => {
+            let p = ctx.procs.get(pid);
+            let mut failure = p.as_ref().err().cloned();
+            loop {
+                match read_frame(&mut input) {
+                    Ok(Some((FRAME_DATA, d))) if d.is_empty() => break,
+                    Ok(Some((FRAME_DATA, d))) => {
+                        if let (Ok(p), None) = (&p, &failure) {
+                            failure = p.write_stdin(&d).err();
+                        }
+                    }
+                    _ => return,
+                }
+            }
+            match (p, failure) {
+                (_, Some(e)) => err(e),
+                (Ok(p), None) => {
+                    if close {
+                        p.close_stdin();
+                    }
+                    Response::Ok
+                }
+                (Err(e), None) => err(e),
+            }
+        }
+        Request::Signal { pid, signal } => {
+            match ctx.procs.get(pid).and_then(|p| p.signal(signal)) {
+                Ok(()) => Response::Ok,
+                Err(e) => err(e),
+            }
+        }
+        Request::Resize { pid, cols, rows } => {
+            match ctx
+                .procs
+                .get(pid)
+                .and_then(|p| p.resize(PtySize { cols, rows }))
+            {
+                Ok(()) => Response::Ok,
+                Err(e) => err(e),
+            }
+        }
+        Request::Processes => Response::Processes {
+            processes: ctx.procs.list(),
+        },
+        Request::ReadFile { path } => {
+            match files::check_path(&path).and_then(|p| files::open_read(&p)) {
+                Ok((f, size)) => {
+                    let mut w = BufWriter::with_capacity(dsec_common::channel::CHUNK + 64, out);
+                    if write_json(&mut w, &Response::File { size }).is_ok() {
+                        let _ = files::send_file(f, &mut w);
+                        let _ = w.flush();
+                    }
+                    return;
+                }
+                Err(e) => err(e),
+            }
+        }
+        Request::WriteFile { path, mode, append } => {
+            let r = files::check_path(&path).and_then(|p| {
+                files::receive_file(&p, mode, append, &mut input).map(|size| (p, size))
+            });
+            match r {
+                Ok((p, size)) => Response::Written {
+                    path: files::stat(&p).map(|s| s.path).unwrap_or(path),
+                    size,
+                },
+                Err(e) => err(e),
+            }
+        }
+        Request::Stat { path } => fs_reply(&path, |p| files::stat(p).map(Response::Stat)),
+        Request::List { path, depth } => fs_reply(&path, |p| {
+            files::list(p, depth).map(|entries| Response::Entries { entries })
+        }),
+        Request::Exists { path } => fs_reply(&path, |p| {
+            Ok(Response::Exists {
+                exists: std::fs::symlink_metadata(p).is_ok(),
+            })
+        }),
+        Request::Mkdir { path } => fs_reply(&path, |p| files::mkdir(p).map(Response::Stat)),
+        Request::Remove { path, recursive } => {
+            fs_reply(&path, |p| files::remove(p, recursive).map(|_| Response::Ok))
+        }
+        Request::Rename { from, to } => fs_reply(&from, |f| {
+            files::check_path(&to).and_then(|t| files::rename(f, &t).map(Response::Stat))
+        }),
+        Request::Chmod { path, mode } => {
+            fs_reply(&path, |p| files::chmod(p, mode).map(Response::Stat))
+        }
+        Request::Chown { path, uid, gid } => {
+            fs_reply(&path, |p| files::chown(p, uid, gid).map(Response::Stat))
+        }
+        Request::Watch { path, recursive } => {
+            match files::check_path(&path).and_then(|p| watch::run(&p, recursive, &mut out)) {
+                Ok(()) => return,
+                Err(e) => err(e),
+            }
+        }
+        Request::SessionCreate {
+            cwd,
+            env,
+            max_output_bytes,
+        } => match ctx
+            .sessions
+            .create(&ctx.table, &ctx.base_env, cwd, env, max_output_bytes)
+        {
+            Ok(s) => Response::Session(s),
+            Err(e) => err(e),
+        },
+        Request::SessionList => Response::Sessions {
+            sessions: ctx.sessions.list(),
+        },
+        Request::SessionRun {
+            session,
+            cmd,
+            timeout_ms,
+            background,
+        } => match ctx.sessions.run(
+            &ctx.table,
+            &session,
+            cmd,
+            Duration::from_millis(timeout_ms),
+            background,
+        ) {
+            Ok(r) => Response::Command(r),
+            Err(e) => err(e),
+        },
+        Request::SessionCommand { session, command } => {
+            match ctx.sessions.command(&session, command) {
+                Ok(r) => Response::Command(r),
+                Err(e) => err(e),
+            }
+        }
+        Request::SessionKill { session } => match ctx.sessions.kill(&session) {
+            Ok(()) => Response::Ok,
+            Err(e) => err(e),
         },
     };
-    let mut out = match serde_json::to_string(&response) {
-        Ok(s) => s,
-        Err(e) => format!(r#"{{"type":"error","message":"encoding response: {e}"}}"#),
+    let _ = write_json(&mut out, &reply);
+}
+
+fn fs_reply(
+    path: &str,
+    f: impl FnOnce(&std::path::Path) -> Result<Response, files::FsError>,
+) -> Response {
+    match files::check_path(path).and_then(|p| f(&p)) {
+        Ok(r) => r,
+        Err(e) => err(e),
+    }
+}
+
+/// Writes the kept output, then live output until the process exits or the edge goes.
+fn stream_output(a: Attachment, out: &mut UnixStream) {
+    let send = |out: &mut UnixStream, c: &Chunk| match c {
+        Chunk::Out(d) => write_frame(out, FRAME_STDOUT, d),
+        Chunk::Err(d) => write_frame(out, FRAME_STDERR, d),
+        Chunk::Exit(r) => write_json(out, &Response::Exit(r.clone())),
     };
-    out.push('\n');
-    let mut stream = stream;
-    let _ = stream.write_all(out.as_bytes());
+    for (kind, data) in [(FRAME_STDOUT, &a.stdout), (FRAME_STDERR, &a.stderr)] {
+        for piece in data.chunks(dsec_common::channel::CHUNK) {
+            if write_frame(out, kind, piece).is_err() {
+                return;
+            }
+        }
+    }
+    if let Some(exit) = a.exit {
+        let _ = write_json(out, &Response::Exit(exit));
+        return;
+    }
+    let Some(feed) = a.feed else { return };
+    loop {
+        match feed.recv_timeout(Duration::from_secs(1)) {
+            Ok(c) => {
+                let last = matches!(c, Chunk::Exit(_));
+                if send(out, &c).is_err() || last {
+                    return;
+                }
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                if peer_gone(out) {
+                    return;
+                }
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                let _ = write_json(
+                    out,
+                    &Response::error(
+                        ErrorCode::ResourceExhausted,
+                        "this client read the output too slowly and was detached; attach again",
+                    ),
+                );
+                return;
+            }
+        }
+    }
+}
+
+fn peer_gone(s: &UnixStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut p = libc::pollfd {
+        fd: s.as_raw_fd(),
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, no wait.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
 }

@@ -22,6 +22,8 @@ use dsec_edge::Edge;
 use dsec_iam::KeyStore;
 use serde::de::DeserializeOwned;
 
+mod runtime;
+
 pub const OPENAPI: &str = include_str!("../openapi.json");
 
 #[derive(Clone)]
@@ -48,14 +50,14 @@ impl IntoResponse for Failure {
     }
 }
 
-type ApiResult<T> = Result<T, Failure>;
+pub(crate) type ApiResult<T> = Result<T, Failure>;
 
-fn json<T: serde::Serialize>(status: StatusCode, v: &T) -> Response {
+pub(crate) fn json<T: serde::Serialize>(status: StatusCode, v: &T) -> Response {
     (status, axum::Json(v)).into_response()
 }
 
 /// Parses a JSON body, saying what was wrong in terms of the request.
-fn body<T: DeserializeOwned>(bytes: &Bytes, what: &str) -> Result<T, Failure> {
+pub(crate) fn body<T: DeserializeOwned>(bytes: &Bytes, what: &str) -> Result<T, Failure> {
     if bytes.is_empty() {
         return Err(
             ApiError::invalid(format!("{what} needs a JSON body; see /openapi.json")).into(),
@@ -80,6 +82,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sandboxes/{id}/fork", post(fork))
         .route("/v1/sandboxes/{id}/timeout", post(set_timeout))
         .route("/v1/images", get(images))
+        .merge(runtime::routes())
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
         .route(
@@ -138,7 +141,7 @@ async fn auth(State(st): State<AppState>, req: Request, next: Next) -> Response 
 }
 
 /// Checks that the id is well formed and names an edge this apiserver reaches.
-fn route(st: &AppState, id: &str) -> ApiResult<()> {
+pub(crate) fn route(st: &AppState, id: &str) -> ApiResult<()> {
     let parsed = SandboxId::parse(id).map_err(|e| ApiError::invalid(e.to_string()))?;
     if parsed.edge() != st.edge.name() {
         return Err(ApiError::not_found(format!(
@@ -182,7 +185,7 @@ fn label_filter(q: Option<&str>) -> ApiResult<BTreeMap<String, String>> {
     Ok(out)
 }
 
-fn percent_decode(s: &str) -> String {
+pub(crate) fn percent_decode(s: &str) -> String {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -230,11 +233,12 @@ async fn stop(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult<R
 async fn exec(
     State(st): State<AppState>,
     Path(id): Path<String>,
+    headers: HeaderMap,
     bytes: Bytes,
 ) -> ApiResult<Response> {
     route(&st, &id)?;
     let req: ExecRequest = body(&bytes, "exec")?;
-    Ok(json(StatusCode::OK, &st.edge.exec(&id, req).await?))
+    runtime::exec(&st, &id, &headers, req).await
 }
 
 async fn fork(

@@ -1,33 +1,139 @@
-//! The edge ↔ aether channel protocol: one JSON request line, one JSON response line, per
-//! connection. The listening socket is created by the edge on the host and handed to aether
-//! as an inherited file descriptor, so it has no path inside the sandbox.
+//! The edge ↔ aether channel protocol. Per connection: one JSON request line from the
+//! edge, then frames in both directions: `[kind: u8][len: u32 big-endian][payload]`.
+//! `J` frames carry one JSON [`Response`]; `O`/`E` carry stdout/stderr bytes; `D` carries
+//! file or stdin bytes, a zero-length `D` ending the data. The listening socket is created
+//! by the edge on the host and handed to aether as an inherited file descriptor, so it has
+//! no path inside the sandbox.
 
 use std::collections::BTreeMap;
+use std::io::{Read, Write};
 
 use serde::{Deserialize, Serialize};
 
-use crate::api::ExecResult;
+use crate::ErrorCode;
+use crate::api::{ExecResult, FileStat, ProcessInfo, SessionInfo, SessionResult};
 
 /// The file descriptor number on which aether finds its listening socket.
 pub const LISTEN_FD: i32 = 3;
 
 /// Protocol version reported by `Pong`; bumped on incompatible changes.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
+
+pub const FRAME_JSON: u8 = b'J';
+pub const FRAME_STDOUT: u8 = b'O';
+pub const FRAME_STDERR: u8 = b'E';
+pub const FRAME_DATA: u8 = b'D';
+
+/// Largest frame either side accepts; data is sent in chunks well below it.
+pub const MAX_FRAME: u32 = 16 << 20;
+/// Size of the data chunks both sides send.
+pub const CHUNK: usize = 256 << 10;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Request {
     Ping,
+    /// Runs a command to the end and answers with its result.
     Exec(ExecSpec),
+    /// Starts a managed process; answers `Started`, then with `attach` streams like
+    /// [`Request::Attach`].
+    Start(StartSpec),
+    /// Streams a process's kept output, then its live output, then `Exit`.
+    Attach {
+        pid: u32,
+    },
+    /// `D` frames follow with bytes for the process's stdin, ended by an empty one.
+    Stdin {
+        pid: u32,
+        close: bool,
+    },
+    Signal {
+        pid: u32,
+        signal: i32,
+    },
+    Resize {
+        pid: u32,
+        cols: u16,
+        rows: u16,
+    },
+    Processes,
+    /// Answers `File`, then `D` frames, then an empty `D`.
+    ReadFile {
+        path: String,
+    },
+    /// `D` frames follow, ended by an empty one; answers `Written`.
+    WriteFile {
+        path: String,
+        mode: Option<u32>,
+        append: bool,
+    },
+    Stat {
+        path: String,
+    },
+    List {
+        path: String,
+        depth: u32,
+    },
+    Exists {
+        path: String,
+    },
+    Mkdir {
+        path: String,
+    },
+    Remove {
+        path: String,
+        recursive: bool,
+    },
+    Rename {
+        from: String,
+        to: String,
+    },
+    Chmod {
+        path: String,
+        mode: u32,
+    },
+    Chown {
+        path: String,
+        uid: u32,
+        gid: u32,
+    },
+    /// Answers `Ready`, then one `Event` per change until the edge closes the connection.
+    Watch {
+        path: String,
+        recursive: bool,
+    },
+    SessionCreate {
+        cwd: Option<String>,
+        #[serde(default)]
+        env: BTreeMap<String, String>,
+        max_output_bytes: u64,
+    },
+    SessionList,
+    SessionRun {
+        session: String,
+        cmd: String,
+        timeout_ms: u64,
+        background: bool,
+    },
+    SessionCommand {
+        session: String,
+        command: u64,
+    },
+    SessionKill {
+        session: String,
+    },
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ExecSpec {
     pub argv: Vec<String>,
     #[serde(default)]
     pub env: BTreeMap<String, String>,
     #[serde(default)]
     pub cwd: Option<String>,
+    /// A user name from the sandbox's /etc/passwd or a numeric uid.
+    #[serde(default)]
+    pub user: Option<String>,
     #[serde(default)]
     pub timeout_ms: Option<u64>,
     #[serde(default)]
@@ -36,12 +142,102 @@ pub struct ExecSpec {
     pub max_output_bytes: u64,
 }
 
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StartSpec {
+    #[serde(flatten)]
+    pub exec: ExecSpec,
+    #[serde(default)]
+    pub pty: Option<PtySize>,
+    #[serde(default)]
+    pub tag: Option<String>,
+    /// Stream the output on this connection after `Started`.
+    #[serde(default)]
+    pub attach: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PtySize {
+    pub cols: u16,
+    pub rows: u16,
+}
+
+/// Tagged by `reply` (payloads such as file stats and events have their own `type`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
+#[serde(tag = "reply", rename_all = "snake_case")]
 pub enum Response {
     Pong { version: u32, pid: u32 },
     Exec(ExecResult),
-    Error { message: String },
+    Ok,
+    Error { code: ErrorCode, message: String },
+    Started { pid: u32 },
+    Exit(ExecResult),
+    Processes { processes: Vec<ProcessInfo> },
+    File { size: u64 },
+    Written { path: String, size: u64 },
+    Stat(FileStat),
+    Entries { entries: Vec<FileStat> },
+    Exists { exists: bool },
+    Ready,
+    Event(FsEvent),
+    Session(SessionInfo),
+    Sessions { sessions: Vec<SessionInfo> },
+    Command(SessionResult),
+}
+
+impl Response {
+    pub fn error(code: ErrorCode, message: impl Into<String>) -> Response {
+        Response::Error {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+/// One change seen by a directory watch.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FsEvent {
+    /// `create`, `write`, `remove`, `rename` or `chmod`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub path: String,
+    pub is_dir: bool,
+    /// For `rename`: the old path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<String>,
+}
+
+/// Writes one frame.
+pub fn write_frame(w: &mut impl Write, kind: u8, payload: &[u8]) -> std::io::Result<()> {
+    let mut head = [0u8; 5];
+    head[0] = kind;
+    head[1..].copy_from_slice(&(payload.len() as u32).to_be_bytes());
+    w.write_all(&head)?;
+    w.write_all(payload)
+}
+
+pub fn write_json(w: &mut impl Write, r: &Response) -> std::io::Result<()> {
+    let body = serde_json::to_vec(r).map_err(std::io::Error::other)?;
+    write_frame(w, FRAME_JSON, &body)
+}
+
+/// Reads one frame; `None` at a clean end of stream.
+pub fn read_frame(r: &mut impl Read) -> std::io::Result<Option<(u8, Vec<u8>)>> {
+    let mut head = [0u8; 5];
+    match r.read_exact(&mut head) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]);
+    if len > MAX_FRAME {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("frame of {len} bytes is over the {MAX_FRAME}-byte limit"),
+        ));
+    }
+    let mut body = vec![0u8; len as usize];
+    r.read_exact(&mut body)?;
+    Ok(Some((head[0], body)))
 }
 
 #[cfg(test)]
@@ -55,13 +251,47 @@ mod tests {
             env: BTreeMap::from([("A".into(), "1".into())]),
             cwd: Some("/tmp".into()),
             timeout_ms: Some(5),
-            stdin: None,
             max_output_bytes: 10,
+            ..Default::default()
         });
         let line = serde_json::to_string(&r).unwrap();
         assert!(!line.contains('\n'));
         assert_eq!(serde_json::from_str::<Request>(&line).unwrap(), r);
         let p: Request = serde_json::from_str(r#"{"op":"ping"}"#).unwrap();
         assert_eq!(p, Request::Ping);
+        let s = Request::Start(StartSpec {
+            exec: ExecSpec {
+                argv: vec!["bash".into()],
+                max_output_bytes: 1,
+                ..Default::default()
+            },
+            pty: Some(PtySize { cols: 80, rows: 24 }),
+            tag: None,
+            attach: true,
+        });
+        let line = serde_json::to_string(&s).unwrap();
+        assert_eq!(serde_json::from_str::<Request>(&line).unwrap(), s);
+    }
+
+    #[test]
+    fn frames_round_trip_and_oversized_frames_are_refused() {
+        let mut buf = Vec::new();
+        write_frame(&mut buf, FRAME_STDOUT, b"abc").unwrap();
+        write_json(&mut buf, &Response::Ok).unwrap();
+        let mut r = &buf[..];
+        assert_eq!(
+            read_frame(&mut r).unwrap(),
+            Some((FRAME_STDOUT, b"abc".to_vec()))
+        );
+        let (k, body) = read_frame(&mut r).unwrap().unwrap();
+        assert_eq!(k, FRAME_JSON);
+        assert_eq!(
+            serde_json::from_slice::<Response>(&body).unwrap(),
+            Response::Ok
+        );
+        assert_eq!(read_frame(&mut r).unwrap(), None);
+        let mut big = vec![FRAME_DATA];
+        big.extend_from_slice(&(MAX_FRAME + 1).to_be_bytes());
+        assert!(read_frame(&mut &big[..]).is_err());
     }
 }

@@ -8,6 +8,8 @@ pub mod channel;
 pub mod config;
 pub mod host;
 pub mod registry;
+pub mod runtime;
+pub mod trajectory;
 mod validate;
 
 use std::collections::{BTreeMap, HashMap};
@@ -61,7 +63,7 @@ impl Planned {
 const MAX_STATE_DIR_LEN: usize = 70;
 const AGENT_START_TIMEOUT: Duration = Duration::from_secs(20);
 
-struct Entry {
+pub(crate) struct Entry {
     rec: Mutex<SandboxRecord>,
     /// Serialises stop and fork. Exec takes no lock: a stop must never wait for a
     /// long-running command (it kills it).
@@ -86,9 +88,10 @@ pub struct Edge {
     mode: cgroup::CgroupMode,
     creating: AtomicU64,
     fork_tmp: PathBuf,
+    trajectories: trajectory::Logs,
 }
 
-async fn blocking<T: Send + 'static>(
+pub(crate) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, ApiError> {
     tokio::task::spawn_blocking(f)
@@ -138,6 +141,7 @@ impl Edge {
             mode,
             creating: AtomicU64::new(0),
             fork_tmp,
+            trajectories: trajectory::Logs::default(),
         });
         let e2 = edge.clone();
         blocking(move || e2.adopt()).await?;
@@ -411,10 +415,7 @@ impl Edge {
                 }
                 Ok(r)
             }
-            Response::Error { message } => Err(ApiError::invalid(message)),
-            other => Err(ApiError::internal(format!(
-                "unexpected reply from sandbox agent: {other:?}"
-            ))),
+            other => Err(channel::unexpected(&other)),
         }
     }
 
@@ -547,6 +548,7 @@ impl Edge {
             blocking(move || b.destroy(&r2, &paths)).await??;
         }
         let _ = std::fs::remove_dir_all(self.registry.dir(id));
+        self.trajectories.forget(&self.registry.dir(id));
         self.sandboxes
             .lock()
             .unwrap_or_else(|p| p.into_inner())

@@ -169,11 +169,45 @@ pub fn exec(cfg: &EdgeConfig, req: &ExecRequest) -> Result<ExecSpec, ApiError> {
             cfg.max.ttl_seconds
         )));
     }
+    if let Some(u) = &req.user
+        && (u.is_empty() || u.len() > 64 || u.contains(['\0', ':', '\n']))
+    {
+        return Err(ApiError::invalid(format!(
+            "user {u:?} is not a user name or uid"
+        )));
+    }
+    if let Some(p) = &req.pty {
+        if !(1..=1000).contains(&p.cols) || !(1..=1000).contains(&p.rows) {
+            return Err(ApiError::invalid(format!(
+                "pty cols and rows must be from 1 to 1000 (got {}x{})",
+                p.cols, p.rows
+            )));
+        }
+        if !req.stream && !req.background {
+            return Err(ApiError::invalid(
+                "a pty needs stream or background: a terminal is interactive",
+            ));
+        }
+    }
+    if req.stream && req.background {
+        return Err(ApiError::invalid(
+            "give at most one of stream and background",
+        ));
+    }
+    if req.tag.as_ref().is_some_and(|t| t.len() > 256) {
+        return Err(ApiError::invalid("tag must be at most 256 bytes"));
+    }
     Ok(ExecSpec {
         argv,
         env: req.env.clone(),
         cwd: req.cwd.clone(),
-        timeout_ms: Some((timeout * 1000.0) as u64),
+        user: req.user.clone(),
+        // Streamed and background processes run until they end unless given a timeout.
+        timeout_ms: if (req.stream || req.background) && req.timeout_seconds.is_none() {
+            None
+        } else {
+            Some((timeout * 1000.0) as u64)
+        },
         stdin: req.stdin.clone(),
         max_output_bytes: cfg.max_output_bytes,
     })

@@ -1,0 +1,303 @@
+//! File operations inside the sandbox. Aether's root is the sandbox's root, so no path can
+//! leave it; relative paths resolve against aether's working directory (the image's).
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use dsec_common::ErrorCode;
+use dsec_common::api::FileStat;
+use dsec_common::channel::{CHUNK, FRAME_DATA, read_frame, write_frame};
+
+pub type FsError = (ErrorCode, String);
+
+pub fn check_path(p: &str) -> Result<PathBuf, FsError> {
+    if p.is_empty() || p.contains('\0') {
+        return Err((
+            ErrorCode::InvalidArgument,
+            format!("path {p:?} is empty or contains a NUL byte"),
+        ));
+    }
+    Ok(PathBuf::from(p))
+}
+
+/// Maps an I/O error on `path` to an API error code and a sentence.
+pub fn io_err(what: &str, path: &Path, e: std::io::Error) -> FsError {
+    use std::io::ErrorKind as K;
+    let code = match e.kind() {
+        K::NotFound => ErrorCode::NotFound,
+        K::PermissionDenied => ErrorCode::PermissionDenied,
+        K::AlreadyExists => ErrorCode::AlreadyExists,
+        K::StorageFull | K::QuotaExceeded => ErrorCode::ResourceExhausted,
+        _ => match e.raw_os_error() {
+            Some(libc::ENOSPC) | Some(libc::EDQUOT) => ErrorCode::ResourceExhausted,
+            Some(libc::EPERM) | Some(libc::EACCES) | Some(libc::EROFS) => {
+                ErrorCode::PermissionDenied
+            }
+            Some(libc::EEXIST) => ErrorCode::AlreadyExists,
+            _ => ErrorCode::InvalidArgument,
+        },
+    };
+    (code, format!("{what} {}: {e}", path.display()))
+}
+
+pub fn stat(path: &Path) -> Result<FileStat, FsError> {
+    let m = fs::symlink_metadata(path).map_err(|e| io_err("cannot stat", path, e))?;
+    let ft = m.file_type();
+    let kind = if ft.is_symlink() {
+        "symlink"
+    } else if ft.is_dir() {
+        "dir"
+    } else if ft.is_file() {
+        "file"
+    } else {
+        "other"
+    };
+    let abs = if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        std::env::current_dir()
+            .unwrap_or_else(|_| "/".into())
+            .join(path)
+    };
+    Ok(FileStat {
+        path: abs.display().to_string(),
+        name: path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "/".into()),
+        kind: kind.into(),
+        size: m.len(),
+        mode: m.mode() & 0o7777,
+        uid: m.uid(),
+        gid: m.gid(),
+        mtime_ms: m.mtime() * 1000 + m.mtime_nsec() / 1_000_000,
+        target: ft
+            .is_symlink()
+            .then(|| fs::read_link(path).ok())
+            .flatten()
+            .map(|t| t.display().to_string()),
+    })
+}
+
+pub fn list(path: &Path, depth: u32) -> Result<Vec<FileStat>, FsError> {
+    let depth = depth.clamp(1, 64);
+    let root = stat(path)?;
+    if root.kind != "dir" {
+        return Err((
+            ErrorCode::InvalidArgument,
+            format!("{} is not a directory", path.display()),
+        ));
+    }
+    let mut out = Vec::new();
+    let mut todo = vec![(PathBuf::from(&root.path), 1)];
+    while let Some((dir, d)) = todo.pop() {
+        let rd = fs::read_dir(&dir).map_err(|e| io_err("cannot list", &dir, e))?;
+        for ent in rd.flatten() {
+            let p = ent.path();
+            if let Ok(s) = stat(&p) {
+                if s.kind == "dir" && d < depth {
+                    todo.push((p, d + 1));
+                }
+                out.push(s);
+            }
+        }
+        if out.len() > 100_000 {
+            return Err((
+                ErrorCode::ResourceExhausted,
+                format!(
+                    "{} has more than 100000 entries at depth {depth}; list a smaller tree",
+                    path.display()
+                ),
+            ));
+        }
+    }
+    out.sort_by(|a, b| a.path.cmp(&b.path));
+    Ok(out)
+}
+
+pub fn mkdir(path: &Path) -> Result<FileStat, FsError> {
+    fs::create_dir_all(path).map_err(|e| io_err("cannot create directory", path, e))?;
+    stat(path)
+}
+
+pub fn remove(path: &Path, recursive: bool) -> Result<(), FsError> {
+    let m = fs::symlink_metadata(path).map_err(|e| io_err("cannot remove", path, e))?;
+    let r = if m.is_dir() {
+        if recursive {
+            fs::remove_dir_all(path)
+        } else {
+            fs::remove_dir(path).map_err(|e| {
+                if e.raw_os_error() == Some(libc::ENOTEMPTY) {
+                    std::io::Error::other("the directory is not empty; pass recursive=true")
+                } else {
+                    e
+                }
+            })
+        }
+    } else {
+        fs::remove_file(path)
+    };
+    r.map_err(|e| io_err("cannot remove", path, e))
+}
+
+pub fn rename(from: &Path, to: &Path) -> Result<FileStat, FsError> {
+    if let Some(parent) = to.parent().filter(|p| !p.as_os_str().is_empty()) {
+        fs::create_dir_all(parent).map_err(|e| io_err("cannot create directory", parent, e))?;
+    }
+    fs::rename(from, to).map_err(|e| io_err("cannot rename", from, e))?;
+    stat(to)
+}
+
+pub fn chmod(path: &Path, mode: u32) -> Result<FileStat, FsError> {
+    if mode > 0o7777 {
+        return Err((
+            ErrorCode::InvalidArgument,
+            format!("mode {mode:o} is not a permission mode (at most 0o7777)"),
+        ));
+    }
+    fs::set_permissions(path, fs::Permissions::from_mode(mode))
+        .map_err(|e| io_err("cannot chmod", path, e))?;
+    stat(path)
+}
+
+pub fn chown(path: &Path, uid: u32, gid: u32) -> Result<FileStat, FsError> {
+    std::os::unix::fs::lchown(path, Some(uid), Some(gid))
+        .map_err(|e| io_err("cannot chown", path, e))?;
+    stat(path)
+}
+
+/// Opens a regular file for reading; a directory is an error that says so.
+pub fn open_read(path: &Path) -> Result<(File, u64), FsError> {
+    let f = File::open(path).map_err(|e| io_err("cannot read", path, e))?;
+    let m = f.metadata().map_err(|e| io_err("cannot stat", path, e))?;
+    if m.is_dir() {
+        return Err((
+            ErrorCode::InvalidArgument,
+            format!("{} is a directory; list it, or read a file", path.display()),
+        ));
+    }
+    Ok((f, m.len()))
+}
+
+/// Sends a file as `D` frames ended by an empty one.
+pub fn send_file(mut f: File, out: &mut impl Write) -> std::io::Result<()> {
+    let mut buf = vec![0u8; CHUNK];
+    loop {
+        let n = match f.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        write_frame(out, FRAME_DATA, &buf[..n])?;
+    }
+    write_frame(out, FRAME_DATA, &[])
+}
+
+/// Receives `D` frames into a file (parents created). On error the rest of the data is
+/// still read, so the connection stays in step, and the error returned.
+pub fn receive_file(
+    path: &Path,
+    mode: Option<u32>,
+    append: bool,
+    input: &mut impl Read,
+) -> Result<u64, FsError> {
+    let mut target: Result<File, FsError> = (|| {
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            fs::create_dir_all(parent).map_err(|e| io_err("cannot create directory", parent, e))?;
+        }
+        let mut o = OpenOptions::new();
+        o.write(true).create(true);
+        if append {
+            o.append(true);
+        } else {
+            o.truncate(true);
+        }
+        o.mode(mode.unwrap_or(0o644));
+        let f = o.open(path).map_err(|e| io_err("cannot write", path, e))?;
+        if let Some(m) = mode {
+            let _ = f.set_permissions(fs::Permissions::from_mode(m & 0o7777));
+        }
+        Ok(f)
+    })();
+    let mut size = 0u64;
+    loop {
+        let frame = read_frame(input)
+            .map_err(|e| (ErrorCode::InvalidArgument, format!("receiving data: {e}")))?;
+        match frame {
+            Some((FRAME_DATA, d)) if d.is_empty() => break,
+            Some((FRAME_DATA, d)) => {
+                if let Ok(f) = &mut target
+                    && let Err(e) = f.write_all(&d)
+                {
+                    target = Err(io_err("cannot write", path, e));
+                }
+                size += d.len() as u64;
+            }
+            Some((k, _)) => {
+                return Err((
+                    ErrorCode::InvalidArgument,
+                    format!("unexpected frame {:?} in file data", k as char),
+                ));
+            }
+            None => {
+                return Err((
+                    ErrorCode::InvalidArgument,
+                    "the data ended before its end marker".into(),
+                ));
+            }
+        }
+    }
+    target.map(|_| size)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_round_trip_listing_and_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("a/b/c.txt");
+        let mut data = Vec::new();
+        write_frame(&mut data, FRAME_DATA, b"hello ").unwrap();
+        write_frame(&mut data, FRAME_DATA, b"world").unwrap();
+        write_frame(&mut data, FRAME_DATA, b"").unwrap();
+        assert_eq!(
+            receive_file(&p, Some(0o600), false, &mut &data[..]).unwrap(),
+            11
+        );
+        let s = stat(&p).unwrap();
+        assert_eq!((s.kind.as_str(), s.size, s.mode), ("file", 11, 0o600));
+        let (f, size) = open_read(&p).unwrap();
+        let mut out = Vec::new();
+        send_file(f, &mut out).unwrap();
+        assert_eq!(size, 11);
+        let mut r = &out[..];
+        assert_eq!(read_frame(&mut r).unwrap().unwrap().1, b"hello world");
+        assert_eq!(read_frame(&mut r).unwrap().unwrap().1, b"");
+        let names: Vec<String> = list(dir.path(), 3)
+            .unwrap()
+            .into_iter()
+            .map(|s| s.name)
+            .collect();
+        assert_eq!(names, ["a", "b", "c.txt"]);
+        assert_eq!(list(dir.path(), 1).unwrap().len(), 1);
+        assert_eq!(
+            open_read(&dir.path().join("a")).unwrap_err().0,
+            ErrorCode::InvalidArgument
+        );
+        assert_eq!(
+            open_read(&dir.path().join("nope")).unwrap_err().0,
+            ErrorCode::NotFound
+        );
+        assert_eq!(
+            remove(&dir.path().join("a"), false).unwrap_err().0,
+            ErrorCode::InvalidArgument
+        );
+        remove(&dir.path().join("a"), true).unwrap();
+        assert!(check_path("").is_err() && check_path("a\0b").is_err());
+    }
+}

@@ -1,0 +1,430 @@
+//! The trajectory log: every command and file mutation sent through the API is a step with
+//! a sequence number, appended with its result to a JSON-lines file in the sandbox's state
+//! directory. A client that re-sends a step already in the log gets the recorded result and
+//! nothing runs again; a step that differs from the log is a divergence error. Steps run
+//! in their own task, so a client that disappears mid-step does not cut the step short.
+//!
+//! File format, one JSON object per line: a step's start
+//! `{"seq","kind","request","started_at_ms"}`, then its end `{"seq","result",
+//! "finished_at_ms"}` or `{"seq","aborted":{"code","message"}}` (a step that failed with an
+//! error is not kept: sending it again runs it again).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use dsec_common::ApiError;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::registry::now_ms;
+
+/// The trajectory that calls without `X-Dsec-Trajectory` go to; its steps are numbered by
+/// the edge and never replayed.
+pub const DEFAULT: &str = "default";
+
+/// Which step of which trajectory a call is.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepRef {
+    pub name: String,
+    /// The client's step number (from 1); `None` numbers it next (no replay).
+    pub seq: Option<u64>,
+}
+
+impl StepRef {
+    pub fn parse(name: Option<&str>, seq: Option<&str>) -> Result<Option<StepRef>, ApiError> {
+        let Some(name) = name else {
+            if seq.is_some() {
+                return Err(ApiError::invalid(
+                    "X-Dsec-Step needs X-Dsec-Trajectory naming the trajectory",
+                ));
+            }
+            return Ok(None);
+        };
+        valid_name(name)?;
+        let seq = match seq {
+            None => None,
+            Some(s) => match s.trim().parse::<u64>() {
+                Ok(n) if n >= 1 => Some(n),
+                _ => {
+                    return Err(ApiError::invalid(format!(
+                        "X-Dsec-Step must be a whole number from 1 (got {s:?})"
+                    )));
+                }
+            },
+        };
+        Ok(Some(StepRef {
+            name: name.to_string(),
+            seq,
+        }))
+    }
+}
+
+pub fn valid_name(name: &str) -> Result<(), ApiError> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && !name.starts_with('.')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(format!(
+            "trajectory name {name:?} must be 1-64 letters, digits, '.', '_' or '-', not starting with '.'"
+        )))
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Step {
+    pub seq: u64,
+    pub kind: String,
+    pub request: Value,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<Value>,
+    pub started_at_ms: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at_ms: Option<u64>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Line {
+    seq: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    kind: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    request: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    started_at_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    result: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    finished_at_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    aborted: Option<ApiError>,
+}
+
+struct Log {
+    path: PathBuf,
+    /// Finished steps, then at most one unfinished (started before an edge restart).
+    steps: Vec<Step>,
+    durable: bool,
+}
+
+impl Log {
+    fn load(path: PathBuf, durable: bool) -> Log {
+        let mut steps: Vec<Step> = Vec::new();
+        if let Ok(text) = std::fs::read_to_string(&path) {
+            for l in text.lines() {
+                // A torn last line (a crash mid-write) is skipped.
+                let Ok(l) = serde_json::from_str::<Line>(l) else {
+                    continue;
+                };
+                if let (Some(kind), Some(request)) = (l.kind, l.request) {
+                    steps.retain(|s| s.seq != l.seq);
+                    steps.push(Step {
+                        seq: l.seq,
+                        kind,
+                        request,
+                        result: None,
+                        started_at_ms: l.started_at_ms.unwrap_or(0),
+                        finished_at_ms: None,
+                    });
+                } else if l.aborted.is_some() {
+                    steps.retain(|s| s.seq != l.seq);
+                } else if let Some(s) = steps.iter_mut().find(|s| s.seq == l.seq) {
+                    s.result = l.result;
+                    s.finished_at_ms = l.finished_at_ms;
+                }
+            }
+        }
+        Log {
+            path,
+            steps,
+            durable,
+        }
+    }
+
+    fn append(&self, line: &Line) -> Result<(), ApiError> {
+        let fail = |e: std::io::Error| {
+            ApiError::internal(format!(
+                "writing the trajectory log {}: {e}",
+                self.path.display()
+            ))
+        };
+        if let Some(dir) = self.path.parent() {
+            std::fs::create_dir_all(dir).map_err(fail)?;
+        }
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.path)
+            .map_err(fail)?;
+        let mut buf = serde_json::to_vec(line).map_err(|e| ApiError::internal(e.to_string()))?;
+        buf.push(b'\n');
+        f.write_all(&buf).map_err(fail)?;
+        if self.durable {
+            f.sync_data().map_err(fail)?;
+        }
+        Ok(())
+    }
+}
+
+/// The open trajectory logs of this edge's sandboxes.
+#[derive(Default)]
+pub struct Logs {
+    open: Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<Log>>>>,
+}
+
+/// What a step returned, and whether it came from the log.
+pub struct Outcome {
+    pub value: Value,
+    pub replayed: bool,
+}
+
+fn dir_of(sandbox_dir: &Path) -> PathBuf {
+    sandbox_dir.join("trajectories")
+}
+
+impl Logs {
+    fn log(&self, sandbox_dir: &Path, name: &str) -> Arc<tokio::sync::Mutex<Log>> {
+        let path = dir_of(sandbox_dir).join(format!("{name}.jsonl"));
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        open.entry(path.clone())
+            .or_insert_with(|| Arc::new(tokio::sync::Mutex::new(Log::load(path, name != DEFAULT))))
+            .clone()
+    }
+
+    /// Forgets the open logs of a stopped sandbox (its directory goes with it).
+    pub fn forget(&self, sandbox_dir: &Path) {
+        let dir = dir_of(sandbox_dir);
+        self.open
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|p, _| !p.starts_with(&dir));
+    }
+
+    /// Runs `run` as step `step` (or the next step of the default trajectory), or
+    /// answers from the log.
+    pub async fn step<F, Fut>(
+        &self,
+        sandbox_dir: &Path,
+        step: Option<StepRef>,
+        kind: &str,
+        request: Value,
+        run: F,
+    ) -> Result<Outcome, ApiError>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<Value, ApiError>> + Send + 'static,
+    {
+        let step = step.unwrap_or(StepRef {
+            name: DEFAULT.into(),
+            seq: None,
+        });
+        let log = self.log(sandbox_dir, &step.name);
+        let kind = kind.to_string();
+        let name = step.name.clone();
+        // The whole step runs in its own task holding the log's lock, so it completes
+        // and is logged even if the caller goes away, and a re-sent step waits for it.
+        let mut guard = log.clone().lock_owned().await;
+        let next = guard.steps.last().map(|s| s.seq + 1).unwrap_or(1);
+        let seq = step.seq.unwrap_or(next);
+        if let Some(logged) = guard.steps.iter().find(|s| s.seq == seq) {
+            if logged.kind != kind || logged.request != request {
+                return Err(ApiError::precondition(format!(
+                    "trajectory {name:?} diverged at step {seq}: the log has {} {} but this call is {kind} {}",
+                    logged.kind, logged.request, request
+                )));
+            }
+            return match &logged.result {
+                Some(v) => Ok(Outcome {
+                    value: v.clone(),
+                    replayed: true,
+                }),
+                None => Err(ApiError::precondition(format!(
+                    "step {seq} of trajectory {name:?} was running when the edge stopped; whether it took effect is unknown, so it is not run again (check the sandbox, then continue with step {})",
+                    seq + 1
+                ))),
+            };
+        }
+        if seq != next {
+            return Err(ApiError::invalid(format!(
+                "trajectory {name:?} has {} steps; the next one is step {next}, not {seq}",
+                next - 1
+            )));
+        }
+        let started = now_ms();
+        guard.append(&Line {
+            seq,
+            kind: Some(kind.clone()),
+            request: Some(request.clone()),
+            started_at_ms: Some(started),
+            result: None,
+            finished_at_ms: None,
+            aborted: None,
+        })?;
+        let fut = run();
+        let task = tokio::spawn(async move {
+            let r = fut.await;
+            let end = match &r {
+                Ok(v) => Line {
+                    seq,
+                    kind: None,
+                    request: None,
+                    started_at_ms: None,
+                    result: Some(v.clone()),
+                    finished_at_ms: Some(now_ms()),
+                    aborted: None,
+                },
+                Err(e) => Line {
+                    seq,
+                    kind: None,
+                    request: None,
+                    started_at_ms: None,
+                    result: None,
+                    finished_at_ms: None,
+                    aborted: Some(e.clone()),
+                },
+            };
+            guard.append(&end)?;
+            if let Ok(v) = &r {
+                guard.steps.push(Step {
+                    seq,
+                    kind,
+                    request,
+                    result: Some(v.clone()),
+                    started_at_ms: started,
+                    finished_at_ms: end.finished_at_ms,
+                });
+            }
+            r
+        });
+        let value = task
+            .await
+            .map_err(|e| ApiError::internal(format!("trajectory step failed: {e}")))??;
+        Ok(Outcome {
+            value,
+            replayed: false,
+        })
+    }
+
+    /// The trajectories of a sandbox: names and step counts.
+    pub async fn list(&self, sandbox_dir: &Path) -> Vec<(String, u64)> {
+        let mut out = Vec::new();
+        if let Ok(rd) = std::fs::read_dir(dir_of(sandbox_dir)) {
+            for e in rd.flatten() {
+                let n = e.file_name().to_string_lossy().into_owned();
+                if let Some(name) = n.strip_suffix(".jsonl") {
+                    let steps = self.steps(sandbox_dir, name).await.len() as u64;
+                    out.push((name.to_string(), steps));
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+
+    pub async fn steps(&self, sandbox_dir: &Path, name: &str) -> Vec<Step> {
+        self.log(sandbox_dir, name).lock().await.steps.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn named(seq: u64) -> Option<StepRef> {
+        Some(StepRef {
+            name: "t1".into(),
+            seq: Some(seq),
+        })
+    }
+
+    #[tokio::test]
+    async fn steps_replay_diverge_and_survive_a_reload() {
+        let dir = tempfile::tempdir().unwrap();
+        let logs = Logs::default();
+        let runs = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let go = |v: i64| {
+            let runs = runs.clone();
+            move || async move {
+                runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                Ok(serde_json::json!({ "out": v }))
+            }
+        };
+        let req = serde_json::json!({"cmd": "echo x"});
+        let o = logs
+            .step(dir.path(), named(1), "exec", req.clone(), go(1))
+            .await
+            .unwrap();
+        assert!(!o.replayed);
+        let o = logs
+            .step(dir.path(), named(2), "exec", req.clone(), go(2))
+            .await
+            .unwrap();
+        assert_eq!(o.value["out"], 2);
+        // A gap is refused; a replay returns the logged result without running.
+        assert!(
+            logs.step(dir.path(), named(4), "exec", req.clone(), go(4))
+                .await
+                .is_err()
+        );
+        let o = logs
+            .step(dir.path(), named(1), "exec", req.clone(), go(9))
+            .await
+            .unwrap();
+        assert!(o.replayed && o.value["out"] == 1);
+        assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 2);
+        let e = logs
+            .step(
+                dir.path(),
+                named(2),
+                "exec",
+                serde_json::json!({"cmd": "echo y"}),
+                go(9),
+            )
+            .await
+            .err()
+            .unwrap();
+        assert!(
+            e.message.contains("step 2") && e.message.contains("echo y"),
+            "{}",
+            e.message
+        );
+        // An error is not kept: the step can be sent again.
+        let fail = || async { Err(ApiError::not_found("no such file")) };
+        assert!(
+            logs.step(dir.path(), named(3), "remove", req.clone(), fail)
+                .await
+                .is_err()
+        );
+        logs.step(dir.path(), named(3), "exec", req.clone(), go(3))
+            .await
+            .unwrap();
+        // A fresh edge reads the same log.
+        let again = Logs::default();
+        let steps = again.steps(dir.path(), "t1").await;
+        assert_eq!(steps.iter().map(|s| s.seq).collect::<Vec<_>>(), [1, 2, 3]);
+        let o = again
+            .step(dir.path(), named(3), "exec", req.clone(), go(9))
+            .await
+            .unwrap();
+        assert!(o.replayed && o.value["out"] == 3);
+        // Calls without a step number go to the default trajectory, numbered in order.
+        logs.step(dir.path(), None, "exec", req.clone(), go(5))
+            .await
+            .unwrap();
+        logs.step(dir.path(), None, "exec", req, go(6))
+            .await
+            .unwrap();
+        let names = logs.list(dir.path()).await;
+        assert_eq!(names, [("default".to_string(), 2), ("t1".to_string(), 3)]);
+        assert!(StepRef::parse(Some("../x"), Some("1")).is_err());
+        assert!(StepRef::parse(Some("ok"), Some("0")).is_err());
+        assert!(StepRef::parse(None, Some("1")).is_err());
+    }
+}
