@@ -8,6 +8,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use bytes::Bytes;
 use dsec_common::ApiError;
 use dsec_common::client_config::{self, ClientConfig};
+use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::{Method, Request, StatusCode};
 use hyper_util::client::legacy::Client;
@@ -19,7 +20,14 @@ use serde::de::DeserializeOwned;
 pub struct Api {
     base: String,
     key: String,
-    http: Client<HttpConnector, Full<Bytes>>,
+    http: Client<HttpConnector, Body>,
+}
+
+/// Request bodies: whole (JSON) or streamed (file uploads, stdin).
+pub type Body = BoxBody<Bytes, std::io::Error>;
+
+pub fn full(b: impl Into<Bytes>) -> Body {
+    Full::new(b.into()).map_err(|never| match never {}).boxed()
 }
 
 /// Where the client settings come from, in order: flags, environment, `data_dir`'s
@@ -64,6 +72,35 @@ impl Api {
         })
     }
 
+    /// Sends a request and returns the response with its body unread; an error status
+    /// becomes an error with the server's message.
+    pub async fn open(
+        &self,
+        method: Method,
+        path: &str,
+        content_type: &str,
+        body: Body,
+    ) -> Result<hyper::Response<hyper::body::Incoming>> {
+        let req = Request::builder()
+            .method(method)
+            .uri(format!("{}{path}", self.base))
+            .header("authorization", format!("Bearer {}", self.key))
+            .header("content-type", content_type)
+            .body(body)?;
+        let resp = self.http.request(req).await.with_context(|| {
+            format!(
+                "cannot reach the OpenDsec API at {} (is `dsec up` running?)",
+                self.base
+            )
+        })?;
+        if !resp.status().is_success() {
+            let status = resp.status();
+            let bytes = resp.into_body().collect().await?.to_bytes();
+            return Err(error_of(status, &bytes));
+        }
+        Ok(resp)
+    }
+
     async fn send(
         &self,
         method: Method,
@@ -75,7 +112,7 @@ impl Api {
             .uri(format!("{}{path}", self.base))
             .header("authorization", format!("Bearer {}", self.key))
             .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(body.unwrap_or_default())))?;
+            .body(full(body.unwrap_or_default()))?;
         let resp = self.http.request(req).await.with_context(|| {
             format!(
                 "cannot reach the OpenDsec API at {} (is `dsec up` running?)",
@@ -96,14 +133,18 @@ impl Api {
         let body = body.map(serde_json::to_vec).transpose()?;
         let (status, bytes) = self.send(method, path, body).await?;
         if !status.is_success() {
-            if let Ok(e) = serde_json::from_slice::<ApiError>(&bytes) {
-                bail!("{} ({}): {}", e.code.as_str(), status.as_u16(), e.message);
-            }
-            bail!("HTTP {status}: {}", String::from_utf8_lossy(&bytes));
+            return Err(error_of(status, &bytes));
         }
         if bytes.is_empty() {
             return Ok(serde_json::from_str("null")?);
         }
         serde_json::from_slice(&bytes).with_context(|| format!("unexpected reply from {path}"))
+    }
+}
+
+fn error_of(status: StatusCode, bytes: &[u8]) -> anyhow::Error {
+    match serde_json::from_slice::<ApiError>(bytes) {
+        Ok(e) => anyhow!("{} ({}): {}", e.code.as_str(), status.as_u16(), e.message),
+        Err(_) => anyhow!("HTTP {status}: {}", String::from_utf8_lossy(bytes)),
     }
 }
