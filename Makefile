@@ -5,7 +5,7 @@ AETHER_TARGET := x86_64-unknown-linux-gnu
 AETHER := target/$(AETHER_TARGET)/release/dsec-aether
 CARGO_PROFILE_FLAG := $(if $(filter release,$(PROFILE)),--release,)
 
-.PHONY: build aether dsec test test-rust test-e2e lint images bench clean-test
+.PHONY: build aether dsec test test-rust test-e2e lint images bench bench-runtime clean-test
 
 build: dsec aether
 
@@ -32,6 +32,9 @@ test: lint test-rust test-e2e
 
 bench: build
 	DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec DSEC_AETHER=$(CURDIR)/$(AETHER) python3 bench/create_latency.py $(BENCH_ARGS)
+
+bench-runtime: build
+	DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec DSEC_AETHER=$(CURDIR)/$(AETHER) python3 bench/runtime_latency.py $(BENCH_ARGS)
 
 clean-test:
 	-target/$(PROFILE)/dsec down --data-dir $${DSEC_TEST_DIR:-/var/tmp/dsec-test}

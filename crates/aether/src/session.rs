@@ -102,7 +102,11 @@ impl Stream {
             self.pending.clear();
             return out;
         }
-        let keep = self.marker.len().min(self.pending.len());
+        // Hold back only a tail that could be the start of the marker.
+        let keep = (1..self.marker.len().min(self.pending.len() + 1))
+            .rev()
+            .find(|&k| self.pending.ends_with(&self.marker[..k]))
+            .unwrap_or(0);
         let cut = self.pending.len() - keep;
         self.pending.drain(..cut).collect()
     }
@@ -477,6 +481,10 @@ mod tests {
     fn markers_split_output_even_across_chunks() {
         let mut s = Stream::new(b"\0DSECab:".to_vec());
         let mut got = s.feed(b"hello\0DS");
+        assert_eq!(
+            got, b"hello",
+            "text that cannot start the marker is released at once"
+        );
         got.extend(s.feed(b"ECab:0\0"));
         assert_eq!(got, b"hello");
         assert!(s.done);

@@ -213,6 +213,8 @@ fn pair_renames(events: Vec<(u32, FsEvent)>) -> Vec<FsEvent> {
                     out.push(ev);
                 }
             }
+            // Several writes in a row to one file are one event.
+            _ if out.last() == Some(&ev) => {}
             _ => out.push(ev),
         }
     }

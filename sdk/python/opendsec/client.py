@@ -1,19 +1,38 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The async client: DSecClient creates and finds sandboxes; Sandbox runs commands in one."""
+"""The async client: DSecClient creates and finds sandboxes; Sandbox runs commands in one.
+
+The runtime API (docs/RUNTIME_API.md) is reached from a Sandbox: ``exec``/``exec_stream``/
+``exec_background``/``attach``/``pty`` give processes, ``sb.files`` the filesystem,
+``sb.sessions`` persistent shells and ``sb.trajectory(name)`` the replayable step log.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import json as _json
+import os
+import signal as _signal
+import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator, BinaryIO, Iterable, Union
 
 import httpx
 
 from . import config
-from .errors import DSecError, from_response
+from .errors import DSecError, PreconditionError, UnavailableError, from_event, from_response
 
 # Extra time over a command's own timeout before the HTTP call gives up.
 _EXEC_SLACK_S = 60.0
+# Streams (process output, watches) may be quiet for as long as the process or the watch
+# lives: no read timeout, only a connect timeout.
+_STREAM_TIMEOUT = httpx.Timeout(None, connect=10.0)
+# How much of each output stream a Process keeps for wait(): the server's default
+# max_output_bytes, so wait() on a stream matches a plain exec.
+_KEEP_OUTPUT = 16 << 20
+
+PathLike = Union[str, "os.PathLike[str]"]
 
 
 @dataclass
@@ -50,6 +69,28 @@ class ExecResult:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ExecResult":
         return cls(**{k: d.get(k) for k in cls.__dataclass_fields__ if k in d})  # type: ignore[arg-type]
+
+
+@dataclass
+class SessionResult(ExecResult):
+    """A session command's result. ``state`` is ``running`` (output so far, no exit code
+    yet) or ``done``; ``session_restarted`` says the shell was restarted after a timeout."""
+
+    command_id: Any = None
+    state: str = "done"
+    session_restarted: bool = False
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "SessionResult":
+        kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        kw.setdefault("stdout", "")
+        kw.setdefault("stderr", "")
+        kw.setdefault("exit_code", None)
+        return cls(**kw)
+
+    @property
+    def done(self) -> bool:
+        return self.state == "done"
 
 
 @dataclass
@@ -98,28 +139,48 @@ class DSecClient:
     async def close(self) -> None:
         await self._http.aclose()
 
-    async def _request(self, method: str, path: str, json: Any = None, timeout: float | None = None,
-                       params: Any = None) -> Any:
+    async def _send(self, method: str, path: str, *, json: Any = None, params: Any = None,
+                    content: Any = None, headers: dict[str, str] | None = None,
+                    timeout: float | httpx.Timeout | None = None, stream: bool = False) -> httpx.Response:
+        """Sends one request and returns the response, raising the matching DSecError for
+        an error status. With ``stream`` the body is left unread: the caller closes it."""
         # Reads and deletes are safe to send again when a pooled connection went stale
         # (e.g. the server restarted); other calls are never repeated.
-        attempts = 2 if method in ("GET", "DELETE") else 1
+        attempts = 2 if method in ("GET", "DELETE") and content is None else 1
+        t = timeout if timeout is not None else self._timeout
         for attempt in range(attempts):
             try:
-                r = await self._http.request(method, path, json=json, params=params, timeout=timeout or self._timeout)
+                req = self._http.build_request(method, path, json=json, params=params, content=content,
+                                               headers=headers, timeout=t)
+                r = await self._http.send(req, stream=stream)
                 break
             except httpx.TransportError as e:
                 if attempt + 1 < attempts:
                     continue
-                raise DSecError("unavailable", f"cannot reach the OpenDsec API at {self.api_url}: {e}") from e
+                raise UnavailableError("unavailable", f"cannot reach the OpenDsec API at {self.api_url}: {e}") from e
         if r.status_code >= 400:
+            body: Any = None
             try:
-                body = r.json()
-            except ValueError:
-                body = r.text
-            raise from_response(r.status_code, body)
-        if r.status_code == 204 or not r.content:
-            return None
-        return r.json()
+                if stream:
+                    await r.aread()
+                try:
+                    body = r.json()
+                except ValueError:
+                    body = r.text
+            except httpx.HTTPError as e:
+                body = f"(body unreadable: {e})"
+            finally:
+                if stream:
+                    await r.aclose()
+            err = from_response(r.status_code, body)
+            err.headers = r.headers  # type: ignore[attr-defined]
+            raise err
+        return r
+
+    async def _request(self, method: str, path: str, json: Any = None, timeout: float | None = None,
+                       params: Any = None, headers: dict[str, str] | None = None) -> Any:
+        r = await self._send(method, path, json=json, params=params, headers=headers, timeout=timeout)
+        return _json_of(r)
 
     async def run_sandbox(self, args: DSecRunArgs | None = None, **kwargs: Any) -> "Sandbox":
         """Creates a sandbox and returns once it is running."""
@@ -140,16 +201,80 @@ class DSecClient:
         return await self._request("GET", "/v1/status")
 
 
+def _json_of(r: httpx.Response) -> Any:
+    if r.status_code == 204 or not r.content:
+        return None
+    return r.json()
+
+
+def _exec_body(argv: list[str] | None, cmd: str | None, env: dict[str, str] | None, cwd: str | None,
+               user: str | int | None, timeout: float | None, stdin: str | None) -> dict[str, Any]:
+    if argv is None and cmd is None:
+        raise ValueError("exec needs argv (a list of strings) or cmd (a shell command line)")
+    if isinstance(argv, str):
+        raise TypeError("argv must be a list of strings; pass a shell command line as cmd=")
+    body: dict[str, Any] = {}
+    if argv is not None:
+        body["argv"] = list(argv)
+    if cmd is not None:
+        body["cmd"] = cmd
+    if env:
+        body["env"] = env
+    if cwd is not None:
+        body["cwd"] = cwd
+    if user is not None:
+        # The API takes a user name or a numeric uid, both as a string.
+        body["user"] = str(user)
+    if timeout is not None:
+        body["timeout_seconds"] = timeout
+    if stdin is not None:
+        body["stdin"] = stdin
+    return body
+
+
+def _pty_size(pty: Any) -> dict[str, int] | None:
+    if pty is None or pty is False:
+        return None
+    if pty is True:
+        return {"cols": 80, "rows": 24}
+    if isinstance(pty, dict):
+        return {"cols": int(pty["cols"]), "rows": int(pty["rows"])}
+    cols, rows = pty
+    return {"cols": int(cols), "rows": int(rows)}
+
+
+def _http_timeout(timeout: float | None) -> float:
+    return (timeout if timeout is not None else 600.0) + _EXEC_SLACK_S
+
+
+def _mode_param(mode: int | str) -> str:
+    """A file mode for the ``mode=`` query parameter, which is octal text (``644``)."""
+    if isinstance(mode, int):
+        return format(mode, "o")
+    m = str(mode)
+    return m[2:] if m.startswith("0o") else m
+
+
+def _as_bytes(data: bytes | bytearray | memoryview | str) -> bytes:
+    return data.encode() if isinstance(data, str) else bytes(data)
+
+
 class Sandbox:
     """One running sandbox. ``async with`` stops it on exit."""
 
     def __init__(self, client: DSecClient, info: SandboxInfo):
         self._client = client
         self.info = info
+        self.files = Files(self)
+        self.sessions = Sessions(self)
 
     @property
     def id(self) -> str:
         return self.info.id
+
+    @property
+    def _base(self) -> str:
+        return f"/v1/sandboxes/{self.id}"
 
     def __repr__(self) -> str:
         return f"Sandbox({self.id!r}, image={self.info.image!r}, state={self.info.state!r})"
@@ -160,6 +285,8 @@ class Sandbox:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
+    # ---- processes -------------------------------------------------------------------
+
     async def exec(
         self,
         argv: list[str] | None = None,
@@ -169,28 +296,164 @@ class Sandbox:
         cwd: str | None = None,
         timeout: float | None = None,
         stdin: str | None = None,
+        user: str | int | None = None,
     ) -> ExecResult:
-        """Runs a program (argv) or a shell command line (cmd) and waits for it."""
-        body: dict[str, Any] = {}
-        if argv is not None:
-            body["argv"] = argv
-        if cmd is not None:
-            body["cmd"] = cmd
-        if env:
-            body["env"] = env
-        if cwd is not None:
-            body["cwd"] = cwd
-        if timeout is not None:
-            body["timeout_seconds"] = timeout
-        if stdin is not None:
-            body["stdin"] = stdin
-        http_timeout = (timeout if timeout is not None else 600.0) + _EXEC_SLACK_S
-        r = await self._client._request("POST", f"/v1/sandboxes/{self.id}/exec", json=body, timeout=http_timeout)
+        """Runs a program (argv) or a shell command line (cmd) and waits for it.
+
+        ``user`` is a name from the sandbox's /etc/passwd or a numeric uid (default root).
+        """
+        body = _exec_body(argv, cmd, env, cwd, user, timeout, stdin)
+        r = await self._client._request("POST", f"{self._base}/exec", json=body, timeout=_http_timeout(timeout))
         return ExecResult.from_json(r)
 
     async def run_shell(self, command: str, **kwargs: Any) -> ExecResult:
         """Runs ``command`` with /bin/sh -c; returns stdout, stderr and exit_code."""
         return await self.exec(cmd=command, **kwargs)
+
+    async def exec_stream(
+        self,
+        argv: list[str] | None = None,
+        *,
+        cmd: str | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | int | None = None,
+        timeout: float | None = None,
+        stdin: str | bytes | None = None,
+        pty: Any = None,
+        tag: str | None = None,
+    ) -> "Process":
+        """Starts a process and returns once it runs (``.pid`` is set), its output to be
+        read as it comes: ``async for stream, data in p`` and/or ``await p.wait()``.
+
+        Stdin stays open for ``p.send_stdin`` unless ``stdin`` is given (then it is
+        written and closed). ``pty`` is True (80x24), ``(cols, rows)`` or a dict: the
+        process gets a terminal and all its output arrives as ``stdout``. If this client
+        goes away the process keeps running; ``attach(pid)`` reads it again.
+        """
+        body = _exec_body(argv, cmd, env, cwd, user, timeout, stdin if isinstance(stdin, str) else None)
+        body["stream"] = True
+        size = _pty_size(pty)
+        if size:
+            body["pty"] = size
+        if tag is not None:
+            body["tag"] = tag
+        r = await self._client._send("POST", f"{self._base}/exec", json=body, timeout=_STREAM_TIMEOUT, stream=True)
+        p = Process(self, response=r)
+        try:
+            await p._wait_started()
+            if isinstance(stdin, (bytes, bytearray, memoryview)):
+                await p.send_stdin(bytes(stdin), close=True)
+        except BaseException:
+            await p.close()
+            raise
+        return p
+
+    async def exec_background(
+        self,
+        argv: list[str] | None = None,
+        *,
+        cmd: str | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | int | None = None,
+        timeout: float | None = None,
+        stdin: str | None = None,
+        pty: Any = None,
+        tag: str | None = None,
+    ) -> "Process":
+        """Starts a process that runs on its own (until it ends, times out or is
+        signalled) and returns at once. Iterating or waiting on the returned Process
+        attaches to it (kept output first, then live output)."""
+        body = _exec_body(argv, cmd, env, cwd, user, timeout, stdin)
+        body["background"] = True
+        size = _pty_size(pty)
+        if size:
+            body["pty"] = size
+        if tag is not None:
+            body["tag"] = tag
+        r = await self._client._request("POST", f"{self._base}/exec", json=body)
+        return Process(self, pid=int(r["pid"]))
+
+    async def attach(self, pid: int) -> "Process":
+        """Attaches to a process started with ``exec_stream`` or ``exec_background`` (from
+        this client or any other): its kept output first, then live output, then its exit.
+        Raises NotFoundError for an unknown pid."""
+        p = Process(self, pid=pid)
+        await p._attach()
+        return p
+
+    async def processes(self) -> list[dict[str, Any]]:
+        """Managed processes, running ones and the last finished ones:
+        ``{"pid","argv","tag","cwd","pty","running","exit_code","started_at_ms"}``."""
+        r = await self._client._request("GET", f"{self._base}/processes")
+        return list(r["processes"])
+
+    async def pty(
+        self,
+        cmd: str | list[str] = "/bin/bash",
+        cols: int = 80,
+        rows: int = 24,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        *,
+        user: str | int | None = None,
+        timeout: float | None = None,
+    ) -> "Process":
+        """Starts ``cmd`` on a terminal of ``cols`` x ``rows`` and returns the Process.
+
+        ``cmd`` as a list is the argv. As a string: without whitespace it is the program
+        (argv ``[cmd]``); with whitespace it is a shell command line, run as
+        ``["/bin/sh", "-c", cmd]`` (so quoting and pipes work as in a shell). ``TERM`` is
+        set to ``xterm-256color`` unless ``env`` sets it.
+        """
+        if isinstance(cmd, str):
+            argv = ["/bin/sh", "-c", cmd] if any(c.isspace() for c in cmd) else [cmd]
+        else:
+            argv = list(cmd)
+        e = {"TERM": "xterm-256color", **(env or {})}
+        return await self.exec_stream(argv, env=e, cwd=cwd, user=user, timeout=timeout, pty=(cols, rows))
+
+    # ---- trajectories ----------------------------------------------------------------
+
+    async def trajectory(self, name: str, resume: bool = False) -> "Trajectory":
+        """A trajectory: a named log of steps (execs, session commands, file changes) that
+        a client can replay after it was interrupted. Steps are numbered 1, 2, … per
+        Trajectory object; a step already in the log is answered from it without running.
+
+        With ``resume=False`` the name must be new (PreconditionError otherwise); pass
+        ``resume=True`` to run the same steps again after an interruption.
+        """
+        if not resume:
+            log = await self.trajectory_log(name, missing_ok=True)
+            steps = (log.get("steps") or []) if log else []
+            if steps:
+                raise PreconditionError(
+                    "failed_precondition",
+                    f"trajectory {name!r} of sandbox {self.id} already has {len(steps)} step(s): pass "
+                    "resume=True to replay them and continue, or choose another name",
+                    409,
+                )
+        return Trajectory(self, name)
+
+    async def trajectory_log(self, name: str, missing_ok: bool = False) -> dict[str, Any] | None:
+        """``{"name", "steps": [{"seq","kind","request","result","started_at_ms","finished_at_ms"}]}``.
+        A trajectory with no steps yet is NotFoundError, or None with ``missing_ok``."""
+        try:
+            return await self._client._request("GET", f"{self._base}/trajectories/{name}")
+        except DSecError as e:
+            if missing_ok and e.code == "not_found":
+                return None
+            raise
+
+    async def trajectories(self) -> list[dict[str, Any]]:
+        """The sandbox's trajectories, names and step counts."""
+        r = await self._client._request("GET", f"{self._base}/trajectories")
+        if isinstance(r, dict) and "trajectories" in r:
+            return list(r["trajectories"])
+        return list(r or [])
+
+    # ---- the sandbox itself ----------------------------------------------------------
 
     async def fork(self, count: int = 1, labels: dict[str, str] | None = None) -> list["Sandbox"]:
         """Makes ``count`` copies of this sandbox.
@@ -201,17 +464,17 @@ class Sandbox:
         body: dict[str, Any] = {"count": count}
         if labels:
             body["labels"] = labels
-        r = await self._client._request("POST", f"/v1/sandboxes/{self.id}/fork", json=body, timeout=600.0)
+        r = await self._client._request("POST", f"{self._base}/fork", json=body, timeout=600.0)
         self.last_fork = r
         return [Sandbox(self._client, SandboxInfo.from_json(s)) for s in r["sandboxes"]]
 
     async def refresh(self) -> SandboxInfo:
-        self.info = SandboxInfo.from_json(await self._client._request("GET", f"/v1/sandboxes/{self.id}"))
+        self.info = SandboxInfo.from_json(await self._client._request("GET", self._base))
         return self.info
 
     async def set_timeout(self, ttl_seconds: int) -> SandboxInfo:
         """Sets the remaining lifetime to ``ttl_seconds`` from now."""
-        r = await self._client._request("POST", f"/v1/sandboxes/{self.id}/timeout", json={"ttl_seconds": ttl_seconds})
+        r = await self._client._request("POST", f"{self._base}/timeout", json={"ttl_seconds": ttl_seconds})
         self.info = SandboxInfo.from_json(r)
         return self.info
 
@@ -220,10 +483,653 @@ class Sandbox:
     async def stop(self) -> None:
         """Stops the sandbox; stopping one that is already gone is not an error."""
         try:
-            await self._client._request("DELETE", f"/v1/sandboxes/{self.id}", timeout=120.0)
+            await self._client._request("DELETE", self._base, timeout=120.0)
         except DSecError as e:
             if e.code != "not_found":
                 raise
+
+
+class _Ndjson:
+    """Reads one NDJSON response line by line; ``next()`` is None at the end."""
+
+    def __init__(self, response: httpx.Response):
+        self.response = response
+        self._lines = response.aiter_lines()
+
+    async def next(self) -> dict[str, Any] | None:
+        while True:
+            try:
+                line = await self._lines.__anext__()
+            except StopAsyncIteration:
+                return None
+            except httpx.HTTPError as e:
+                raise UnavailableError("unavailable", f"the stream from the OpenDsec API broke: {e}") from e
+            line = line.strip()
+            if line:
+                return _event(_json.loads(line))
+
+    async def close(self) -> None:
+        await self.response.aclose()
+
+
+_EVENT_NAMES = ("start", "stdout", "stderr", "exit", "error", "ready")
+
+
+def _event(d: Any) -> dict[str, Any]:
+    """An event as a dict with its kind in ``type`` (also accepts ``event`` as the key, or a
+    one-key ``{"exit": {...}}`` object)."""
+    if isinstance(d, dict):
+        if "type" in d:
+            return d
+        if "event" in d:
+            return {**d, "type": d["event"]}
+        if len(d) == 1:
+            (k, v), = d.items()
+            if k in _EVENT_NAMES and isinstance(v, dict):
+                return {**v, "type": k}
+    raise DSecError("internal", f"unexpected event in a stream from the OpenDsec API: {d!r}")
+
+
+def _signal_value(sig: int | str | _signal.Signals) -> int | str:
+    if isinstance(sig, _signal.Signals):
+        return int(sig)
+    if isinstance(sig, int):
+        return sig
+    s = str(sig).strip().upper()
+    if s.isdigit():
+        return int(s)
+    # Sent by name: the server knows the sandbox's (Linux) numbers.
+    return s if s.startswith("SIG") else "SIG" + s
+
+
+class Process:
+    """A process started with ``exec_stream``, ``exec_background``, ``pty`` or found with
+    ``attach``.
+
+    ``async for stream, data in p`` yields ``("stdout" | "stderr", bytes)`` chunks as they
+    come and ends at the exit; ``await p.wait()`` reads the rest and returns the
+    ExecResult, whose stdout/stderr hold everything this object read (the last 16 MiB of
+    each). An ``error`` event raises the matching DSecError. ``close()`` (or leaving
+    ``async with``) stops reading; the process keeps running. One reader at a time.
+    """
+
+    def __init__(self, sandbox: Sandbox, pid: int | None = None, response: httpx.Response | None = None,
+                 keep_output: int = _KEEP_OUTPUT):
+        self._sb = sandbox
+        self.pid = pid
+        self._stream = _Ndjson(response) if response is not None else None
+        self._pending: deque[tuple[str, bytes]] = deque()
+        self._keep = keep_output
+        self._out = {"stdout": bytearray(), "stderr": bytearray()}
+        self._dropped = {"stdout": False, "stderr": False}
+        self.result: ExecResult | None = None
+
+    def __repr__(self) -> str:
+        state = "running" if self.result is None else f"exited {self.result.exit_code}"
+        return f"Process(pid={self.pid}, sandbox={self._sb.id!r}, {state})"
+
+    @property
+    def _path(self) -> str:
+        if self.pid is None:
+            raise DSecError("failed_precondition", "the process has no pid yet (its start event has not arrived)")
+        return f"{self._sb._base}/processes/{self.pid}"
+
+    async def __aenter__(self) -> "Process":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _attach(self) -> None:
+        r = await self._sb._client._send("GET", f"{self._path}/output", timeout=_STREAM_TIMEOUT, stream=True)
+        self._stream = _Ndjson(r)
+
+    async def _wait_started(self) -> None:
+        """Reads events until ``start`` (keeping any output that came first)."""
+        while self.pid is None:
+            item = await self._read(until_start=True)
+            if item is None:
+                if self.result is not None:
+                    return  # exited before it said it started: nothing left to wait for
+                raise DSecError("internal", "the stream ended before the process started")
+            if item[0] != "start":
+                self._pending.append(item)
+
+    async def _read(self, until_start: bool = False) -> tuple[str, bytes] | None:
+        """The next output chunk (or with ``until_start``, also ``("start", b"")``); None
+        once the process exited (``self.result`` set)."""
+        if self.result is not None:
+            return None
+        if self._stream is None:
+            await self._attach()
+        assert self._stream is not None
+        while True:
+            ev = await self._stream.next()
+            if ev is None:
+                await self.close()
+                raise UnavailableError("unavailable", f"the output stream of process {self.pid} ended before its exit")
+            kind = ev["type"]
+            if kind == "start":
+                self.pid = int(ev["pid"])
+                if until_start:
+                    return "start", b""
+            elif kind in ("stdout", "stderr"):
+                data = base64.b64decode(ev.get("data") or "")
+                self._keep_chunk(kind, data)
+                return kind, data
+            elif kind == "exit":
+                self._finish(ev)
+                await self.close()
+                return None
+            elif kind == "error":
+                await self.close()
+                raise from_event(ev)
+            # Unknown event kinds are skipped: newer servers may add some.
+
+    def _keep_chunk(self, kind: str, data: bytes) -> None:
+        buf = self._out[kind]
+        buf += data
+        if len(buf) > 2 * self._keep:
+            del buf[: len(buf) - self._keep]
+            self._dropped[kind] = True
+
+    def _finish(self, ev: dict[str, Any]) -> None:
+        out = {}
+        for k in ("stdout", "stderr"):
+            buf = self._out[k]
+            if len(buf) > self._keep:
+                del buf[: len(buf) - self._keep]
+                self._dropped[k] = True
+            out[k] = bytes(buf).decode("utf-8", errors="replace")
+        self.result = ExecResult(
+            stdout=out["stdout"],
+            stderr=out["stderr"],
+            exit_code=ev.get("exit_code"),  # type: ignore[arg-type]
+            signal=ev.get("signal"),
+            timed_out=bool(ev.get("timed_out")),
+            oom_killed=bool(ev.get("oom_killed")),
+            stdout_truncated=bool(ev.get("stdout_truncated")) or self._dropped["stdout"],
+            stderr_truncated=bool(ev.get("stderr_truncated")) or self._dropped["stderr"],
+            duration_ms=ev.get("duration_ms") or 0,
+        )
+        self._out = {"stdout": bytearray(), "stderr": bytearray()}
+
+    def __aiter__(self) -> "Process":
+        return self
+
+    async def __anext__(self) -> tuple[str, bytes]:
+        if self._pending:
+            return self._pending.popleft()
+        item = await self._read()
+        if item is None:
+            raise StopAsyncIteration
+        return item
+
+    async def wait(self) -> ExecResult:
+        """Reads the output to the end and returns the result."""
+        self._pending.clear()  # already kept
+        while await self._read() is not None:
+            pass
+        assert self.result is not None
+        return self.result
+
+    @property
+    def exited(self) -> bool:
+        return self.result is not None
+
+    async def send_stdin(self, data: bytes | str, close: bool = False) -> None:
+        """Writes ``data`` to the process's stdin (to its terminal for a PTY process)."""
+        params = {"close": "true"} if close else None
+        await self._sb._client._send("POST", f"{self._path}/stdin", params=params, content=_as_bytes(data),
+                                     headers={"content-type": "application/octet-stream"})
+
+    async def close_stdin(self) -> None:
+        await self.send_stdin(b"", close=True)
+
+    async def signal(self, sig: int | str | _signal.Signals) -> None:
+        """Sends a signal (a number, ``"SIGTERM"``/``"TERM"``, or a ``signal.Signals``) to
+        the process's group."""
+        await self._sb._client._request("POST", f"{self._path}/signal", json={"signal": _signal_value(sig)})
+
+    async def kill(self) -> None:
+        await self.signal(9)
+
+    async def resize(self, cols: int, rows: int) -> None:
+        """Resizes the terminal of a PTY process."""
+        await self._sb._client._request("POST", f"{self._path}/resize", json={"cols": int(cols), "rows": int(rows)})
+
+    async def close(self) -> None:
+        """Stops reading the output (the process keeps running)."""
+        if self._stream is not None:
+            s, self._stream = self._stream, None
+            await s.close()
+
+
+class Files:
+    """The sandbox's filesystem (``sb.files``). Relative paths are resolved against the
+    image's working directory (else ``/``)."""
+
+    def __init__(self, sandbox: Sandbox):
+        self._sb = sandbox
+
+    @property
+    def _base(self) -> str:
+        return f"{self._sb._base}/files"
+
+    async def read(self, path: str) -> bytes:
+        """The file's bytes (NotFoundError if missing, InvalidArgumentError for a directory)."""
+        r = await self._sb._client._send("GET", self._base, params={"path": path})
+        return r.content
+
+    async def read_text(self, path: str, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return (await self.read(path)).decode(encoding, errors)
+
+    async def read_to(self, path: str, local_path: PathLike | BinaryIO, chunk_size: int = 1 << 20) -> int:
+        """Streams the file into ``local_path`` (a path or a binary file object) in bounded
+        memory; returns the number of bytes written."""
+        client = self._sb._client
+        r = await client._send("GET", self._base, params={"path": path}, stream=True,
+                               timeout=httpx.Timeout(client._timeout, connect=10.0))
+        own = not hasattr(local_path, "write")
+        f: Any = open(local_path, "wb") if own else local_path  # type: ignore[arg-type]
+        n = 0
+        # The socket gives small pieces: gather about chunk_size, then write it off the loop.
+        parts: list[bytes] = []
+        held = 0
+        try:
+            async for piece in r.aiter_bytes():
+                parts.append(piece)
+                held += len(piece)
+                if held >= chunk_size:
+                    await asyncio.to_thread(f.write, b"".join(parts))
+                    n += held
+                    parts, held = [], 0
+            if parts:
+                await asyncio.to_thread(f.write, b"".join(parts))
+                n += held
+        except httpx.HTTPError as e:
+            raise UnavailableError("unavailable", f"download of {path} broke after {n} bytes: {e}") from e
+        finally:
+            await r.aclose()
+            if own:
+                f.close()
+        return n
+
+    async def write(self, path: str, data: bytes | str, mode: int | str | None = None,
+                    append: bool = False) -> dict[str, Any]:
+        """Writes (or with ``append`` appends) ``data``, creating parent directories.
+        ``mode`` is a number (``0o644``) or octal text (``"644"``). Returns ``{"path","size"}``."""
+        return await self._put(path, _as_bytes(data), mode, append, None)
+
+    async def write_from(self, path: str, local_path: PathLike | BinaryIO, mode: int | str | None = None,
+                         chunk_size: int = 1 << 20) -> dict[str, Any]:
+        """Streams a local file (a path or a binary file object) into ``path`` in bounded
+        memory. Returns ``{"path","size"}``."""
+        own = not hasattr(local_path, "read")
+        f: Any = open(local_path, "rb") if own else local_path  # type: ignore[arg-type]
+        headers = None
+        try:
+            if own:
+                headers = {"content-length": str(os.fstat(f.fileno()).st_size)}
+
+            async def chunks() -> AsyncIterator[bytes]:
+                while True:
+                    b = await asyncio.to_thread(f.read, chunk_size)
+                    if not b:
+                        return
+                    yield b
+
+            return await self._put(path, chunks(), mode, False, headers)
+        finally:
+            if own:
+                f.close()
+
+    async def _put(self, path: str, content: Any, mode: int | str | None, append: bool,
+                   headers: dict[str, str] | None) -> dict[str, Any]:
+        params: dict[str, str] = {"path": path}
+        if mode is not None:
+            params["mode"] = _mode_param(mode)
+        if append:
+            params["append"] = "true"
+        h = {"content-type": "application/octet-stream", **(headers or {})}
+        client = self._sb._client
+        r = await client._send("PUT", self._base, params=params, content=content, headers=h,
+                               timeout=httpx.Timeout(client._timeout, connect=10.0))
+        return _json_of(r)
+
+    async def write_many(self, files: Iterable[Any]) -> list[dict[str, Any]]:
+        """Writes several small files in one call. Each item is ``(path, data)``,
+        ``(path, data, mode)`` or ``{"path", "data", "mode"?}`` with data bytes or str.
+        Returns ``[{"path","size"}]``."""
+        return (await self._sb._client._request("POST", f"{self._base}/batch", json=_batch_body(files)))["written"]
+
+    async def stat(self, path: str) -> dict[str, Any]:
+        """``{"path","name","type" (file/dir/symlink/other),"size","mode","uid","gid","mtime_ms","target"}``."""
+        return await self._sb._client._request("GET", f"{self._base}/stat", params={"path": path})
+
+    async def list(self, path: str, depth: int = 1) -> list[dict[str, Any]]:
+        """Entries (stat dicts) under the directory ``path``, ``depth`` levels deep, sorted by path."""
+        r = await self._sb._client._request("GET", f"{self._base}/list", params={"path": path, "depth": int(depth)})
+        return list(r["entries"])
+
+    async def exists(self, path: str) -> bool:
+        r = await self._sb._client._request("GET", f"{self._base}/exists", params={"path": path})
+        return bool(r["exists"])
+
+    async def mkdir(self, path: str) -> dict[str, Any]:
+        """Creates a directory and its parents (like ``mkdir -p``); returns its stat."""
+        return await self._sb._client._request("POST", f"{self._base}/mkdir", json={"path": path})
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        await self._sb._client._request("POST", f"{self._base}/remove", json={"path": path, "recursive": recursive})
+
+    async def rename(self, src: str, dst: str) -> dict[str, Any]:
+        """Renames ``src`` to ``dst``; returns the stat of ``dst``."""
+        return await self._sb._client._request("POST", f"{self._base}/rename", json={"from": src, "to": dst})
+
+    async def chmod(self, path: str, mode: int) -> dict[str, Any]:
+        """Sets permission bits (a number: ``0o755``); returns the stat."""
+        return await self._sb._client._request("POST", f"{self._base}/chmod", json={"path": path, "mode": int(mode)})
+
+    async def chown(self, path: str, uid: int, gid: int) -> dict[str, Any]:
+        return await self._sb._client._request("POST", f"{self._base}/chown",
+                                               json={"path": path, "uid": int(uid), "gid": int(gid)})
+
+    def watch(self, path: str, recursive: bool = True) -> "Watch":
+        """Watches ``path`` for changes. Either ``async with sb.files.watch(p) as w:`` or
+        ``w = await sb.files.watch(p)`` (then ``await w.close()``); both return once the
+        watch is in place. ``async for ev in w`` yields ``{"type","path","is_dir"}`` (and
+        ``from`` for a rename), type one of create, write, remove, rename, chmod."""
+        return Watch(self._sb, path, recursive)
+
+
+def _batch_body(files: Iterable[Any]) -> dict[str, Any]:
+    out = []
+    for item in files:
+        if isinstance(item, dict):
+            path, data, mode = item["path"], item["data"], item.get("mode")
+        elif len(item) == 3:
+            path, data, mode = item
+        else:
+            (path, data), mode = item, None
+        e: dict[str, Any] = {"path": path, "data": base64.b64encode(_as_bytes(data)).decode()}
+        if mode is not None:
+            e["mode"] = int(mode, 8) if isinstance(mode, str) else int(mode)
+        out.append(e)
+    return {"files": out}
+
+
+class Watch:
+    """A directory watch; see ``Files.watch``."""
+
+    def __init__(self, sandbox: Sandbox, path: str, recursive: bool):
+        self._sb = sandbox
+        self.path = path
+        self.recursive = recursive
+        self._stream: _Ndjson | None = None
+        self._closed = False
+
+    async def _open(self) -> "Watch":
+        if self._stream is not None:
+            return self
+        params = {"path": self.path}
+        if self.recursive:
+            params["recursive"] = "true"
+        r = await self._sb._client._send("GET", f"{self._sb._base}/files/watch", params=params,
+                                         timeout=_STREAM_TIMEOUT, stream=True)
+        self._stream = _Ndjson(r)
+        try:
+            while True:
+                ev = await self._stream.next()
+                if ev is None:
+                    raise UnavailableError("unavailable", f"the watch on {self.path} ended before it was ready")
+                if ev["type"] == "error":
+                    raise from_event(ev)
+                if ev["type"] == "ready":
+                    return self
+        except BaseException:
+            await self.close()
+            raise
+
+    def __await__(self):  # type: ignore[no-untyped-def]
+        return self._open().__await__()
+
+    async def __aenter__(self) -> "Watch":
+        return await self._open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __aiter__(self) -> "Watch":
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if self._stream is None:
+            if self._closed:
+                raise StopAsyncIteration
+            await self._open()
+        assert self._stream is not None
+        while True:
+            ev = await self._stream.next()
+            if ev is None:
+                await self.close()
+                raise StopAsyncIteration
+            if ev["type"] == "error":
+                await self.close()
+                raise from_event(ev)
+            if ev["type"] != "ready":
+                return ev
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._stream is not None:
+            s, self._stream = self._stream, None
+            await s.close()
+
+
+class Sessions:
+    """Persistent shells (``sb.sessions``): the working directory, exported variables and
+    shell functions carry over between commands."""
+
+    def __init__(self, sandbox: Sandbox):
+        self._sb = sandbox
+
+    async def create(self, cwd: str | None = None, env: dict[str, str] | None = None) -> "Session":
+        body: dict[str, Any] = {}
+        if cwd is not None:
+            body["cwd"] = cwd
+        if env:
+            body["env"] = env
+        r = await self._sb._client._request("POST", f"{self._sb._base}/sessions", json=body)
+        return Session(self._sb, r["session_id"], r.get("pid"), r.get("shell"))
+
+    async def list(self) -> list[dict[str, Any]]:
+        """``[{"session_id","pid","shell","busy","commands"}]``."""
+        r = await self._sb._client._request("GET", f"{self._sb._base}/sessions")
+        return list(r["sessions"])
+
+    def get(self, session_id: str) -> "Session":
+        """A handle on an existing session (no request is made)."""
+        return Session(self._sb, session_id)
+
+
+class Session:
+    """One persistent shell. ``async with`` kills it on exit."""
+
+    def __init__(self, sandbox: Sandbox, session_id: str, pid: int | None = None, shell: str | None = None):
+        self._sb = sandbox
+        self.id = session_id
+        self.pid = pid
+        self.shell = shell
+
+    def __repr__(self) -> str:
+        return f"Session({self.id!r}, shell={self.shell!r})"
+
+    @property
+    def _path(self) -> str:
+        return f"{self._sb._base}/sessions/{self.id}"
+
+    async def __aenter__(self) -> "Session":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.kill()
+
+    async def run(self, cmd: str, timeout: float | None = None) -> SessionResult:
+        """Runs ``cmd`` in the shell and waits for it."""
+        r = await self._sb._client._request("POST", f"{self._path}/run", json=_session_body(cmd, timeout, False),
+                                            timeout=_http_timeout(timeout))
+        return SessionResult.from_json(r)
+
+    async def run_background(self, cmd: str, timeout: float | None = None) -> Any:
+        """Starts ``cmd`` and returns its command_id at once; see ``command`` and ``wait``."""
+        r = await self._sb._client._request("POST", f"{self._path}/run", json=_session_body(cmd, timeout, True))
+        return r["command_id"]
+
+    async def command(self, command_id: Any) -> dict[str, Any]:
+        """A command's state: ``running`` with the output so far, or ``done`` with its result."""
+        return await self._sb._client._request("GET", f"{self._path}/commands/{command_id}")
+
+    async def wait(self, command_id: Any, timeout: float | None = None, poll: float = 0.1) -> SessionResult:
+        """Polls a background command until it is done (TimeoutError after ``timeout`` s)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            r = SessionResult.from_json(await self.command(command_id))
+            if r.done:
+                return r
+            if end is not None and time.monotonic() > end:
+                raise TimeoutError(f"session command {command_id} still running after {timeout} s")
+            await asyncio.sleep(poll)
+
+    async def kill(self) -> None:
+        """Ends the shell and every process it started (daemons included); killing a
+        session that is already gone is not an error."""
+        try:
+            await self._sb._client._request("DELETE", self._path)
+        except DSecError as e:
+            if e.code != "not_found":
+                raise
+
+
+def _session_body(cmd: str, timeout: float | None, background: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"cmd": cmd}
+    if timeout is not None:
+        body["timeout_seconds"] = timeout
+    if background:
+        body["background"] = True
+    return body
+
+
+class Trajectory:
+    """Steps sent with ``X-Dsec-Trajectory: name`` and ``X-Dsec-Step: n`` (n = 1, 2, … in
+    the order of the calls on this object). A step already in the server's log with the
+    same request is answered from the log without running (``replayed`` counts them); a
+    step that differs from the log raises PreconditionError with the server's message.
+
+    The step counter moves on when the server answered the step (with a result or with an
+    error it logged); after a connection failure the same call sends the same step again,
+    which the server answers once the first run is done.
+    """
+
+    def __init__(self, sandbox: Sandbox, name: str):
+        self._sb = sandbox
+        self.name = name
+        self.step = 0          # the last step answered
+        self.replayed = 0      # how many steps were answered from the log
+        self.last_replayed = False
+        self._lock = asyncio.Lock()
+
+    def __repr__(self) -> str:
+        return f"Trajectory({self.name!r}, step={self.step}, replayed={self.replayed})"
+
+    async def _call(self, method: str, path: str, *, json: Any = None, params: Any = None, content: Any = None,
+                    headers: dict[str, str] | None = None, timeout: Any = None) -> httpx.Response:
+        async with self._lock:
+            n = self.step + 1
+            h = {"X-Dsec-Trajectory": self.name, "X-Dsec-Step": str(n), **(headers or {})}
+            try:
+                r = await self._sb._client._send(method, f"{self._sb._base}{path}", json=json, params=params,
+                                                 content=content, headers=h, timeout=timeout)
+            except DSecError as e:
+                if e.status and e.code != "failed_precondition" and await self._logged(n):
+                    self._answered(n, getattr(e, "headers", None))
+                raise
+            self._answered(n, r.headers)
+            return r
+
+    def _answered(self, n: int, headers: Any) -> None:
+        self.step = n
+        self.last_replayed = bool(headers) and headers.get("x-dsec-replayed", "").lower() == "true"
+        if self.last_replayed:
+            self.replayed += 1
+
+    async def _logged(self, n: int) -> bool:
+        try:
+            log = await self._sb.trajectory_log(self.name, missing_ok=True)
+        except DSecError:
+            return False
+        return any(s.get("seq") == n for s in (log or {}).get("steps", []))
+
+    async def log(self) -> dict[str, Any] | None:
+        return await self._sb.trajectory_log(self.name, missing_ok=True)
+
+    async def exec(self, argv: list[str] | None = None, *, cmd: str | None = None, env: dict[str, str] | None = None,
+                   cwd: str | None = None, user: str | int | None = None, timeout: float | None = None,
+                   stdin: str | None = None) -> ExecResult:
+        body = _exec_body(argv, cmd, env, cwd, user, timeout, stdin)
+        r = await self._call("POST", "/exec", json=body, timeout=_http_timeout(timeout))
+        return ExecResult.from_json(r.json())
+
+    async def run_shell(self, command: str, **kwargs: Any) -> ExecResult:
+        return await self.exec(cmd=command, **kwargs)
+
+    async def exec_background(self, argv: list[str] | None = None, *, cmd: str | None = None,
+                              env: dict[str, str] | None = None, cwd: str | None = None,
+                              user: str | int | None = None, timeout: float | None = None,
+                              stdin: str | None = None, tag: str | None = None) -> Process:
+        """Starts a background process as a step (a replayed step gives the logged pid and
+        starts nothing). Streamed execs cannot be steps."""
+        body = _exec_body(argv, cmd, env, cwd, user, timeout, stdin)
+        body["background"] = True
+        if tag is not None:
+            body["tag"] = tag
+        r = await self._call("POST", "/exec", json=body)
+        return Process(self._sb, pid=int(r.json()["pid"]))
+
+    async def write_file(self, path: str, data: bytes | str, mode: int | str | None = None,
+                         append: bool = False) -> dict[str, Any]:
+        params: dict[str, str] = {"path": path}
+        if mode is not None:
+            params["mode"] = _mode_param(mode)
+        if append:
+            params["append"] = "true"
+        r = await self._call("PUT", "/files", params=params, content=_as_bytes(data),
+                             headers={"content-type": "application/octet-stream"})
+        return _json_of(r)
+
+    async def write_many(self, files: Iterable[Any]) -> list[dict[str, Any]]:
+        return (await self._call("POST", "/files/batch", json=_batch_body(files))).json()["written"]
+
+    async def remove_file(self, path: str, recursive: bool = False) -> None:
+        await self._call("POST", "/files/remove", json={"path": path, "recursive": recursive})
+
+    async def mkdir(self, path: str) -> dict[str, Any]:
+        return (await self._call("POST", "/files/mkdir", json={"path": path})).json()
+
+    async def rename(self, src: str, dst: str) -> dict[str, Any]:
+        return (await self._call("POST", "/files/rename", json={"from": src, "to": dst})).json()
+
+    async def chmod(self, path: str, mode: int) -> dict[str, Any]:
+        return (await self._call("POST", "/files/chmod", json={"path": path, "mode": int(mode)})).json()
+
+    async def chown(self, path: str, uid: int, gid: int) -> dict[str, Any]:
+        return (await self._call("POST", "/files/chown", json={"path": path, "uid": int(uid), "gid": int(gid)})).json()
+
+    async def session_run(self, session: Session | str, cmd: str, timeout: float | None = None) -> SessionResult:
+        sid = session.id if isinstance(session, Session) else session
+        r = await self._call("POST", f"/sessions/{sid}/run", json=_session_body(cmd, timeout, False),
+                             timeout=_http_timeout(timeout))
+        return SessionResult.from_json(r.json())
 
 
 async def run_many(coros: list[Any], limit: int = 64) -> list[Any]:

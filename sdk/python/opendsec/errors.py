@@ -22,7 +22,16 @@ class AuthenticationError(DSecError):
     pass
 
 
+class PermissionDeniedError(AuthenticationError):
+    """No permission (e.g. a file inside the sandbox). A subclass of AuthenticationError,
+    which ``permission_denied`` was reported as before."""
+
+
 class NotFoundError(DSecError):
+    pass
+
+
+class AlreadyExistsError(DSecError):
     pass
 
 
@@ -41,11 +50,28 @@ class UnavailableError(DSecError):
 _BY_CODE = {
     "invalid_argument": InvalidArgumentError,
     "unauthenticated": AuthenticationError,
-    "permission_denied": AuthenticationError,
+    "permission_denied": PermissionDeniedError,
     "not_found": NotFoundError,
+    "already_exists": AlreadyExistsError,
     "failed_precondition": PreconditionError,
     "resource_exhausted": ResourceExhaustedError,
     "unavailable": UnavailableError,
+}
+
+
+# The HTTP status the server uses for each code (for errors that arrive inside a stream).
+_STATUS = {
+    "invalid_argument": 400,
+    "unauthenticated": 401,
+    "permission_denied": 403,
+    "not_found": 404,
+    "already_exists": 409,
+    "failed_precondition": 409,
+    "resource_exhausted": 429,
+    "internal": 500,
+    "unimplemented": 501,
+    "unavailable": 503,
+    "deadline_exceeded": 504,
 }
 
 
@@ -54,3 +80,9 @@ def from_response(status: int, body: object) -> DSecError:
         code = body["code"]
         return _BY_CODE.get(code, DSecError)(code, str(body.get("message", "")), status)
     return DSecError("http_error", f"HTTP {status}: {body!r}", status)
+
+
+def from_event(event: dict) -> DSecError:
+    """The error for an ``{"type": "error", "code", "message"}`` event of an NDJSON stream."""
+    code = str(event.get("code") or "internal")
+    return _BY_CODE.get(code, DSecError)(code, str(event.get("message", "")), _STATUS.get(code, 0))
