@@ -302,6 +302,11 @@ mod tests {
             "/v1/sandboxes/{id}/timeout",
             "/v1/status",
             "/v1/images",
+            "/v1/sandboxes/{id}/processes/{pid}/output",
+            "/v1/sandboxes/{id}/files",
+            "/v1/sandboxes/{id}/files/watch",
+            "/v1/sandboxes/{id}/sessions/{sid}/run",
+            "/v1/sandboxes/{id}/trajectories/{name}",
         ] {
             assert!(v["paths"].get(p).is_some(), "{p} missing from openapi.json");
         }

@@ -24,8 +24,9 @@ pub const FRAME_STDOUT: u8 = b'O';
 pub const FRAME_STDERR: u8 = b'E';
 pub const FRAME_DATA: u8 = b'D';
 
-/// Largest frame either side accepts; data is sent in chunks well below it.
-pub const MAX_FRAME: u32 = 16 << 20;
+/// Largest frame either side accepts. A unary exec's reply carries up to two capped
+/// streams as JSON (escaping can grow them); data is sent in chunks well below it.
+pub const MAX_FRAME: u32 = 256 << 20;
 /// Size of the data chunks both sides send.
 pub const CHUNK: usize = 256 << 10;
 
