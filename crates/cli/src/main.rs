@@ -80,6 +80,29 @@ enum Command {
         after_help = "Example:\n  dsec set-timeout local-0123456789ab 3600"
     )]
     SetTimeout(cmd::sandbox::TimeoutArgs),
+    /// Open an interactive shell in a sandbox (piped input runs as a script)
+    #[command(
+        after_help = "Example:\n  dsec shell local-0123456789ab\n  dsec shell local-0123456789ab --cmd /usr/bin/python3\n  echo 'echo hi; exit' | dsec shell local-0123456789ab"
+    )]
+    Shell(cmd::runtime::ShellArgs),
+    /// Copy a file into or out of a sandbox (ID:/path on one side; - for stdin/stdout)
+    #[command(
+        after_help = "Example:\n  dsec cp data.csv local-0123456789ab:/root/data.csv\n  dsec cp local-0123456789ab:/root/out.log ./\n  tar c src | dsec cp - local-0123456789ab:/root/src.tar"
+    )]
+    Cp(cmd::runtime::CpArgs),
+    /// Print a process's output, kept and live, until it exits; exits with its exit code
+    #[command(
+        after_help = "Example:\n  dsec logs local-0123456789ab 42\n\nAlways follows: it returns when the process exits (Ctrl-C stops watching, not the process)."
+    )]
+    Logs(cmd::runtime::LogsArgs),
+    /// List a sandbox's managed processes (streamed and background ones)
+    #[command(after_help = "Example:\n  dsec ps local-0123456789ab --json")]
+    Ps(cmd::runtime::PsArgs),
+    /// List a sandbox's trajectories, or show the steps of one
+    #[command(
+        after_help = "Example:\n  dsec trajectory local-0123456789ab\n  dsec trajectory local-0123456789ab episode-7 --json"
+    )]
+    Trajectory(cmd::runtime::TrajectoryArgs),
     /// Build, list, inspect and remove images
     #[command(subcommand)]
     Image(cmd::image::ImageCommand),
@@ -109,6 +132,11 @@ fn main() {
             Command::Rm(a) => cmd::sandbox::rm(a).await,
             Command::Fork(a) => cmd::sandbox::fork(a).await,
             Command::SetTimeout(a) => cmd::sandbox::set_timeout(a).await,
+            Command::Shell(a) => cmd::runtime::shell(a).await,
+            Command::Cp(a) => cmd::runtime::cp(a).await,
+            Command::Logs(a) => cmd::runtime::logs(a).await,
+            Command::Ps(a) => cmd::runtime::ps(a).await,
+            Command::Trajectory(a) => cmd::runtime::trajectory(a).await,
             Command::Image(c) => cmd::image::run(c).await,
         }
     });

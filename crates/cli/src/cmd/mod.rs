@@ -1,3 +1,4 @@
 pub mod image;
+pub mod runtime;
 pub mod sandbox;
 pub mod up;
