@@ -2,8 +2,10 @@
 """The dsec CLI: run, exec, ls, fork, rm, status, image build/ls/inspect/rm, --help."""
 
 import json
+import os
+import subprocess
 
-from conftest import DATA, dsec, leftovers
+from conftest import DATA, DSEC, dsec, leftovers
 
 import pytest
 
@@ -63,7 +65,39 @@ def test_image_build_inspect_run_and_rm(tmp_path):
 
 
 @pytest.mark.parametrize("cmd", [[], ["up"], ["down"], ["status"], ["run"], ["exec"], ["ls"], ["rm"], ["fork"],
-                                 ["set-timeout"], ["image", "build"], ["image", "ls"], ["image", "inspect"], ["image", "rm"]])
+                                 ["set-timeout"], ["shell"], ["cp"], ["logs"], ["ps"], ["trajectory"], ["image", "build"], ["image", "ls"], ["image", "inspect"], ["image", "rm"]])
 def test_every_command_has_help_with_an_example(cmd):
     r = dsec(*cmd, "--help")
     assert "Example" in r.stdout, r.stdout
+
+
+def test_cp_shell_logs_ps_trajectory(tmp_path):
+    sid = dsec("run", "root/py:3.11").stdout.strip()
+    try:
+        src = tmp_path / "up.bin"
+        src.write_bytes(os.urandom(3 << 20))
+        src.chmod(0o640)
+        dsec("cp", str(src), f"{sid}:/root/up.bin")
+        r = dsec("exec", sid, "--", "stat", "-c", "%s %a", "/root/up.bin")
+        assert r.stdout == f"{3 << 20} 640\n"
+        dsec("cp", f"{sid}:/root/up.bin", str(tmp_path / "down.bin"))
+        assert (tmp_path / "down.bin").read_bytes() == src.read_bytes()
+        r = dsec("cp", f"{sid}:/no/such", str(tmp_path / "x"), check=False)
+        assert r.returncode == 1 and "not_found" in r.stderr and not (tmp_path / "x").exists()
+        # A shell with piped input runs it and ends with its exit status.
+        r = subprocess.run([DSEC, "shell", sid], input="cd /tmp; echo in-$(pwd); exit 4\n",
+                           capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "DSEC_CONFIG": str(DATA / "client.toml")})
+        assert r.returncode == 4 and "in-/tmp" in r.stdout, r
+        procs = json.loads(dsec("ps", sid, "--json").stdout)["processes"]
+        shell = [p for p in procs if p["exit_code"] == 4]
+        assert shell, procs
+        r = dsec("logs", sid, str(shell[0]["pid"]), check=False)
+        assert r.returncode == 4 and "in-/tmp" in r.stdout
+        t = json.loads(dsec("trajectory", sid, "--json").stdout)["trajectories"]
+        assert {"name": "default", "steps": 2} in t, t
+        steps = json.loads(dsec("trajectory", sid, "default", "--json").stdout)["steps"]
+        assert [s["kind"] for s in steps] == ["write_file", "exec"]
+        assert "write_file" in dsec("trajectory", sid, "default").stdout
+    finally:
+        dsec("rm", sid)

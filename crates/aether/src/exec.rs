@@ -42,9 +42,15 @@ pub fn spawn(f: impl FnOnce() + Send + 'static) -> Result<(), String> {
         .map_err(|e| format!("the sandbox is at its process limit (pids_limit): {e}"))
 }
 
-fn capture(mut r: impl Read + Send + 'static, cap: u64) -> Result<mpsc::Receiver<Capture>, String> {
+/// A thread that will read one pipe, started before the command so that a sandbox at its
+/// pids limit fails the request before anything runs; it gets its pipe through the sender.
+type Reader = Box<dyn Read + Send>;
+
+fn capture(cap: u64) -> Result<(mpsc::Sender<Reader>, mpsc::Receiver<Capture>), String> {
+    let (pipe_tx, pipe_rx) = mpsc::channel::<Reader>();
     let (tx, rx) = mpsc::channel();
     spawn(move || {
+        let Ok(mut r) = pipe_rx.recv() else { return };
         let mut out = Capture {
             data: Vec::new(),
             truncated: false,
@@ -66,7 +72,7 @@ fn capture(mut r: impl Read + Send + 'static, cap: u64) -> Result<mpsc::Receiver
         }
         let _ = tx.send(out);
     })?;
-    Ok(rx)
+    Ok((pipe_tx, rx))
 }
 
 /// The command for `spec` (argv, environment, cwd, user), not yet started.
@@ -113,6 +119,24 @@ pub fn run(spec: ExecSpec, table: &Table, base: &Env) -> Result<ExecResult, Stri
     .stdout(Stdio::piped())
     .stderr(Stdio::piped())
     .process_group(0);
+    // Every helper thread first: once the command runs, it may use up the pids limit.
+    let (out_pipe, out_rx) = capture(spec.max_output_bytes)?;
+    let (err_pipe, err_rx) = capture(spec.max_output_bytes)?;
+    let (stdin_tx, stdin_rx) = mpsc::channel::<std::process::ChildStdin>();
+    if let Some(data) = spec.stdin.clone() {
+        spawn(move || {
+            if let Ok(mut stdin) = stdin_rx.recv() {
+                let _ = stdin.write_all(data.as_bytes());
+            }
+        })?;
+    }
+    let (child_tx, child_rx) = mpsc::channel::<std::process::Child>();
+    let (done_tx, done_rx) = mpsc::channel();
+    spawn(move || {
+        if let Ok(mut child) = child_rx.recv() {
+            let _ = done_tx.send(child.wait());
+        }
+    })?;
     let started = Instant::now();
     let mut child = {
         let mut managed = table.lock();
@@ -125,44 +149,17 @@ pub fn run(spec: ExecSpec, table: &Table, base: &Env) -> Result<ExecResult, Stri
         // SAFETY: signalling the process group we created for this command.
         libc::kill(-(pid as i32), libc::SIGKILL);
     };
-    let helpers = (|| {
-        let out_rx = child
-            .stdout
-            .take()
-            .map(|s| capture(s, spec.max_output_bytes))
-            .transpose()?;
-        let err_rx = child
-            .stderr
-            .take()
-            .map(|s| capture(s, spec.max_output_bytes))
-            .transpose()?;
-        if let (Some(mut stdin), Some(data)) = (child.stdin.take(), spec.stdin.clone()) {
-            spawn(move || {
-                let _ = stdin.write_all(data.as_bytes());
-            })?;
-        }
-        Ok::<_, String>((out_rx, err_rx))
-    })();
-    let (out_rx, err_rx) = match helpers {
-        Ok(h) => h,
-        Err(e) => {
-            kill_group();
-            let _ = child.wait();
-            table.release(pid);
-            return Err(e);
-        }
-    };
-    let (done_tx, done_rx) = mpsc::channel();
-    // If no waiter thread can be made, the child is dropped unwaited and, once released
-    // from the table, reaped by the reaper.
-    let waiter = spawn(move || {
-        let _ = done_tx.send(child.wait());
-    });
-    if let Err(e) = waiter {
-        kill_group();
-        table.release(pid);
-        return Err(e);
+    if let Some(o) = child.stdout.take() {
+        let _ = out_pipe.send(Box::new(o));
     }
+    if let Some(e) = child.stderr.take() {
+        let _ = err_pipe.send(Box::new(e));
+    }
+    if let Some(i) = child.stdin.take() {
+        let _ = stdin_tx.send(i);
+    }
+    drop((out_pipe, err_pipe, stdin_tx));
+    let _ = child_tx.send(child);
     let mut timed_out = false;
     let status = match spec.timeout_ms {
         Some(ms) => match done_rx.recv_timeout(Duration::from_millis(ms)) {
@@ -188,12 +185,11 @@ pub fn run(spec: ExecSpec, table: &Table, base: &Env) -> Result<ExecResult, Stri
             std::thread::sleep(Duration::from_millis(10));
         }
     }
-    let collect = |rx: Option<mpsc::Receiver<Capture>>| {
-        rx.and_then(|rx| rx.recv_timeout(PIPE_GRACE).ok())
-            .unwrap_or(Capture {
-                data: Vec::new(),
-                truncated: false,
-            })
+    let collect = |rx: mpsc::Receiver<Capture>| {
+        rx.recv_timeout(PIPE_GRACE).ok().unwrap_or(Capture {
+            data: Vec::new(),
+            truncated: false,
+        })
     };
     let out = collect(out_rx);
     let err = collect(err_rx);
