@@ -811,3 +811,110 @@ async def test_runtime_state_is_invisible_inside_and_survives_a_broken_shell(cli
         assert (await asyncio.wait_for(bg.wait(), 10)).stdout == bg_marker + "\n"
     finally:
         await sb.stop()
+
+
+# ---- ports ----------------------------------------------------------------------------
+
+# An HTTP and WebSocket echo server from the standard library, run inside the sandbox.
+PORT_SERVER = r'''
+import base64, hashlib, http.server, socketserver
+GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.headers.get("Upgrade", "").lower() != "websocket":
+            body = ("path=%s auth=%s token=%s" % (self.path, self.headers.get("Authorization"),
+                                                   self.headers.get("X-Dsec-Token"))).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        acc = base64.b64encode(hashlib.sha1((self.headers["Sec-WebSocket-Key"] + GUID).encode()).digest())
+        self.send_response(101)
+        self.send_header("Upgrade", "websocket")
+        self.send_header("Connection", "Upgrade")
+        self.send_header("Sec-WebSocket-Accept", acc.decode())
+        self.end_headers()
+        self.wfile.flush()
+        while True:
+            hdr = self.rfile.read(2)
+            if len(hdr) < 2 or hdr[0] & 0x0F == 8:
+                return
+            mask = self.rfile.read(4)
+            data = bytes(b ^ mask[i % 4] for i, b in enumerate(self.rfile.read(hdr[1] & 0x7F)))
+            out = b"echo:" + data
+            self.wfile.write(bytes([0x81, len(out)]) + out)
+            self.wfile.flush()
+    def log_message(self, *a):
+        pass
+class S(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+S(("127.0.0.1", 8080), H).serve_forever()
+'''
+
+
+async def _websocket_echo(api_url: str, path: str, text: str) -> str:
+    host, port = api_url.split("//", 1)[1].rstrip("/").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write((f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
+                      "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                      "Sec-WebSocket-Version: 13\r\n\r\n").encode())
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.split(b" ")[1] == b"101", head
+        assert b"s3pPLMBiTxaQ9kYGzzhZRbK+xOo=" in head, head
+        mask = os.urandom(4)
+        payload = text.encode()
+        writer.write(bytes([0x81, 0x80 | len(payload)]) + mask
+                     + bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
+        await writer.drain()
+        hdr = await asyncio.wait_for(reader.readexactly(2), 10)
+        return (await asyncio.wait_for(reader.readexactly(hdr[1] & 0x7F), 10)).decode()
+    finally:
+        writer.close()
+
+
+async def test_ports_forward_http_and_websocket_with_key_or_token(client):
+    sb = await client.run_sandbox(DSecRunArgs(image="root/py:3.11"))
+    try:
+        await sb.files.write("/root/srv.py", PORT_SERVER)
+        await sb.exec_background(["python3", "/root/srv.py"])
+        assert sb.info.port_token and len(sb.info.port_token) >= 32
+        key = {"Authorization": f"Bearer {client.api_key}"}
+        async with httpx.AsyncClient(timeout=20) as h:
+            url = sb.port_url(8080, "x/y?a=1", with_token=False)
+            r = None
+            for _ in range(100):  # until the server listens
+                r = await h.get(url, headers=key)
+                if r.status_code == 200:
+                    break
+                assert r.status_code == 503 and r.json()["code"] == "unavailable", r.text
+                await asyncio.sleep(0.1)
+            # The path and query arrive as sent; the API key does not reach the sandbox.
+            assert r.status_code == 200 and r.text == "path=/x/y?a=1 auth=None token=None", r.text
+            # The port token opens it without a key, and is not passed on either.
+            r = await h.get(sb.port_url(8080, "p?b=2"))
+            assert r.status_code == 200 and r.text == "path=/p?b=2 auth=None token=None", r.text
+            r = await h.get(sb.port_url(8080, "q", with_token=False),
+                            headers={"X-Dsec-Token": sb.info.port_token})
+            assert r.status_code == 200 and r.text.startswith("path=/q "), r.text
+            # Nothing else does: no credentials, a wrong token, another sandbox's token.
+            other = await client.run_sandbox(DSecRunArgs(image="root/base"))
+            try:
+                for headers in ({}, {"X-Dsec-Token": "0" * 48}, {"X-Dsec-Token": other.info.port_token}):
+                    r = await h.get(sb.port_url(8080, "", with_token=False), headers=headers)
+                    assert r.status_code == 401 and r.json()["code"] == "unauthenticated", r.text
+            finally:
+                await other.stop()
+            # A closed port and a bad one are clear errors.
+            r = await h.get(sb.port_url(8081), headers=key)
+            assert r.status_code == 503 and "8081" in r.json()["message"], r.text
+            r = await h.get(sb.port_url(70000), headers=key)
+            assert r.status_code == 400, r.text
+        # WebSocket through the same path, with the token.
+        path = sb.port_url(8080, "ws").split("//", 1)[1]
+        path = path[path.index("/"):]
+        assert await _websocket_echo(client.api_url, path, "hello ws") == "echo:hello ws"
+    finally:
+        await sb.stop()

@@ -9,6 +9,7 @@ mod children;
 mod chronus;
 mod exec;
 mod files;
+mod forward;
 mod process;
 mod session;
 mod user;
@@ -285,6 +286,15 @@ fn serve(stream: UnixStream, ctx: &Ctx) {
         }
         Request::SessionKill { session } => match ctx.sessions.kill(&session) {
             Ok(()) => Response::Ok,
+            Err(e) => err(e),
+        },
+        Request::Connect { port } => match forward::connect(port) {
+            Ok(tcp) => {
+                if write_json(&mut out, &Response::Ok).is_ok() {
+                    forward::splice(input, out, tcp);
+                }
+                return;
+            }
             Err(e) => err(e),
         },
     };

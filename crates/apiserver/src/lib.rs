@@ -22,6 +22,7 @@ use dsec_edge::Edge;
 use dsec_iam::KeyStore;
 use serde::de::DeserializeOwned;
 
+mod ports;
 mod runtime;
 
 pub const OPENAPI: &str = include_str!("../openapi.json");
@@ -94,6 +95,8 @@ pub fn router(state: AppState) -> Router {
             get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }),
         )
         .merge(api)
+        // Checks the API key or the sandbox's port token itself.
+        .merge(ports::routes())
         .fallback(|| async {
             Failure(ApiError::not_found(
                 "no such endpoint; the API is described at /openapi.json",
@@ -109,7 +112,7 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-fn api_key(headers: &HeaderMap) -> Option<&str> {
+pub(crate) fn api_key(headers: &HeaderMap) -> Option<&str> {
     if let Some(v) = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())

@@ -79,6 +79,10 @@ pub struct SandboxInfo {
     pub oom_kills: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub forked_from: Option<String>,
+    /// Opens `/v1/sandboxes/{id}/ports/{port}/…` without an API key (`?dsec_token=` or the
+    /// `X-Dsec-Token` header), for browsers.
+    #[serde(default)]
+    pub port_token: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -123,6 +123,11 @@ pub enum Request {
     SessionKill {
         session: String,
     },
+    /// Connects to a TCP port inside the sandbox; after `Ok` the connection carries the
+    /// raw bytes of that TCP connection in both directions (no frames).
+    Connect {
+        port: u16,
+    },
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

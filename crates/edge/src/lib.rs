@@ -285,6 +285,7 @@ impl Edge {
             last_activity_ms: now,
             forked_from: None,
             oom_kills: 0,
+            port_token: port_token(),
         };
         self.launch(backend, rec, None).await
     }
@@ -479,6 +480,7 @@ impl Edge {
                 last_activity_ms: now,
                 forked_from: Some(src.id.clone()),
                 oom_kills: 0,
+                port_token: port_token(),
                 labels,
                 ..src.clone()
             };
@@ -674,6 +676,12 @@ impl Edge {
             cgroup::remove_parents(self.mode);
         }
     }
+}
+
+fn port_token() -> String {
+    let mut b = [0u8; 24];
+    dsec_common::id::fill_random(&mut b);
+    hex::encode(b)
 }
 
 /// The agent holds its listening socket for as long as it lives: a refused connect means

@@ -29,6 +29,9 @@ pub struct SandboxRecord {
     pub last_activity_ms: u64,
     pub forked_from: Option<String>,
     pub oom_kills: u64,
+    /// Opens the sandbox's forwarded ports without an API key (e.g. from a browser).
+    #[serde(default)]
+    pub port_token: String,
 }
 
 impl SandboxRecord {
@@ -46,6 +49,7 @@ impl SandboxRecord {
             labels: self.labels.clone(),
             oom_kills: self.oom_kills,
             forked_from: self.forked_from.clone(),
+            port_token: self.port_token.clone(),
         }
     }
 }

@@ -20,6 +20,7 @@ use dsec_common::channel::{
 use futures_util::{Stream, StreamExt};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
+use tokio::net::UnixStream;
 
 use crate::backend::Backend;
 use crate::channel::{self, Conn, check, unexpected};
@@ -641,5 +642,46 @@ impl Edge {
         crate::trajectory::valid_name(name)?;
         let steps = self.trajectories.steps(&self.registry.dir(id), name).await;
         Ok(json!({"name": name, "steps": steps}))
+    }
+}
+
+impl Edge {
+    /// A connection to `port` inside the sandbox: after this returns, the stream carries
+    /// that TCP connection's bytes. The reply is read without buffering, so no byte of
+    /// the forwarded stream is held back.
+    pub async fn connect_port(&self, id: &str, port: u16) -> Result<UnixStream, ApiError> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (_, sock) = self.running(id)?;
+        let mut s = UnixStream::connect(&sock)
+            .await
+            .map_err(|e| ApiError::unavailable(format!("sandbox agent unreachable: {e}")))?;
+        let mut line = serde_json::to_vec(&Request::Connect { port })
+            .map_err(|e| ApiError::internal(e.to_string()))?;
+        line.push(b'\n');
+        let io = |e: std::io::Error| ApiError::unavailable(format!("sandbox agent: {e}"));
+        s.write_all(&line).await.map_err(io)?;
+        let mut head = [0u8; 5];
+        tokio::time::timeout(CALL_TIMEOUT, s.read_exact(&mut head))
+            .await
+            .map_err(|_| ApiError::unavailable("the sandbox agent did not answer"))?
+            .map_err(io)?;
+        let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]);
+        if head[0] != FRAME_JSON || len > 64 << 10 {
+            return Err(ApiError::internal("malformed reply from the sandbox agent"));
+        }
+        let mut body = vec![0u8; len as usize];
+        s.read_exact(&mut body).await.map_err(io)?;
+        let reply: Response = serde_json::from_slice(&body).map_err(|e| {
+            ApiError::internal(format!("malformed reply from the sandbox agent: {e}"))
+        })?;
+        match check(reply)? {
+            Response::Ok => Ok(s),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// The token that opens the sandbox's ports without an API key (browsers).
+    pub fn port_token(&self, id: &str) -> Result<String, ApiError> {
+        Ok(self.entry(id)?.snapshot().port_token)
     }
 }

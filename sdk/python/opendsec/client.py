@@ -107,6 +107,7 @@ class SandboxInfo:
     oom_kills: int = 0
     forked_from: str | None = None
     idle_timeout_seconds: int | None = None
+    port_token: str = ""
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "SandboxInfo":
@@ -471,6 +472,17 @@ class Sandbox:
     async def refresh(self) -> SandboxInfo:
         self.info = SandboxInfo.from_json(await self._client._request("GET", self._base))
         return self.info
+
+    def port_url(self, port: int, path: str = "/", with_token: bool = True) -> str:
+        """URL of ``port`` inside the sandbox, through the API (HTTP and WebSocket).
+
+        With ``with_token`` the URL carries the sandbox's port token, so it opens without an
+        API key (e.g. in a browser); otherwise send the API key as usual.
+        """
+        url = f"{self._client.api_url.rstrip('/')}/v1/sandboxes/{self.id}/ports/{int(port)}/{path.lstrip('/')}"
+        if with_token and self.info.port_token:
+            url += ("&" if "?" in url else "?") + f"dsec_token={self.info.port_token}"
+        return url
 
     async def set_timeout(self, ttl_seconds: int) -> SandboxInfo:
         """Sets the remaining lifetime to ``ttl_seconds`` from now."""

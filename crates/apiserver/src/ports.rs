@@ -1,0 +1,145 @@
+//! Port forwarding: `/v1/sandboxes/{id}/ports/{port}/{path}` is proxied as HTTP/1.1 to
+//! that port inside the sandbox, over the sandbox channel; WebSocket (any `Upgrade`) works
+//! through it. Opened by the API key or by the sandbox's `port_token` (`X-Dsec-Token`
+//! header or `dsec_token` query parameter), so a browser can use it.
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, Request, State};
+use axum::http::{HeaderValue, StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::any;
+use dsec_common::{ApiError, ErrorCode};
+use hyper_util::rt::TokioIo;
+
+use crate::{ApiResult, AppState, Failure, api_key, route};
+
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/v1/sandboxes/{id}/ports/{port}", any(proxy_root))
+        .route("/v1/sandboxes/{id}/ports/{port}/", any(proxy_root))
+        .route("/v1/sandboxes/{id}/ports/{port}/{*rest}", any(proxy_path))
+}
+
+async fn proxy_root(
+    st: State<AppState>,
+    Path((id, port)): Path<(String, String)>,
+    req: Request,
+) -> ApiResult<Response> {
+    proxy(st, id, port, String::new(), req).await
+}
+
+async fn proxy_path(
+    st: State<AppState>,
+    Path((id, port, rest)): Path<(String, String, String)>,
+    req: Request,
+) -> ApiResult<Response> {
+    proxy(st, id, port, rest, req).await
+}
+
+/// The query string without our own `dsec_token` parameter, and that token.
+fn split_token(query: Option<&str>) -> (Option<String>, Option<String>) {
+    let mut token = None;
+    let kept: Vec<&str> = query
+        .unwrap_or("")
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .filter(|p| match p.strip_prefix("dsec_token=") {
+            Some(t) => {
+                token = Some(t.to_string());
+                false
+            }
+            None => true,
+        })
+        .collect();
+    ((!kept.is_empty()).then(|| kept.join("&")), token)
+}
+
+fn bad_gateway(message: String) -> Failure {
+    Failure(ApiError::new(ErrorCode::Unavailable, message))
+}
+
+async fn proxy(
+    State(st): State<AppState>,
+    id: String,
+    port: String,
+    rest: String,
+    mut req: Request,
+) -> ApiResult<Response> {
+    route(&st, &id)?;
+    let port: u16 = port
+        .parse()
+        .ok()
+        .filter(|p| *p > 0)
+        .ok_or_else(|| ApiError::invalid(format!("{port:?} is not a TCP port (1-65535)")))?;
+    let (query, query_token) = split_token(req.uri().query());
+    let header_token = req
+        .headers()
+        .get("x-dsec-token")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let key_ok = api_key(req.headers()).is_some_and(|k| st.keys.authenticate(k).is_some());
+    if !key_ok {
+        let expected = st.edge.port_token(&id)?;
+        let given = header_token.or(query_token);
+        if given.as_deref() != Some(expected.as_str()) || expected.is_empty() {
+            return Err(Failure(ApiError::new(
+                ErrorCode::Unauthenticated,
+                "send the API key (Authorization: Bearer dsk.…) or the sandbox's port_token (X-Dsec-Token or ?dsec_token=)",
+            )));
+        }
+    }
+    let stream = st.edge.connect_port(&id, port).await?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake::<_, Body>(TokioIo::new(stream))
+        .await
+        .map_err(|e| bad_gateway(format!("HTTP to port {port} in the sandbox: {e}")))?;
+    tokio::spawn(async move {
+        let _ = conn.with_upgrades().await;
+    });
+    let path_and_query = match query {
+        Some(q) => format!("/{rest}?{q}"),
+        None => format!("/{rest}"),
+    };
+    *req.uri_mut() = Uri::try_from(path_and_query)
+        .map_err(|e| ApiError::invalid(format!("bad path for the sandbox: {e}")))?;
+    let headers = req.headers_mut();
+    headers.remove(header::AUTHORIZATION);
+    headers.remove("x-api-key");
+    headers.remove("x-dsec-token");
+    if !headers.contains_key(header::HOST) {
+        headers.insert(header::HOST, HeaderValue::from_static("localhost"));
+    }
+    let wants_upgrade = req.headers().contains_key(header::UPGRADE);
+    let client_upgrade = wants_upgrade.then(|| hyper::upgrade::on(&mut req));
+    let mut resp = sender
+        .send_request(req)
+        .await
+        .map_err(|e| bad_gateway(format!("port {port} in the sandbox: {e}")))?;
+    if resp.status() == StatusCode::SWITCHING_PROTOCOLS
+        && let Some(client_upgrade) = client_upgrade
+    {
+        let sandbox_upgrade = hyper::upgrade::on(&mut resp);
+        tokio::spawn(async move {
+            if let (Ok(a), Ok(b)) = (client_upgrade.await, sandbox_upgrade.await) {
+                let _ =
+                    tokio::io::copy_bidirectional(&mut TokioIo::new(a), &mut TokioIo::new(b)).await;
+            }
+        });
+    }
+    Ok(resp.map(Body::new).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_token_is_taken_out_of_the_forwarded_query() {
+        assert_eq!(
+            split_token(Some("a=1&dsec_token=xyz&b=2")),
+            (Some("a=1&b=2".to_string()), Some("xyz".to_string()))
+        );
+        assert_eq!(split_token(Some("dsec_token=t")), (None, Some("t".into())));
+        assert_eq!(split_token(None), (None, None));
+    }
+}
