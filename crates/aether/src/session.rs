@@ -39,6 +39,20 @@ struct Shell {
     exited: Arc<Mutex<Option<i32>>>,
 }
 
+impl Shell {
+    /// The shell's exit code once chronus has exited, waiting at most `within`.
+    fn wait_exit(&self, within: Duration) -> Option<i32> {
+        let deadline = Instant::now() + within;
+        loop {
+            let code = *self.exited.lock().unwrap_or_else(|p| p.into_inner());
+            if code.is_some() || Instant::now() >= deadline {
+                return code;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
 pub struct Session {
     id: String,
     shell: String,
@@ -208,16 +222,7 @@ impl Session {
         {
             // SAFETY: SIGTERM to our own chronus child: it kills its tree and exits.
             unsafe { libc::kill(sh.pid as i32, libc::SIGTERM) };
-            let deadline = Instant::now() + Duration::from_secs(5);
-            while sh
-                .exited
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .is_none()
-                && Instant::now() < deadline
-            {
-                std::thread::sleep(Duration::from_millis(5));
-            }
+            sh.wait_exit(Duration::from_secs(5));
         }
     }
 
@@ -296,16 +301,7 @@ impl Session {
         let mut restarted = false;
         if !finished {
             if shell_gone {
-                let deadline = Instant::now() + Duration::from_secs(2);
-                while sh
-                    .exited
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .is_none()
-                    && Instant::now() < deadline
-                {
-                    std::thread::sleep(Duration::from_millis(5));
-                }
+                sh.wait_exit(Duration::from_secs(2));
             } else {
                 // The shell itself is stuck (a builtin loop): start it over.
                 // SAFETY: SIGTERM to our chronus child.

@@ -374,28 +374,14 @@ impl Edge {
         id: &str,
         req: ExecRequest,
     ) -> Result<ExecResult, ApiError> {
-        let e = self.entry(id)?;
+        let (e, sock) = self.running(id)?;
         let spec = validate::exec(&self.cfg, &req)?;
         let rec = e.snapshot();
-        match rec.state {
-            SandboxState::Running => {}
-            SandboxState::Paused => {
-                return Err(ApiError::precondition(format!(
-                    "sandbox {id} is paused; resume it first"
-                )));
-            }
-            s => {
-                return Err(ApiError::precondition(format!(
-                    "sandbox {id} is {s:?}, not running"
-                )));
-            }
-        }
-        self.touch(&e);
         let backend = self.backend(&rec.backend)?;
         let (b2, r2) = (backend.clone(), rec.clone());
         let before = blocking(move || b2.oom_kills(&r2)).await?;
         let wait = Duration::from_millis(spec.timeout_ms.unwrap_or(0)) + Duration::from_secs(30);
-        let resp = match channel::call(&self.paths(id).channel, &Request::Exec(spec), wait).await {
+        let resp = match channel::call(&sock, &Request::Exec(spec), wait).await {
             Ok(r) => r,
             Err(_) if e.snapshot().state != SandboxState::Running => {
                 return Err(ApiError::precondition(format!(

@@ -156,7 +156,7 @@ fn check_path(what: &str, p: &str) -> Result<(), ApiError> {
 
 impl Edge {
     /// A running sandbox's entry and channel socket; counts as activity.
-    fn running(&self, id: &str) -> Result<(Arc<Entry>, PathBuf), ApiError> {
+    pub(crate) fn running(&self, id: &str) -> Result<(Arc<Entry>, PathBuf), ApiError> {
         let e = self.entry(id)?;
         match e.snapshot().state {
             SandboxState::Running => {}

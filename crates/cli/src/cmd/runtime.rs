@@ -179,17 +179,11 @@ fn handle_event(ev: Event) -> Result<Option<ExitInfo>> {
 
 /// The exit code, with notes on stderr for how the process ended.
 fn exit_code(x: &ExitInfo) -> i32 {
-    if x.timed_out {
-        eprintln!("dsec: the process timed out and was killed");
-    }
-    if x.oom_killed {
-        eprintln!(
-            "dsec: the sandbox ran out of memory (memory_limit_mb) and the kernel killed a process"
-        );
-    }
-    if x.stdout_truncated || x.stderr_truncated {
-        eprintln!("dsec: older output was dropped (more than the edge keeps per process)");
-    }
+    super::sandbox::exit_notes(
+        x.timed_out,
+        x.oom_killed,
+        x.stdout_truncated || x.stderr_truncated,
+    );
     x.exit_code
 }
 

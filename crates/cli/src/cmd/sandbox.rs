@@ -118,18 +118,27 @@ fn show_exec(r: &ExecResult, json: bool) -> i32 {
     }
     print!("{}", r.stdout);
     eprint!("{}", r.stderr);
-    if r.timed_out {
-        eprintln!("dsec: command timed out and was killed");
+    exit_notes(
+        r.timed_out,
+        r.oom_killed,
+        r.stdout_truncated || r.stderr_truncated,
+    );
+    r.exit_code
+}
+
+/// Notes on stderr for how a command ended.
+pub fn exit_notes(timed_out: bool, oom_killed: bool, truncated: bool) {
+    if timed_out {
+        eprintln!("dsec: the command timed out and was killed");
     }
-    if r.oom_killed {
+    if oom_killed {
         eprintln!(
             "dsec: the sandbox ran out of memory (memory_limit_mb) and the kernel killed a process"
         );
     }
-    if r.stdout_truncated || r.stderr_truncated {
-        eprintln!("dsec: output was truncated");
+    if truncated {
+        eprintln!("dsec: output was truncated (more than the edge keeps per stream)");
     }
-    r.exit_code
 }
 
 fn exec_request(
