@@ -137,6 +137,18 @@ async def bench_dsec(url: str | None, key: str | None, image: str, n: int, src: 
             assert got == size, got
             out["download"] = rate(size, down)
             dst.unlink()
+
+            # The same through the CLI (a Rust client): what the server path carries when
+            # the client is not the bottleneck.
+            await sb.files.remove("/root/bench.bin")  # room on the sandbox's disk
+            env = {**os.environ, "DSEC_API_URL": client.api_url, "DSEC_API_KEY": client.api_key}
+            for name, args in (("cli_upload", [str(src), f"{sb.id}:/root/cli.bin"]),
+                               ("cli_download", [f"{sb.id}:/root/cli.bin", str(dst)])):
+                t0 = time.perf_counter()
+                await asyncio.to_thread(run, [DSEC, "cp", *args], env=env)
+                out[name] = rate(size, time.perf_counter() - t0)
+            assert dst.stat().st_size == size
+            dst.unlink()
         finally:
             await sb.stop()
     return out
@@ -188,7 +200,9 @@ def main() -> None:
                     ("host subprocess.run (floor)", h_exec)):
         print(f"{name:28} {r['p50_ms']:9.2f} {r['p90_ms']:9.2f} {r['p99_ms']:9.2f} {r['mean_ms']:9.2f}")
     print(f"\n{'file, ' + str(a.size_mb) + ' MiB':28} {'MB/s':>9} {'seconds':>9}")
-    for name, r in (("opendsec upload", d["upload"]), ("opendsec download", d["download"]),
+    for name, r in (("opendsec upload (SDK)", d["upload"]), ("opendsec download (SDK)", d["download"]),
+                    ("opendsec upload (dsec cp)", d["cli_upload"]),
+                    ("opendsec download (dsec cp)", d["cli_download"]),
                     ("host file copy (floor)", h_copy)):
         print(f"{name:28} {r['mb_per_s']:9.1f} {r['seconds']:9.2f}")
 
