@@ -918,3 +918,24 @@ async def test_ports_forward_http_and_websocket_with_key_or_token(client):
         assert await _websocket_echo(client.api_url, path, "hello ws") == "echo:hello ws"
     finally:
         await sb.stop()
+
+
+async def test_calls_to_one_sandbox_do_not_wait_for_each_other(client):
+    sb = await client.run_sandbox(DSecRunArgs(image="root/py:3.11"))
+    try:
+        slow = asyncio.create_task(sb.run_shell("sleep 4; echo slow"))
+        await asyncio.sleep(0.5)
+        # Another command, a file write and a session command all finish while it runs.
+        assert (await sb.run_shell("echo quick")).stdout == "quick\n"
+        await sb.files.write("/root/f", "x")
+        s = await sb.sessions.create()
+        busy = await s.run_background("sleep 1000")
+        assert not slow.done(), "a second exec waited for the first"
+        # Ending a session whose shell is busy works at once and ends what it ran.
+        await asyncio.wait_for(s.kill(), 10)
+        r = await sb.run_shell("cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' ' | grep -c 'sleep 100[0]'")
+        assert r.stdout.strip() == "0", r
+        assert busy
+        assert (await slow).stdout == "slow\n"
+    finally:
+        await sb.stop()

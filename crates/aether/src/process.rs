@@ -405,10 +405,15 @@ impl Procs {
                 p.close_stdin();
             }
         }
-        self.insert(p.clone());
-        let kill_group = move || {
-            // SAFETY: signalling the group this process leads.
-            unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
+        // If a helper thread cannot be made (the pids limit), the process goes: killed,
+        // released to the reaper, never listed.
+        let kill_group = {
+            let table = table.clone();
+            move || {
+                // SAFETY: signalling the group this process leads.
+                unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
+                table.release(pid);
+            }
         };
         let (drained_tx, drained_rx) = mpsc::channel::<()>();
         let n_readers = readers.len();
@@ -437,7 +442,7 @@ impl Procs {
         }
         drop(drained_tx);
         let timeout = spec.exec.timeout_ms.map(Duration::from_millis);
-        let (p2, table) = (p.clone(), table.clone());
+        let (p2, table2, kill2) = (p.clone(), table.clone(), kill_group.clone());
         let waiter = exec::spawn(move || {
             let (done_tx, done_rx) = mpsc::channel::<()>();
             let timed_out = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -446,15 +451,16 @@ impl Procs {
                 let _ = exec::spawn(move || {
                     if done_rx.recv_timeout(t).is_err() {
                         flag.store(true, std::sync::atomic::Ordering::SeqCst);
-                        kill_group();
+                        // SAFETY: signalling the group this process leads.
+                        unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
                     }
                 });
             }
             let status = child.wait();
             let _ = done_tx.send(());
-            table.release(pid);
+            table2.release(pid);
             if timed_out.load(std::sync::atomic::Ordering::SeqCst) {
-                kill_group();
+                kill2();
             }
             let deadline = Instant::now() + PIPE_GRACE;
             for _ in 0..n_readers {
@@ -490,6 +496,7 @@ impl Procs {
             kill_group();
             return Err(e);
         }
+        self.insert(p.clone());
         Ok(p)
     }
 }

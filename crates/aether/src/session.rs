@@ -62,6 +62,7 @@ pub struct Session {
     current: Mutex<Option<Shell>>,
     /// The current chronus pid, readable while a command holds `current`.
     pid: AtomicU32,
+    ended: std::sync::atomic::AtomicBool,
     run_lock: Mutex<()>,
     commands: Mutex<BTreeMap<u64, Arc<Mutex<SessionResult>>>>,
     next_cmd: AtomicU64,
@@ -213,15 +214,21 @@ impl Session {
         }
     }
 
+    /// Ends the session, also while a command runs: chronus is signalled first (through
+    /// the pid, without the shell's lock), so the running command sees its shell go.
     fn end(&self) {
+        self.ended.store(true, Ordering::SeqCst);
+        let pid = self.pid.load(Ordering::SeqCst);
+        if pid != 0 {
+            // SAFETY: SIGTERM to our own chronus child: it kills its tree and exits.
+            unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        }
         if let Some(sh) = self
             .current
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .take()
         {
-            // SAFETY: SIGTERM to our own chronus child: it kills its tree and exits.
-            unsafe { libc::kill(sh.pid as i32, libc::SIGTERM) };
             sh.wait_exit(Duration::from_secs(5));
         }
     }
@@ -318,7 +325,7 @@ impl Session {
         if !finished {
             let old = cur.take();
             drop(old);
-            if !shell_gone {
+            if !shell_gone && !self.ended.load(Ordering::SeqCst) {
                 match self.spawn_shell(table) {
                     Ok(s) => {
                         *cur = Some(s);
@@ -378,6 +385,7 @@ impl Sessions {
             max_output: max_output as usize,
             current: Mutex::new(None),
             pid: AtomicU32::new(0),
+            ended: std::sync::atomic::AtomicBool::new(false),
             run_lock: Mutex::new(()),
             commands: Mutex::new(BTreeMap::new()),
             next_cmd: AtomicU64::new(0),

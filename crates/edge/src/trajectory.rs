@@ -109,8 +109,12 @@ struct Line {
 
 struct Log {
     path: PathBuf,
-    /// Finished steps, then at most one unfinished (started before an edge restart).
+    /// Steps of a replayable trajectory: finished ones, then at most one unfinished
+    /// (started before an edge restart). Empty for edge-numbered logs, which are only
+    /// appended to (and read back from the file).
     steps: Vec<Step>,
+    /// The next step number.
+    next: u64,
     durable: bool,
 }
 
@@ -141,9 +145,11 @@ impl Log {
                 }
             }
         }
+        let next = steps.iter().map(|s| s.seq).max().unwrap_or(0) + 1;
         Log {
             path,
             steps,
+            next,
             durable,
         }
     }
@@ -230,9 +236,11 @@ impl Logs {
         let name = step.name.clone();
         // The whole step runs in its own task holding the log's lock, so it completes
         // and is logged even if the caller goes away, and a re-sent step waits for it.
+        let Some(seq) = step.seq else {
+            return append_unnumbered(log, kind, request, run).await;
+        };
         let mut guard = log.clone().lock_owned().await;
-        let next = guard.steps.last().map(|s| s.seq + 1).unwrap_or(1);
-        let seq = step.seq.unwrap_or(next);
+        let next = guard.next;
         if let Some(logged) = guard.steps.iter().find(|s| s.seq == seq) {
             if logged.kind != kind || logged.request != request {
                 return Err(ApiError::precondition(format!(
@@ -270,28 +278,10 @@ impl Logs {
         let fut = run();
         let task = tokio::spawn(async move {
             let r = fut.await;
-            let end = match &r {
-                Ok(v) => Line {
-                    seq,
-                    kind: None,
-                    request: None,
-                    started_at_ms: None,
-                    result: Some(v.clone()),
-                    finished_at_ms: Some(now_ms()),
-                    aborted: None,
-                },
-                Err(e) => Line {
-                    seq,
-                    kind: None,
-                    request: None,
-                    started_at_ms: None,
-                    result: None,
-                    finished_at_ms: None,
-                    aborted: Some(e.clone()),
-                },
-            };
+            let end = end_line(seq, &r);
             guard.append(&end)?;
             if let Ok(v) = &r {
+                guard.next = seq + 1;
                 guard.steps.push(Step {
                     seq,
                     kind,
@@ -328,9 +318,72 @@ impl Logs {
         out
     }
 
+    /// A trajectory's steps, read from its file (which every step reaches first).
     pub async fn steps(&self, sandbox_dir: &Path, name: &str) -> Vec<Step> {
-        self.log(sandbox_dir, name).lock().await.steps.clone()
+        let path = dir_of(sandbox_dir).join(format!("{name}.jsonl"));
+        tokio::task::spawn_blocking(move || Log::load(path, false).steps)
+            .await
+            .unwrap_or_default()
     }
+}
+
+fn end_line(seq: u64, r: &Result<Value, ApiError>) -> Line {
+    let (result, finished_at_ms, aborted) = match r {
+        Ok(v) => (Some(v.clone()), Some(now_ms()), None),
+        Err(e) => (None, None, Some(e.clone())),
+    };
+    Line {
+        seq,
+        kind: None,
+        request: None,
+        started_at_ms: None,
+        result,
+        finished_at_ms,
+        aborted,
+    }
+}
+
+/// A step the edge numbers (no `X-Dsec-Step`): never replayed, so such steps run
+/// concurrently; the log's lock is held only to append.
+async fn append_unnumbered<F, Fut>(
+    log: Arc<tokio::sync::Mutex<Log>>,
+    kind: String,
+    request: Value,
+    run: F,
+) -> Result<Outcome, ApiError>
+where
+    F: FnOnce() -> Fut,
+    Fut: Future<Output = Result<Value, ApiError>> + Send + 'static,
+{
+    let seq = {
+        let mut g = log.lock().await;
+        let seq = g.next;
+        g.append(&Line {
+            seq,
+            kind: Some(kind),
+            request: Some(request),
+            started_at_ms: Some(now_ms()),
+            result: None,
+            finished_at_ms: None,
+            aborted: None,
+        })?;
+        g.next += 1;
+        seq
+    };
+    let fut = run();
+    // In its own task, so the step is logged even if the caller goes away.
+    let task = tokio::spawn(async move {
+        let r = fut.await;
+        log.lock().await.append(&end_line(seq, &r))?;
+        r
+    });
+    let value = task
+        .await
+        .map_err(|e| ApiError::internal(format!("trajectory step failed: {e}")))??;
+    Ok(Outcome {
+        value,
+        replayed: false,
+    })
 }
 
 #[cfg(test)]
@@ -421,8 +474,19 @@ mod tests {
         logs.step(dir.path(), None, "exec", req, go(6))
             .await
             .unwrap();
+        // Edge-numbered steps do not wait for each other.
+        let slow = || async {
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            Ok(serde_json::json!({"slow": true}))
+        };
+        let t0 = std::time::Instant::now();
+        let (a, b) = tokio::join!(
+            logs.step(dir.path(), None, "exec", serde_json::json!({"n": 1}), slow),
+            logs.step(dir.path(), None, "exec", serde_json::json!({"n": 2}), slow)
+        );
+        assert!(a.is_ok() && b.is_ok() && t0.elapsed() < std::time::Duration::from_millis(900));
         let names = logs.list(dir.path()).await;
-        assert_eq!(names, [("default".to_string(), 2), ("t1".to_string(), 3)]);
+        assert_eq!(names, [("default".to_string(), 4), ("t1".to_string(), 3)]);
         assert!(StepRef::parse(Some("../x"), Some("1")).is_err());
         assert!(StepRef::parse(Some("ok"), Some("0")).is_err());
         assert!(StepRef::parse(None, Some("1")).is_err());
