@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Path, RawQuery, Request, State};
+use axum::extract::{DefaultBodyLimit, Extension, Path, RawQuery, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -19,9 +19,10 @@ use dsec_common::api::{
 use dsec_common::id::SandboxId;
 use dsec_common::{ApiError, ErrorCode};
 use dsec_edge::Edge;
-use dsec_iam::KeyStore;
+use dsec_iam::{Iam, Principal};
 use serde::de::DeserializeOwned;
 
+pub mod iam;
 mod ports;
 mod runtime;
 
@@ -30,7 +31,7 @@ pub const OPENAPI: &str = include_str!("../openapi.json");
 #[derive(Clone)]
 pub struct AppState {
     pub edge: Arc<Edge>,
-    pub keys: Arc<dyn KeyStore>,
+    pub iam: Arc<dyn Iam>,
 }
 
 /// An [`ApiError`] as an HTTP response: its status and `{"code","message"}`.
@@ -84,6 +85,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sandboxes/{id}/timeout", post(set_timeout))
         .route("/v1/images", get(images))
         .merge(runtime::routes())
+        .merge(iam::routes())
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
         .route(
@@ -125,21 +127,51 @@ pub(crate) fn api_key(headers: &HeaderMap) -> Option<&str> {
         .map(str::trim)
 }
 
-async fn auth(State(st): State<AppState>, req: Request, next: Next) -> Response {
-    match api_key(req.headers()) {
-        None => Failure(ApiError::new(
-            ErrorCode::Unauthenticated,
-            "missing API key: send `Authorization: Bearer dsk.…` (dsec up printed one and wrote it to client.toml)",
-        ))
-        .into_response(),
-        Some(k) => match st.keys.authenticate(k) {
-            Some(_) => next.run(req).await,
-            None => Failure(ApiError::new(
+async fn auth(State(st): State<AppState>, mut req: Request, next: Next) -> Response {
+    let principal = match api_key(req.headers()) {
+        None => {
+            return Failure(ApiError::new(
                 ErrorCode::Unauthenticated,
-                "API key not recognised: check DSEC_API_KEY or client.toml",
+                "missing API key: send `Authorization: Bearer dsk.…` (dsec up printed one and wrote it to client.toml)",
             ))
-            .into_response(),
+            .into_response();
+        }
+        Some(k) => match st.iam.authenticate(k) {
+            Some(p) => p,
+            None => {
+                return Failure(ApiError::new(
+                    ErrorCode::Unauthenticated,
+                    "API key not recognised (or revoked): check DSEC_API_KEY or client.toml",
+                ))
+                .into_response();
+            }
         },
+    };
+    // A sandbox of a project the key cannot see does not exist for it (404, not 403, so
+    // ids don't leak).
+    if let Some(id) = req.uri().path().strip_prefix("/v1/sandboxes/")
+        && let Some(id) = id.split('/').next()
+        && let Err(e) = visible(&st, &principal, id)
+    {
+        return e.into_response();
+    }
+    req.extensions_mut().insert(principal);
+    next.run(req).await
+}
+
+/// Whether the principal may see sandbox `id` (a sandbox of its project or inside it).
+pub(crate) fn visible(st: &AppState, p: &Principal, id: &str) -> ApiResult<()> {
+    if id.is_empty() {
+        return Ok(());
+    }
+    route(st, id)?;
+    match st.edge.get(id) {
+        Ok(info) if dsec_iam::within(&info.project, &p.project) => Ok(()),
+        Ok(_) => Err(ApiError::not_found(format!(
+            "sandbox {id} does not exist (it may have been stopped or its TTL ran out)"
+        ))
+        .into()),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -163,8 +195,21 @@ async fn status(State(st): State<AppState>) -> Response {
     json(StatusCode::OK, &s)
 }
 
-async fn create(State(st): State<AppState>, bytes: Bytes) -> ApiResult<Response> {
-    let req: CreateSandboxRequest = body(&bytes, "create sandbox")?;
+async fn create(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    let mut req: CreateSandboxRequest = body(&bytes, "create sandbox")?;
+    let project = req.project.clone().unwrap_or_else(|| p.project.clone());
+    if !dsec_iam::within(&project, &p.project) {
+        return Err(ApiError::not_found(format!(
+            "project {project} does not exist (this key can use {} and the projects inside it)",
+            p.project
+        ))
+        .into());
+    }
+    req.project = Some(project);
     let info = st.edge.create(req).await?;
     Ok(json(StatusCode::CREATED, &info))
 }
@@ -212,14 +257,15 @@ pub(crate) fn percent_decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-async fn list(State(st): State<AppState>, RawQuery(q): RawQuery) -> ApiResult<Response> {
+async fn list(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Response> {
     let labels = label_filter(q.as_deref())?;
-    Ok(json(
-        StatusCode::OK,
-        &ListSandboxesResponse {
-            sandboxes: st.edge.list(&labels),
-        },
-    ))
+    let mut sandboxes = st.edge.list(&labels);
+    sandboxes.retain(|s| dsec_iam::within(&s.project, &p.project));
+    Ok(json(StatusCode::OK, &ListSandboxesResponse { sandboxes }))
 }
 
 async fn get_one(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {

@@ -78,8 +78,10 @@ async fn proxy(
         .get("x-dsec-token")
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
-    let key_ok = api_key(req.headers()).is_some_and(|k| st.keys.authenticate(k).is_some());
-    if !key_ok {
+    let principal = api_key(req.headers()).and_then(|k| st.iam.authenticate(k));
+    if let Some(p) = &principal {
+        crate::visible(&st, p, &id)?;
+    } else {
         let expected = st.edge.port_token(&id)?;
         let given = header_token.or(query_token);
         if given.as_deref() != Some(expected.as_str()) || expected.is_empty() {

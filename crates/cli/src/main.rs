@@ -106,6 +106,9 @@ enum Command {
     /// Build, list, inspect and remove images
     #[command(subcommand)]
     Image(cmd::image::ImageCommand),
+    /// Projects, quotas and API keys
+    #[command(subcommand)]
+    Iam(cmd::iam::IamCommand),
 }
 
 fn main() {
@@ -138,6 +141,7 @@ fn main() {
             Command::Ps(a) => cmd::runtime::ps(a).await,
             Command::Trajectory(a) => cmd::runtime::trajectory(a).await,
             Command::Image(c) => cmd::image::run(c).await,
+            Command::Iam(c) => cmd::iam::run(c).await,
         }
     });
     match result {

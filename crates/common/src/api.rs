@@ -34,6 +34,13 @@ pub struct CreateSandboxRequest {
     /// Environment given to every command run in the sandbox.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub env: BTreeMap<String, String>,
+    /// The project the sandbox counts against (default: the API key's project).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project: Option<String>,
+}
+
+pub fn root_project() -> String {
+    "root".to_string()
 }
 
 pub fn default_backend() -> String {
@@ -79,6 +86,9 @@ pub struct SandboxInfo {
     pub oom_kills: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub forked_from: Option<String>,
+    /// The project whose quota the sandbox counts against.
+    #[serde(default = "root_project")]
+    pub project: String,
     /// Opens `/v1/sandboxes/{id}/ports/{port}/…` without an API key (`?dsec_token=` or the
     /// `X-Dsec-Token` header), for browsers.
     #[serde(default)]

@@ -59,6 +59,15 @@ impl Planned {
     }
 }
 
+/// The quota gate: every sandbox holds a reservation in its project from before it starts
+/// until it is gone (stopped, expired, dead). IAM implements it.
+pub trait Quotas: Send + Sync {
+    fn reserve(&self, rec: &SandboxRecord) -> Result<(), ApiError>;
+    fn release(&self, sandbox_id: &str);
+    /// After a restart: drop the reservations of this edge's sandboxes not in `live`.
+    fn reconcile(&self, edge: &str, live: Vec<String>);
+}
+
 /// Longest path a unix socket can have, less room for the file name.
 const MAX_STATE_DIR_LEN: usize = 70;
 const AGENT_START_TIMEOUT: Duration = Duration::from_secs(20);
@@ -89,6 +98,7 @@ pub struct Edge {
     creating: AtomicU64,
     fork_tmp: PathBuf,
     trajectories: trajectory::Logs,
+    quotas: Option<Arc<dyn Quotas>>,
 }
 
 pub(crate) async fn blocking<T: Send + 'static>(
@@ -103,6 +113,14 @@ impl Edge {
     /// Opens the edge's state, probes backends and re-adopts sandboxes left running by a
     /// previous edge process (cleaning up any that died or were half-created).
     pub async fn start(cfg: EdgeConfig) -> Result<Arc<Edge>, ApiError> {
+        Edge::start_with(cfg, None).await
+    }
+
+    /// [`Edge::start`] with a quota gate that every sandbox must pass.
+    pub async fn start_with(
+        cfg: EdgeConfig,
+        quotas: Option<Arc<dyn Quotas>>,
+    ) -> Result<Arc<Edge>, ApiError> {
         if !dsec_common::id::valid_edge_name(&cfg.name) {
             return Err(ApiError::invalid(format!(
                 "edge name {:?} is not valid: use 1-32 lower-case letters and digits, starting with a letter",
@@ -142,9 +160,20 @@ impl Edge {
             creating: AtomicU64::new(0),
             fork_tmp,
             trajectories: trajectory::Logs::default(),
+            quotas,
         });
         let e2 = edge.clone();
         blocking(move || e2.adopt()).await?;
+        if let Some(q) = &edge.quotas {
+            let live = edge
+                .sandboxes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .keys()
+                .cloned()
+                .collect();
+            q.reconcile(&edge.cfg.name, live);
+        }
         Ok(edge)
     }
 
@@ -278,6 +307,10 @@ impl Edge {
             workdir: manifest.workdir.clone(),
             limits: v.limits,
             labels: req.labels.clone(),
+            project: req
+                .project
+                .clone()
+                .unwrap_or_else(dsec_common::api::root_project),
             state: SandboxState::Creating,
             created_at_ms: now,
             expires_at_ms: now + v.ttl_seconds * 1000,
@@ -323,6 +356,9 @@ impl Edge {
         self.creating.fetch_add(1, Ordering::SeqCst);
         let result = async {
             self.admit()?;
+            if let Some(q) = &self.quotas {
+                q.reserve(&rec)?;
+            }
             self.registry.save(&rec)?;
             let paths = self.paths(&rec.id);
             let channel = paths.channel.clone();
@@ -347,6 +383,10 @@ impl Edge {
             }
             Err(e) => {
                 let _ = std::fs::remove_dir_all(self.registry.dir(&rec.id));
+                // Idempotent: also right when the reservation itself was refused.
+                if let Some(q) = &self.quotas {
+                    q.release(&rec.id);
+                }
                 Err(e)
             }
         }
@@ -537,6 +577,9 @@ impl Edge {
         }
         let _ = std::fs::remove_dir_all(self.registry.dir(id));
         self.trajectories.forget(&self.registry.dir(id));
+        if let Some(q) = &self.quotas {
+            q.release(id);
+        }
         self.sandboxes
             .lock()
             .unwrap_or_else(|p| p.into_inner())

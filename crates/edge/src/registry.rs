@@ -32,6 +32,9 @@ pub struct SandboxRecord {
     /// Opens the sandbox's forwarded ports without an API key (e.g. from a browser).
     #[serde(default)]
     pub port_token: String,
+    /// The project whose quota the sandbox counts against.
+    #[serde(default = "dsec_common::api::root_project")]
+    pub project: String,
 }
 
 impl SandboxRecord {
@@ -50,6 +53,7 @@ impl SandboxRecord {
             oom_kills: self.oom_kills,
             forked_from: self.forked_from.clone(),
             port_token: self.port_token.clone(),
+            project: self.project.clone(),
         }
     }
 }

@@ -1,58 +1,67 @@
-//! IAM: principals and API keys. Keys look like `dsk.<32 chars>`; only their sha256 is
-//! stored. This is the single-node store that `dsec up` uses; the Raft-replicated store
-//! with projects and quotas implements the same [`KeyStore`] interface.
+//! IAM: principals (humans and agents alike) with API keys, nested projects with delegated
+//! quotas, and the usage of every sandbox. Keys look like `dsk.<32 chars>`; only their
+//! sha256 is stored. [`state`] is the deterministic state machine, [`store`] keeps it in a
+//! redb file; callers use the [`Iam`] trait, which a replicated store implements too.
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::sync::RwLock;
+pub mod state;
+pub mod store;
+
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+pub use state::{
+    Command, KeyRecord, PrincipalKind, Project, Quota, ROOT, Refusal, Reservation, Usage, within,
+};
+pub use store::LocalStore;
+
 pub const KEY_PREFIX: &str = "dsk.";
 const KEY_ALPHABET: &[u8; 32] = b"0123456789abcdefghjkmnpqrstvwxyz";
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Role {
-    Admin,
-    User,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KeyRecord {
-    /// Short public id, to name a key without showing it.
-    pub key_id: String,
-    pub principal: String,
-    pub role: Role,
-    pub sha256: String,
-    pub created_ms: u64,
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum IamError {
-    #[error("{context}: {source}")]
-    Io {
-        context: String,
-        source: std::io::Error,
-    },
-    #[error("IAM state {0} is damaged: {1}")]
-    Corrupt(PathBuf, String),
+    #[error(transparent)]
+    Refused(#[from] Refusal),
+    #[error("IAM storage: {0}")]
+    Storage(String),
 }
 
 /// Who made a request, once its key checked out.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Principal {
     pub name: String,
-    pub role: Role,
+    pub kind: PrincipalKind,
     pub key_id: String,
+    /// The project the key belongs to; it may act on this project and everything inside.
+    pub project: String,
 }
 
-pub trait KeyStore: Send + Sync {
+impl Principal {
+    pub fn is_admin(&self) -> bool {
+        self.project == ROOT
+    }
+}
+
+/// A project as its viewers see it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProjectView {
+    #[serde(flatten)]
+    pub project: Project,
+    pub usage: Usage,
+}
+
+pub trait Iam: Send + Sync {
     fn authenticate(&self, key: &str) -> Option<Principal>;
+    /// Applies a command once it is durable (on a replicated store: committed).
+    fn apply(&self, cmd: Command) -> Result<(), IamError>;
+    /// Projects the actor can see (its own and those inside), with usage.
+    fn projects(&self, actor: &str) -> Vec<ProjectView>;
+    /// Keys of the projects the actor can see.
+    fn keys(&self, actor: &str) -> Vec<KeyRecord>;
 }
 
-fn hash_key(key: &str) -> String {
+pub fn hash_key(key: &str) -> String {
     hex::encode(Sha256::digest(key.as_bytes()))
 }
 
@@ -66,82 +75,108 @@ pub fn generate_key() -> String {
     format!("{KEY_PREFIX}{body}")
 }
 
-/// Keys in one JSON file, written atomically.
-pub struct FileKeyStore {
-    path: PathBuf,
-    by_hash: RwLock<HashMap<String, KeyRecord>>,
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
-impl FileKeyStore {
-    pub fn open(path: impl Into<PathBuf>) -> Result<FileKeyStore, IamError> {
-        let path = path.into();
-        let records: Vec<KeyRecord> = match std::fs::read(&path) {
-            Ok(b) => serde_json::from_slice(&b)
-                .map_err(|e| IamError::Corrupt(path.clone(), e.to_string()))?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(source) => {
-                return Err(IamError::Io {
-                    context: format!("reading {}", path.display()),
-                    source,
-                });
-            }
-        };
-        Ok(FileKeyStore {
-            path,
-            by_hash: RwLock::new(records.into_iter().map(|r| (r.sha256.clone(), r)).collect()),
-        })
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.by_hash.read().map(|m| m.is_empty()).unwrap_or(true)
-    }
-
-    /// Creates a key for `principal` and returns it; this is the only time it is visible.
-    pub fn create_key(&self, principal: &str, role: Role) -> Result<String, IamError> {
-        let key = generate_key();
-        let sha256 = hash_key(&key);
-        let rec = KeyRecord {
-            key_id: sha256[..12].to_string(),
-            principal: principal.to_string(),
-            role,
-            sha256: sha256.clone(),
-            created_ms: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_millis() as u64)
-                .unwrap_or(0),
-        };
-        let mut map = self.by_hash.write().unwrap_or_else(|p| p.into_inner());
-        map.insert(sha256, rec);
-        save(&self.path, &map)?;
-        Ok(key)
-    }
+/// Makes a key for `principal` in `project`; the returned key is the only copy.
+pub fn create_key(
+    iam: &dyn Iam,
+    actor: &str,
+    project: &str,
+    principal: &str,
+    kind: PrincipalKind,
+) -> Result<(String, String), IamError> {
+    let key = generate_key();
+    let sha256 = hash_key(&key);
+    iam.apply(Command::CreateKey {
+        actor: actor.to_string(),
+        project: project.to_string(),
+        principal: principal.to_string(),
+        kind,
+        sha256: sha256.clone(),
+        now_ms: now_ms(),
+    })?;
+    Ok((key, sha256[..12].to_string()))
 }
 
-fn save(path: &Path, map: &HashMap<String, KeyRecord>) -> Result<(), IamError> {
-    let mut records: Vec<&KeyRecord> = map.values().collect();
-    records.sort_by_key(|r| r.created_ms);
-    let io = |context: String| move |source| IamError::Io { context, source };
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(io(format!("creating {}", dir.display())))?;
-    }
-    let tmp = path.with_extension("tmp");
-    let bytes = serde_json::to_vec_pretty(&records).unwrap_or_default();
-    std::fs::write(&tmp, bytes).map_err(io(format!("writing {}", tmp.display())))?;
-    std::fs::rename(&tmp, path).map_err(io(format!("writing {}", path.display())))
-}
-
-impl KeyStore for FileKeyStore {
+impl Iam for LocalStore {
     fn authenticate(&self, key: &str) -> Option<Principal> {
         if !key.starts_with(KEY_PREFIX) || key.len() > 256 {
             return None;
         }
-        let map = self.by_hash.read().ok()?;
-        map.get(&hash_key(key)).map(|r| Principal {
-            name: r.principal.clone(),
-            role: r.role.clone(),
-            key_id: r.key_id.clone(),
+        let h = hash_key(key);
+        self.read(|s| {
+            s.keys.get(&h).filter(|k| !k.revoked).map(|k| Principal {
+                name: k.principal.clone(),
+                kind: k.kind,
+                key_id: k.key_id.clone(),
+                project: k.project.clone(),
+            })
         })
     }
+
+    fn apply(&self, cmd: Command) -> Result<(), IamError> {
+        LocalStore::apply(self, cmd).map(|_| ())
+    }
+
+    fn projects(&self, actor: &str) -> Vec<ProjectView> {
+        self.read(|s| {
+            s.projects
+                .values()
+                .filter(|p| within(&p.path, actor))
+                .map(|p| ProjectView {
+                    project: p.clone(),
+                    usage: s.usage(&p.path),
+                })
+                .collect()
+        })
+    }
+
+    fn keys(&self, actor: &str) -> Vec<KeyRecord> {
+        self.read(|s| {
+            s.keys
+                .values()
+                .filter(|k| within(&k.project, actor))
+                .cloned()
+                .collect()
+        })
+    }
+}
+
+/// Keys of the earlier single-file store (`iam/keys.json`) become root keys, once.
+pub fn import_key_file(store: &LocalStore, path: &Path) -> Result<usize, IamError> {
+    #[derive(Deserialize)]
+    struct Old {
+        principal: String,
+        sha256: String,
+        created_ms: u64,
+    }
+    let Ok(bytes) = std::fs::read(path) else {
+        return Ok(0);
+    };
+    let old: Vec<Old> = serde_json::from_slice(&bytes)
+        .map_err(|e| IamError::Storage(format!("{} does not parse: {e}", path.display())))?;
+    let mut n = 0;
+    for k in old {
+        if store.read(|s| s.keys.contains_key(&k.sha256)) {
+            continue;
+        }
+        store.apply(Command::CreateKey {
+            actor: ROOT.into(),
+            project: ROOT.into(),
+            principal: k.principal,
+            kind: PrincipalKind::Human,
+            sha256: k.sha256,
+            now_ms: k.created_ms,
+        })?;
+        n += 1;
+    }
+    let _ = std::fs::rename(path, path.with_extension("json.imported"));
+    Ok(n)
 }
 
 #[cfg(test)]
@@ -149,21 +184,57 @@ mod tests {
     use super::*;
 
     #[test]
-    fn keys_authenticate_and_only_hashes_are_stored() {
+    fn keys_authenticate_by_hash_survive_a_reopen_and_can_be_revoked() {
         let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("keys.json");
-        let store = FileKeyStore::open(&p).unwrap();
-        assert!(store.is_empty());
-        let key = store.create_key("admin", Role::Admin).unwrap();
+        let p = dir.path().join("iam.redb");
+        let store = LocalStore::open(&p, 1).unwrap();
+        let (key, key_id) = create_key(&store, ROOT, ROOT, "admin", PrincipalKind::Human).unwrap();
         assert!(key.starts_with("dsk.") && key.len() == 36);
-        let on_disk = std::fs::read_to_string(&p).unwrap();
+        store
+            .apply(Command::CreateProject {
+                actor: ROOT.into(),
+                path: "root/a".into(),
+                quota: Quota {
+                    sandboxes: Some(2),
+                    ..Quota::default()
+                },
+                now_ms: 2,
+            })
+            .unwrap();
+        let (agent, _) = create_key(&store, ROOT, "root/a", "bot", PrincipalKind::Agent).unwrap();
+        drop(store);
+        let bytes = std::fs::read(&p).unwrap();
         assert!(
-            !on_disk.contains(&key[4..]),
+            !bytes.windows(32).any(|w| w == &key.as_bytes()[4..]),
             "plaintext key written to disk"
         );
-        let reopened = FileKeyStore::open(&p).unwrap();
-        assert_eq!(reopened.authenticate(&key).unwrap().role, Role::Admin);
-        assert!(reopened.authenticate("dsk.wrong").is_none());
-        assert!(reopened.authenticate(&key[4..]).is_none());
+        let store = LocalStore::open(&p, 3).unwrap();
+        let admin = store.authenticate(&key).unwrap();
+        assert!(admin.is_admin());
+        let bot = store.authenticate(&agent).unwrap();
+        assert_eq!(
+            (bot.project.as_str(), bot.kind),
+            ("root/a", PrincipalKind::Agent)
+        );
+        assert_eq!(store.projects("root/a").len(), 1);
+        assert_eq!(store.projects(ROOT).len(), 2);
+        assert_eq!(store.keys("root/a").len(), 1);
+        assert!(store.authenticate("dsk.wrong").is_none());
+        // An agent cannot revoke the admin's key (it cannot see it); the admin can revoke.
+        assert!(
+            store
+                .apply(Command::RevokeKey {
+                    actor: "root/a".into(),
+                    key_id: key_id.clone()
+                })
+                .is_err()
+        );
+        store
+            .apply(Command::RevokeKey {
+                actor: ROOT.into(),
+                key_id,
+            })
+            .unwrap();
+        assert!(store.authenticate(&key).is_none());
     }
 }

@@ -49,6 +49,8 @@ class DSecRunArgs:
     idle_timeout_seconds: int | None = None
     labels: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+    # The project whose quota the sandbox counts against (default: the API key's).
+    project: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None and v != {}}
@@ -108,6 +110,7 @@ class SandboxInfo:
     forked_from: str | None = None
     idle_timeout_seconds: int | None = None
     port_token: str = ""
+    project: str = "root"
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "SandboxInfo":
@@ -200,6 +203,45 @@ class DSecClient:
 
     async def status(self) -> dict[str, Any]:
         return await self._request("GET", "/v1/status")
+
+    # ---- IAM: a key acts on its own project and the projects inside it ----
+
+    async def whoami(self) -> dict[str, Any]:
+        return await self._request("GET", "/v1/whoami")
+
+    @staticmethod
+    def _quota(sandboxes: int | None, cpu_cores: float | None, memory_mb: int | None) -> dict[str, Any]:
+        q = {"sandboxes": sandboxes, "cpu_cores": cpu_cores, "memory_mb": memory_mb}
+        return {k: v for k, v in q.items() if v is not None}
+
+    async def create_project(self, project: str, *, sandboxes: int | None = None,
+                             cpu_cores: float | None = None, memory_mb: int | None = None) -> dict[str, Any]:
+        """Creates ``project`` (e.g. ``root/team-a/exp-1``) with a quota delegated from its parent."""
+        body = {"project": project, "quota": self._quota(sandboxes, cpu_cores, memory_mb)}
+        return await self._request("POST", "/v1/projects", json=body)
+
+    async def set_quota(self, project: str, *, sandboxes: int | None = None,
+                        cpu_cores: float | None = None, memory_mb: int | None = None) -> dict[str, Any]:
+        """Sets a project's quota; only a key of a parent project can."""
+        body = {"project": project, "quota": self._quota(sandboxes, cpu_cores, memory_mb)}
+        return await self._request("POST", "/v1/projects/quota", json=body)
+
+    async def projects(self) -> list[dict[str, Any]]:
+        """Projects this key can see, each with ``quota`` and ``usage``."""
+        return (await self._request("GET", "/v1/projects"))["projects"]
+
+    async def create_key(self, principal: str, *, project: str | None = None, agent: bool = False) -> dict[str, Any]:
+        """Makes an API key (``["key"]``, shown only now) for a person or an agent."""
+        body: dict[str, Any] = {"principal": principal, "kind": "agent" if agent else "human"}
+        if project is not None:
+            body["project"] = project
+        return await self._request("POST", "/v1/keys", json=body)
+
+    async def keys(self) -> list[dict[str, Any]]:
+        return (await self._request("GET", "/v1/keys"))["keys"]
+
+    async def revoke_key(self, key_id: str) -> None:
+        await self._request("DELETE", f"/v1/keys/{key_id}")
 
 
 def _json_of(r: httpx.Response) -> Any:

@@ -1,3 +1,4 @@
+pub mod iam;
 pub mod image;
 pub mod runtime;
 pub mod sandbox;

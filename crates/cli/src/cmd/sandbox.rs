@@ -57,6 +57,9 @@ pub struct RunArgs {
     /// Stop the sandbox after the command
     #[arg(long)]
     pub rm: bool,
+    /// Project whose quota it counts against (default: the API key's project)
+    #[arg(long)]
+    pub project: Option<String>,
     #[command(flatten)]
     pub api: ApiArgs,
 }
@@ -169,6 +172,7 @@ pub async fn run(a: RunArgs) -> Result<i32> {
         idle_timeout_seconds: None,
         labels: a.labels.iter().cloned().collect::<BTreeMap<_, _>>(),
         env: BTreeMap::new(),
+        project: a.project.clone(),
     };
     let sb: SandboxInfo = api.call(Method::POST, "/v1/sandboxes", Some(&req)).await?;
     if a.command.is_empty() {

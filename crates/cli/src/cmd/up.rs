@@ -12,7 +12,7 @@ use anyhow::{Context, Result, bail};
 use dsec_common::api::ClusterStatus;
 use dsec_common::client_config::{self, ClientConfig};
 use dsec_edge::{Edge, EdgeConfig};
-use dsec_iam::{FileKeyStore, Role};
+use dsec_iam::{Iam, LocalStore, PrincipalKind, ROOT};
 use hyper::Method;
 use serde::Deserialize;
 
@@ -234,22 +234,23 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
     } else {
         a.listen
     };
-    let keys = Arc::new(FileKeyStore::open(dir.join("iam/keys.json"))?);
+    let store = LocalStore::open(&dir.join("iam/iam.redb"), dsec_iam::now_ms())?;
+    dsec_iam::import_key_file(&store, &dir.join("iam/keys.json"))?;
+    let iam: Arc<dyn Iam> = Arc::new(store);
     let client_path = dir.join("client.toml");
     let url = format!("http://{listen}");
     let existing = ClientConfig::load(&client_path).ok();
     let key = match existing {
-        Some(c) if dsec_iam::KeyStore::authenticate(keys.as_ref(), &c.api_key).is_some() => {
-            c.api_key
-        }
-        _ => keys.create_key("admin", Role::Admin)?,
+        Some(c) if iam.authenticate(&c.api_key).is_some_and(|p| p.is_admin()) => c.api_key,
+        _ => dsec_iam::create_key(iam.as_ref(), ROOT, ROOT, "admin", PrincipalKind::Human)?.0,
     };
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| {
             format!("cannot listen on {listen} (is another dsec running? use --listen)")
         })?;
-    let edge = Edge::start(edge_cfg)
+    let quotas = Arc::new(dsec_apiserver::iam::IamQuotas(iam.clone()));
+    let edge = Edge::start_with(edge_cfg, Some(quotas))
         .await
         .map_err(|e| anyhow::anyhow!("starting the edge: {}", e.message))?;
     for b in edge.status().backends {
@@ -258,7 +259,7 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
     let reaper = edge.spawn_reaper();
     let app = dsec_apiserver::router(dsec_apiserver::AppState {
         edge: edge.clone(),
-        keys: keys.clone(),
+        iam: iam.clone(),
     });
     std::fs::write(pid_file(&dir), std::process::id().to_string())?;
     write_private(
