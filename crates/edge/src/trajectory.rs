@@ -327,6 +327,30 @@ impl Logs {
     }
 }
 
+/// Output kept per stream in an edge-numbered step's record: these steps are never
+/// replayed, so the log keeps a provenance record, not every byte.
+const UNNUMBERED_OUTPUT: usize = 64 << 10;
+
+/// A result with `stdout`/`stderr` cut to [`UNNUMBERED_OUTPUT`] bytes, marked when cut.
+fn trim_output(v: &Value) -> Value {
+    let mut v = v.clone();
+    if let Some(o) = v.as_object_mut() {
+        for k in ["stdout", "stderr"] {
+            if let Some(Value::String(text)) = o.get_mut(k)
+                && text.len() > UNNUMBERED_OUTPUT
+            {
+                let mut cut = UNNUMBERED_OUTPUT;
+                while !text.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                text.truncate(cut);
+                o.insert("log_truncated".into(), Value::Bool(true));
+            }
+        }
+    }
+    v
+}
+
 fn end_line(seq: u64, r: &Result<Value, ApiError>) -> Line {
     let (result, finished_at_ms, aborted) = match r {
         Ok(v) => (Some(v.clone()), Some(now_ms()), None),
@@ -374,7 +398,8 @@ where
     // In its own task, so the step is logged even if the caller goes away.
     let task = tokio::spawn(async move {
         let r = fut.await;
-        log.lock().await.append(&end_line(seq, &r))?;
+        let kept = r.as_ref().map(trim_output).map_err(Clone::clone);
+        log.lock().await.append(&end_line(seq, &kept))?;
         r
     });
     let value = task
@@ -485,8 +510,25 @@ mod tests {
             logs.step(dir.path(), None, "exec", serde_json::json!({"n": 2}), slow)
         );
         assert!(a.is_ok() && b.is_ok() && t0.elapsed() < std::time::Duration::from_millis(900));
+        // Their records keep at most 64 KiB of output per stream.
+        let big =
+            || async { Ok(serde_json::json!({"stdout": "é".repeat(40_000), "exit_code": 0})) };
+        let o = logs
+            .step(dir.path(), None, "exec", serde_json::json!({"n": 3}), big)
+            .await
+            .unwrap();
+        assert_eq!(
+            o.value["stdout"].as_str().unwrap().len(),
+            80_000,
+            "the caller gets all of it"
+        );
+        let logged = logs.steps(dir.path(), DEFAULT).await;
+        let last = logged.last().unwrap().result.as_ref().unwrap();
+        assert!(
+            last["stdout"].as_str().unwrap().len() <= 64 << 10 && last["log_truncated"] == true
+        );
         let names = logs.list(dir.path()).await;
-        assert_eq!(names, [("default".to_string(), 4), ("t1".to_string(), 3)]);
+        assert_eq!(names, [("default".to_string(), 5), ("t1".to_string(), 3)]);
         assert!(StepRef::parse(Some("../x"), Some("1")).is_err());
         assert!(StepRef::parse(Some("ok"), Some("0")).is_err());
         assert!(StepRef::parse(None, Some("1")).is_err());
