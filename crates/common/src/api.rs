@@ -207,6 +207,12 @@ pub struct NodeStatus {
     /// Resources promised to running sandboxes.
     pub committed_cpu_cores: f64,
     pub committed_memory_mb: u64,
+    /// The node refuses creates beyond this many sandboxes.
+    #[serde(default)]
+    pub max_sandboxes: u64,
+    /// Sandboxes per project.
+    #[serde(default)]
+    pub projects: BTreeMap<String, u64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -603,8 +603,10 @@ impl Edge {
     pub fn status(&self) -> NodeStatus {
         let (total, avail) = host::memory_mb();
         let map = self.sandboxes.lock().unwrap_or_else(|p| p.into_inner());
+        let mut projects = BTreeMap::new();
         let (cpu, mem) = map.values().fold((0.0, 0), |(c, m), e| {
             let r = e.snapshot();
+            *projects.entry(r.project.clone()).or_insert(0) += 1;
             (c + r.limits.cpu_cores, m + r.limits.memory_mb)
         });
         NodeStatus {
@@ -628,6 +630,8 @@ impl Edge {
             sandboxes: map.len() as u64,
             committed_cpu_cores: cpu,
             committed_memory_mb: mem,
+            max_sandboxes: self.cfg.max_sandboxes,
+            projects,
         }
     }
 

@@ -1,9 +1,15 @@
 //! The watcher: polls every edge and aggregates node state (capacity, load, backends,
-//! sandboxes per project) for the apiservers' placement. In the single-node `dsec up`
-//! there is one edge and the apiserver reads it directly; this crate holds the view type
-//! that the cluster watcher serves.
+//! sandboxes per project) for the apiservers' placement ([`placement`]). In the
+//! single-node `dsec up` there is one edge and the apiserver reads it directly; this crate
+//! holds the view the cluster watcher serves and the placer the apiservers run on it.
+
+pub mod placement;
+
+use std::collections::BTreeMap;
 
 use dsec_common::api::{ClusterStatus, NodeStatus};
+
+pub use placement::{Demand, PlacementError, Placer};
 
 /// The aggregated view of every node.
 #[derive(Debug, Default, Clone)]
@@ -18,6 +24,21 @@ impl ClusterView {
             None => self.nodes.push(node),
         }
         self.nodes.sort_by(|a, b| a.name.cmp(&b.name));
+    }
+
+    pub fn nodes(&self) -> &[NodeStatus] {
+        &self.nodes
+    }
+
+    /// Sandboxes per project across the cluster.
+    pub fn projects(&self) -> BTreeMap<String, u64> {
+        let mut out = BTreeMap::new();
+        for n in &self.nodes {
+            for (p, c) in &n.projects {
+                *out.entry(p.clone()).or_insert(0) += c;
+            }
+        }
+        out
     }
 
     pub fn status(&self) -> ClusterStatus {
@@ -45,6 +66,8 @@ mod tests {
             sandboxes,
             committed_cpu_cores: 0.0,
             committed_memory_mb: 0,
+            max_sandboxes: 0,
+            projects: BTreeMap::from([("root/a".to_string(), sandboxes)]),
         }
     }
 
@@ -58,5 +81,6 @@ mod tests {
         assert_eq!(s.nodes.len(), 2);
         assert_eq!(s.nodes[0].name, "a");
         assert_eq!(s.nodes[1].sandboxes, 5);
+        assert_eq!(v.projects()["root/a"], 6);
     }
 }
