@@ -89,8 +89,11 @@ impl StateMachineStore {
         let applied: Applied = get_json(&db, APPLIED)?.unwrap_or_default();
         if state.projects.is_empty() {
             // Every replica starts from the same root project (time 0), so their states agree
-            // before the first entry; nothing is written until an entry or snapshot arrives.
+            // before the first entry. It goes to disk now: entries only write what they change.
             state = IamState::bootstrap(0);
+            let tx = db.begin_write().map_err(db_err)?;
+            write_state(&tx, &state)?;
+            tx.commit().map_err(db_err)?;
         }
         Ok(StateMachineStore {
             inner: Arc::new(Inner {
@@ -113,11 +116,7 @@ impl StateMachineStore {
         let applied = get_json::<Applied>(&self.inner.db, APPLIED);
         if let (Ok(state), Ok(applied)) = (fresh, applied) {
             let mut d = self.inner.data.write().unwrap_or_else(|p| p.into_inner());
-            d.state = if state.projects.is_empty() {
-                IamState::bootstrap(0)
-            } else {
-                state
-            };
+            d.state = state;
             d.applied = applied.unwrap_or_default();
         }
     }
