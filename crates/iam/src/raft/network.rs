@@ -29,12 +29,13 @@ pub const PATH_WRITE: &str = "/raft/write";
 /// The largest answer read from a replica (snapshots included).
 pub(crate) const MAX_BODY: usize = 512 << 20;
 
-/// The body of a full snapshot transfer.
+/// The body of a full snapshot transfer. The data is the state's JSON, carried as a string
+/// (a byte array would be written as a list of numbers).
 #[derive(Serialize, Deserialize)]
 pub struct SnapshotRequest {
     pub vote: Vote,
     pub meta: SnapshotMeta,
-    pub data: Vec<u8>,
+    pub data: String,
 }
 
 /// Why one HTTP call to a replica failed.
@@ -211,10 +212,15 @@ impl RaftNetworkV2<TypeConfig> for Connection {
         cancel: impl Future<Output = ReplicationClosed> + openraft::OptionalSend + 'static,
         _option: RPCOption,
     ) -> Result<SnapshotResponse<TypeConfig>, StreamingError<TypeConfig>> {
+        let data = String::from_utf8(snapshot.snapshot).map_err(|e| {
+            StreamingError::Network(NetworkError::from_string(format!(
+                "the IAM snapshot is not JSON text: {e}"
+            )))
+        })?;
         let req = SnapshotRequest {
             vote,
             meta: snapshot.meta,
-            data: snapshot.snapshot,
+            data,
         };
         let send = self
             .http

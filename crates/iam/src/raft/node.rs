@@ -449,7 +449,7 @@ async fn snapshot(
 ) -> Json<Result<SnapshotResponse<TypeConfig>, String>> {
     let snap = Snapshot {
         meta: req.meta,
-        snapshot: req.data,
+        snapshot: req.data.into_bytes(),
     };
     Json(
         node.inner

@@ -23,7 +23,10 @@ use crate::store::{create_tables, db_err, load_state, write_effect, write_state}
 
 const SM_META: TableDefinition<&str, &[u8]> = TableDefinition::new("raft_sm_meta");
 const APPLIED: &str = "applied";
-const SNAPSHOT: &str = "snapshot";
+const SNAPSHOT_META: &str = "snapshot_meta";
+/// The latest snapshot's bytes, kept as they are (not inside JSON).
+const SNAPSHOT_DATA: TableDefinition<&str, &[u8]> = TableDefinition::new("raft_snapshot");
+const SNAPSHOT_KEY: &str = "latest";
 
 /// The last applied log id and the membership it brought, kept with the state.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -32,7 +35,6 @@ struct Applied {
     membership: StoredMembership,
 }
 
-#[derive(Serialize, Deserialize)]
 struct StoredSnapshot {
     meta: SnapshotMeta,
     data: SnapshotData,
@@ -74,6 +76,15 @@ fn put_json<T: Serialize>(tx: &redb::WriteTransaction, key: &str, v: &T) -> io::
     Ok(())
 }
 
+fn put_snapshot(tx: &redb::WriteTransaction, s: &StoredSnapshot) -> io::Result<()> {
+    put_json(tx, SNAPSHOT_META, &s.meta)?;
+    tx.open_table(SNAPSHOT_DATA)
+        .map_err(io_err)?
+        .insert(SNAPSHOT_KEY, s.data.as_slice())
+        .map_err(io_err)?;
+    Ok(())
+}
+
 impl StateMachineStore {
     pub fn open(path: &Path) -> Result<StateMachineStore, IamError> {
         if let Some(dir) = path.parent() {
@@ -84,6 +95,7 @@ impl StateMachineStore {
         let tx = db.begin_write().map_err(db_err)?;
         create_tables(&tx)?;
         tx.open_table(SM_META).map_err(db_err)?;
+        tx.open_table(SNAPSHOT_DATA).map_err(db_err)?;
         tx.commit().map_err(db_err)?;
         let mut state = load_state(&db)?;
         let applied: Applied = get_json(&db, APPLIED)?.unwrap_or_default();
@@ -122,7 +134,17 @@ impl StateMachineStore {
     }
 
     fn stored_snapshot(&self) -> io::Result<Option<StoredSnapshot>> {
-        get_json(&self.inner.db, SNAPSHOT).map_err(io_err)
+        let Some(meta) = get_json::<SnapshotMeta>(&self.inner.db, SNAPSHOT_META).map_err(io_err)?
+        else {
+            return Ok(None);
+        };
+        let tx = self.inner.db.begin_read().map_err(io_err)?;
+        let t = tx.open_table(SNAPSHOT_DATA).map_err(io_err)?;
+        let data = redb::ReadableTable::get(&t, SNAPSHOT_KEY)
+            .map_err(io_err)?
+            .map(|v| v.value().to_vec())
+            .ok_or_else(|| io_err("the IAM snapshot's data is missing"))?;
+        Ok(Some(StoredSnapshot { meta, data }))
     }
 }
 
@@ -141,7 +163,7 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
         };
         let stored = StoredSnapshot { meta, data };
         let tx = self.inner.db.begin_write().map_err(io_err)?;
-        put_json(&tx, SNAPSHOT, &stored)?;
+        put_snapshot(&tx, &stored)?;
         tx.commit().map_err(io_err)?;
         tracing::info!(last = ?stored.meta.last_log_id, bytes = stored.data.len(), "built an IAM snapshot");
         Ok(Snapshot {
@@ -230,7 +252,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         let tx = self.inner.db.begin_write().map_err(io_err)?;
         write_state(&tx, &state).map_err(io_err)?;
         self.write_applied(&tx, &applied)?;
-        put_json(&tx, SNAPSHOT, &stored)?;
+        put_snapshot(&tx, &stored)?;
         tx.commit().map_err(io_err)?;
         tracing::info!(last = ?meta.last_log_id, "installed an IAM snapshot");
         d.state = state;
