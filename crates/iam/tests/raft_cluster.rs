@@ -33,6 +33,7 @@ struct Replica {
 fn settings(cfg: &mut RaftConfig) {
     cfg.heartbeat = Duration::from_millis(100);
     cfg.election_timeout = (Duration::from_millis(400), Duration::from_millis(800));
+    cfg.secret = Some("cluster-secret".into());
 }
 
 async fn start(id: u64, listener: TcpListener, dir: &Path, tweak: fn(&mut RaftConfig)) -> Replica {
@@ -206,6 +207,19 @@ async fn three_replicas_elect_a_leader_and_accept_writes_on_any_replica() {
         // A refusal comes back as a refusal, from any replica.
         let e = f.node.write(project("root/a", None)).await.unwrap_err();
         assert!(matches!(e, IamError::Refused(Refusal::Exists(_))), "{e}");
+        // The replica routes refuse whoever lacks the cluster secret.
+        let stranger = dsec_iam::raft::network::HttpClient::new(Some("wrong"));
+        let forged = stranger
+            .post::<_, serde_json::Value>(
+                &replicas[l].addr,
+                dsec_iam::raft::network::PATH_WRITE,
+                &project("root/forged", None),
+                Duration::from_secs(2),
+            )
+            .await
+            .unwrap_err();
+        assert!(forged.to_string().contains("403"), "{forged}");
+        assert!(!has_project(&replicas[l], "root/forged"));
         for r in replicas {
             r.stop().await;
         }

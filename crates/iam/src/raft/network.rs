@@ -2,6 +2,7 @@
 //! [`super::node`]). One client per target replica, each call bounded by a timeout.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -50,21 +51,31 @@ pub enum CallError {
     Other { addr: String, msg: String },
 }
 
+/// The header that carries the cluster secret between replicas.
+pub const SECRET_HEADER: &str = "x-dsec-raft-secret";
+
 /// A JSON-over-HTTP client shared by all targets (hyper pools connections per host).
 #[derive(Clone)]
 pub struct HttpClient {
     client: Client<HttpConnector, Full<Bytes>>,
+    secret: Option<Arc<str>>,
 }
 
-impl Default for HttpClient {
-    fn default() -> Self {
+impl HttpClient {
+    pub fn new(secret: Option<&str>) -> HttpClient {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(Duration::from_secs(1)));
         connector.set_nodelay(true);
         HttpClient {
             client: Client::builder(TokioExecutor::new()).build(connector),
+            secret: secret.map(Arc::from),
         }
     }
+}
+
+/// Compares without stopping at the first difference, so timing does not reveal a prefix.
+pub(crate) fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 impl HttpClient {
@@ -81,8 +92,12 @@ impl HttpClient {
             msg,
         };
         let body = serde_json::to_vec(req).map_err(|e| other(e.to_string()))?;
-        let request = hyper::Request::post(format!("http://{addr}{path}"))
-            .header(hyper::header::CONTENT_TYPE, "application/json")
+        let mut request = hyper::Request::post(format!("http://{addr}{path}"))
+            .header(hyper::header::CONTENT_TYPE, "application/json");
+        if let Some(secret) = &self.secret {
+            request = request.header(SECRET_HEADER, secret.as_ref());
+        }
+        let request = request
             .body(Full::new(Bytes::from(body)))
             .map_err(|e| other(e.to_string()))?;
         let call = async {

@@ -23,7 +23,7 @@ use tokio::runtime::{Handle, RuntimeFlavor};
 use super::log_store::LogStore;
 use super::network::{
     CallError, HttpClient, MAX_BODY, Network, PATH_APPEND, PATH_PRE_VOTE, PATH_SNAPSHOT, PATH_VOTE,
-    PATH_WRITE, SnapshotRequest,
+    PATH_WRITE, SECRET_HEADER, SnapshotRequest, same_secret,
 };
 use super::state_machine::StateMachineStore;
 use super::types::{IamRequest, IamResponse, NodeId, Snapshot, TypeConfig};
@@ -50,6 +50,10 @@ pub struct RaftConfig {
     pub write_timeout: Duration,
     /// The most a snapshot transfer to one replica may take.
     pub snapshot_timeout: Duration,
+    /// Shared by all replicas; when set, the `/raft/...` routes refuse requests without it.
+    /// Without it, anyone who reaches the routes can write to the IAM store (make an admin
+    /// key), so either set it or serve the routes only on a private network.
+    pub secret: Option<String>,
 }
 
 impl RaftConfig {
@@ -64,6 +68,7 @@ impl RaftConfig {
             logs_kept_after_snapshot: 100,
             write_timeout: Duration::from_secs(10),
             snapshot_timeout: Duration::from_secs(60),
+            secret: None,
         }
     }
 }
@@ -138,7 +143,7 @@ impl RaftIam {
         .validate()
         .map_err(|e| IamError::Storage(format!("the Raft settings do not hold together: {e}")))?;
         let network = Network {
-            http: HttpClient::default(),
+            http: HttpClient::new(cfg.secret.as_deref()),
             snapshot_timeout: cfg.snapshot_timeout,
         };
         let raft = Raft::new(
@@ -216,6 +221,10 @@ impl RaftIam {
             .route(PATH_PRE_VOTE, post(pre_vote))
             .route(PATH_SNAPSHOT, post(snapshot))
             .route(PATH_WRITE, post(forwarded_write))
+            .layer(axum::middleware::from_fn_with_state(
+                self.clone(),
+                check_secret,
+            ))
             .layer(DefaultBodyLimit::max(MAX_BODY))
             .with_state(self.clone())
     }
@@ -418,6 +427,29 @@ impl Iam for RaftIam {
     fn keys(&self, actor: &str) -> Vec<KeyRecord> {
         self.read(|s| keys_in(s, actor))
     }
+}
+
+/// Refuses requests without the cluster secret, when one is set.
+async fn check_secret(
+    State(node): State<RaftIam>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    if let Some(secret) = &node.inner.cfg.secret {
+        let given = req
+            .headers()
+            .get(SECRET_HEADER)
+            .map(|v| v.as_bytes())
+            .unwrap_or_default();
+        if !same_secret(given, secret.as_bytes()) {
+            tracing::warn!("a Raft request without the cluster secret was refused");
+            return axum::response::IntoResponse::into_response((
+                axum::http::StatusCode::FORBIDDEN,
+                "this route is for the replicas of the IAM cluster",
+            ));
+        }
+    }
+    next.run(req).await
 }
 
 type RaftResult<T> = Result<T, RaftError<TypeConfig>>;
