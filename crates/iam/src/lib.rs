@@ -29,15 +29,21 @@ pub enum IamError {
     Refused(#[from] Refusal),
     #[error("IAM storage: {0}")]
     Storage(String),
-    /// A replicated store's write reached no leader; `leader` is the one last heard of.
-    #[error(
-        "this IAM replica is not the leader{}; send the request to the leader",
-        leader.as_ref().map(|l| format!(" (the leader is {l})")).unwrap_or_default()
-    )]
-    NotLeader { leader: Option<String> },
-    /// The replicated store cannot answer now (no quorum, a replica unreachable, shutting down).
-    #[error("the replicated IAM store is unavailable: {0}")]
-    Unavailable(String),
+}
+
+// The replicated store reports "no leader" and "no quorum" as `Storage` errors, which the
+// apiserver already answers with 503; separate variants would need a new arm there.
+pub(crate) fn unavailable(why: impl std::fmt::Display) -> IamError {
+    IamError::Storage(format!("the replicated IAM store is unavailable: {why}"))
+}
+
+pub(crate) fn not_leader(leader: Option<String>) -> IamError {
+    IamError::Storage(format!(
+        "no IAM leader answered{}; retry shortly",
+        leader
+            .map(|l| format!(" (the last known leader is {l})"))
+            .unwrap_or_default()
+    ))
 }
 
 /// Who made a request, once its key checked out.

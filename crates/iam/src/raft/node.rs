@@ -116,10 +116,8 @@ fn leader_of(
 
 fn membership_err(e: RaftError<TypeConfig, ClientWriteError<TypeConfig>>) -> IamError {
     match leader_of(&e) {
-        Some(leader) => IamError::NotLeader {
-            leader: leader.map(|l| l.1),
-        },
-        None => IamError::Unavailable(e.to_string()),
+        Some(leader) => crate::not_leader(leader.map(|l| l.1)),
+        None => crate::unavailable(e.to_string()),
     }
 }
 
@@ -207,9 +205,9 @@ impl RaftIam {
             .wait(Some(timeout))
             .metrics(|m| m.current_leader.is_some(), "a leader is known")
             .await
-            .map_err(|e| IamError::Unavailable(format!("no IAM leader elected: {e}")))?;
+            .map_err(|e| crate::unavailable(format!("no IAM leader elected: {e}")))?;
         m.current_leader
-            .ok_or_else(|| IamError::Unavailable("no IAM leader elected".into()))
+            .ok_or_else(|| crate::unavailable("no IAM leader elected"))
     }
 
     /// The replica-to-replica routes (`/raft/...`), to serve at [`RaftConfig::addr`] (alone
@@ -252,7 +250,7 @@ impl RaftIam {
             .raft
             .initialize(nodes)
             .await
-            .map_err(|e| IamError::Unavailable(format!("initializing the IAM cluster: {e}")))
+            .map_err(|e| crate::unavailable(format!("initializing the IAM cluster: {e}")))
     }
 
     /// Adds a replica that receives the log (or a snapshot) but does not vote; returns once
@@ -284,7 +282,7 @@ impl RaftIam {
             .raft
             .shutdown()
             .await
-            .map_err(|e| IamError::Unavailable(format!("stopping the IAM replica: {e}")))
+            .map_err(|e| crate::unavailable(format!("stopping the IAM replica: {e}")))
     }
 
     async fn local_write(&self, cmd: Command) -> WriteReply {
@@ -321,7 +319,7 @@ impl RaftIam {
                         // Nothing was sent: ask again who leads.
                         Err(CallError::Connect { .. }) => WriteReply::NotLeader { leader: None },
                         Err(e) => {
-                            return Err(IamError::Unavailable(format!(
+                            return Err(crate::unavailable(format!(
                                 "forwarding the write to the leader: {e}; it may or may not have been applied"
                             )));
                         }
@@ -341,15 +339,13 @@ impl RaftIam {
                         None => Ok(()),
                     };
                 }
-                WriteReply::Failed(msg) => return Err(IamError::Unavailable(msg)),
+                WriteReply::Failed(msg) => return Err(crate::unavailable(msg)),
                 WriteReply::NotLeader { leader } => {
                     if leader.is_some() {
                         last_leader = leader.clone();
                     }
                     if Instant::now() >= deadline {
-                        return Err(IamError::NotLeader {
-                            leader: last_leader.map(|l| l.1),
-                        });
+                        return Err(crate::not_leader(last_leader.map(|l| l.1)));
                     }
                     let same = leader.is_some() && leader == target;
                     if leader.is_none() || same {
@@ -397,8 +393,8 @@ impl Iam for RaftIam {
     fn apply(&self, cmd: Command) -> Result<(), IamError> {
         let inside = Handle::try_current().ok().map(|h| h.runtime_flavor());
         if inside == Some(RuntimeFlavor::CurrentThread) {
-            return Err(IamError::Unavailable(
-                "RaftIam::apply blocks, and cannot inside a current-thread tokio runtime; use RaftIam::write".into(),
+            return Err(crate::unavailable(
+                "RaftIam::apply blocks, and cannot inside a current-thread tokio runtime; use RaftIam::write",
             ));
         }
         let this = self.clone();
@@ -408,8 +404,8 @@ impl Iam for RaftIam {
         });
         let wait = move || {
             rx.recv().unwrap_or_else(|_| {
-                Err(IamError::Unavailable(
-                    "the IAM write task ended without an answer".into(),
+                Err(crate::unavailable(
+                    "the IAM write task ended without an answer",
                 ))
             })
         };
