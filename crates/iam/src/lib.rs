@@ -3,6 +3,7 @@
 //! sha256 is stored. [`state`] is the deterministic state machine, [`store`] keeps it in a
 //! redb file; callers use the [`Iam`] trait, which a replicated store implements too.
 
+pub mod raft;
 pub mod state;
 pub mod store;
 
@@ -11,6 +12,9 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use state::IamState;
+
+pub use raft::{RaftConfig, RaftIam};
 pub use state::{
     Command, KeyRecord, PrincipalKind, Project, Quota, ROOT, Refusal, Reservation, Usage, within,
 };
@@ -25,6 +29,21 @@ pub enum IamError {
     Refused(#[from] Refusal),
     #[error("IAM storage: {0}")]
     Storage(String),
+}
+
+// The replicated store reports "no leader" and "no quorum" as `Storage` errors, which the
+// apiserver already answers with 503; separate variants would need a new arm there.
+pub(crate) fn unavailable(why: impl std::fmt::Display) -> IamError {
+    IamError::Storage(format!("the replicated IAM store is unavailable: {why}"))
+}
+
+pub(crate) fn not_leader(leader: Option<String>) -> IamError {
+    IamError::Storage(format!(
+        "no IAM leader answered{}; retry shortly",
+        leader
+            .map(|l| format!(" (the last known leader is {l})"))
+            .unwrap_or_default()
+    ))
 }
 
 /// Who made a request, once its key checked out.
@@ -103,20 +122,42 @@ pub fn create_key(
     Ok((key, sha256[..12].to_string()))
 }
 
+/// The principal a key belongs to, if the key is known and not revoked.
+pub(crate) fn authenticate_in(s: &IamState, key: &str) -> Option<Principal> {
+    if !key.starts_with(KEY_PREFIX) || key.len() > 256 {
+        return None;
+    }
+    let h = hash_key(key);
+    s.keys.get(&h).filter(|k| !k.revoked).map(|k| Principal {
+        name: k.principal.clone(),
+        kind: k.kind,
+        key_id: k.key_id.clone(),
+        project: k.project.clone(),
+    })
+}
+
+pub(crate) fn projects_in(s: &IamState, actor: &str) -> Vec<ProjectView> {
+    s.projects
+        .values()
+        .filter(|p| within(&p.path, actor))
+        .map(|p| ProjectView {
+            project: p.clone(),
+            usage: s.usage(&p.path),
+        })
+        .collect()
+}
+
+pub(crate) fn keys_in(s: &IamState, actor: &str) -> Vec<KeyRecord> {
+    s.keys
+        .values()
+        .filter(|k| within(&k.project, actor))
+        .cloned()
+        .collect()
+}
+
 impl Iam for LocalStore {
     fn authenticate(&self, key: &str) -> Option<Principal> {
-        if !key.starts_with(KEY_PREFIX) || key.len() > 256 {
-            return None;
-        }
-        let h = hash_key(key);
-        self.read(|s| {
-            s.keys.get(&h).filter(|k| !k.revoked).map(|k| Principal {
-                name: k.principal.clone(),
-                kind: k.kind,
-                key_id: k.key_id.clone(),
-                project: k.project.clone(),
-            })
-        })
+        self.read(|s| authenticate_in(s, key))
     }
 
     fn apply(&self, cmd: Command) -> Result<(), IamError> {
@@ -124,26 +165,11 @@ impl Iam for LocalStore {
     }
 
     fn projects(&self, actor: &str) -> Vec<ProjectView> {
-        self.read(|s| {
-            s.projects
-                .values()
-                .filter(|p| within(&p.path, actor))
-                .map(|p| ProjectView {
-                    project: p.clone(),
-                    usage: s.usage(&p.path),
-                })
-                .collect()
-        })
+        self.read(|s| projects_in(s, actor))
     }
 
     fn keys(&self, actor: &str) -> Vec<KeyRecord> {
-        self.read(|s| {
-            s.keys
-                .values()
-                .filter(|k| within(&k.project, actor))
-                .cloned()
-                .collect()
-        })
+        self.read(|s| keys_in(s, actor))
     }
 }
 

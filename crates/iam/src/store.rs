@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::sync::Mutex;
 
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition, WriteTransaction};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -17,7 +17,7 @@ const PROJECTS: TableDefinition<&str, &[u8]> = TableDefinition::new("projects");
 const KEYS: TableDefinition<&str, &[u8]> = TableDefinition::new("keys");
 const RESERVATIONS: TableDefinition<&str, &[u8]> = TableDefinition::new("reservations");
 
-fn db_err(e: impl std::fmt::Display) -> IamError {
+pub(crate) fn db_err(e: impl std::fmt::Display) -> IamError {
     IamError::Storage(e.to_string())
 }
 
@@ -55,11 +55,9 @@ impl LocalStore {
         let db = Database::create(path)
             .map_err(|e| IamError::Storage(format!("opening {}: {e}", path.display())))?;
         let tx = db.begin_write().map_err(db_err)?;
-        for def in [PROJECTS, KEYS, RESERVATIONS] {
-            tx.open_table(def).map_err(db_err)?;
-        }
+        create_tables(&tx)?;
         tx.commit().map_err(db_err)?;
-        let state = LocalStore::reload(&db)?;
+        let state = load_state(&db)?;
         let store = LocalStore {
             db,
             state: Mutex::new(state),
@@ -78,26 +76,7 @@ impl LocalStore {
 
     fn write(&self, fx: &Effect) -> Result<(), IamError> {
         let tx = self.db.begin_write().map_err(db_err)?;
-        {
-            let mut t = tx.open_table(PROJECTS).map_err(db_err)?;
-            for p in &fx.projects {
-                t.insert(p.path.as_str(), json(p).as_slice())
-                    .map_err(db_err)?;
-            }
-            let mut t = tx.open_table(KEYS).map_err(db_err)?;
-            for k in &fx.keys {
-                t.insert(k.sha256.as_str(), json(k).as_slice())
-                    .map_err(db_err)?;
-            }
-            let mut t = tx.open_table(RESERVATIONS).map_err(db_err)?;
-            for r in &fx.reserved {
-                t.insert(r.sandbox_id.as_str(), json(r).as_slice())
-                    .map_err(db_err)?;
-            }
-            for id in &fx.released {
-                t.remove(id.as_str()).map_err(db_err)?;
-            }
-        }
+        write_effect(&tx, fx)?;
         tx.commit().map_err(db_err)
     }
 
@@ -108,7 +87,7 @@ impl LocalStore {
         if let Err(e) = self.write(&fx) {
             // Memory is ahead of the disk: reread the disk, which has the truth.
             drop(st);
-            if let Ok(fresh) = LocalStore::reload(&self.db) {
+            if let Ok(fresh) = load_state(&self.db) {
                 *self.state.lock().unwrap_or_else(|p| p.into_inner()) = fresh;
             }
             return Err(e);
@@ -116,21 +95,73 @@ impl LocalStore {
         Ok(fx)
     }
 
-    fn reload(db: &Database) -> Result<IamState, IamError> {
-        let mut state = IamState::default();
-        for p in load_table::<Project>(db, PROJECTS)? {
-            state.projects.insert(p.path.clone(), p);
-        }
-        for k in load_table::<KeyRecord>(db, KEYS)? {
-            state.keys.insert(k.sha256.clone(), k);
-        }
-        for r in load_table::<Reservation>(db, RESERVATIONS)? {
-            state.reservations.insert(r.sandbox_id.clone(), r);
-        }
-        Ok(state)
-    }
-
     pub fn read<R>(&self, f: impl FnOnce(&IamState) -> R) -> R {
         f(&self.state.lock().unwrap_or_else(|p| p.into_inner()))
     }
+}
+
+/// Creates the state's tables if they are missing.
+pub(crate) fn create_tables(tx: &WriteTransaction) -> Result<(), IamError> {
+    for def in [PROJECTS, KEYS, RESERVATIONS] {
+        tx.open_table(def).map_err(db_err)?;
+    }
+    Ok(())
+}
+
+/// Writes what one command changed, inside the caller's transaction (the replicated store
+/// adds its own bookkeeping to the same transaction).
+pub(crate) fn write_effect(tx: &WriteTransaction, fx: &Effect) -> Result<(), IamError> {
+    let mut t = tx.open_table(PROJECTS).map_err(db_err)?;
+    for p in &fx.projects {
+        t.insert(p.path.as_str(), json(p).as_slice())
+            .map_err(db_err)?;
+    }
+    let mut t = tx.open_table(KEYS).map_err(db_err)?;
+    for k in &fx.keys {
+        t.insert(k.sha256.as_str(), json(k).as_slice())
+            .map_err(db_err)?;
+    }
+    let mut t = tx.open_table(RESERVATIONS).map_err(db_err)?;
+    for r in &fx.reserved {
+        t.insert(r.sandbox_id.as_str(), json(r).as_slice())
+            .map_err(db_err)?;
+    }
+    for id in &fx.released {
+        t.remove(id.as_str()).map_err(db_err)?;
+    }
+    Ok(())
+}
+
+/// Replaces the whole state on disk with `state` (a snapshot being installed).
+pub(crate) fn write_state(tx: &WriteTransaction, state: &IamState) -> Result<(), IamError> {
+    for def in [PROJECTS, KEYS, RESERVATIONS] {
+        tx.open_table(def)
+            .map_err(db_err)?
+            .retain(|_, _| false)
+            .map_err(db_err)?;
+    }
+    write_effect(
+        tx,
+        &Effect {
+            projects: state.projects.values().cloned().collect(),
+            keys: state.keys.values().cloned().collect(),
+            reserved: state.reservations.values().cloned().collect(),
+            released: Vec::new(),
+        },
+    )
+}
+
+/// Reads the whole state from its tables.
+pub(crate) fn load_state(db: &Database) -> Result<IamState, IamError> {
+    let mut state = IamState::default();
+    for p in load_table::<Project>(db, PROJECTS)? {
+        state.projects.insert(p.path.clone(), p);
+    }
+    for k in load_table::<KeyRecord>(db, KEYS)? {
+        state.keys.insert(k.sha256.clone(), k);
+    }
+    for r in load_table::<Reservation>(db, RESERVATIONS)? {
+        state.reservations.insert(r.sandbox_id.clone(), r);
+    }
+    Ok(state)
 }
