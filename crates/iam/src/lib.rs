@@ -174,7 +174,7 @@ impl Iam for LocalStore {
 }
 
 /// Keys of the earlier single-file store (`iam/keys.json`) become root keys, once.
-pub fn import_key_file(store: &LocalStore, path: &Path) -> Result<usize, IamError> {
+pub fn import_key_file(store: &dyn Iam, path: &Path) -> Result<usize, IamError> {
     #[derive(Deserialize)]
     struct Old {
         principal: String,
@@ -188,7 +188,7 @@ pub fn import_key_file(store: &LocalStore, path: &Path) -> Result<usize, IamErro
         .map_err(|e| IamError::Storage(format!("{} does not parse: {e}", path.display())))?;
     let mut n = 0;
     for k in old {
-        if store.read(|s| s.keys.contains_key(&k.sha256)) {
+        if store.keys(ROOT).iter().any(|r| r.sha256 == k.sha256) {
             continue;
         }
         store.apply(Command::CreateKey {

@@ -12,7 +12,7 @@ use anyhow::{Context, Result, bail};
 use dsec_common::api::ClusterStatus;
 use dsec_common::client_config::{self, ClientConfig};
 use dsec_edge::{Edge, EdgeConfig};
-use dsec_iam::{Iam, LocalStore, PrincipalKind, ROOT};
+use dsec_iam::{Iam, PrincipalKind, ROOT, RaftConfig, RaftIam};
 use hyper::Method;
 use serde::Deserialize;
 
@@ -197,6 +197,33 @@ fn write_private(p: &Path, text: &str) -> Result<()> {
     Ok(())
 }
 
+/// IAM for `dsec up`: a Raft replica, the only member of its cluster, in
+/// `<data-dir>/iam/raft`; its cluster secret in `<data-dir>/iam/cluster-secret`.
+async fn start_iam(dir: &std::path::Path, addr: &str) -> Result<RaftIam> {
+    let raft_dir = dir.join("iam/raft");
+    let fresh = !raft_dir.join("raft-log.redb").exists();
+    let secret_path = dir.join("iam/cluster-secret");
+    let secret = match std::fs::read_to_string(&secret_path) {
+        Ok(s) if !s.trim().is_empty() => s.trim().to_string(),
+        _ => {
+            let s = dsec_iam::generate_key();
+            std::fs::create_dir_all(dir.join("iam"))?;
+            write_private(&secret_path, &s)?;
+            s
+        }
+    };
+    let mut cfg = RaftConfig::new(1, addr, &raft_dir);
+    cfg.secret = Some(secret);
+    let node = RaftIam::open(cfg).await?;
+    if fresh {
+        node.initialize(&[(1, addr.to_string())]).await?;
+    }
+    node.wait_for_leader(std::time::Duration::from_secs(20))
+        .await
+        .context("the IAM replica did not become leader")?;
+    Ok(node)
+}
+
 pub async fn serve(a: UpArgs) -> Result<i32> {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -234,9 +261,9 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
     } else {
         a.listen
     };
-    let store = LocalStore::open(&dir.join("iam/iam.redb"), dsec_iam::now_ms())?;
-    dsec_iam::import_key_file(&store, &dir.join("iam/keys.json"))?;
-    let iam: Arc<dyn Iam> = Arc::new(store);
+    let raft = start_iam(&dir, &listen.to_string()).await?;
+    let iam: Arc<dyn Iam> = Arc::new(raft.clone());
+    dsec_iam::import_key_file(iam.as_ref(), &dir.join("iam/keys.json"))?;
     let client_path = dir.join("client.toml");
     let url = format!("http://{listen}");
     let existing = ClientConfig::load(&client_path).ok();
@@ -257,10 +284,12 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
         tracing::info!(backend = %b.name, available = b.available, "{}", b.detail);
     }
     let reaper = edge.spawn_reaper();
+    // The replica routes (guarded by the cluster secret) let more IAM replicas join.
     let app = dsec_apiserver::router(dsec_apiserver::AppState {
         edge: edge.clone(),
         iam: iam.clone(),
-    });
+    })
+    .merge(raft.router());
     std::fs::write(pid_file(&dir), std::process::id().to_string())?;
     write_private(
         &client_path,
@@ -295,6 +324,7 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
         })
         .await?;
     reaper.abort();
+    let _ = raft.shutdown().await;
     let stop_sandboxes = stop_rx.borrow_and_update().unwrap_or(true);
     if stop_sandboxes {
         tracing::info!("stopping all sandboxes");
