@@ -5,7 +5,7 @@ use anyhow::Result;
 use hyper::Method;
 use serde_json::{Value, json};
 
-use crate::client::{self, Api};
+use super::api;
 use crate::{ApiArgs, output};
 
 #[derive(clap::Subcommand)]
@@ -91,14 +91,6 @@ pub struct RevokeArgs {
     pub key_id: String,
     #[command(flatten)]
     pub api: ApiArgs,
-}
-
-fn api(a: &ApiArgs) -> Result<Api> {
-    Api::new(&client::resolve(
-        a.api_url.as_deref(),
-        a.api_key.as_deref(),
-        None,
-    )?)
 }
 
 fn quota(a: &ProjectArgs) -> Value {

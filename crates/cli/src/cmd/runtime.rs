@@ -17,16 +17,9 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use super::api;
 use crate::client::{self, Api};
 use crate::{ApiArgs, output};
-
-fn api(a: &ApiArgs) -> Result<Api> {
-    Api::new(&client::resolve(
-        a.api_url.as_deref(),
-        a.api_key.as_deref(),
-        None,
-    )?)
-}
 
 /// Percent-encodes everything but unreserved characters (and '/' when `keep_slash`).
 fn encode(s: &str, keep_slash: bool) -> String {

@@ -9,16 +9,8 @@ use dsec_common::api::{
 };
 use hyper::Method;
 
-use crate::client::{self, Api};
+use super::api;
 use crate::{ApiArgs, output};
-
-fn api(a: &ApiArgs) -> Result<Api> {
-    Api::new(&client::resolve(
-        a.api_url.as_deref(),
-        a.api_key.as_deref(),
-        None,
-    )?)
-}
 
 fn parse_label(s: &str) -> Result<(String, String), String> {
     s.split_once('=')
