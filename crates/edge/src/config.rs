@@ -24,6 +24,11 @@ pub struct EdgeConfig {
     pub max_sandboxes: u64,
     /// Refuse creates when the host has less memory available than this.
     pub reserved_memory_mb: u64,
+    /// Refuse creates when the state directory's filesystem has less free than this.
+    pub reserved_disk_mb: u64,
+    /// Refuse creates while the 1-minute load average per core is above this (0, the
+    /// default: never; bursts of creates raise the load themselves, so set it per cluster).
+    pub max_load_per_core: f64,
     /// Per-stream cap on captured command output.
     pub max_output_bytes: u64,
     /// Exec timeout when the request gives none.
@@ -64,6 +69,8 @@ impl Default for EdgeConfig {
             max: SandboxMaxima::default(),
             max_sandboxes: 4096,
             reserved_memory_mb: 256,
+            reserved_disk_mb: 512,
+            max_load_per_core: 0.0,
             max_output_bytes: 16 << 20,
             default_exec_timeout_seconds: 600.0,
         }

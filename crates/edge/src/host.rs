@@ -1,4 +1,4 @@
-//! What the node really has: cores, memory, free disk.
+//! What the node really has: cores, memory, free disk, load.
 
 use std::path::Path;
 
@@ -32,4 +32,120 @@ pub fn disk_free_mb(path: &Path) -> u64 {
         return 0;
     }
     (s.f_bavail as u64).saturating_mul(s.f_frsize as u64) >> 20
+}
+
+/// The 1-minute load average from /proc/loadavg.
+pub fn load1() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|t| t.split_whitespace().next().and_then(|v| v.parse().ok()))
+        .unwrap_or(0.0)
+}
+
+/// The node's state at admission time.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Snapshot {
+    pub sandboxes: u64,
+    pub memory_available_mb: u64,
+    pub disk_free_mb: u64,
+    pub load1: f64,
+    pub cpus: u32,
+}
+
+/// The node's own limits on taking more work.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Reserve {
+    pub max_sandboxes: u64,
+    pub memory_mb: u64,
+    pub disk_mb: u64,
+    /// 0 disables the load check.
+    pub max_load_per_core: f64,
+}
+
+/// Whether a node in state `s` takes one more sandbox; `Err` says why not.
+pub fn admit(node: &str, s: &Snapshot, r: &Reserve) -> Result<(), String> {
+    if s.sandboxes >= r.max_sandboxes {
+        return Err(format!(
+            "node {node} is full: it runs {} sandboxes (max_sandboxes = {}); stop some or add nodes",
+            s.sandboxes, r.max_sandboxes
+        ));
+    }
+    if s.memory_available_mb < r.memory_mb + 32 {
+        return Err(format!(
+            "node {node} has only {} MiB of memory available (reserve {} MiB); stop some sandboxes",
+            s.memory_available_mb, r.memory_mb
+        ));
+    }
+    if s.disk_free_mb < r.disk_mb {
+        return Err(format!(
+            "node {node} has only {} MiB of disk free for sandbox state (reserve {} MiB); free some disk",
+            s.disk_free_mb, r.disk_mb
+        ));
+    }
+    let per_core = s.load1 / s.cpus.max(1) as f64;
+    if r.max_load_per_core > 0.0 && per_core > r.max_load_per_core {
+        return Err(format!(
+            "node {node} is overloaded: load {:.1} on {} cores (limit {} per core); try again or another node",
+            s.load1, s.cpus, r.max_load_per_core
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn admission_refuses_on_each_real_resource_and_says_which() {
+        let ok = Snapshot {
+            sandboxes: 10,
+            memory_available_mb: 8000,
+            disk_free_mb: 50_000,
+            load1: 3.0,
+            cpus: 4,
+        };
+        let r = Reserve {
+            max_sandboxes: 100,
+            memory_mb: 256,
+            disk_mb: 1024,
+            max_load_per_core: 4.0,
+        };
+        assert!(admit("n", &ok, &r).is_ok());
+        let cases = [
+            (
+                Snapshot {
+                    sandboxes: 100,
+                    ..ok
+                },
+                "is full",
+            ),
+            (
+                Snapshot {
+                    memory_available_mb: 200,
+                    ..ok
+                },
+                "memory",
+            ),
+            (
+                Snapshot {
+                    disk_free_mb: 100,
+                    ..ok
+                },
+                "disk",
+            ),
+            (Snapshot { load1: 17.0, ..ok }, "overloaded"),
+        ];
+        for (s, why) in cases {
+            let e = admit("n", &s, &r).unwrap_err();
+            assert!(e.contains(why), "{e}");
+        }
+        let off = Reserve {
+            max_load_per_core: 0.0,
+            ..r
+        };
+        assert!(admit("n", &Snapshot { load1: 99.0, ..ok }, &off).is_ok());
+        // The real host reads as something sane.
+        assert!(cpus() >= 1 && memory_mb().0 > 0 && load1() >= 0.0);
+    }
 }

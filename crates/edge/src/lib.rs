@@ -323,27 +323,29 @@ impl Edge {
         self.launch(backend, rec, None).await
     }
 
+    /// The node's final say: its real free memory, disk and load, and its sandbox count.
     fn admit(&self) -> Result<(), ApiError> {
         let running = self
             .sandboxes
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .len() as u64;
-        let creating = self.creating.load(Ordering::SeqCst);
-        if running + creating > self.cfg.max_sandboxes {
-            return Err(ApiError::exhausted(format!(
-                "node {} is full: it runs {running} sandboxes (max_sandboxes = {}); stop some or add nodes",
-                self.cfg.name, self.cfg.max_sandboxes
-            )));
-        }
-        let (_, avail) = host::memory_mb();
-        if avail < self.cfg.reserved_memory_mb + 32 {
-            return Err(ApiError::exhausted(format!(
-                "node {} has only {avail} MiB of memory available (reserve {} MiB); stop some sandboxes",
-                self.cfg.name, self.cfg.reserved_memory_mb
-            )));
-        }
-        Ok(())
+        // This create is already counted in `creating`.
+        let creating = self.creating.load(Ordering::SeqCst).saturating_sub(1);
+        let snapshot = host::Snapshot {
+            sandboxes: running + creating,
+            memory_available_mb: host::memory_mb().1,
+            disk_free_mb: host::disk_free_mb(&self.cfg.state_dir),
+            load1: host::load1(),
+            cpus: host::cpus(),
+        };
+        let reserve = host::Reserve {
+            max_sandboxes: self.cfg.max_sandboxes,
+            memory_mb: self.cfg.reserved_memory_mb,
+            disk_mb: self.cfg.reserved_disk_mb,
+            max_load_per_core: self.cfg.max_load_per_core,
+        };
+        host::admit(&self.cfg.name, &snapshot, &reserve).map_err(ApiError::exhausted)
     }
 
     /// Starts `rec` on `backend`: the shared path of create and fork.
