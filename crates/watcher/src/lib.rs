@@ -4,12 +4,14 @@
 //! holds the view the cluster watcher serves and the placer the apiservers run on it.
 
 pub mod placement;
+pub mod poll;
 
 use std::collections::BTreeMap;
 
 use dsec_common::api::{ClusterStatus, NodeStatus};
 
 pub use placement::{Demand, PlacementError, Placer};
+pub use poll::{EdgeEndpoint, Poller, SharedView};
 
 /// The aggregated view of every node.
 #[derive(Debug, Default, Clone)]

@@ -1,0 +1,202 @@
+//! Polling: the watcher asks every edge for its status (`GET /v1/status` of the edge's API,
+//! which answers with the cluster status of that one node) and keeps the latest answers.
+//! An edge that does not answer within the timeout is kept in the view as unhealthy, so
+//! placement skips it until it answers again. The view has no durable state: a restarted
+//! watcher has it back after one round.
+
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use dsec_common::api::{ClusterStatus, NodeStatus};
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use crate::ClusterView;
+
+/// One edge to poll.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EdgeEndpoint {
+    pub name: String,
+    /// Base URL of the edge's API, e.g. `http://10.0.0.7:7600`.
+    pub url: String,
+    pub api_key: String,
+}
+
+/// The view, shared with whoever serves or reads it.
+pub type SharedView = Arc<RwLock<ClusterView>>;
+
+pub struct Poller {
+    edges: Vec<EdgeEndpoint>,
+    timeout: Duration,
+    http: Client<HttpConnector, Empty<Bytes>>,
+    view: SharedView,
+}
+
+fn unreachable_node(name: &str) -> NodeStatus {
+    NodeStatus {
+        name: name.to_string(),
+        healthy: false,
+        backends: vec![],
+        cgroup_mode: String::new(),
+        cpus: 0,
+        memory_total_mb: 0,
+        memory_available_mb: 0,
+        disk_free_mb: 0,
+        sandboxes: 0,
+        committed_cpu_cores: 0.0,
+        committed_memory_mb: 0,
+        max_sandboxes: 0,
+        projects: Default::default(),
+    }
+}
+
+impl Poller {
+    pub fn new(edges: Vec<EdgeEndpoint>, timeout: Duration) -> Poller {
+        let mut conn = HttpConnector::new();
+        conn.set_connect_timeout(Some(timeout));
+        Poller {
+            edges,
+            timeout,
+            http: Client::builder(TokioExecutor::new()).build(conn),
+            view: SharedView::default(),
+        }
+    }
+
+    pub fn view(&self) -> SharedView {
+        self.view.clone()
+    }
+
+    async fn fetch(&self, e: &EdgeEndpoint) -> Result<NodeStatus, String> {
+        let req = hyper::Request::get(format!("{}/v1/status", e.url.trim_end_matches('/')))
+            .header("authorization", format!("Bearer {}", e.api_key))
+            .body(Empty::new())
+            .map_err(|err| err.to_string())?;
+        let resp = tokio::time::timeout(self.timeout, self.http.request(req))
+            .await
+            .map_err(|_| "timed out".to_string())?
+            .map_err(|err| err.to_string())?;
+        if !resp.status().is_success() {
+            return Err(format!("HTTP {}", resp.status()));
+        }
+        let body = tokio::time::timeout(self.timeout, resp.into_body().collect())
+            .await
+            .map_err(|_| "timed out".to_string())?
+            .map_err(|err| err.to_string())?
+            .to_bytes();
+        let s: ClusterStatus = serde_json::from_slice(&body).map_err(|err| err.to_string())?;
+        s.nodes
+            .into_iter()
+            .find(|n| n.name == e.name)
+            .ok_or_else(|| format!("the edge at {} is not named {}", e.url, e.name))
+    }
+
+    /// Asks every edge once, concurrently, and updates the view.
+    pub async fn poll_once(&self) {
+        let answers =
+            futures_util::future::join_all(self.edges.iter().map(|e| self.fetch(e))).await;
+        let mut view = self.view.write().unwrap_or_else(|p| p.into_inner());
+        for (e, a) in self.edges.iter().zip(answers) {
+            match a {
+                Ok(n) => view.update(n),
+                Err(why) => {
+                    tracing::warn!(edge = %e.name, "unreachable: {why}");
+                    view.update(unreachable_node(&e.name));
+                }
+            }
+        }
+    }
+
+    /// Polls every `every` until the task is dropped.
+    pub async fn run(self, every: Duration) {
+        let mut tick = tokio::time::interval(every);
+        loop {
+            tick.tick().await;
+            self.poll_once().await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::Router;
+    use axum::routing::get;
+
+    async fn fake_edge(
+        name: &'static str,
+        sandboxes: u64,
+    ) -> (String, tokio::task::JoinHandle<()>) {
+        let app = Router::new().route(
+            "/v1/status",
+            get(move |h: axum::http::HeaderMap| async move {
+                if h.get("authorization").and_then(|v| v.to_str().ok()) != Some("Bearer dsk.k") {
+                    return Err(axum::http::StatusCode::UNAUTHORIZED);
+                }
+                let mut n = unreachable_node(name);
+                n.healthy = true;
+                n.sandboxes = sandboxes;
+                Ok(axum::Json(ClusterStatus {
+                    version: "t".into(),
+                    nodes: vec![n],
+                }))
+            }),
+        );
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        (
+            url,
+            tokio::spawn(async move {
+                let _ = axum::serve(l, app).await;
+            }),
+        )
+    }
+
+    #[tokio::test]
+    async fn polls_every_edge_and_marks_a_silent_one_unhealthy() {
+        let (u1, h1) = fake_edge("e1", 3).await;
+        let (u2, h2) = fake_edge("e2", 5).await;
+        let ep = |name: &str, url: &str, key: &str| EdgeEndpoint {
+            name: name.into(),
+            url: url.into(),
+            api_key: key.into(),
+        };
+        let p = Poller::new(
+            vec![
+                ep("e1", &u1, "dsk.k"),
+                ep("e2", &u2, "dsk.k"),
+                ep("e3", &u1, "dsk.k"),
+            ],
+            Duration::from_millis(500),
+        );
+        p.poll_once().await;
+        let v = p.view().read().unwrap().clone();
+        let health: Vec<(String, bool, u64)> = v
+            .nodes()
+            .iter()
+            .map(|n| (n.name.clone(), n.healthy, n.sandboxes))
+            .collect();
+        // e3 points at an edge named e1: not trusted as e3.
+        assert_eq!(
+            health,
+            [
+                ("e1".into(), true, 3),
+                ("e2".into(), true, 5),
+                ("e3".into(), false, 0)
+            ]
+        );
+        h2.abort();
+        let _ = h2.await;
+        p.poll_once().await;
+        assert!(
+            !p.view().read().unwrap().nodes()[1].healthy,
+            "a stopped edge stays unhealthy"
+        );
+        let wrong_key = Poller::new(vec![ep("e1", &u1, "dsk.bad")], Duration::from_millis(500));
+        wrong_key.poll_once().await;
+        assert!(!wrong_key.view().read().unwrap().nodes()[0].healthy);
+        h1.abort();
+    }
+}
