@@ -165,14 +165,7 @@ impl Edge {
         let e2 = edge.clone();
         blocking(move || e2.adopt()).await?;
         if let Some(q) = &edge.quotas {
-            let live = edge
-                .sandboxes
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .keys()
-                .cloned()
-                .collect();
-            q.reconcile(&edge.cfg.name, live);
+            q.reconcile(&edge.cfg.name, edge.ids());
         }
         Ok(edge)
     }
@@ -222,6 +215,16 @@ impl Edge {
                 }
             }
         }
+    }
+
+    /// Ids of the sandboxes this edge runs.
+    fn ids(&self) -> Vec<String> {
+        self.sandboxes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .cloned()
+            .collect()
     }
 
     fn insert(&self, rec: SandboxRecord) -> Arc<Entry> {
@@ -687,15 +690,8 @@ impl Edge {
 
     /// Stops every sandbox (for `dsec down`).
     pub async fn stop_all(self: &Arc<Self>) {
-        let ids: Vec<String> = self
-            .sandboxes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .keys()
-            .cloned()
-            .collect();
         let mut tasks = Vec::new();
-        for id in ids {
+        for id in self.ids() {
             let edge = self.clone();
             tasks.push(tokio::spawn(async move { edge.stop(&id).await }));
         }

@@ -47,13 +47,18 @@ fn json<T: Serialize>(v: &T) -> Vec<u8> {
     serde_json::to_vec(v).unwrap_or_default()
 }
 
+/// Opens (or creates) a redb file, and its directory.
+pub(crate) fn open_db(path: &Path) -> Result<Database, IamError> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(db_err)?;
+    }
+    Database::create(path)
+        .map_err(|e| IamError::Storage(format!("opening {}: {e}", path.display())))
+}
+
 impl LocalStore {
     pub fn open(path: &Path, now_ms: u64) -> Result<LocalStore, IamError> {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(db_err)?;
-        }
-        let db = Database::create(path)
-            .map_err(|e| IamError::Storage(format!("opening {}: {e}", path.display())))?;
+        let db = open_db(path)?;
         let tx = db.begin_write().map_err(db_err)?;
         create_tables(&tx)?;
         tx.commit().map_err(db_err)?;

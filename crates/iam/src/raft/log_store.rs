@@ -39,11 +39,7 @@ fn encode<T: Serialize>(v: &T) -> io::Result<Vec<u8>> {
 
 impl LogStore {
     pub fn open(path: &Path) -> Result<LogStore, IamError> {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(crate::store::db_err)?;
-        }
-        let db = Database::create(path)
-            .map_err(|e| IamError::Storage(format!("opening {}: {e}", path.display())))?;
+        let db = crate::store::open_db(path)?;
         let tx = db.begin_write().map_err(crate::store::db_err)?;
         tx.open_table(LOGS).map_err(crate::store::db_err)?;
         tx.open_table(META).map_err(crate::store::db_err)?;

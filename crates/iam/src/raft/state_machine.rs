@@ -87,11 +87,7 @@ fn put_snapshot(tx: &redb::WriteTransaction, s: &StoredSnapshot) -> io::Result<(
 
 impl StateMachineStore {
     pub fn open(path: &Path) -> Result<StateMachineStore, IamError> {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(db_err)?;
-        }
-        let db = Database::create(path)
-            .map_err(|e| IamError::Storage(format!("opening {}: {e}", path.display())))?;
+        let db = crate::store::open_db(path)?;
         let tx = db.begin_write().map_err(db_err)?;
         create_tables(&tx)?;
         tx.open_table(SM_META).map_err(db_err)?;
