@@ -215,6 +215,27 @@ pub struct NodeStatus {
     pub projects: BTreeMap<String, u64>,
 }
 
+impl NodeStatus {
+    /// A node known by name only: unhealthy, no capacity (e.g. one that does not answer).
+    pub fn unreachable(name: &str) -> NodeStatus {
+        NodeStatus {
+            name: name.to_string(),
+            healthy: false,
+            backends: vec![],
+            cgroup_mode: String::new(),
+            cpus: 0,
+            memory_total_mb: 0,
+            memory_available_mb: 0,
+            disk_free_mb: 0,
+            sandboxes: 0,
+            committed_cpu_cores: 0.0,
+            committed_memory_mb: 0,
+            max_sandboxes: 0,
+            projects: BTreeMap::new(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ClusterStatus {
     pub version: String,

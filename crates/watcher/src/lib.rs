@@ -57,19 +57,10 @@ mod tests {
 
     fn node(name: &str, sandboxes: u64) -> NodeStatus {
         NodeStatus {
-            name: name.into(),
             healthy: true,
-            backends: vec![],
-            cgroup_mode: "v2".into(),
-            cpus: 2,
-            memory_total_mb: 1,
-            memory_available_mb: 1,
-            disk_free_mb: 1,
             sandboxes,
-            committed_cpu_cores: 0.0,
-            committed_memory_mb: 0,
-            max_sandboxes: 0,
             projects: BTreeMap::from([("root/a".to_string(), sandboxes)]),
+            ..NodeStatus::unreachable(name)
         }
     }
 

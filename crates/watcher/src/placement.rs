@@ -171,23 +171,18 @@ mod tests {
 
     fn node(name: &str, sandboxes: u64) -> NodeStatus {
         NodeStatus {
-            name: name.into(),
             healthy: true,
             backends: vec![BackendStatus {
                 name: "container".into(),
                 available: true,
                 detail: String::new(),
             }],
-            cgroup_mode: "v2".into(),
             cpus: 16,
             memory_total_mb: 65536,
             memory_available_mb: 60000,
-            disk_free_mb: 1 << 20,
             sandboxes,
-            committed_cpu_cores: 0.0,
-            committed_memory_mb: 0,
             max_sandboxes: 4096,
-            projects: Default::default(),
+            ..NodeStatus::unreachable(name)
         }
     }
 

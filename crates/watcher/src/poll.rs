@@ -35,24 +35,6 @@ pub struct Poller {
     view: SharedView,
 }
 
-fn unreachable_node(name: &str) -> NodeStatus {
-    NodeStatus {
-        name: name.to_string(),
-        healthy: false,
-        backends: vec![],
-        cgroup_mode: String::new(),
-        cpus: 0,
-        memory_total_mb: 0,
-        memory_available_mb: 0,
-        disk_free_mb: 0,
-        sandboxes: 0,
-        committed_cpu_cores: 0.0,
-        committed_memory_mb: 0,
-        max_sandboxes: 0,
-        projects: Default::default(),
-    }
-}
-
 impl Poller {
     pub fn new(edges: Vec<EdgeEndpoint>, timeout: Duration) -> Poller {
         let mut conn = HttpConnector::new();
@@ -103,7 +85,7 @@ impl Poller {
                 Ok(n) => view.update(n),
                 Err(why) => {
                     tracing::warn!(edge = %e.name, "unreachable: {why}");
-                    view.update(unreachable_node(&e.name));
+                    view.update(NodeStatus::unreachable(&e.name));
                 }
             }
         }
@@ -135,7 +117,7 @@ mod tests {
                 if h.get("authorization").and_then(|v| v.to_str().ok()) != Some("Bearer dsk.k") {
                     return Err(axum::http::StatusCode::UNAUTHORIZED);
                 }
-                let mut n = unreachable_node(name);
+                let mut n = NodeStatus::unreachable(name);
                 n.healthy = true;
                 n.sandboxes = sandboxes;
                 Ok(axum::Json(ClusterStatus {
