@@ -1,0 +1,92 @@
+//! Serving an axum router over mutual TLS. A peer without a certificate from the cluster CA
+//! fails the handshake; one whose role is not admitted is dropped right after it. Handlers
+//! find the peer's [`Identity`] in the request extensions.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use hyper_util::rt::TokioIo;
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+
+use crate::{Identity, Role, Tls};
+
+/// The most a client may take to finish the TLS handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Accepts connections on `listener` until `shutdown` completes, admitting peers whose
+/// role is in `allowed`.
+pub async fn serve(
+    listener: TcpListener,
+    tls: &Tls,
+    allowed: &[Role],
+    app: Router,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
+    let acceptor = TlsAcceptor::from(tls.server.clone());
+    let allowed: Arc<[Role]> = allowed.into();
+    tokio::pin!(shutdown);
+    loop {
+        let (tcp, peer_addr) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(c) => c,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => return Ok(()),
+        };
+        let _ = tcp.set_nodelay(true);
+        let acceptor = acceptor.clone();
+        let allowed = allowed.clone();
+        let app = app.clone();
+        tokio::spawn(async move {
+            let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
+            {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    tracing::info!(peer = %peer_addr, error = %e, "TLS handshake refused");
+                    return;
+                }
+                Err(_) => {
+                    tracing::info!(peer = %peer_addr, "TLS handshake timed out");
+                    return;
+                }
+            };
+            let identity = stream
+                .get_ref()
+                .1
+                .peer_certificates()
+                .and_then(|c| c.first())
+                .and_then(|c| Identity::from_der(c));
+            let Some(identity) = identity.filter(|i| allowed.contains(&i.role)) else {
+                tracing::warn!(peer = %peer_addr, "refusing a peer whose certificate names no admitted role");
+                return;
+            };
+            let svc = app.layer(axum::Extension(identity));
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(Duration::from_secs(30))
+                .serve_connection(TokioIo::new(stream), TowerToHyperService::new(svc))
+                .with_upgrades();
+            if let Err(e) = conn.await {
+                tracing::debug!(peer = %peer_addr, error = %e, "connection ended with an error");
+            }
+        });
+    }
+}
+
+/// Runs `serve` in the background with no shutdown (for tests and simple roles).
+pub fn spawn(listener: TcpListener, tls: &Tls, allowed: &[Role], app: Router) {
+    let tls = tls.clone();
+    let allowed = allowed.to_vec();
+    tokio::spawn(async move {
+        let _ = serve(listener, &tls, &allowed, app, std::future::pending()).await;
+    });
+}

@@ -1,0 +1,82 @@
+//! Real TLS over loopback: who gets in, and what the handler sees.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::routing::get;
+use dsec_mtls::{Client, Identity, Role, Tls, TlsFiles, pki};
+use http_body_util::BodyExt;
+
+async fn server(dir: &std::path::Path, allowed: &[Role]) -> String {
+    pki::issue(dir, Role::Edge, "edge1", &[]).unwrap();
+    let tls = Tls::load(&TlsFiles::in_dir(dir, "edge1")).unwrap();
+    let app = Router::new().route(
+        "/who",
+        get(|axum::Extension(id): axum::Extension<Identity>| async move { id.to_string() }),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    dsec_mtls::server::spawn(l, &tls, allowed, app);
+    addr
+}
+
+async fn get_who(client: &Client, addr: &str) -> Result<String, String> {
+    let req = hyper::Request::get(format!("{}/who", client.base(addr)))
+        .body(dsec_mtls::client::Body::empty())
+        .unwrap();
+    let resp = client.request(req).await.map_err(|e| format!("{e:?}"))?;
+    let b = resp.into_body().collect().await.map_err(|e| e.to_string())?;
+    Ok(String::from_utf8_lossy(&b.to_bytes()).into_owned())
+}
+
+#[tokio::test]
+async fn only_admitted_roles_with_cluster_certificates_get_in() {
+    let dir = tempfile::tempdir().unwrap();
+    assert!(pki::init_ca(dir.path()).unwrap());
+    assert!(!pki::init_ca(dir.path()).unwrap(), "an existing CA is kept");
+    let addr = server(dir.path(), &[Role::Apiserver]).await;
+
+    pki::issue(dir.path(), Role::Apiserver, "api1", &["10.0.0.1".into()]).unwrap();
+    let api = Tls::load(&TlsFiles::in_dir(dir.path(), "api1")).unwrap();
+    assert_eq!(api.identity.to_string(), "apiserver/api1");
+    let ok = Client::new(Some(api.client.clone()));
+    assert_eq!(get_who(&ok, &addr).await.unwrap(), "apiserver/api1");
+
+    // A certificate of the cluster, but of a role this server does not admit.
+    pki::issue(dir.path(), Role::Watcher, "w1", &[]).unwrap();
+    let w = Tls::load(&TlsFiles::in_dir(dir.path(), "w1")).unwrap();
+    assert!(get_who(&Client::new(Some(w.client.clone())), &addr).await.is_err());
+
+    // A certificate from another CA.
+    let other = tempfile::tempdir().unwrap();
+    pki::init_ca(other.path()).unwrap();
+    pki::issue(other.path(), Role::Apiserver, "api1", &[]).unwrap();
+    let foreign = Tls::load(&TlsFiles::in_dir(other.path(), "api1")).unwrap();
+    assert!(get_who(&Client::new(Some(foreign.client.clone())), &addr).await.is_err());
+
+    // No certificate at all: the server's CA trusted, but nothing presented.
+    let mut roots = rustls::RootCertStore::empty();
+    use rustls_pki_types::pem::PemObject;
+    for c in rustls_pki_types::CertificateDer::pem_file_iter(dir.path().join("ca.pem")).unwrap() {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let bare = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    assert!(get_who(&Client::new(Some(Arc::new(bare))), &addr).await.is_err());
+
+    // Plain HTTP to a TLS port gets no answer either.
+    assert!(get_who(&Client::new(None), &addr).await.is_err());
+}
+
+#[test]
+fn bad_names_and_roles_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    pki::init_ca(dir.path()).unwrap();
+    assert!(pki::issue(dir.path(), Role::Edge, "../x", &[]).is_err());
+    assert!(pki::issue(dir.path(), Role::Edge, "ok", &["not a host!".into()]).is_err());
+    assert!("king".parse::<Role>().is_err());
+    let none = tempfile::tempdir().unwrap();
+    let e = pki::issue(none.path(), Role::Edge, "e1", &[]).unwrap_err();
+    assert!(e.to_string().contains("dsec certs init"), "{e}");
+}
