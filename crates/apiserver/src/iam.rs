@@ -18,9 +18,11 @@ use dsec_iam::{
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use crate::{ApiResult, AppState, body, json as json_response};
+use crate::{ApiResult, body, json as json_response};
 
-pub fn routes() -> Router<AppState> {
+/// The routes, with their own state (the IAM); `with_state` makes them mergeable into any
+/// router whose auth layer inserts the [`Principal`].
+pub fn routes() -> Router<Arc<dyn Iam>> {
     Router::new()
         .route("/v1/whoami", get(whoami))
         .route("/v1/projects", get(projects).post(create_project))
@@ -89,10 +91,10 @@ async fn whoami(Extension(p): Extension<Principal>) -> Response {
     )
 }
 
-async fn projects(State(st): State<AppState>, Extension(p): Extension<Principal>) -> Response {
+async fn projects(State(iam): State<Arc<dyn Iam>>, Extension(p): Extension<Principal>) -> Response {
     json_response(
         StatusCode::OK,
-        &json!({ "projects": st.iam.projects(&p.project) }),
+        &json!({ "projects": iam.projects(&p.project) }),
     )
 }
 
@@ -104,9 +106,8 @@ struct ProjectBody {
     quota: Quota,
 }
 
-fn view(st: &AppState, p: &Principal, path: &str) -> ApiResult<Response> {
-    let v = st
-        .iam
+fn view(iam: &dyn Iam, p: &Principal, path: &str) -> ApiResult<Response> {
+    let v = iam
         .projects(&p.project)
         .into_iter()
         .find(|v| v.project.path == path)
@@ -115,12 +116,12 @@ fn view(st: &AppState, p: &Principal, path: &str) -> ApiResult<Response> {
 }
 
 async fn create_project(
-    State(st): State<AppState>,
+    State(iam): State<Arc<dyn Iam>>,
     Extension(p): Extension<Principal>,
     bytes: Bytes,
 ) -> ApiResult<Response> {
     let b: ProjectBody = body(&bytes, "create project")?;
-    st.iam
+    iam
         .apply(Command::CreateProject {
             actor: p.project.clone(),
             path: b.project.clone(),
@@ -128,25 +129,25 @@ async fn create_project(
             now_ms: dsec_iam::now_ms(),
         })
         .map_err(api_error)?;
-    let mut r = view(&st, &p, &b.project)?;
+    let mut r = view(iam.as_ref(), &p, &b.project)?;
     *r.status_mut() = StatusCode::CREATED;
     Ok(r)
 }
 
 async fn set_quota(
-    State(st): State<AppState>,
+    State(iam): State<Arc<dyn Iam>>,
     Extension(p): Extension<Principal>,
     bytes: Bytes,
 ) -> ApiResult<Response> {
     let b: ProjectBody = body(&bytes, "set quota")?;
-    st.iam
+    iam
         .apply(Command::SetQuota {
             actor: p.project.clone(),
             path: b.project.clone(),
             quota: b.quota,
         })
         .map_err(api_error)?;
-    view(&st, &p, &b.project)
+    view(iam.as_ref(), &p, &b.project)
 }
 
 #[derive(Serialize)]
@@ -159,9 +160,8 @@ struct KeyView {
     revoked: bool,
 }
 
-async fn keys(State(st): State<AppState>, Extension(p): Extension<Principal>) -> Response {
-    let keys: Vec<KeyView> = st
-        .iam
+async fn keys(State(iam): State<Arc<dyn Iam>>, Extension(p): Extension<Principal>) -> Response {
+    let keys: Vec<KeyView> = iam
         .keys(&p.project)
         .into_iter()
         .map(|k| KeyView {
@@ -191,14 +191,14 @@ fn human() -> PrincipalKind {
 }
 
 async fn create_key(
-    State(st): State<AppState>,
+    State(iam): State<Arc<dyn Iam>>,
     Extension(p): Extension<Principal>,
     bytes: Bytes,
 ) -> ApiResult<Response> {
     let b: KeyBody = body(&bytes, "create key")?;
     let project = b.project.unwrap_or_else(|| p.project.clone());
     let (key, key_id) =
-        dsec_iam::create_key(st.iam.as_ref(), &p.project, &project, &b.principal, b.kind)
+        dsec_iam::create_key(iam.as_ref(), &p.project, &project, &b.principal, b.kind)
             .map_err(api_error)?;
     Ok(json_response(
         StatusCode::CREATED,
@@ -207,11 +207,11 @@ async fn create_key(
 }
 
 async fn revoke_key(
-    State(st): State<AppState>,
+    State(iam): State<Arc<dyn Iam>>,
     Extension(p): Extension<Principal>,
     Path(key_id): Path<String>,
 ) -> ApiResult<Response> {
-    st.iam
+    iam
         .apply(Command::RevokeKey {
             actor: p.project.clone(),
             key_id,

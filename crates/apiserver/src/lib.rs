@@ -22,6 +22,7 @@ use dsec_edge::Edge;
 use dsec_iam::{Iam, Principal};
 use serde::de::DeserializeOwned;
 
+pub mod cluster;
 pub mod iam;
 mod ports;
 mod runtime;
@@ -32,6 +33,38 @@ pub const OPENAPI: &str = include_str!("../openapi.json");
 pub struct AppState {
     pub edge: Arc<Edge>,
     pub iam: Arc<dyn Iam>,
+    /// Take the caller's principal from [`PRINCIPAL_HEADER`] (set by an apiserver) instead
+    /// of an API key: only for an edge's listener that admits cluster components alone
+    /// (mutual TLS), never for a public one.
+    pub forwarded: bool,
+}
+
+/// The principal an apiserver authenticated, passed on to the edge (base64url of its JSON).
+pub const PRINCIPAL_HEADER: &str = "x-dsec-principal";
+
+pub fn encode_principal(p: &Principal) -> String {
+    use base64::Engine;
+    let json = serde_json::to_vec(p).unwrap_or_default();
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(json)
+}
+
+pub fn decode_principal(v: &str) -> Option<Principal> {
+    use base64::Engine;
+    let json = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(v.trim())
+        .ok()?;
+    serde_json::from_slice(&json).ok()
+}
+
+/// The forwarded principal of a request, when the state trusts forwarding.
+pub(crate) fn forwarded_principal(st: &AppState, headers: &HeaderMap) -> Option<Principal> {
+    if !st.forwarded {
+        return None;
+    }
+    headers
+        .get(PRINCIPAL_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(decode_principal)
 }
 
 /// An [`ApiError`] as an HTTP response: its status and `{"code","message"}`.
@@ -85,7 +118,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sandboxes/{id}/timeout", post(set_timeout))
         .route("/v1/images", get(images))
         .merge(runtime::routes())
-        .merge(iam::routes())
+        .merge(iam::routes().with_state(state.iam.clone()))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
         .route(
@@ -127,25 +160,29 @@ pub(crate) fn api_key(headers: &HeaderMap) -> Option<&str> {
         .map(str::trim)
 }
 
+/// The caller: the forwarded principal (on an edge's cluster listener) or the API key's.
+pub(crate) fn caller(st: &AppState, headers: &HeaderMap) -> Result<Principal, Failure> {
+    if let Some(p) = forwarded_principal(st, headers) {
+        return Ok(p);
+    }
+    let Some(k) = api_key(headers) else {
+        return Err(Failure(ApiError::new(
+            ErrorCode::Unauthenticated,
+            "missing API key: send `Authorization: Bearer dsk.…` (dsec up printed one and wrote it to client.toml)",
+        )));
+    };
+    st.iam.authenticate(k).ok_or_else(|| {
+        Failure(ApiError::new(
+            ErrorCode::Unauthenticated,
+            "API key not recognised (or revoked): check DSEC_API_KEY or client.toml",
+        ))
+    })
+}
+
 async fn auth(State(st): State<AppState>, mut req: Request, next: Next) -> Response {
-    let principal = match api_key(req.headers()) {
-        None => {
-            return Failure(ApiError::new(
-                ErrorCode::Unauthenticated,
-                "missing API key: send `Authorization: Bearer dsk.…` (dsec up printed one and wrote it to client.toml)",
-            ))
-            .into_response();
-        }
-        Some(k) => match st.iam.authenticate(k) {
-            Some(p) => p,
-            None => {
-                return Failure(ApiError::new(
-                    ErrorCode::Unauthenticated,
-                    "API key not recognised (or revoked): check DSEC_API_KEY or client.toml",
-                ))
-                .into_response();
-            }
-        },
+    let principal = match caller(&st, req.headers()) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
     };
     // A sandbox of a project the key cannot see does not exist for it (404, not 403, so
     // ids don't leak).
@@ -214,7 +251,7 @@ async fn create(
     Ok(json(StatusCode::CREATED, &info))
 }
 
-fn label_filter(q: Option<&str>) -> ApiResult<BTreeMap<String, String>> {
+pub(crate) fn label_filter(q: Option<&str>) -> ApiResult<BTreeMap<String, String>> {
     let mut out = BTreeMap::new();
     for pair in q.unwrap_or("").split('&').filter(|s| !s.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));

@@ -78,7 +78,8 @@ async fn proxy(
         .get("x-dsec-token")
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
-    let principal = api_key(req.headers()).and_then(|k| st.iam.authenticate(k));
+    let principal = crate::forwarded_principal(&st, req.headers())
+        .or_else(|| api_key(req.headers()).and_then(|k| st.iam.authenticate(k)));
     if let Some(p) = &principal {
         crate::visible(&st, p, &id)?;
     } else {
@@ -108,6 +109,7 @@ async fn proxy(
     headers.remove(header::AUTHORIZATION);
     headers.remove("x-api-key");
     headers.remove("x-dsec-token");
+    headers.remove(crate::PRINCIPAL_HEADER);
     if !headers.contains_key(header::HOST) {
         headers.insert(header::HOST, HeaderValue::from_static("localhost"));
     }

@@ -48,9 +48,11 @@ enum Command {
     /// Start every role on this machine in the background and print the API URL and key
     #[command(after_help = "Example:\n  dsec up --data-dir /var/lib/dsec")]
     Up(cmd::up::UpArgs),
-    /// Run the server in the foreground (what `dsec up` starts)
-    #[command(hide = true)]
-    Serve(cmd::up::UpArgs),
+    /// Run in the foreground: every role (what `dsec up` starts), or one cluster role
+    #[command(
+        after_help = "Example:\n  dsec serve --config /etc/dsec/edge.toml\n\nConfig files for each role and a multi-node bring-up: deploy/cluster/README.md"
+    )]
+    Serve(cmd::up::ServeArgs),
     /// Stop the server started by `dsec up` (and, unless --keep-sandboxes, its sandboxes)
     #[command(after_help = "Example:\n  dsec down --data-dir /var/lib/dsec")]
     Down(cmd::up::DownArgs),
@@ -109,6 +111,9 @@ enum Command {
     /// Projects, quotas and API keys
     #[command(subcommand)]
     Iam(cmd::iam::IamCommand),
+    /// The cluster CA and component certificates (mutual TLS between components)
+    #[command(subcommand)]
+    Certs(cmd::certs::CertsCommand),
 }
 
 fn main() {
@@ -126,7 +131,7 @@ fn main() {
     let result = rt.block_on(async move {
         match cli.command {
             Command::Up(a) => cmd::up::up(a).await,
-            Command::Serve(a) => cmd::up::serve(a).await,
+            Command::Serve(a) => cmd::up::serve_command(a).await,
             Command::Down(a) => cmd::up::down(a).await,
             Command::Status(a) => cmd::up::status(a).await,
             Command::Run(a) => cmd::sandbox::run(a).await,
@@ -142,6 +147,7 @@ fn main() {
             Command::Trajectory(a) => cmd::runtime::trajectory(a).await,
             Command::Image(c) => cmd::image::run(c).await,
             Command::Iam(c) => cmd::iam::run(c).await,
+            Command::Certs(c) => cmd::certs::run(c),
         }
     });
     match result {

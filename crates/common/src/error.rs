@@ -60,6 +60,10 @@ impl ErrorCode {
 pub struct ApiError {
     pub code: ErrorCode,
     pub message: String,
+    /// Set when one node refused for lack of room (its admission): another node may take
+    /// the request, so an apiserver places it elsewhere instead of failing.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub node_refused: bool,
 }
 
 impl ApiError {
@@ -67,6 +71,7 @@ impl ApiError {
         ApiError {
             code,
             message: message.into(),
+            node_refused: false,
         }
     }
     pub fn invalid(message: impl Into<String>) -> Self {
@@ -89,6 +94,13 @@ impl ApiError {
     }
     pub fn exhausted(message: impl Into<String>) -> Self {
         Self::new(ErrorCode::ResourceExhausted, message)
+    }
+    /// This node has no room; another may (see [`ApiError::node_refused`]).
+    pub fn node_full(message: impl Into<String>) -> Self {
+        ApiError {
+            node_refused: true,
+            ..Self::new(ErrorCode::ResourceExhausted, message)
+        }
     }
 }
 

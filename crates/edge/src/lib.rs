@@ -348,7 +348,7 @@ impl Edge {
             disk_mb: self.cfg.reserved_disk_mb,
             max_load_per_core: self.cfg.max_load_per_core,
         };
-        host::admit(&self.cfg.name, &snapshot, &reserve).map_err(ApiError::exhausted)
+        host::admit(&self.cfg.name, &snapshot, &reserve).map_err(ApiError::node_full)
     }
 
     /// Starts `rec` on `backend`: the shared path of create and fork.

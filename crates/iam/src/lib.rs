@@ -4,6 +4,8 @@
 //! redb file; callers use the [`Iam`] trait, which a replicated store implements too.
 
 pub mod raft;
+pub mod remote;
+pub mod service;
 pub mod state;
 pub mod store;
 
@@ -15,6 +17,7 @@ use sha2::{Digest, Sha256};
 use state::IamState;
 
 pub use raft::{RaftConfig, RaftIam};
+pub use remote::RemoteIam;
 pub use state::{
     Command, KeyRecord, PrincipalKind, Project, Quota, ROOT, Refusal, Reservation, Usage, within,
 };
@@ -47,7 +50,7 @@ pub(crate) fn not_leader(leader: Option<String>) -> IamError {
 }
 
 /// Who made a request, once its key checked out.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Principal {
     pub name: String,
     pub kind: PrincipalKind,

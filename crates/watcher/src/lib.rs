@@ -13,6 +13,23 @@ use dsec_common::api::{ClusterStatus, NodeStatus};
 pub use placement::{Demand, PlacementError, Placer};
 pub use poll::{EdgeEndpoint, Poller, SharedView};
 
+/// Where the watcher serves its view (a [`ClusterStatus`]) to apiservers.
+pub const PATH_VIEW: &str = "/watcher/view";
+
+/// The watcher's routes: its view, read by the apiservers.
+pub fn router(view: SharedView) -> axum::Router {
+    axum::Router::new().route(
+        PATH_VIEW,
+        axum::routing::get(move || {
+            let view = view.clone();
+            async move {
+                let s = view.read().unwrap_or_else(|p| p.into_inner()).status();
+                axum::Json(s)
+            }
+        }),
+    )
+}
+
 /// The aggregated view of every node.
 #[derive(Debug, Default, Clone)]
 pub struct ClusterView {

@@ -7,12 +7,8 @@
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use bytes::Bytes;
 use dsec_common::api::{ClusterStatus, NodeStatus};
-use http_body_util::{BodyExt, Empty};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use http_body_util::BodyExt;
 
 use crate::ClusterView;
 
@@ -20,9 +16,11 @@ use crate::ClusterView;
 #[derive(Debug, Clone, PartialEq)]
 pub struct EdgeEndpoint {
     pub name: String,
-    /// Base URL of the edge's API, e.g. `http://10.0.0.7:7600`.
+    /// Base URL of the edge's API, e.g. `https://10.0.0.7:7700`.
     pub url: String,
-    pub api_key: String,
+    /// A header that authenticates the watcher (an API key, or in a cluster, where the
+    /// certificate authenticates, the forwarded principal).
+    pub auth: Option<(String, String)>,
 }
 
 /// The view, shared with whoever serves or reads it.
@@ -31,18 +29,17 @@ pub type SharedView = Arc<RwLock<ClusterView>>;
 pub struct Poller {
     edges: Vec<EdgeEndpoint>,
     timeout: Duration,
-    http: Client<HttpConnector, Empty<Bytes>>,
+    http: dsec_mtls::Client,
     view: SharedView,
 }
 
 impl Poller {
-    pub fn new(edges: Vec<EdgeEndpoint>, timeout: Duration) -> Poller {
-        let mut conn = HttpConnector::new();
-        conn.set_connect_timeout(Some(timeout));
+    /// `http` is plain for `http://` edges, or carries the watcher's certificate.
+    pub fn new(edges: Vec<EdgeEndpoint>, timeout: Duration, http: dsec_mtls::Client) -> Poller {
         Poller {
             edges,
             timeout,
-            http: Client::builder(TokioExecutor::new()).build(conn),
+            http,
             view: SharedView::default(),
         }
     }
@@ -52,9 +49,12 @@ impl Poller {
     }
 
     async fn fetch(&self, e: &EdgeEndpoint) -> Result<NodeStatus, String> {
-        let req = hyper::Request::get(format!("{}/v1/status", e.url.trim_end_matches('/')))
-            .header("authorization", format!("Bearer {}", e.api_key))
-            .body(Empty::new())
+        let mut req = hyper::Request::get(format!("{}/v1/status", e.url.trim_end_matches('/')));
+        if let Some((k, v)) = &e.auth {
+            req = req.header(k.as_str(), v.as_str());
+        }
+        let req = req
+            .body(dsec_mtls::client::Body::empty())
             .map_err(|err| err.to_string())?;
         let resp = tokio::time::timeout(self.timeout, self.http.request(req))
             .await
@@ -143,7 +143,7 @@ mod tests {
         let ep = |name: &str, url: &str, key: &str| EdgeEndpoint {
             name: name.into(),
             url: url.into(),
-            api_key: key.into(),
+            auth: Some(("authorization".into(), format!("Bearer {key}"))),
         };
         let p = Poller::new(
             vec![
@@ -152,6 +152,7 @@ mod tests {
                 ep("e3", &u1, "dsk.k"),
             ],
             Duration::from_millis(500),
+            dsec_mtls::Client::new(None),
         );
         p.poll_once().await;
         let v = p.view().read().unwrap().clone();
@@ -176,7 +177,11 @@ mod tests {
             !p.view().read().unwrap().nodes()[1].healthy,
             "a stopped edge stays unhealthy"
         );
-        let wrong_key = Poller::new(vec![ep("e1", &u1, "dsk.bad")], Duration::from_millis(500));
+        let wrong_key = Poller::new(
+            vec![ep("e1", &u1, "dsk.bad")],
+            Duration::from_millis(500),
+            dsec_mtls::Client::new(None),
+        );
         wrong_key.poll_once().await;
         assert!(!wrong_key.view().read().unwrap().nodes()[0].healthy);
         h1.abort();

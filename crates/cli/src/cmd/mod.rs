@@ -1,5 +1,7 @@
+pub mod certs;
 pub mod iam;
 pub mod image;
+pub mod role;
 pub mod runtime;
 pub mod sandbox;
 pub mod up;

@@ -182,7 +182,7 @@ fn print_client(dir: &Path, copy: bool) -> Result<i32> {
     Ok(0)
 }
 
-fn write_private(p: &Path, text: &str) -> Result<()> {
+pub(crate) fn write_private(p: &Path, text: &str) -> Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let tmp = p.with_extension("tmp");
@@ -224,7 +224,7 @@ async fn start_iam(dir: &std::path::Path, addr: &str) -> Result<RaftIam> {
     Ok(node)
 }
 
-pub async fn serve(a: UpArgs) -> Result<i32> {
+pub(crate) fn init_tracing() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
@@ -232,6 +232,28 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+}
+
+/// `dsec serve`: every role in one process, or with `--config` one cluster role.
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    /// A cluster role's config file (role = "iam" | "apiserver" | "watcher" | "edge");
+    /// without it, every role runs here as `dsec up` does
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    #[command(flatten)]
+    pub up: UpArgs,
+}
+
+pub async fn serve_command(a: ServeArgs) -> Result<i32> {
+    match a.config {
+        Some(path) => super::role::run(&path).await,
+        None => serve(a.up).await,
+    }
+}
+
+pub async fn serve(a: UpArgs) -> Result<i32> {
+    init_tracing();
     let dir = a.data.data_dir.clone();
     std::fs::create_dir_all(&dir)?;
     let dir = dir.canonicalize()?;
@@ -288,6 +310,7 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
     let app = dsec_apiserver::router(dsec_apiserver::AppState {
         edge: edge.clone(),
         iam: iam.clone(),
+        forwarded: false,
     })
     .merge(raft.router());
     std::fs::write(pid_file(&dir), std::process::id().to_string())?;

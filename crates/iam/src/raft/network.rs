@@ -1,15 +1,12 @@
-//! Replica-to-replica RPC: JSON over HTTP/1.1 (hyper client, axum routes in
-//! [`super::node`]). One client per target replica, each call bounded by a timeout.
+//! Replica-to-replica RPC: JSON over HTTP/1.1 (over mutual TLS in a cluster; axum routes
+//! in [`super::node`]). One client per target replica, each call bounded by a timeout.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use http_body_util::{BodyExt, Limited};
 use openraft::error::{NetworkError, RPCError, ReplicationClosed, StreamingError, Unreachable};
 use openraft::network::{RPCOption, RaftNetworkFactory};
 use openraft::raft::{
@@ -54,20 +51,18 @@ pub enum CallError {
 /// The header that carries the cluster secret between replicas.
 pub const SECRET_HEADER: &str = "x-dsec-raft-secret";
 
-/// A JSON-over-HTTP client shared by all targets (hyper pools connections per host).
+/// A JSON-over-HTTP client shared by all targets (pooled connections per host).
 #[derive(Clone)]
 pub struct HttpClient {
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: dsec_mtls::Client,
     secret: Option<Arc<str>>,
 }
 
 impl HttpClient {
-    pub fn new(secret: Option<&str>) -> HttpClient {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(Duration::from_secs(1)));
-        connector.set_nodelay(true);
+    /// With `tls`, peers are reached over mutual TLS (`https`); without, plain HTTP.
+    pub fn new(secret: Option<&str>, tls: Option<Arc<rustls::ClientConfig>>) -> HttpClient {
         HttpClient {
-            client: Client::builder(TokioExecutor::new()).build(connector),
+            client: dsec_mtls::Client::new(tls),
             secret: secret.map(Arc::from),
         }
     }
@@ -79,7 +74,7 @@ pub(crate) fn same_secret(a: &[u8], b: &[u8]) -> bool {
 }
 
 impl HttpClient {
-    /// POSTs `req` as JSON to `http://{addr}{path}` and parses the JSON answer.
+    /// POSTs `req` as JSON to `{http|https}://{addr}{path}` and parses the JSON answer.
     pub async fn post<Req: Serialize, Resp: DeserializeOwned>(
         &self,
         addr: &str,
@@ -92,13 +87,13 @@ impl HttpClient {
             msg,
         };
         let body = serde_json::to_vec(req).map_err(|e| other(e.to_string()))?;
-        let mut request = hyper::Request::post(format!("http://{addr}{path}"))
+        let mut request = hyper::Request::post(format!("{}{path}", self.client.base(addr)))
             .header(hyper::header::CONTENT_TYPE, "application/json");
         if let Some(secret) = &self.secret {
             request = request.header(SECRET_HEADER, secret.as_ref());
         }
         let request = request
-            .body(Full::new(Bytes::from(body)))
+            .body(dsec_mtls::client::Body::from(Bytes::from(body)))
             .map_err(|e| other(e.to_string()))?;
         let call = async {
             let resp = self.client.request(request).await.map_err(|e| {

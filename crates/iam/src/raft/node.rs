@@ -54,6 +54,9 @@ pub struct RaftConfig {
     /// Without it, anyone who reaches the routes can write to the IAM store (make an admin
     /// key), so either set it or serve the routes only on a private network.
     pub secret: Option<String>,
+    /// Reach the other replicas over mutual TLS with this client config (a cluster); without
+    /// it, plain HTTP (a single replica, or tests on loopback).
+    pub tls: Option<Arc<rustls::ClientConfig>>,
 }
 
 impl RaftConfig {
@@ -69,6 +72,7 @@ impl RaftConfig {
             write_timeout: Duration::from_secs(10),
             snapshot_timeout: Duration::from_secs(60),
             secret: None,
+            tls: None,
         }
     }
 }
@@ -141,7 +145,7 @@ impl RaftIam {
         .validate()
         .map_err(|e| IamError::Storage(format!("the Raft settings do not hold together: {e}")))?;
         let network = Network {
-            http: HttpClient::new(cfg.secret.as_deref()),
+            http: HttpClient::new(cfg.secret.as_deref(), cfg.tls.clone()),
             snapshot_timeout: cfg.snapshot_timeout,
         };
         let raft = Raft::new(

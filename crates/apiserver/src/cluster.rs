@@ -1,0 +1,504 @@
+//! The apiserver of a cluster. It keeps no per-sandbox state: it authenticates the API key
+//! through IAM, places creates on the watcher's view (filter, then power-of-k with its own
+//! recent placements overlaid; a node that refuses is skipped and the next one tried), and
+//! forwards every request for a sandbox, streams and upgrades included, to the edge its id
+//! names, over mutual TLS, with the caller's principal in [`PRINCIPAL_HEADER`]. The edge
+//! decides visibility (404 for other projects' sandboxes), admission and quota.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, RawQuery, Request, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get, post};
+use dsec_common::api::{CreateSandboxRequest, ListSandboxesResponse, NodeStatus};
+use dsec_common::id::SandboxId;
+use dsec_common::{ApiError, ErrorCode};
+use dsec_iam::{Iam, Principal, PrincipalKind, RemoteIam, ROOT};
+use dsec_watcher::{ClusterView, Demand, EdgeEndpoint, Placer, Poller, SharedView};
+use http_body_util::{BodyExt, Limited};
+use hyper_util::rt::TokioIo;
+
+use crate::{ApiResult, Failure, PRINCIPAL_HEADER, api_key, body, encode_principal, json};
+
+/// The most a create may take on an edge (image unpacking included).
+const CREATE_TIMEOUT: Duration = Duration::from_secs(120);
+/// The most a listing or status call to one edge may take.
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+const MAX_ANSWER: usize = 64 << 20;
+/// Memory a create is placed by when it names none (the edges' usual default).
+const DEFAULT_MEMORY_MB: u64 = 512;
+
+pub struct ClusterConfig {
+    /// Edge name → `host:port` of its cluster listener.
+    pub edges: BTreeMap<String, String>,
+    /// The watcher's `host:port`; without one the apiserver polls the edges itself.
+    pub watcher: Option<String>,
+    /// How often the view is refreshed.
+    pub refresh: Duration,
+}
+
+pub struct Cluster {
+    iam: RemoteIam,
+    edges: BTreeMap<String, String>,
+    watcher: Option<String>,
+    refresh: Duration,
+    client: dsec_mtls::Client,
+    placer: Placer,
+    view: SharedView,
+    /// Polls the edges directly while the watcher does not answer.
+    fallback: Poller,
+}
+
+/// How the apiserver itself appears to edges when it polls them.
+fn component_principal(name: &str) -> Principal {
+    Principal {
+        name: name.to_string(),
+        kind: PrincipalKind::Agent,
+        key_id: String::new(),
+        project: ROOT.to_string(),
+    }
+}
+
+/// The header that lets a cluster component read an edge's status.
+pub fn component_auth(name: &str) -> (String, String) {
+    (
+        PRINCIPAL_HEADER.to_string(),
+        encode_principal(&component_principal(name)),
+    )
+}
+
+impl Cluster {
+    pub fn new(cfg: ClusterConfig, iam: RemoteIam, client: dsec_mtls::Client) -> Arc<Cluster> {
+        let endpoints = cfg
+            .edges
+            .iter()
+            .map(|(name, addr)| EdgeEndpoint {
+                name: name.clone(),
+                url: client.base(addr),
+                auth: Some(component_auth("apiserver")),
+            })
+            .collect();
+        Arc::new(Cluster {
+            iam,
+            edges: cfg.edges,
+            watcher: cfg.watcher,
+            refresh: cfg.refresh,
+            fallback: Poller::new(endpoints, Duration::from_secs(2), client.clone()),
+            client,
+            // Own placements count for two refreshes: until the view has them.
+            placer: Placer::new(2, cfg.refresh * 2 + Duration::from_millis(500)),
+            view: SharedView::default(),
+        })
+    }
+
+    fn view(&self) -> ClusterView {
+        self.view.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Fetches the watcher's view; if it does not answer, polls the edges directly.
+    pub async fn refresh_once(&self) {
+        if let Some(w) = &self.watcher {
+            match self.fetch_watcher(w).await {
+                Ok(nodes) => {
+                    let mut v = ClusterView::default();
+                    for n in nodes {
+                        v.update(n);
+                    }
+                    *self.view.write().unwrap_or_else(|p| p.into_inner()) = v;
+                    return;
+                }
+                Err(e) => tracing::warn!(watcher = %w, "the watcher does not answer ({e}); polling the edges directly"),
+            }
+        }
+        self.fallback.poll_once().await;
+        let v = self
+            .fallback
+            .view()
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        *self.view.write().unwrap_or_else(|p| p.into_inner()) = v;
+    }
+
+    async fn fetch_watcher(&self, addr: &str) -> Result<Vec<NodeStatus>, String> {
+        let url = format!("{}{}", self.client.base(addr), dsec_watcher::PATH_VIEW);
+        let req = hyper::Request::get(url)
+            .body(Body::empty())
+            .map_err(|e| e.to_string())?;
+        let (status, bytes) = self.send(req, CALL_TIMEOUT).await?;
+        if !status.is_success() {
+            return Err(format!("HTTP {status}"));
+        }
+        let s: dsec_common::api::ClusterStatus =
+            serde_json::from_slice(&bytes).map_err(|e| e.to_string())?;
+        Ok(s.nodes)
+    }
+
+    /// Refreshes the view every `refresh` until the task is dropped.
+    pub fn spawn_refresh(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let c = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(c.refresh);
+            loop {
+                tick.tick().await;
+                c.refresh_once().await;
+            }
+        })
+    }
+
+    /// Sends a request and reads the whole (bounded) answer.
+    async fn send(
+        &self,
+        req: hyper::Request<Body>,
+        timeout: Duration,
+    ) -> Result<(StatusCode, Bytes), String> {
+        let call = async {
+            let resp = self.client.request(req).await.map_err(|e| {
+                use std::error::Error;
+                match e.source() {
+                    Some(s) => format!("{e}: {s}"),
+                    None => e.to_string(),
+                }
+            })?;
+            let status = resp.status();
+            let bytes = Limited::new(resp.into_body(), MAX_ANSWER)
+                .collect()
+                .await
+                .map_err(|e| format!("reading the answer: {e}"))?
+                .to_bytes();
+            Ok((status, bytes))
+        };
+        tokio::time::timeout(timeout, call)
+            .await
+            .map_err(|_| format!("no answer within {timeout:?}"))?
+    }
+
+    fn edge_addr(&self, edge: &str) -> ApiResult<&str> {
+        self.edges.get(edge).map(String::as_str).ok_or_else(|| {
+            Failure(ApiError::not_found(format!(
+                "edge {edge} is not part of this cluster (the sandbox id names an edge this apiserver does not know)"
+            )))
+        })
+    }
+
+    /// A JSON call to an edge on behalf of `p`.
+    async fn call(
+        &self,
+        edge: &str,
+        method: Method,
+        path_and_query: &str,
+        body: Option<Vec<u8>>,
+        p: &Principal,
+        timeout: Duration,
+    ) -> Result<(StatusCode, Bytes), String> {
+        let addr = self.edge_addr(edge).map_err(|f| f.0.message)?;
+        let mut req = hyper::Request::builder()
+            .method(method)
+            .uri(format!("{}{path_and_query}", self.client.base(addr)))
+            .header(PRINCIPAL_HEADER, encode_principal(p));
+        if body.is_some() {
+            req = req.header(header::CONTENT_TYPE, "application/json");
+        }
+        let req = req
+            .body(body.map(Body::from).unwrap_or_else(Body::empty))
+            .map_err(|e| e.to_string())?;
+        self.send(req, timeout).await
+    }
+
+    async fn principal(&self, headers: &HeaderMap) -> Result<Principal, Failure> {
+        let Some(k) = api_key(headers) else {
+            return Err(Failure(ApiError::new(
+                ErrorCode::Unauthenticated,
+                "missing API key: send `Authorization: Bearer dsk.…`",
+            )));
+        };
+        self.iam.authenticate_async(k).await.ok_or_else(|| {
+            Failure(ApiError::new(
+                ErrorCode::Unauthenticated,
+                "API key not recognised (or revoked): check DSEC_API_KEY or client.toml",
+            ))
+        })
+    }
+
+    /// Forwards `req` as it is to `edge`, streaming both ways; an `Upgrade` is spliced.
+    async fn forward(
+        &self,
+        edge: &str,
+        mut req: Request,
+        principal: Option<&Principal>,
+    ) -> ApiResult<Response> {
+        let addr = self.edge_addr(edge)?;
+        let pq = req
+            .uri()
+            .path_and_query()
+            .map(|p| p.as_str())
+            .unwrap_or("/")
+            .to_string();
+        *req.uri_mut() = Uri::try_from(format!("{}{pq}", self.client.base(addr)))
+            .map_err(|e| ApiError::invalid(format!("bad request path: {e}")))?;
+        let h = req.headers_mut();
+        h.remove(PRINCIPAL_HEADER);
+        if let Some(p) = principal {
+            h.remove(header::AUTHORIZATION);
+            h.remove("x-api-key");
+            let v = HeaderValue::from_str(&encode_principal(p))
+                .map_err(|e| ApiError::internal(e.to_string()))?;
+            h.insert(PRINCIPAL_HEADER, v);
+        }
+        let client_upgrade = req
+            .headers()
+            .contains_key(header::UPGRADE)
+            .then(|| hyper::upgrade::on(&mut req));
+        let mut resp = self.client.request(req).await.map_err(|e| {
+            Failure(ApiError::unavailable(format!(
+                "edge {edge} ({addr}) does not answer ({e}); its sandboxes are reachable again once it is back"
+            )))
+        })?;
+        if resp.status() == StatusCode::SWITCHING_PROTOCOLS
+            && let Some(client_upgrade) = client_upgrade
+        {
+            let edge_upgrade = hyper::upgrade::on(&mut resp);
+            tokio::spawn(async move {
+                if let (Ok(a), Ok(b)) = (client_upgrade.await, edge_upgrade.await) {
+                    let _ =
+                        tokio::io::copy_bidirectional(&mut TokioIo::new(a), &mut TokioIo::new(b))
+                            .await;
+                }
+            });
+        }
+        Ok(resp.map(Body::new).into_response())
+    }
+}
+
+pub fn router(c: Arc<Cluster>) -> Router {
+    let iam: Arc<dyn Iam> = Arc::new(c.iam.clone());
+    let iam_routes = crate::iam::routes()
+        .with_state(iam)
+        .route_layer(middleware::from_fn_with_state(c.clone(), auth));
+    Router::new()
+        .route(
+            "/healthz",
+            get(|| async { axum::Json(serde_json::json!({"ok": true})) }),
+        )
+        .route(
+            "/openapi.json",
+            get(|| async { ([(header::CONTENT_TYPE, "application/json")], crate::OPENAPI) }),
+        )
+        .route("/v1/status", get(status))
+        .route("/v1/sandboxes", post(create).get(list))
+        .route("/v1/images", get(images))
+        .route("/v1/sandboxes/{id}", any(sandbox))
+        .route("/v1/sandboxes/{id}/{*rest}", any(sandbox_rest))
+        .merge(iam_routes)
+        .fallback(|| async {
+            Failure(ApiError::not_found(
+                "no such endpoint; the API is described at /openapi.json",
+            ))
+        })
+        .with_state(c)
+}
+
+async fn auth(State(c): State<Arc<Cluster>>, mut req: Request, next: Next) -> Response {
+    match c.principal(req.headers()).await {
+        Ok(p) => {
+            req.extensions_mut().insert(p);
+            next.run(req).await
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+fn owning_edge(id: &str) -> ApiResult<String> {
+    Ok(SandboxId::parse(id)
+        .map_err(|e| ApiError::invalid(e.to_string()))?
+        .edge()
+        .to_string())
+}
+
+async fn sandbox(
+    State(c): State<Arc<Cluster>>,
+    Path(id): Path<String>,
+    req: Request,
+) -> ApiResult<Response> {
+    let p = c.principal(req.headers()).await?;
+    let edge = owning_edge(&id)?;
+    c.forward(&edge, req, Some(&p)).await
+}
+
+async fn sandbox_rest(
+    State(c): State<Arc<Cluster>>,
+    Path((id, rest)): Path<(String, String)>,
+    req: Request,
+) -> ApiResult<Response> {
+    let edge = owning_edge(&id)?;
+    // Port forwarding may be opened by the sandbox's port token instead of a key; the
+    // edge checks the token.
+    let p = if rest.starts_with("ports/") && api_key(req.headers()).is_none() {
+        None
+    } else {
+        Some(c.principal(req.headers()).await?)
+    };
+    c.forward(&edge, req, p.as_ref()).await
+}
+
+async fn status(State(c): State<Arc<Cluster>>, headers: HeaderMap) -> ApiResult<Response> {
+    c.principal(&headers).await?;
+    let mut view = c.view();
+    if view.nodes().is_empty() {
+        c.refresh_once().await;
+        view = c.view();
+    }
+    Ok(json(StatusCode::OK, &view.status()))
+}
+
+async fn create(
+    State(c): State<Arc<Cluster>>,
+    headers: HeaderMap,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    let p = c.principal(&headers).await?;
+    let mut req: CreateSandboxRequest = body(&bytes, "create sandbox")?;
+    let project = req.project.clone().unwrap_or_else(|| p.project.clone());
+    if !dsec_iam::within(&project, &p.project) {
+        return Err(ApiError::not_found(format!(
+            "project {project} does not exist (this key can use {} and the projects inside it)",
+            p.project
+        ))
+        .into());
+    }
+    req.project = Some(project);
+    let demand = Demand {
+        backend: req.backend.clone(),
+        memory_mb: req
+            .memory_limit_mb
+            .filter(|m| m.is_finite() && *m > 0.0)
+            .map(|m| m as u64)
+            .unwrap_or(DEFAULT_MEMORY_MB),
+    };
+    let payload = serde_json::to_vec(&req).map_err(|e| ApiError::internal(e.to_string()))?;
+    let mut view = c.view();
+    if view.nodes().is_empty() {
+        c.refresh_once().await;
+        view = c.view();
+    }
+    let mut exclude: Vec<String> = Vec::new();
+    let mut refusals: Vec<String> = Vec::new();
+    loop {
+        let node = match c.placer.choose(&view, &demand, &exclude) {
+            Ok(n) => n,
+            Err(e) => {
+                let any_healthy = view.nodes().iter().any(|n| n.healthy);
+                let mut msg = e.to_string();
+                if !refusals.is_empty() {
+                    msg = format!("{msg} ({})", refusals.join("; "));
+                }
+                return Err(Failure(if any_healthy {
+                    ApiError::node_full(msg)
+                } else {
+                    ApiError::unavailable(msg)
+                }));
+            }
+        };
+        match c
+            .call(
+                &node,
+                Method::POST,
+                "/v1/sandboxes",
+                Some(payload.clone()),
+                &p,
+                CREATE_TIMEOUT,
+            )
+            .await
+        {
+            Err(e) => {
+                tracing::warn!(edge = %node, "create not delivered: {e}");
+                refusals.push(format!("{node} does not answer"));
+            }
+            Ok((status, answer)) => {
+                let refused = status == StatusCode::TOO_MANY_REQUESTS
+                    && serde_json::from_slice::<ApiError>(&answer).is_ok_and(|e| e.node_refused);
+                if !refused {
+                    return Ok((
+                        status,
+                        [(header::CONTENT_TYPE, "application/json")],
+                        answer,
+                    )
+                        .into_response());
+                }
+                tracing::info!(edge = %node, "edge refused the create; placing it elsewhere");
+                refusals.push(format!("{node} is full"));
+            }
+        }
+        exclude.push(node);
+    }
+}
+
+async fn list(
+    State(c): State<Arc<Cluster>>,
+    headers: HeaderMap,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Response> {
+    let p = c.principal(&headers).await?;
+    // Checked here too, so a bad filter is one clear error, not one per edge.
+    crate::label_filter(q.as_deref())?;
+    let path = match &q {
+        Some(q) => format!("/v1/sandboxes?{q}"),
+        None => "/v1/sandboxes".to_string(),
+    };
+    let calls = c.edges.keys().map(|edge| {
+        let (c, p, path) = (c.clone(), p.clone(), path.clone());
+        async move {
+            let r = c
+                .call(edge, Method::GET, &path, None, &p, CALL_TIMEOUT)
+                .await;
+            (edge.clone(), r)
+        }
+    });
+    let mut out = ListSandboxesResponse {
+        sandboxes: Vec::new(),
+    };
+    let mut missing = Vec::new();
+    for (edge, r) in futures_util::future::join_all(calls).await {
+        match r {
+            Ok((s, bytes)) if s.is_success() => {
+                match serde_json::from_slice::<ListSandboxesResponse>(&bytes) {
+                    Ok(l) => out.sandboxes.extend(l.sandboxes),
+                    Err(_) => missing.push(edge),
+                }
+            }
+            Ok((s, bytes)) => {
+                // The same answer from every edge (a bad filter): pass it on.
+                return Ok((s, [(header::CONTENT_TYPE, "application/json")], bytes).into_response());
+            }
+            Err(_) => missing.push(edge),
+        }
+    }
+    out.sandboxes.sort_by(|a, b| a.id.cmp(&b.id));
+    let mut resp = json(StatusCode::OK, &out);
+    if !missing.is_empty()
+        && let Ok(v) = HeaderValue::from_str(&missing.join(","))
+    {
+        // The listing lacks these edges' sandboxes (they did not answer).
+        resp.headers_mut().insert("x-dsec-unreachable-edges", v);
+    }
+    Ok(resp)
+}
+
+async fn images(State(c): State<Arc<Cluster>>, req: Request) -> ApiResult<Response> {
+    let p = c.principal(req.headers()).await?;
+    let view = c.view();
+    let edge = view
+        .nodes()
+        .iter()
+        .find(|n| n.healthy)
+        .map(|n| n.name.clone())
+        .or_else(|| c.edges.keys().next().cloned())
+        .ok_or_else(|| ApiError::unavailable("the cluster has no edges"))?;
+    c.forward(&edge, req, Some(&p)).await
+}

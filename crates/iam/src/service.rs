@@ -1,0 +1,110 @@
+//! The IAM service other components call (apiservers authenticate keys and manage
+//! projects; edges reserve and release quota): JSON over HTTP on the replica's mutual-TLS
+//! listener, next to the Raft routes. Any replica answers; writes go through the leader.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::{Deserialize, Serialize};
+
+use crate::raft::RaftIam;
+use crate::state::{Command, KeyRecord, Refusal};
+use crate::{Iam, IamError, Principal, ProjectView};
+
+pub const PATH_AUTHENTICATE: &str = "/iam/authenticate";
+pub const PATH_APPLY: &str = "/iam/apply";
+pub const PATH_PROJECTS: &str = "/iam/projects";
+pub const PATH_KEYS: &str = "/iam/keys";
+pub const PATH_LEADER: &str = "/iam/leader";
+
+#[derive(Serialize, Deserialize)]
+pub struct AuthenticateRequest {
+    pub key: String,
+}
+
+#[derive(Serialize, Deserialize)]
+pub struct AuthenticateReply {
+    pub principal: Option<Principal>,
+}
+
+#[derive(Serialize, Deserialize)]
+pub struct ActorRequest {
+    pub actor: String,
+}
+
+/// What a failed apply answers: a refusal (the command was applied and said no) or an
+/// outage (`unavailable`, retry).
+#[derive(Debug, Serialize, Deserialize)]
+pub enum ApplyFailure {
+    Refused(Refusal),
+    Unavailable(String),
+}
+
+#[derive(Serialize, Deserialize)]
+pub struct LeaderReply {
+    pub id: u64,
+    pub leader_id: Option<u64>,
+    pub leader: Option<String>,
+}
+
+pub fn router(node: RaftIam) -> Router {
+    Router::new()
+        .route(PATH_AUTHENTICATE, post(authenticate))
+        .route(PATH_APPLY, post(apply))
+        .route(PATH_PROJECTS, post(projects))
+        .route(PATH_KEYS, post(keys))
+        .route(PATH_LEADER, get(leader))
+        .with_state(node)
+}
+
+async fn authenticate(
+    State(n): State<RaftIam>,
+    Json(r): Json<AuthenticateRequest>,
+) -> Json<AuthenticateReply> {
+    Json(AuthenticateReply {
+        principal: n.authenticate(&r.key),
+    })
+}
+
+async fn apply(State(n): State<RaftIam>, Json(cmd): Json<Command>) -> Response {
+    match n.write(cmd).await {
+        Ok(()) => Json(serde_json::json!({})).into_response(),
+        Err(IamError::Refused(r)) => {
+            (StatusCode::CONFLICT, Json(ApplyFailure::Refused(r))).into_response()
+        }
+        Err(IamError::Storage(m)) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(ApplyFailure::Unavailable(m)),
+        )
+            .into_response(),
+    }
+}
+
+async fn projects(
+    State(n): State<RaftIam>,
+    Json(r): Json<ActorRequest>,
+) -> Json<Vec<ProjectView>> {
+    Json(n.projects(&r.actor))
+}
+
+async fn keys(State(n): State<RaftIam>, Json(r): Json<ActorRequest>) -> Json<Vec<KeyRecord>> {
+    Json(n.keys(&r.actor))
+}
+
+async fn leader(State(n): State<RaftIam>) -> Json<LeaderReply> {
+    let m = n.metrics();
+    let leader_id = m.current_leader;
+    let leader = leader_id.and_then(|id| {
+        m.membership_config
+            .membership()
+            .get_node(&id)
+            .map(|node| node.addr.clone())
+    });
+    Json(LeaderReply {
+        id: n.id(),
+        leader_id,
+        leader,
+    })
+}

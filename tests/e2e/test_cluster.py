@@ -1,0 +1,441 @@
+# SPDX-License-Identifier: AGPL-3.0-only
+"""A whole cluster on one machine (see cluster_harness): 3 IAMs, 2 apiservers, a watcher
+and 3 edges, each in its own network namespace. Creates spread over the edges and quotas
+stay exact across apiservers; sandboxes keep running through kill -9 of the IAM leader, an
+apiserver, the watcher and an edge, with creates and execs back within seconds; delegation
+nests without escalation; internal listeners only talk to peers with a certificate of the
+cluster's CA, and projects cannot see each other's sandboxes.
+
+Run with `-s` to see the figures (spread, creates/s, recovery times)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+import cluster_harness as ch
+from cluster_harness import APIS, EDGES, HOSTS, Cluster
+from opendsec import DSecClient, DSecRunArgs, NotFoundError, ResourceExhaustedError, Sandbox, SandboxInfo
+from opendsec.errors import DSecError
+
+# Small sandboxes; the TTL only matters if a test and its cleanup both fail.
+SMALL = dict(image="root/base", memory_limit_mb=64, cpu_cores_limit=0.1, ttl_seconds=1800)
+# A shell loop the faults must not interrupt: /tmp/c counts up 5 times a second.
+COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.2; done"
+RECOVERY_S = 15.0
+# How long a recovery is waited for (beyond the limit, so that a slow one is still measured).
+GIVE_UP_S = RECOVERY_S + 10.0
+# Answers that refuse an action for lack of rights (as on one node: 403, or 404 for
+# something outside the key's project).
+DENIED = {"permission_denied", "not_found"}
+
+
+@pytest.fixture(scope="module")
+def cluster(server):
+    why = ch.netns_available()
+    if why:
+        pytest.skip(f"the cluster tests need network namespaces: {why}")
+    c = Cluster()
+    try:
+        c.up()
+        yield c
+    finally:
+        left = c.down()
+    assert not left, f"the cluster left these behind after an orderly stop: {left}"
+
+
+# ---- helpers -------------------------------------------------------------------------
+
+
+def _client(cluster: Cluster, api: str, key: str | None = None) -> DSecClient:
+    """A client of apiserver `api` with `key` (default: the bootstrap admin key)."""
+    return DSecClient(api_url=cluster.api_url(api), api_key=key or cluster.admin_key)
+
+
+def _edge_of(sandbox_id: str) -> str:
+    return sandbox_id.split("-", 1)[0]
+
+
+async def _gather_limited(coros: list, limit: int) -> list:
+    """Awaits all, at most `limit` at a time; exceptions are returned, not raised."""
+    sem = asyncio.Semaphore(limit)
+
+    async def one(c):
+        async with sem:
+            return await c
+
+    return await asyncio.gather(*(one(c) for c in coros), return_exceptions=True)
+
+
+def _split(results: list) -> tuple[list[Sandbox], list[BaseException]]:
+    return ([r for r in results if isinstance(r, Sandbox)],
+            [r for r in results if not isinstance(r, Sandbox)])
+
+
+async def _stop_all(sandboxes: list[Sandbox]) -> list[BaseException]:
+    """Stops them (each through the client that made it); returns the failures."""
+    results = await _gather_limited([s.stop() for s in sandboxes], 32)
+    return [r for r in results if isinstance(r, BaseException)]
+
+
+async def _refused(coro, codes: set[str]) -> DSecError:
+    """Awaits `coro`, which must fail with one of `codes` (not a transport or server error)."""
+    with pytest.raises(DSecError) as e:
+        await coro
+    assert e.value.code in codes, f"expected one of {codes}, got {e.value!r}"
+    return e.value
+
+
+# ---- 1. spread and exact quota --------------------------------------------------------
+
+
+async def test_spread_and_exact_quota(cluster):
+    async with _client(cluster, "api1") as a1, _client(cluster, "api2") as a2:
+        made: list[Sandbox] = []
+        try:
+            n = 300
+            t0 = time.monotonic()
+            results = await _gather_limited(
+                [(a1, a2)[i % 2].run_sandbox(DSecRunArgs(**SMALL, labels={"test": "spread"})) for i in range(n)], 16)
+            took = time.monotonic() - t0
+            made, failed = _split(results)
+            assert not failed, f"{len(failed)} of {n} creates failed, e.g. {failed[:3]}"
+            counts = Counter(_edge_of(s.id) for s in made)
+            print(f"\nspread of {n} sandboxes: {dict(sorted(counts.items()))}; "
+                  f"{n / took:.1f} creates/s ({took:.1f} s at concurrency 16)", flush=True)
+            assert set(counts) == set(EDGES), counts
+            for e in EDGES:
+                assert 60 <= counts[e] <= 140, counts
+            await _exact_quota_across_apiservers(cluster, a1)
+        finally:
+            stop_failures = await _stop_all(made)
+        assert not stop_failures, stop_failures[:3]
+        assert await a2.list_sandboxes(labels={"test": "spread"}) == []
+
+
+async def _exact_quota_across_apiservers(cluster: Cluster, admin: DSecClient) -> None:
+    """70 concurrent creates against a quota of 50, half through each apiserver."""
+    project = "root/q50"
+    await admin.create_project(project, sandboxes=50)
+    key = (await admin.create_key("q50-agent", project=project, agent=True))["key"]
+    args = DSecRunArgs(**SMALL, project=project)
+    async with _client(cluster, "api1", key) as k1, _client(cluster, "api2", key) as k2:
+        ok: list[Sandbox] = []
+        try:
+            ok, refused = _split(await asyncio.gather(*((k1, k2)[i % 2].run_sandbox(args) for i in range(70)),
+                                                      return_exceptions=True))
+            print(f"quota 50, 70 concurrent creates: {len(ok)} made, {len(refused)} refused", flush=True)
+            assert len(ok) == 50, [r for r in refused if not isinstance(r, ResourceExhaustedError)][:3]
+            assert all(isinstance(r, ResourceExhaustedError) and r.status == 429 and r.code == "resource_exhausted"
+                       for r in refused), refused[:3]
+            assert all(s.info.project == project for s in ok)
+            with pytest.raises(ResourceExhaustedError):
+                await k2.run_sandbox(args)
+            # A stop through one apiserver frees the slot for a create through the other,
+            # and only that one.
+            await Sandbox(k1, ok.pop().info).stop()
+            ok.append(await k2.run_sandbox(args))
+            with pytest.raises(ResourceExhaustedError):
+                await k1.run_sandbox(args)
+        finally:
+            stop_failures = await _stop_all(ok)
+        assert not stop_failures, stop_failures[:3]
+
+
+# ---- 2. faults ------------------------------------------------------------------------
+
+
+class CounterWatch:
+    """Reads every sandbox's /tmp/c in a loop, alternating between the apiservers, and
+    keeps every reading. Failed reads (a component is down) are only counted."""
+
+    def __init__(self, clients: list[DSecClient], infos: list[SandboxInfo]):
+        self.clients = clients
+        self.infos = infos
+        self.readings: dict[str, list[int]] = {i.id: [] for i in infos}
+        self.failed = 0
+        self._stop = asyncio.Event()
+
+    async def _read(self, client: DSecClient, info: SandboxInfo) -> None:
+        try:
+            r = await asyncio.wait_for(Sandbox(client, info).exec(["cat", "/tmp/c"]), 5)
+        except (DSecError, asyncio.TimeoutError):
+            self.failed += 1
+            return
+        if r.exit_code == 0 and r.stdout.strip().isdigit():
+            self.readings[info.id].append(int(r.stdout))
+
+    async def run(self) -> None:
+        n = 0
+        while not self._stop.is_set():
+            client = self.clients[n % len(self.clients)]
+            n += 1
+            await asyncio.gather(*(self._read(client, i) for i in self.infos))
+            await asyncio.sleep(0.1)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def latest(self) -> dict[str, int]:
+        return {k: v[-1] for k, v in self.readings.items() if v}
+
+    async def wait_all_read(self, timeout: float = 15.0) -> None:
+        end = time.monotonic() + timeout
+        while len(self.latest()) < len(self.infos):
+            assert time.monotonic() < end, f"unread sandboxes: {set(self.readings) - set(self.latest())}"
+            await asyncio.sleep(0.1)
+
+
+async def _two_per_edge(clients: list[DSecClient], args: DSecRunArgs) -> list[Sandbox]:
+    """Creates sandboxes until every edge runs two of them; stops the extra ones."""
+    kept: dict[str, list[Sandbox]] = {e: [] for e in EDGES}
+    extra: list[Sandbox] = []
+    try:
+        for _ in range(10):
+            missing = sum(max(0, 2 - len(v)) for v in kept.values())
+            if not missing:
+                break
+            made, failed = _split(await asyncio.gather(*(clients[i % 2].run_sandbox(args) for i in range(missing)),
+                                                       return_exceptions=True))
+            for sb in made:
+                edge = kept.get(_edge_of(sb.id))
+                (edge if edge is not None and len(edge) < 2 else extra).append(sb)
+            assert not failed, failed[:3]
+        assert all(len(v) == 2 for v in kept.values()), {e: len(v) for e, v in kept.items()}
+    except BaseException:
+        extra += [s for v in kept.values() for s in v]
+        raise
+    finally:
+        await _stop_all(extra)
+    return [s for v in kept.values() for s in v]
+
+
+async def _time_to_create(clients: list[DSecClient], args: DSecRunArgs, t0: float) -> float:
+    """Seconds from t0 until a create succeeds (the sandbox is stopped again)."""
+    n = 0
+    while time.monotonic() - t0 < GIVE_UP_S:
+        client = clients[n % len(clients)]
+        n += 1
+        try:
+            sb = await asyncio.wait_for(client.run_sandbox(args), 5)
+        except (DSecError, asyncio.TimeoutError):
+            await asyncio.sleep(0.1)
+            continue
+        took = time.monotonic() - t0
+        try:
+            await sb.stop()
+        except DSecError:
+            pass  # the teardown stops it
+        return took
+    return float("inf")
+
+
+async def _time_to_exec(clients: list[DSecClient], infos: list[SandboxInfo], t0: float) -> float:
+    """Seconds from t0 until every sandbox has answered an exec."""
+    pending = {i.id: i for i in infos}
+
+    async def answers(client: DSecClient, info: SandboxInfo) -> bool:
+        try:
+            r = await asyncio.wait_for(Sandbox(client, info).exec(["cat", "/tmp/c"]), 5)
+        except (DSecError, asyncio.TimeoutError):
+            return False
+        return r.exit_code == 0
+
+    n = 0
+    while pending and time.monotonic() - t0 < GIVE_UP_S:
+        client = clients[n % len(clients)]
+        n += 1
+        ok = await asyncio.gather(*(answers(client, i) for i in pending.values()))
+        for sid, answered in zip(list(pending), ok):
+            if answered:
+                del pending[sid]
+        if pending:
+            await asyncio.sleep(0.1)
+    return time.monotonic() - t0 if not pending else float("inf")
+
+
+async def _fault(cluster: Cluster, target: str, clients: dict[str, DSecClient],
+                 args: DSecRunArgs, infos: list[SandboxInfo]) -> None:
+    """kill -9 of `target` ("iam-leader" or a host name), the recovery times measured while
+    it is down (for an edge: creates while down, execs until its sandboxes answer after a
+    restart), then it is restarted."""
+    victim = await asyncio.to_thread(cluster.iam_leader) if target == "iam-leader" else target
+    cluster.kill9(victim)
+    t0 = time.monotonic()
+    alive = [clients[a] for a in APIS if cluster.alive(a)]
+    if HOSTS[victim].role == "edge":
+        create_s = await _time_to_create(alive, args, t0)
+        cluster.start(victim)
+        exec_s = await _time_to_exec(alive, infos, t0)
+    else:
+        create_s, exec_s = await asyncio.gather(_time_to_create(alive, args, t0), _time_to_exec(alive, infos, t0))
+        cluster.start(victim)
+    restart_s = await asyncio.to_thread(cluster.wait_healthy, victim)
+    print(f"kill -9 {victim} ({target}): a create succeeds after {create_s:.2f} s, every sandbox answers "
+          f"after {exec_s:.2f} s; healthy {restart_s:.2f} s after its restart", flush=True)
+    assert create_s < RECOVERY_S, f"no create within {RECOVERY_S} s after kill -9 of {victim}"
+    assert exec_s < RECOVERY_S, f"sandboxes not all answering within {RECOVERY_S} s after kill -9 of {victim}"
+
+
+async def _iam_intact(cluster: Cluster, project: str, key: str, key_id: str) -> None:
+    """The project and the key made before the faults are there, through every apiserver."""
+    for api in APIS:
+        async with _client(cluster, api) as admin:
+            assert project in {p["path"] for p in await admin.projects()}, api
+            assert key_id in {k.get("key_id") for k in await admin.keys()}, api
+        async with _client(cluster, api, key) as agent:
+            assert (await agent.whoami())["project"] == project, api
+
+
+async def test_faults_keep_sandboxes(cluster):
+    project = "root/faults"
+    async with _client(cluster, "api1") as admin:
+        await admin.create_project(project, sandboxes=50)
+        made_key = await admin.create_key("faults-agent", project=project, agent=True)
+    key = made_key["key"]
+    args = DSecRunArgs(**SMALL, project=project)
+    async with _client(cluster, "api1", key) as k1, _client(cluster, "api2", key) as k2:
+        clients = {"api1": k1, "api2": k2}
+        sandboxes: list[Sandbox] = []
+        try:
+            sandboxes = await _two_per_edge([k1, k2], args)
+            for sb in sandboxes:
+                await sb.exec_background(cmd=COUNTER, timeout=1800, tag="counter")
+            infos = [s.info for s in sandboxes]
+            watch = CounterWatch([k1, k2], infos)
+            task = asyncio.create_task(watch.run())
+            try:
+                await watch.wait_all_read()
+                before = watch.latest()
+                for target in ("iam-leader", "api1", "watcher", "edge2"):
+                    await _fault(cluster, target, clients, args, infos)
+                    await _iam_intact(cluster, project, key, made_key["key_id"])
+                await asyncio.to_thread(cluster.wait_edges_healthy)
+                await asyncio.sleep(1.0)
+            finally:
+                watch.stop()
+                await task
+            reads = sum(len(v) for v in watch.readings.values())
+            print(f"workload: {reads} counter reads, {watch.failed} failed while components were down", flush=True)
+            _assert_counters_ran_through(watch, before)
+            await _assert_counters_still_run(k1, infos)
+        finally:
+            stop_failures = await _stop_all(sandboxes)
+        assert not stop_failures, stop_failures[:3]
+
+
+def _assert_counters_ran_through(watch: CounterWatch, before: dict[str, int]) -> None:
+    """Every counter only ever went up (its loop was never restarted) and is past where it
+    was before the faults."""
+    for sid, values in watch.readings.items():
+        assert all(a <= b for a, b in zip(values, values[1:])), f"{sid}'s counter went back: {values}"
+        assert values[-1] > before[sid], f"{sid}'s counter stopped at {values[-1]}"
+
+
+async def _assert_counters_still_run(client: DSecClient, infos: list[SandboxInfo]) -> None:
+    async def read(info: SandboxInfo) -> int:
+        return int((await Sandbox(client, info).exec(["cat", "/tmp/c"])).stdout)
+
+    first = await asyncio.gather(*(read(i) for i in infos))
+    await asyncio.sleep(1.0)
+    second = await asyncio.gather(*(read(i) for i in infos))
+    stalled = [i.id for i, a, b in zip(infos, first, second) if b <= a]
+    assert not stalled, f"counter loops no longer running in {stalled}"
+
+
+# ---- 3. nested delegation -------------------------------------------------------------
+
+
+async def test_nested_delegation(cluster):
+    team, sub = "root/team", "root/team/sub"
+    async with _client(cluster, "api1") as admin:
+        await admin.create_project(team, sandboxes=20, cpu_cores=4, memory_mb=4096)
+        team_key = (await admin.create_key("team-agent", project=team, agent=True))["key"]
+    async with _client(cluster, "api2", team_key) as agent:
+        await agent.create_project(sub, sandboxes=5)
+        # A sub-project cannot get more than the team has.
+        over = {"permission_denied", "resource_exhausted", "invalid_argument"}
+        await _refused(agent.create_project(f"{team}/big", sandboxes=30), over)
+        await _refused(agent.set_quota(sub, sandboxes=30), over)
+        # Nor can the agent raise its own project's quota or reach outside it.
+        await _refused(agent.set_quota(team, sandboxes=1000), DENIED)
+        await _refused(agent.create_project("root/elsewhere"), DENIED)
+        quotas = {p["path"]: p["quota"] for p in await agent.projects()}
+        assert set(quotas) == {team, sub}, quotas
+        assert quotas[sub]["sandboxes"] == 5 and quotas[team]["sandboxes"] == 20, quotas
+        sub_key = (await agent.create_key("sub-agent", project=sub, agent=True))["key"]
+    async with _client(cluster, "api1", sub_key) as s1, _client(cluster, "api2", sub_key) as s2:
+        ok: list[Sandbox] = []
+        try:
+            ok, refused = _split(await asyncio.gather(
+                *((s1, s2)[i % 2].run_sandbox(DSecRunArgs(**SMALL)) for i in range(7)), return_exceptions=True))
+            print(f"\n{sub} (quota 5): {len(ok)} of 7 concurrent creates made", flush=True)
+            assert len(ok) == 5 and all(isinstance(r, ResourceExhaustedError) for r in refused), refused
+            assert all(s.info.project == sub for s in ok)
+        finally:
+            stop_failures = await _stop_all(ok)
+        assert not stop_failures, stop_failures[:3]
+
+
+# ---- 4. mTLS and isolation ------------------------------------------------------------
+
+
+async def test_mtls_and_isolation(cluster):
+    for name in ("edge1", "iam1"):
+        _assert_needs_cluster_certificate(cluster, name)
+    await _assert_projects_isolated(cluster)
+
+
+def _assert_needs_cluster_certificate(cluster: Cluster, name: str) -> None:
+    """Host `name`'s internal listener answers a peer with an apiserver certificate of the
+    cluster's CA, and refuses TLS without a client certificate or with another CA's."""
+    addr = HOSTS[name].addr
+    status, line = ch.tls_probe(addr, cluster.peer_context())
+    assert status == 200, f"{name} ({addr}) answered {line!r} to an apiserver certificate"
+    others = {
+        "no client certificate": ch.tls_context(ch.CERTS / "ca.pem"),
+        "a certificate of another CA": cluster.foreign_context(),
+    }
+    for label, ctx in others.items():
+        status, why = ch.tls_probe(addr, ctx)
+        print(f"\n{name} with {label}: {why}", flush=True)
+        assert status is None, f"{name} ({addr}) answered {why!r} to a peer with {label}"
+
+
+async def _assert_projects_isolated(cluster: Cluster) -> None:
+    """Project B's key cannot get, exec in, stop or list project A's sandbox."""
+    a, b = "root/iso-a", "root/iso-b"
+    async with _client(cluster, "api1") as admin:
+        await admin.create_project(a)
+        await admin.create_project(b)
+        ka = (await admin.create_key("iso-a", project=a))["key"]
+        kb = (await admin.create_key("iso-b", project=b))["key"]
+    async with _client(cluster, "api1", ka) as ca:
+        sa = await ca.run_sandbox(DSecRunArgs(**SMALL))
+        try:
+            for api in APIS:
+                await _assert_invisible(cluster, api, kb, sa.info)
+            # Still A's and still running after B's attempts.
+            assert (await ca.get_sandbox(sa.id)).info.project == a
+            assert (await sa.exec(cmd="echo mine")).stdout == "mine\n"
+        finally:
+            await sa.stop()
+
+
+async def _assert_invisible(cluster: Cluster, api: str, key: str, info: SandboxInfo) -> None:
+    """Through `api`, the key's project sees no trace of the sandbox: 404 for get, exec
+    and stop, and it is not listed."""
+    async with _client(cluster, api, key) as other:
+        with pytest.raises(NotFoundError):
+            await other.get_sandbox(info.id)
+        with pytest.raises(NotFoundError):
+            await Sandbox(other, info).exec(cmd="true")
+        assert info.id not in {s.id for s in await other.list_sandboxes()}
+    # The SDK's stop() ignores not_found (stopping twice is fine), so ask directly.
+    async with httpx.AsyncClient(base_url=cluster.api_url(api), headers={"Authorization": f"Bearer {key}"}) as raw:
+        r = await raw.delete(f"/v1/sandboxes/{info.id}")
+        assert r.status_code == 404 and r.json()["code"] == "not_found", (api, r.status_code, r.text)
