@@ -19,7 +19,7 @@ use axum::routing::{any, get, post};
 use dsec_common::api::{CreateSandboxRequest, ListSandboxesResponse, NodeStatus};
 use dsec_common::id::SandboxId;
 use dsec_common::{ApiError, ErrorCode};
-use dsec_iam::{Iam, Principal, PrincipalKind, RemoteIam, ROOT};
+use dsec_iam::{Iam, Principal, PrincipalKind, ROOT, RemoteIam};
 use dsec_watcher::{ClusterView, Demand, EdgeEndpoint, Placer, Poller, SharedView};
 use http_body_util::{BodyExt, Limited};
 use hyper_util::rt::TokioIo;
@@ -113,7 +113,9 @@ impl Cluster {
                     *self.view.write().unwrap_or_else(|p| p.into_inner()) = v;
                     return;
                 }
-                Err(e) => tracing::warn!(watcher = %w, "the watcher does not answer ({e}); polling the edges directly"),
+                Err(e) => {
+                    tracing::warn!(watcher = %w, "the watcher does not answer ({e}); polling the edges directly")
+                }
             }
         }
         self.fallback.poll_once().await;
@@ -424,12 +426,10 @@ async fn create(
                 let refused = status == StatusCode::TOO_MANY_REQUESTS
                     && serde_json::from_slice::<ApiError>(&answer).is_ok_and(|e| e.node_refused);
                 if !refused {
-                    return Ok((
-                        status,
-                        [(header::CONTENT_TYPE, "application/json")],
-                        answer,
-                    )
-                        .into_response());
+                    return Ok(
+                        (status, [(header::CONTENT_TYPE, "application/json")], answer)
+                            .into_response(),
+                    );
                 }
                 tracing::info!(edge = %node, "edge refused the create; placing it elsewhere");
                 refusals.push(format!("{node} is full"));

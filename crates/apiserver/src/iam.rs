@@ -121,14 +121,13 @@ async fn create_project(
     bytes: Bytes,
 ) -> ApiResult<Response> {
     let b: ProjectBody = body(&bytes, "create project")?;
-    iam
-        .apply(Command::CreateProject {
-            actor: p.project.clone(),
-            path: b.project.clone(),
-            quota: b.quota,
-            now_ms: dsec_iam::now_ms(),
-        })
-        .map_err(api_error)?;
+    iam.apply(Command::CreateProject {
+        actor: p.project.clone(),
+        path: b.project.clone(),
+        quota: b.quota,
+        now_ms: dsec_iam::now_ms(),
+    })
+    .map_err(api_error)?;
     let mut r = view(iam.as_ref(), &p, &b.project)?;
     *r.status_mut() = StatusCode::CREATED;
     Ok(r)
@@ -140,13 +139,12 @@ async fn set_quota(
     bytes: Bytes,
 ) -> ApiResult<Response> {
     let b: ProjectBody = body(&bytes, "set quota")?;
-    iam
-        .apply(Command::SetQuota {
-            actor: p.project.clone(),
-            path: b.project.clone(),
-            quota: b.quota,
-        })
-        .map_err(api_error)?;
+    iam.apply(Command::SetQuota {
+        actor: p.project.clone(),
+        path: b.project.clone(),
+        quota: b.quota,
+    })
+    .map_err(api_error)?;
     view(iam.as_ref(), &p, &b.project)
 }
 
@@ -211,11 +209,10 @@ async fn revoke_key(
     Extension(p): Extension<Principal>,
     Path(key_id): Path<String>,
 ) -> ApiResult<Response> {
-    iam
-        .apply(Command::RevokeKey {
-            actor: p.project.clone(),
-            key_id,
-        })
-        .map_err(api_error)?;
+    iam.apply(Command::RevokeKey {
+        actor: p.project.clone(),
+        key_id,
+    })
+    .map_err(api_error)?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }

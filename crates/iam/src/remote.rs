@@ -200,7 +200,9 @@ impl RemoteIam {
         Ok(())
     }
 
-    fn lock_cache(&self) -> std::sync::MutexGuard<'_, HashMap<String, (Option<Principal>, Instant)>> {
+    fn lock_cache(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<String, (Option<Principal>, Instant)>> {
         self.inner.cache.lock().unwrap_or_else(|p| p.into_inner())
     }
 

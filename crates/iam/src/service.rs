@@ -82,10 +82,7 @@ async fn apply(State(n): State<RaftIam>, Json(cmd): Json<Command>) -> Response {
     }
 }
 
-async fn projects(
-    State(n): State<RaftIam>,
-    Json(r): Json<ActorRequest>,
-) -> Json<Vec<ProjectView>> {
+async fn projects(State(n): State<RaftIam>, Json(r): Json<ActorRequest>) -> Json<Vec<ProjectView>> {
     Json(n.projects(&r.actor))
 }
 

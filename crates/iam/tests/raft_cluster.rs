@@ -208,7 +208,7 @@ async fn three_replicas_elect_a_leader_and_accept_writes_on_any_replica() {
         let e = f.node.write(project("root/a", None)).await.unwrap_err();
         assert!(matches!(e, IamError::Refused(Refusal::Exists(_))), "{e}");
         // The replica routes refuse whoever lacks the cluster secret.
-        let stranger = dsec_iam::raft::network::HttpClient::new(Some("wrong"));
+        let stranger = dsec_iam::raft::network::HttpClient::new(Some("wrong"), None);
         let forged = stranger
             .post::<_, serde_json::Value>(
                 &replicas[l].addr,

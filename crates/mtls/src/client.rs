@@ -102,14 +102,15 @@ impl tower_service::Service<Uri> for Connector {
                 .to_string();
             let https = uri.scheme_str() == Some("https");
             let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
-            let tcp = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect((host.as_str(), port)))
-                .await
-                .map_err(|_| {
-                    std::io::Error::new(
-                        std::io::ErrorKind::TimedOut,
-                        format!("connecting to {host}:{port} timed out"),
-                    )
-                })??;
+            let tcp =
+                tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect((host.as_str(), port)))
+                    .await
+                    .map_err(|_| {
+                        std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            format!("connecting to {host}:{port} timed out"),
+                        )
+                    })??;
             let _ = tcp.set_nodelay(true);
             if !https {
                 return Ok(Stream::Plain(TokioIo::new(tcp)));

@@ -132,9 +132,7 @@ pub fn issue(dir: &Path, role: Role, name: &str, hosts: &[String]) -> Result<Iss
         match h.parse::<IpAddr>() {
             Ok(ip) => sans.push(SanType::IpAddress(ip)),
             Err(_) if dns_name(&h) => sans.push(SanType::DnsName(
-                h.as_str()
-                    .try_into()
-                    .map_err(|e| pki("the DNS name", e))?,
+                h.as_str().try_into().map_err(|e| pki("the DNS name", e))?,
             )),
             Err(_) => {
                 return Err(Error::Invalid(format!(

@@ -47,8 +47,7 @@ pub async fn serve(
         let allowed = allowed.clone();
         let app = app.clone();
         tokio::spawn(async move {
-            let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
-            {
+            let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                 Ok(Ok(s)) => s,
                 Ok(Err(e)) => {
                     tracing::info!(peer = %peer_addr, error = %e, "TLS handshake refused");

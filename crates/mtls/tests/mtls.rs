@@ -25,7 +25,11 @@ async fn get_who(client: &Client, addr: &str) -> Result<String, String> {
         .body(dsec_mtls::client::Body::empty())
         .unwrap();
     let resp = client.request(req).await.map_err(|e| format!("{e:?}"))?;
-    let b = resp.into_body().collect().await.map_err(|e| e.to_string())?;
+    let b = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?;
     Ok(String::from_utf8_lossy(&b.to_bytes()).into_owned())
 }
 
@@ -45,14 +49,22 @@ async fn only_admitted_roles_with_cluster_certificates_get_in() {
     // A certificate of the cluster, but of a role this server does not admit.
     pki::issue(dir.path(), Role::Watcher, "w1", &[]).unwrap();
     let w = Tls::load(&TlsFiles::in_dir(dir.path(), "w1")).unwrap();
-    assert!(get_who(&Client::new(Some(w.client.clone())), &addr).await.is_err());
+    assert!(
+        get_who(&Client::new(Some(w.client.clone())), &addr)
+            .await
+            .is_err()
+    );
 
     // A certificate from another CA.
     let other = tempfile::tempdir().unwrap();
     pki::init_ca(other.path()).unwrap();
     pki::issue(other.path(), Role::Apiserver, "api1", &[]).unwrap();
     let foreign = Tls::load(&TlsFiles::in_dir(other.path(), "api1")).unwrap();
-    assert!(get_who(&Client::new(Some(foreign.client.clone())), &addr).await.is_err());
+    assert!(
+        get_who(&Client::new(Some(foreign.client.clone())), &addr)
+            .await
+            .is_err()
+    );
 
     // No certificate at all: the server's CA trusted, but nothing presented.
     let mut roots = rustls::RootCertStore::empty();
@@ -63,7 +75,11 @@ async fn only_admitted_roles_with_cluster_certificates_get_in() {
     let bare = rustls::ClientConfig::builder()
         .with_root_certificates(roots)
         .with_no_client_auth();
-    assert!(get_who(&Client::new(Some(Arc::new(bare))), &addr).await.is_err());
+    assert!(
+        get_who(&Client::new(Some(Arc::new(bare))), &addr)
+            .await
+            .is_err()
+    );
 
     // Plain HTTP to a TLS port gets no answer either.
     assert!(get_who(&Client::new(None), &addr).await.is_err());

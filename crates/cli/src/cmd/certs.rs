@@ -57,7 +57,10 @@ pub fn run(c: CertsCommand) -> Result<i32> {
                 }));
             } else if created {
                 println!("Created the cluster CA in {}.", dir.display());
-                println!("Keep {} private; give ca.pem to every component.", dir.join(pki::CA_KEY).display());
+                println!(
+                    "Keep {} private; give ca.pem to every component.",
+                    dir.join(pki::CA_KEY).display()
+                );
             } else {
                 println!("{} already holds a CA; kept it.", dir.display());
             }

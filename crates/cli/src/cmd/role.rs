@@ -84,14 +84,20 @@ impl RoleConfig {
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         let cfg: RoleConfig =
             toml::from_str(&text).with_context(|| format!("{} is not valid", path.display()))?;
-        Identity::new(cfg.role, &cfg.name).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        Identity::new(cfg.role, &cfg.name)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         match cfg.role {
-            Role::Iam if cfg.iam.is_none() => bail!("{}: role iam needs an [iam] table", path.display()),
+            Role::Iam if cfg.iam.is_none() => {
+                bail!("{}: role iam needs an [iam] table", path.display())
+            }
             Role::Apiserver if cfg.public_listen.is_none() => {
                 bail!("{}: role apiserver needs public_listen", path.display())
             }
             Role::Apiserver | Role::Edge if cfg.cluster.iam.is_empty() => {
-                bail!("{}: [cluster] iam must list the IAM replicas", path.display())
+                bail!(
+                    "{}: [cluster] iam must list the IAM replicas",
+                    path.display()
+                )
             }
             Role::Apiserver | Role::Watcher if cfg.cluster.edges.is_empty() => {
                 bail!("{}: [cluster.edges] must name the edges", path.display())
@@ -164,7 +170,11 @@ pub async fn run(path: &Path) -> Result<i32> {
 async fn replicas_only(Extension(peer): Extension<Identity>, req: Request, next: Next) -> Response {
     if req.uri().path().starts_with("/raft/") && peer.role != Role::Iam {
         tracing::warn!(peer = %peer, "refused a Raft call from a component that is not a replica");
-        return (axum::http::StatusCode::FORBIDDEN, "only IAM replicas may call /raft").into_response();
+        return (
+            axum::http::StatusCode::FORBIDDEN,
+            "only IAM replicas may call /raft",
+        )
+            .into_response();
     }
     next.run(req).await
 }
@@ -330,4 +340,48 @@ async fn run_edge(cfg: RoleConfig, tls: Tls) -> Result<i32> {
         tracing::info!("leaving sandboxes running for the next start");
     }
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_example_configs_in_deploy_load() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/cluster");
+        for (file, role) in [
+            ("iam.toml", Role::Iam),
+            ("apiserver.toml", Role::Apiserver),
+            ("watcher.toml", Role::Watcher),
+            ("edge.toml", Role::Edge),
+        ] {
+            let cfg = RoleConfig::load(&dir.join(file)).unwrap_or_else(|e| panic!("{file}: {e:#}"));
+            assert_eq!(cfg.role, role, "{file}");
+        }
+    }
+
+    #[test]
+    fn a_config_missing_what_its_role_needs_is_refused_with_the_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("x.toml");
+        let base = "name = \"e-1\"\ndata_dir = \"/tmp/x\"\nlisten = \"127.0.0.1:1\"\n[tls]\nca = \"a\"\ncert = \"b\"\nkey = \"c\"\n";
+        let cases = [
+            ("role = \"apiserver\"\n", "public_listen"),
+            ("role = \"iam\"\n", "[iam]"),
+            ("role = \"edge\"\n", "[cluster] iam"),
+            ("role = \"king\"\n", "king"),
+        ];
+        for (role, needle) in cases {
+            std::fs::write(&p, format!("{role}{base}")).unwrap();
+            let e = format!("{:#}", RoleConfig::load(&p).unwrap_err());
+            assert!(e.contains(needle), "{role}: {e}");
+        }
+        std::fs::write(
+            &p,
+            format!("role = \"edge\"\n{base}[cluster]\niam = [\"127.0.0.1:2\"]\n"),
+        )
+        .unwrap();
+        let e = format!("{:#}", RoleConfig::load(&p).unwrap_err());
+        assert!(e.contains("part of sandbox ids"), "{e}");
+    }
 }
