@@ -283,14 +283,15 @@ def print_results(out: dict) -> None:
           "(POST /v1/sandboxes, root/base, 64 MB, 0.1 core), then DELETE of each")
     print(f"{'':26} {'creates/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'fail':>5} {'deletes/s':>9} {'del p50':>8} "
           f"{'del p99':>8}  spread")
-    labels = {"api_cluster": "api1 -> 3 edges", "edge1_direct": "straight to edge1", "api_edge1_only": "api1 -> edge1 only"}
+    labels = {"api_cluster": "api1 -> 3 edges", "edge1_direct": "straight to edge1",
+              "api_edge1_only": "api1 -> edge1 only"}
     for k, label in labels.items():
         r = out["creates"].get(k)
         if r is None:
             continue
-        print(f"{label:26} {r['creates_per_s']:9.1f} {r['create'].get('p50_ms', 0):8.1f} {r['create'].get('p99_ms', 0):8.1f} "
-              f"{r['failures']:5d} {r['deletes_per_s']:9.1f} {r['delete'].get('p50_ms', 0):8.1f} "
-              f"{r['delete'].get('p99_ms', 0):8.1f}  {r['spread']}")
+        print(f"{label:26} {r['creates_per_s']:9.1f} {r['create'].get('p50_ms', 0):8.1f} "
+              f"{r['create'].get('p99_ms', 0):8.1f} {r['failures']:5d} {r['deletes_per_s']:9.1f} "
+              f"{r['delete'].get('p50_ms', 0):8.1f} {r['delete'].get('p99_ms', 0):8.1f}  {r['spread']}")
     c = out["creates"]
     if "api_edge1_only" in c and c["edge1_direct"]["creates_per_s"]:
         ratio = c["api_edge1_only"]["creates_per_s"] / c["edge1_direct"]["creates_per_s"]
@@ -337,7 +338,8 @@ def main() -> None:
     dsec("image", "build", str(ROOT / "images/base.toml"), "--if-missing", "--data-dir", str(DATA), timeout=1800)
     out: dict = {"bench": "cluster_path", "count": a.count, "concurrency": a.concurrency, "requests": a.requests,
                  "host": host_note(),
-                 "note": "all components (3 IAMs, 2 apiservers, watcher, 3 edges) and the client share the host's cores"}
+                 "note": "all components (3 IAMs, 2 apiservers, watcher, 3 edges) and the client share "
+                         "the host's cores"}
     body = create_body(a.ttl)
     cluster = Cluster()
     clients: list[httpx.Client] = []

@@ -91,11 +91,15 @@ async fn whoami(Extension(p): Extension<Principal>) -> Response {
     )
 }
 
-async fn projects(State(iam): State<Arc<dyn Iam>>, Extension(p): Extension<Principal>) -> Response {
-    json_response(
+async fn projects(
+    State(iam): State<Arc<dyn Iam>>,
+    Extension(p): Extension<Principal>,
+) -> ApiResult<Response> {
+    let projects = iam.projects(&p.project).map_err(api_error)?;
+    Ok(json_response(
         StatusCode::OK,
-        &json!({ "projects": iam.projects(&p.project) }),
-    )
+        &json!({ "projects": projects }),
+    ))
 }
 
 #[derive(Deserialize)]
@@ -109,6 +113,7 @@ struct ProjectBody {
 fn view(iam: &dyn Iam, p: &Principal, path: &str) -> ApiResult<Response> {
     let v = iam
         .projects(&p.project)
+        .map_err(api_error)?
         .into_iter()
         .find(|v| v.project.path == path)
         .ok_or_else(|| ApiError::internal("the project vanished"))?;
@@ -158,9 +163,13 @@ struct KeyView {
     revoked: bool,
 }
 
-async fn keys(State(iam): State<Arc<dyn Iam>>, Extension(p): Extension<Principal>) -> Response {
+async fn keys(
+    State(iam): State<Arc<dyn Iam>>,
+    Extension(p): Extension<Principal>,
+) -> ApiResult<Response> {
     let keys: Vec<KeyView> = iam
         .keys(&p.project)
+        .map_err(api_error)?
         .into_iter()
         .map(|k| KeyView {
             key_id: k.key_id,
@@ -171,7 +180,7 @@ async fn keys(State(iam): State<Arc<dyn Iam>>, Extension(p): Extension<Principal
             revoked: k.revoked,
         })
         .collect();
-    json_response(StatusCode::OK, &json!({ "keys": keys }))
+    Ok(json_response(StatusCode::OK, &json!({ "keys": keys })))
 }
 
 #[derive(Deserialize)]

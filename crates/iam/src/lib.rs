@@ -78,9 +78,9 @@ pub trait Iam: Send + Sync {
     /// Applies a command once it is durable (on a replicated store: committed).
     fn apply(&self, cmd: Command) -> Result<(), IamError>;
     /// Projects the actor can see (its own and those inside), with usage.
-    fn projects(&self, actor: &str) -> Vec<ProjectView>;
+    fn projects(&self, actor: &str) -> Result<Vec<ProjectView>, IamError>;
     /// Keys of the projects the actor can see.
-    fn keys(&self, actor: &str) -> Vec<KeyRecord>;
+    fn keys(&self, actor: &str) -> Result<Vec<KeyRecord>, IamError>;
 }
 
 pub fn hash_key(key: &str) -> String {
@@ -167,12 +167,12 @@ impl Iam for LocalStore {
         LocalStore::apply(self, cmd).map(|_| ())
     }
 
-    fn projects(&self, actor: &str) -> Vec<ProjectView> {
-        self.read(|s| projects_in(s, actor))
+    fn projects(&self, actor: &str) -> Result<Vec<ProjectView>, IamError> {
+        Ok(self.read(|s| projects_in(s, actor)))
     }
 
-    fn keys(&self, actor: &str) -> Vec<KeyRecord> {
-        self.read(|s| keys_in(s, actor))
+    fn keys(&self, actor: &str) -> Result<Vec<KeyRecord>, IamError> {
+        Ok(self.read(|s| keys_in(s, actor)))
     }
 }
 
@@ -191,7 +191,7 @@ pub fn import_key_file(store: &dyn Iam, path: &Path) -> Result<usize, IamError> 
         .map_err(|e| IamError::Storage(format!("{} does not parse: {e}", path.display())))?;
     let mut n = 0;
     for k in old {
-        if store.keys(ROOT).iter().any(|r| r.sha256 == k.sha256) {
+        if store.keys(ROOT)?.iter().any(|r| r.sha256 == k.sha256) {
             continue;
         }
         store.apply(Command::CreateKey {
@@ -245,9 +245,9 @@ mod tests {
             (bot.project.as_str(), bot.kind),
             ("root/a", PrincipalKind::Agent)
         );
-        assert_eq!(store.projects("root/a").len(), 1);
-        assert_eq!(store.projects(ROOT).len(), 2);
-        assert_eq!(store.keys("root/a").len(), 1);
+        assert_eq!(store.projects("root/a").unwrap().len(), 1);
+        assert_eq!(store.projects(ROOT).unwrap().len(), 2);
+        assert_eq!(store.keys("root/a").unwrap().len(), 1);
         assert!(store.authenticate("dsk.wrong").is_none());
         // An agent cannot revoke the admin's key (it cannot see it); the admin can revoke.
         assert!(

@@ -228,25 +228,17 @@ impl Iam for RemoteIam {
         self.block(self.write(cmd))
     }
 
-    fn projects(&self, actor: &str) -> Vec<ProjectView> {
+    fn projects(&self, actor: &str) -> Result<Vec<ProjectView>, IamError> {
         let req = ActorRequest {
             actor: actor.to_string(),
         };
         self.block(self.post(PATH_PROJECTS, &req, READ_TIMEOUT))
-            .unwrap_or_else(|e| {
-                tracing::warn!(error = %e, "IAM did not answer a project listing");
-                Vec::new()
-            })
     }
 
-    fn keys(&self, actor: &str) -> Vec<KeyRecord> {
+    fn keys(&self, actor: &str) -> Result<Vec<KeyRecord>, IamError> {
         let req = ActorRequest {
             actor: actor.to_string(),
         };
         self.block(self.post(PATH_KEYS, &req, READ_TIMEOUT))
-            .unwrap_or_else(|e| {
-                tracing::warn!(error = %e, "IAM did not answer a key listing");
-                Vec::new()
-            })
     }
 }

@@ -82,12 +82,23 @@ async fn apply(State(n): State<RaftIam>, Json(cmd): Json<Command>) -> Response {
     }
 }
 
-async fn projects(State(n): State<RaftIam>, Json(r): Json<ActorRequest>) -> Json<Vec<ProjectView>> {
-    Json(n.projects(&r.actor))
+fn listing<T: Serialize>(r: Result<T, IamError>) -> Response {
+    match r {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(ApplyFailure::Unavailable(e.to_string())),
+        )
+            .into_response(),
+    }
 }
 
-async fn keys(State(n): State<RaftIam>, Json(r): Json<ActorRequest>) -> Json<Vec<KeyRecord>> {
-    Json(n.keys(&r.actor))
+async fn projects(State(n): State<RaftIam>, Json(r): Json<ActorRequest>) -> Response {
+    listing::<Vec<ProjectView>>(n.projects(&r.actor))
+}
+
+async fn keys(State(n): State<RaftIam>, Json(r): Json<ActorRequest>) -> Response {
+    listing::<Vec<KeyRecord>>(n.keys(&r.actor))
 }
 
 async fn leader(State(n): State<RaftIam>) -> Json<LeaderReply> {

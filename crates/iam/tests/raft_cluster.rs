@@ -158,7 +158,11 @@ fn project(path: &str, sandboxes: Option<u64>) -> Command {
 }
 
 fn has_project(r: &Replica, path: &str) -> bool {
-    r.node.projects(ROOT).iter().any(|p| p.project.path == path)
+    r.node
+        .projects(ROOT)
+        .unwrap()
+        .iter()
+        .any(|p| p.project.path == path)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -321,6 +325,7 @@ async fn concurrent_reservations_from_every_replica_never_exceed_the_quota() {
                 replicas.iter().all(|r| {
                     r.node
                         .projects("root/q")
+                        .unwrap()
                         .first()
                         .is_some_and(|p| p.usage.sandboxes == N)
                 })

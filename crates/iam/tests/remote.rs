@@ -50,6 +50,7 @@ async fn remote_clients_apply_authenticate_and_see_refusals_over_mtls() {
     // Applied on the replica, and a refusal comes back as a refusal, not an outage.
     assert!(
         node.projects(ROOT)
+            .unwrap()
             .iter()
             .any(|p| p.project.path == "root/a")
     );

@@ -230,7 +230,7 @@ async fn run_iam(cfg: RoleConfig, tls: Tls) -> Result<i32> {
         .context("no IAM leader was elected")?;
     if let Some(file) = &section.bootstrap_key_file
         && !file.exists()
-        && node.keys(ROOT).is_empty()
+        && node.keys(ROOT).is_ok_and(|k| k.is_empty())
     {
         let (key, _) = dsec_iam::create_key(&node, ROOT, ROOT, "admin", PrincipalKind::Human)?;
         super::up::write_private(file, &format!("{key}\n"))?;

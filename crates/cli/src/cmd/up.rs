@@ -285,7 +285,10 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
     };
     // The cluster CA, for certificates of the components of more machines (`dsec certs`).
     if let Err(e) = dsec_mtls::pki::init_ca(&dir.join("certs")) {
-        tracing::warn!("creating the cluster CA in {}: {e}", dir.join("certs").display());
+        tracing::warn!(
+            "creating the cluster CA in {}: {e}",
+            dir.join("certs").display()
+        );
     }
     let raft = start_iam(&dir, &listen.to_string()).await?;
     let iam: Arc<dyn Iam> = Arc::new(raft.clone());

@@ -420,12 +420,12 @@ impl Iam for RaftIam {
         }
     }
 
-    fn projects(&self, actor: &str) -> Vec<ProjectView> {
-        self.read(|s| projects_in(s, actor))
+    fn projects(&self, actor: &str) -> Result<Vec<ProjectView>, IamError> {
+        Ok(self.read(|s| projects_in(s, actor)))
     }
 
-    fn keys(&self, actor: &str) -> Vec<KeyRecord> {
-        self.read(|s| keys_in(s, actor))
+    fn keys(&self, actor: &str) -> Result<Vec<KeyRecord>, IamError> {
+        Ok(self.read(|s| keys_in(s, actor)))
     }
 }
 
