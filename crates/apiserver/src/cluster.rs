@@ -16,7 +16,7 @@ use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
-use dsec_common::api::{CreateSandboxRequest, ListSandboxesResponse, NodeStatus};
+use dsec_common::api::{ListSandboxesResponse, NodeStatus};
 use dsec_common::id::SandboxId;
 use dsec_common::{ApiError, ErrorCode};
 use dsec_iam::{Iam, Principal, PrincipalKind, ROOT, RemoteIam};
@@ -24,7 +24,7 @@ use dsec_watcher::{ClusterView, Demand, EdgeEndpoint, Placer, Poller, SharedView
 use http_body_util::{BodyExt, Limited};
 use hyper_util::rt::TokioIo;
 
-use crate::{ApiResult, Failure, PRINCIPAL_HEADER, api_key, body, encode_principal, json};
+use crate::{ApiResult, Failure, PRINCIPAL_HEADER, api_key, encode_principal, json};
 
 /// The most a create may take on an edge (image unpacking included).
 const CREATE_TIMEOUT: Duration = Duration::from_secs(120);
@@ -365,16 +365,7 @@ async fn create(
     bytes: Bytes,
 ) -> ApiResult<Response> {
     let p = c.principal(&headers).await?;
-    let mut req: CreateSandboxRequest = body(&bytes, "create sandbox")?;
-    let project = req.project.clone().unwrap_or_else(|| p.project.clone());
-    if !dsec_iam::within(&project, &p.project) {
-        return Err(ApiError::not_found(format!(
-            "project {project} does not exist (this key can use {} and the projects inside it)",
-            p.project
-        ))
-        .into());
-    }
-    req.project = Some(project);
+    let req = crate::create_request(&bytes, &p)?;
     let demand = Demand {
         backend: req.backend.clone(),
         memory_mb: req

@@ -232,12 +232,9 @@ async fn status(State(st): State<AppState>) -> Response {
     json(StatusCode::OK, &s)
 }
 
-async fn create(
-    State(st): State<AppState>,
-    Extension(p): Extension<Principal>,
-    bytes: Bytes,
-) -> ApiResult<Response> {
-    let mut req: CreateSandboxRequest = body(&bytes, "create sandbox")?;
+/// A create body, parsed, in the caller's project (or one inside it; 404 otherwise).
+pub(crate) fn create_request(bytes: &Bytes, p: &Principal) -> ApiResult<CreateSandboxRequest> {
+    let mut req: CreateSandboxRequest = body(bytes, "create sandbox")?;
     let project = req.project.clone().unwrap_or_else(|| p.project.clone());
     if !dsec_iam::within(&project, &p.project) {
         return Err(ApiError::not_found(format!(
@@ -247,6 +244,15 @@ async fn create(
         .into());
     }
     req.project = Some(project);
+    Ok(req)
+}
+
+async fn create(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    let req = create_request(&bytes, &p)?;
     let info = st.edge.create(req).await?;
     Ok(json(StatusCode::CREATED, &info))
 }

@@ -7,7 +7,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -71,10 +70,9 @@ impl RemoteIam {
         timeout: Duration,
     ) -> Result<Resp, CallError> {
         let body = serde_json::to_vec(req).map_err(|e| CallError::Down(e.to_string()))?;
-        let request = hyper::Request::post(format!("{}{path}", self.inner.client.base(addr)))
-            .header(hyper::header::CONTENT_TYPE, "application/json")
-            .body(dsec_mtls::client::Body::from(Bytes::from(body)))
-            .map_err(|e| CallError::Down(e.to_string()))?;
+        let url = format!("{}{path}", self.inner.client.base(addr));
+        let request =
+            dsec_mtls::client::post_json(&url, body).map_err(|e| CallError::Down(e.to_string()))?;
         let call = async {
             let resp = self
                 .inner

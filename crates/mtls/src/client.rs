@@ -128,6 +128,13 @@ impl tower_service::Service<Uri> for Connector {
 
 pub type Body = axum::body::Body;
 
+/// A `POST` of a JSON body.
+pub fn post_json(url: &str, json: Vec<u8>) -> Result<hyper::Request<Body>, hyper::http::Error> {
+    hyper::Request::post(url)
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .body(Body::from(json))
+}
+
 /// A pooled HTTP/1.1 client. Cheap to clone.
 #[derive(Clone)]
 pub struct Client {

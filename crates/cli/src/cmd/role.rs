@@ -14,7 +14,7 @@ use axum::Router;
 use axum::extract::{Extension, Request};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use dsec_edge::{Edge, EdgeConfig};
+use dsec_edge::EdgeConfig;
 use dsec_iam::{Iam, PrincipalKind, ROOT, RaftConfig, RaftIam, RemoteIam};
 use dsec_mtls::{Identity, Role, Tls, TlsFiles};
 use serde::Deserialize;
@@ -306,14 +306,7 @@ async fn run_edge(cfg: RoleConfig, tls: Tls) -> Result<i32> {
         cfg.cluster.iam.clone(),
         Some(tls.client.clone()),
     ));
-    let quotas = Arc::new(dsec_apiserver::iam::IamQuotas(iam.clone()));
-    let edge = Edge::start_with(edge_cfg, Some(quotas))
-        .await
-        .map_err(|e| anyhow::anyhow!("starting the edge: {}", e.message))?;
-    for b in edge.status().backends {
-        tracing::info!(backend = %b.name, available = b.available, "{}", b.detail);
-    }
-    let reaper = edge.spawn_reaper();
+    let (edge, reaper) = super::up::start_edge(edge_cfg, iam.clone()).await?;
     let app = dsec_apiserver::router(dsec_apiserver::AppState {
         edge: edge.clone(),
         iam,

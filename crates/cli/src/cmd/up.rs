@@ -224,6 +224,22 @@ async fn start_iam(dir: &std::path::Path, addr: &str) -> Result<RaftIam> {
     Ok(node)
 }
 
+/// Starts the edge with IAM as its quota gate, and its TTL reaper.
+pub(crate) async fn start_edge(
+    cfg: EdgeConfig,
+    iam: Arc<dyn Iam>,
+) -> Result<(Arc<Edge>, tokio::task::JoinHandle<()>)> {
+    let quotas = Arc::new(dsec_apiserver::iam::IamQuotas(iam));
+    let edge = Edge::start_with(cfg, Some(quotas))
+        .await
+        .map_err(|e| anyhow::anyhow!("starting the edge: {}", e.message))?;
+    for b in edge.status().backends {
+        tracing::info!(backend = %b.name, available = b.available, "{}", b.detail);
+    }
+    let reaper = edge.spawn_reaper();
+    Ok((edge, reaper))
+}
+
 pub(crate) fn init_tracing() {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -305,14 +321,7 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
         .with_context(|| {
             format!("cannot listen on {listen} (is another dsec running? use --listen)")
         })?;
-    let quotas = Arc::new(dsec_apiserver::iam::IamQuotas(iam.clone()));
-    let edge = Edge::start_with(edge_cfg, Some(quotas))
-        .await
-        .map_err(|e| anyhow::anyhow!("starting the edge: {}", e.message))?;
-    for b in edge.status().backends {
-        tracing::info!(backend = %b.name, available = b.available, "{}", b.detail);
-    }
-    let reaper = edge.spawn_reaper();
+    let (edge, reaper) = start_edge(edge_cfg, iam.clone()).await?;
     // The replica routes (guarded by the cluster secret) let more IAM replicas join.
     let app = dsec_apiserver::router(dsec_apiserver::AppState {
         edge: edge.clone(),

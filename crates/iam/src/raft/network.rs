@@ -5,7 +5,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
 use openraft::error::{NetworkError, RPCError, ReplicationClosed, StreamingError, Unreachable};
 use openraft::network::{RPCOption, RaftNetworkFactory};
@@ -87,14 +86,14 @@ impl HttpClient {
             msg,
         };
         let body = serde_json::to_vec(req).map_err(|e| other(e.to_string()))?;
-        let mut request = hyper::Request::post(format!("{}{path}", self.client.base(addr)))
-            .header(hyper::header::CONTENT_TYPE, "application/json");
-        if let Some(secret) = &self.secret {
-            request = request.header(SECRET_HEADER, secret.as_ref());
+        let url = format!("{}{path}", self.client.base(addr));
+        let mut request =
+            dsec_mtls::client::post_json(&url, body).map_err(|e| other(e.to_string()))?;
+        if let Some(secret) = &self.secret
+            && let Ok(v) = hyper::header::HeaderValue::from_str(secret)
+        {
+            request.headers_mut().insert(SECRET_HEADER, v);
         }
-        let request = request
-            .body(dsec_mtls::client::Body::from(Bytes::from(body)))
-            .map_err(|e| other(e.to_string()))?;
         let call = async {
             let resp = self.client.request(request).await.map_err(|e| {
                 if e.is_connect() {
