@@ -21,6 +21,10 @@ def runc_server():
         pytest.skip("runc is not installed")
     args = ("--data-dir", str(RUNC_DATA))
     dsec("down", *args, check=False)
+    # The main test server already runs this machine's sandbox network (its nftables
+    # table, address pool and DNS proxy port); a second node on the same host goes without.
+    RUNC_DATA.mkdir(parents=True, exist_ok=True)
+    (RUNC_DATA / "config.toml").write_text("[edge.network]\nenabled = false\n")
     dsec("up", *args, "--listen", RUNC_LISTEN, "--oci-runtime", "runc", "--image-store", str(DATA / "images"))
     yield
     dsec("down", *args)

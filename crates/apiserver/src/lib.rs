@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use dsec_common::api::{
     ClusterStatus, CreateSandboxRequest, ExecRequest, ForkRequest, ListSandboxesResponse,
-    SetTimeoutRequest,
+    SetNetworkRequest, SetTimeoutRequest,
 };
 use dsec_common::id::SandboxId;
 use dsec_common::{ApiError, ErrorCode};
@@ -116,6 +116,10 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sandboxes/{id}/exec", post(exec))
         .route("/v1/sandboxes/{id}/fork", post(fork))
         .route("/v1/sandboxes/{id}/timeout", post(set_timeout))
+        .route(
+            "/v1/sandboxes/{id}/network",
+            axum::routing::put(set_network),
+        )
         .route("/v1/images", get(images))
         .merge(runtime::routes())
         .merge(iam::routes().with_state(state.iam.clone()))
@@ -360,6 +364,19 @@ async fn set_timeout(
     ))
 }
 
+async fn set_network(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    route(&st, &id)?;
+    let req: SetNetworkRequest = body(&bytes, "set network rules")?;
+    Ok(json(
+        StatusCode::OK,
+        &st.edge.set_network_rules(&id, req.network_rules).await?,
+    ))
+}
+
 async fn images(State(st): State<AppState>) -> ApiResult<Response> {
     let store = st.edge.images().clone();
     let list = tokio::task::spawn_blocking(move || store.list())
@@ -392,6 +409,7 @@ mod tests {
             "/v1/sandboxes/{id}/exec",
             "/v1/sandboxes/{id}/fork",
             "/v1/sandboxes/{id}/timeout",
+            "/v1/sandboxes/{id}/network",
             "/v1/status",
             "/v1/images",
             "/v1/sandboxes/{id}/processes/{pid}/output",

@@ -61,7 +61,7 @@ enum Command {
     Status(cmd::up::StatusArgs),
     /// Create a sandbox from an image; with a command, run it and print its output
     #[command(
-        after_help = "Example:\n  dsec run root/py:3.11 --memory 1024 -- python3 -c 'print(6*7)'\n  dsec run --rm root/base -- uname -a"
+        after_help = "Example:\n  dsec run root/py:3.11 --memory 1024 -- python3 -c 'print(6*7)'\n  dsec run --rm root/base -- uname -a\n  dsec run --allow pypi --allow 203.0.113.0/24:443 root/py:3.11 -- pip download requests"
     )]
     Run(cmd::sandbox::RunArgs),
     /// Run a command in a sandbox
@@ -76,6 +76,11 @@ enum Command {
     /// Fork a running sandbox into copies (containers: filesystem only, not memory)
     #[command(after_help = "Example:\n  dsec fork local-0123456789ab --count 4")]
     Fork(cmd::sandbox::ForkArgs),
+    /// Replace a running sandbox's egress rules (they hold for new connections at once)
+    #[command(
+        after_help = "Example:\n  dsec network local-0123456789ab --allow pypi --allow 203.0.113.0/24:443\n  dsec network local-0123456789ab          # close egress"
+    )]
+    Network(cmd::sandbox::NetworkArgs),
     /// Extend a sandbox's lifetime
     #[command(
         name = "set-timeout",
@@ -140,6 +145,7 @@ fn main() {
             Command::Rm(a) => cmd::sandbox::rm(a).await,
             Command::Fork(a) => cmd::sandbox::fork(a).await,
             Command::SetTimeout(a) => cmd::sandbox::set_timeout(a).await,
+            Command::Network(a) => cmd::sandbox::network(a).await,
             Command::Shell(a) => cmd::runtime::shell(a).await,
             Command::Cp(a) => cmd::runtime::cp(a).await,
             Command::Logs(a) => cmd::runtime::logs(a).await,

@@ -37,6 +37,33 @@ pub struct CreateSandboxRequest {
     /// The project the sandbox counts against (default: the API key's project).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub project: Option<String>,
+    /// `"none"`: no network at all (loopback only). Default: the node's network with
+    /// egress denied except what `network_rules` allows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<String>,
+    /// What the sandbox may reach: service names (`"pypi": true`), domains
+    /// (`"*.example.com": true`), IPv4 CIDRs with an optional port (`"203.0.113.0/24:443"`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub network_rules: BTreeMap<String, bool>,
+}
+
+/// A sandbox's network as the API shows it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct NetworkInfo {
+    /// `"rules"` (egress per `rules`) or `"none"` (loopback only).
+    pub mode: String,
+    /// The sandbox's IPv4 address on the node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
+    #[serde(default)]
+    pub rules: BTreeMap<String, bool>,
+}
+
+/// `PUT /v1/sandboxes/{id}/network`: replaces the rules of a running sandbox.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SetNetworkRequest {
+    pub network_rules: BTreeMap<String, bool>,
 }
 
 pub fn root_project() -> String {
@@ -93,6 +120,8 @@ pub struct SandboxInfo {
     /// `X-Dsec-Token` header), for browsers.
     #[serde(default)]
     pub port_token: String,
+    #[serde(default)]
+    pub network: NetworkInfo,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

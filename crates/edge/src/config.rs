@@ -1,6 +1,7 @@
 //! Edge configuration: where state lives, which OCI runtime to drive, default and maximum
 //! sandbox limits.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
@@ -33,6 +34,41 @@ pub struct EdgeConfig {
     pub max_output_bytes: u64,
     /// Exec timeout when the request gives none.
     pub default_exec_timeout_seconds: f64,
+    /// Sandbox networking and egress policy.
+    pub network: NetworkConfig,
+}
+
+/// Each sandbox gets a network namespace with a veth to the node, an address from `pool`,
+/// NAT to the node's uplink and egress denied unless its rules allow it; the node's DNS
+/// proxy is its only resolver.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NetworkConfig {
+    /// false: sandboxes get a network namespace with loopback only (no network at all), as
+    /// with `network: "none"`.
+    pub enabled: bool,
+    /// IPv4 network the sandboxes' addresses come from, a /30 each.
+    pub pool: String,
+    /// The port the DNS proxy listens on (sandboxes' DNS to any server on port 53 is
+    /// redirected to it).
+    pub dns_port: u16,
+    /// Resolvers the DNS proxy asks (`ip:port`); empty: the node's /etc/resolv.conf.
+    pub dns_upstream: Vec<String>,
+    /// Service names for rules (`pypi = ["pypi.org", "*.pythonhosted.org"]`); these add to
+    /// and override the built-in ones (pypi, npm, github, debian, huggingface).
+    pub services: BTreeMap<String, Vec<String>>,
+}
+
+impl Default for NetworkConfig {
+    fn default() -> Self {
+        NetworkConfig {
+            enabled: true,
+            pool: "10.200.0.0/16".into(),
+            dns_port: 10053,
+            dns_upstream: Vec::new(),
+            services: BTreeMap::new(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -73,6 +109,7 @@ impl Default for EdgeConfig {
             max_load_per_core: 0.0,
             max_output_bytes: 16 << 20,
             default_exec_timeout_seconds: 600.0,
+            network: NetworkConfig::default(),
         }
     }
 }

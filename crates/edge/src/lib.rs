@@ -7,6 +7,7 @@ pub mod cgroup;
 pub mod channel;
 pub mod config;
 pub mod host;
+pub mod net;
 pub mod registry;
 pub mod runtime;
 pub mod trajectory;
@@ -99,6 +100,9 @@ pub struct Edge {
     fork_tmp: PathBuf,
     trajectories: trajectory::Logs,
     quotas: Option<Arc<dyn Quotas>>,
+    /// Sandbox networking; `None` when `[edge.network] enabled = false`.
+    net: Option<Arc<net::Network>>,
+    dns: Vec<tokio::task::JoinHandle<()>>,
 }
 
 pub(crate) async fn blocking<T: Send + 'static>(
@@ -150,6 +154,19 @@ impl Edge {
         ));
         let mut backends: BTreeMap<&'static str, Arc<dyn Backend>> = BTreeMap::new();
         backends.insert(container.name(), container);
+        let net_cfg = cfg.network.clone();
+        let network = blocking(move || net::Network::start(&net_cfg))
+            .await?
+            .map_err(ApiError::internal)?;
+        let network = Arc::new(network);
+        let (net, dns) = if network.enabled() {
+            let dns = net::dns::spawn(network.clone())
+                .await
+                .map_err(ApiError::internal)?;
+            (Some(network), dns)
+        } else {
+            (None, Vec::new())
+        };
         let edge = Arc::new(Edge {
             cfg,
             images,
@@ -161,9 +178,15 @@ impl Edge {
             fork_tmp,
             trajectories: trajectory::Logs::default(),
             quotas,
+            net,
+            dns,
         });
         let e2 = edge.clone();
         blocking(move || e2.adopt()).await?;
+        if let Some(n) = edge.net.clone() {
+            let (name, ids) = (edge.cfg.name.clone(), edge.ids());
+            blocking(move || n.sweep(&name, &ids)).await?;
+        }
         if let Some(q) = &edge.quotas {
             q.reconcile(&edge.cfg.name, edge.ids());
         }
@@ -196,11 +219,23 @@ impl Edge {
                         && backend.as_ref().is_some_and(|b| b.is_alive(&rec));
                     if alive {
                         tracing::info!(sandbox = %rec.id, "re-adopted running sandbox");
+                        if let (Some(n), Some(nr)) = (&self.net, &rec.network)
+                            && let Some(slot) = nr.slot
+                        {
+                            let adopted =
+                                n.policy(&nr.rules).and_then(|p| n.adopt(&rec.id, slot, p));
+                            if let Err(e) = adopted {
+                                tracing::warn!(sandbox = %rec.id, "its network: {}", e.message);
+                            }
+                        }
                         self.insert(rec);
                     } else {
                         tracing::info!(sandbox = %rec.id, state = ?rec.state, "cleaning up sandbox that is not running");
                         if let Some(b) = backend {
                             let _ = b.destroy(&rec, &self.paths(&rec.id));
+                        }
+                        if let (Some(n), Some(nr)) = (&self.net, &rec.network) {
+                            n.detach(&rec.id, nr.slot);
                         }
                         let _ = std::fs::remove_dir_all(self.registry.dir(&rec.id));
                     }
@@ -287,6 +322,7 @@ impl Edge {
     ) -> Result<SandboxInfo, ApiError> {
         let v = validate::create(&self.cfg, &req)?;
         let backend = self.backend(&req.backend)?;
+        let network = self.network_for(&req)?;
         let image = ImageRef::parse(&req.image).map_err(|e| ApiError::invalid(e.to_string()))?;
         let images = self.images.clone();
         let image2 = image.clone();
@@ -322,8 +358,73 @@ impl Edge {
             forked_from: None,
             oom_kills: 0,
             port_token: port_token(),
+            network,
         };
         self.launch(backend, rec, None).await
+    }
+
+    /// The network a create asks for, its rules checked (400 names what is wrong).
+    fn network_for(
+        &self,
+        req: &CreateSandboxRequest,
+    ) -> Result<Option<registry::NetRecord>, ApiError> {
+        match req.network.as_deref() {
+            None | Some("rules") => {}
+            Some("none") if req.network_rules.values().any(|v| *v) => {
+                return Err(ApiError::invalid(
+                    "network \"none\" has no network to apply network_rules to; drop one of them",
+                ));
+            }
+            Some("none") => return Ok(None),
+            Some(other) => {
+                return Err(ApiError::invalid(format!(
+                    "network {other:?} is not known: leave it out (egress per network_rules) or use \"none\""
+                )));
+            }
+        }
+        let Some(n) = &self.net else {
+            if req.network_rules.values().any(|v| *v) {
+                return Err(ApiError::precondition(format!(
+                    "node {} has sandbox networking turned off ([edge.network] enabled = false), so network_rules cannot be met",
+                    self.cfg.name
+                )));
+            }
+            return Ok(None);
+        };
+        n.policy(&req.network_rules)?;
+        Ok(Some(registry::NetRecord {
+            slot: None,
+            ip: None,
+            gateway: None,
+            rules: req.network_rules.clone(),
+        }))
+    }
+
+    /// Replaces a running sandbox's network rules; they hold for new connections at once.
+    pub async fn set_network_rules(
+        &self,
+        id: &str,
+        rules: BTreeMap<String, bool>,
+    ) -> Result<SandboxInfo, ApiError> {
+        let e = self.entry(id)?;
+        let _g = e.op.lock().await;
+        let (Some(n), Some(_)) = (&self.net, &e.snapshot().network) else {
+            return Err(ApiError::precondition(format!(
+                "sandbox {id} has no network (created with network \"none\" or on a node without networking); its rules cannot change"
+            )));
+        };
+        let policy = n.policy(&rules)?;
+        let (n2, id2) = (n.clone(), id.to_string());
+        blocking(move || n2.set_policy(&id2, policy)).await??;
+        let rec = e.update(|r| {
+            if let Some(nr) = &mut r.network {
+                nr.rules = rules;
+            }
+            r.last_activity_ms = now_ms();
+            r.clone()
+        });
+        self.registry.save(&rec)?;
+        Ok(rec.info())
     }
 
     /// The node's final say: its real free memory, disk and load, and its sandbox count.
@@ -365,6 +466,23 @@ impl Edge {
                 q.reserve(&rec)?;
             }
             self.registry.save(&rec)?;
+            if let (Some(n), Some(rules)) =
+                (&self.net, rec.network.as_ref().map(|r| r.rules.clone()))
+            {
+                let policy = n.policy(&rules)?;
+                let slot = n.allocate()?;
+                if let Some(nr) = &mut rec.network {
+                    nr.slot = Some(slot);
+                }
+                self.registry.save(&rec)?;
+                let (n2, id2) = (n.clone(), rec.id.clone());
+                let s = blocking(move || n2.attach(&id2, slot, policy)).await??;
+                if let Some(nr) = &mut rec.network {
+                    nr.ip = Some(s.ip.to_string());
+                    nr.gateway = Some(s.gateway.to_string());
+                }
+                self.registry.save(&rec)?;
+            }
             let paths = self.paths(&rec.id);
             let channel = paths.channel.clone();
             let (b2, r2) = (backend.clone(), rec.clone());
@@ -387,6 +505,10 @@ impl Edge {
                 Ok(info)
             }
             Err(e) => {
+                if let (Some(n), Some(nr)) = (self.net.clone(), rec.network.clone()) {
+                    let id = rec.id.clone();
+                    let _ = blocking(move || n.detach(&id, nr.slot)).await;
+                }
                 let _ = std::fs::remove_dir_all(self.registry.dir(&rec.id));
                 // Idempotent: also right when the reservation itself was refused.
                 if let Some(q) = &self.quotas {
@@ -513,6 +635,12 @@ impl Edge {
                 oom_kills: 0,
                 port_token: port_token(),
                 labels,
+                network: src.network.as_ref().map(|n| registry::NetRecord {
+                    slot: None,
+                    ip: None,
+                    gateway: None,
+                    rules: n.rules.clone(),
+                }),
                 ..src.clone()
             };
             let (edge, b, s) = (self.clone(), backend.clone(), seed.clone());
@@ -579,6 +707,10 @@ impl Edge {
             let paths = self.paths(id);
             let r2 = rec.clone();
             blocking(move || b.destroy(&r2, &paths)).await??;
+        }
+        if let (Some(n), Some(nr)) = (self.net.clone(), rec.network.clone()) {
+            let id2 = id.to_string();
+            blocking(move || n.detach(&id2, nr.slot)).await?;
         }
         let _ = std::fs::remove_dir_all(self.registry.dir(id));
         self.trajectories.forget(&self.registry.dir(id));
@@ -705,6 +837,12 @@ impl Edge {
             .is_empty()
         {
             cgroup::remove_parents(self.mode);
+            if let Some(n) = self.net.clone() {
+                let _ = blocking(move || n.shutdown()).await;
+            }
+            for t in &self.dns {
+                t.abort();
+            }
         }
     }
 }

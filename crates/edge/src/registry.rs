@@ -35,6 +35,19 @@ pub struct SandboxRecord {
     /// The project whose quota the sandbox counts against.
     #[serde(default = "dsec_common::api::root_project")]
     pub project: String,
+    /// Its network; `None`: loopback only.
+    #[serde(default)]
+    pub network: Option<NetRecord>,
+}
+
+/// A sandbox's place in the node's network.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NetRecord {
+    /// Its /30 of the node's pool (`None` until one is taken).
+    pub slot: Option<u32>,
+    pub ip: Option<String>,
+    pub gateway: Option<String>,
+    pub rules: BTreeMap<String, bool>,
 }
 
 impl SandboxRecord {
@@ -54,6 +67,18 @@ impl SandboxRecord {
             forked_from: self.forked_from.clone(),
             port_token: self.port_token.clone(),
             project: self.project.clone(),
+            network: match &self.network {
+                Some(n) => dsec_common::api::NetworkInfo {
+                    mode: "rules".into(),
+                    address: n.ip.clone(),
+                    rules: n.rules.clone(),
+                },
+                None => dsec_common::api::NetworkInfo {
+                    mode: "none".into(),
+                    address: None,
+                    rules: BTreeMap::new(),
+                },
+            },
         }
     }
 }

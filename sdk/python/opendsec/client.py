@@ -51,6 +51,12 @@ class DSecRunArgs:
     env: dict[str, str] = field(default_factory=dict)
     # The project whose quota the sandbox counts against (default: the API key's).
     project: str | None = None
+    # What the sandbox may reach; egress is closed otherwise. Keys are service names
+    # ("pypi", "npm", "github", ...), domains ("*.example.com") or IPv4 CIDRs with an
+    # optional port ("203.0.113.0/24:443"); values True (allow) or False (ignored).
+    network_rules: dict[str, bool] = field(default_factory=dict)
+    # "none": no network at all (loopback only).
+    network: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None and v != {}}
@@ -111,6 +117,8 @@ class SandboxInfo:
     idle_timeout_seconds: int | None = None
     port_token: str = ""
     project: str = "root"
+    # {"mode": "rules" | "none", "address": "10.200.0.2", "rules": {...}}
+    network: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "SandboxInfo":
@@ -533,6 +541,13 @@ class Sandbox:
         return self.info
 
     keep_alive = set_timeout
+
+    async def set_network_rules(self, network_rules: dict[str, bool]) -> SandboxInfo:
+        """Replaces what the sandbox may reach (same keys as ``DSecRunArgs.network_rules``);
+        ``{}`` closes egress. New connections follow the new rules at once."""
+        r = await self._client._request("PUT", f"{self._base}/network", json={"network_rules": network_rules})
+        self.info = SandboxInfo.from_json(r)
+        return self.info
 
     async def stop(self) -> None:
         """Stops the sandbox; stopping one that is already gone is not an error."""

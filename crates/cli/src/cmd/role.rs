@@ -296,11 +296,7 @@ async fn run_watcher(cfg: RoleConfig, tls: Tls) -> Result<i32> {
 }
 
 async fn run_edge(cfg: RoleConfig, tls: Tls) -> Result<i32> {
-    let mut edge_cfg = cfg.edge.clone().unwrap_or_else(|| EdgeConfig {
-        state_dir: cfg.data_dir.join("edge"),
-        image_store: cfg.data_dir.join("images"),
-        ..EdgeConfig::default()
-    });
+    let mut edge_cfg = super::up::edge_config(cfg.edge.clone(), &cfg.data_dir);
     edge_cfg.name = cfg.name.clone();
     let iam: Arc<dyn Iam> = Arc::new(RemoteIam::new(
         cfg.cluster.iam.clone(),

@@ -52,8 +52,54 @@ pub struct RunArgs {
     /// Project whose quota it counts against (default: the API key's project)
     #[arg(long)]
     pub project: Option<String>,
+    /// Let the sandbox reach this (repeatable): a service (pypi, npm, github, …), a domain
+    /// (*.example.com) or an IPv4 CIDR with an optional port (203.0.113.0/24:443).
+    /// Without any, egress is closed.
+    #[arg(long = "allow", value_name = "RULE")]
+    pub allow: Vec<String>,
+    /// `none`: no network at all, loopback only
+    #[arg(long)]
+    pub network: Option<String>,
     #[command(flatten)]
     pub api: ApiArgs,
+}
+
+/// `dsec network`: replace a running sandbox's egress rules.
+#[derive(clap::Args)]
+pub struct NetworkArgs {
+    pub id: String,
+    /// What it may reach from now on (repeatable); none at all closes egress
+    #[arg(long = "allow", value_name = "RULE")]
+    pub allow: Vec<String>,
+    #[command(flatten)]
+    pub api: ApiArgs,
+}
+
+fn rules(allow: &[String]) -> BTreeMap<String, bool> {
+    allow.iter().map(|r| (r.clone(), true)).collect()
+}
+
+pub async fn network(a: NetworkArgs) -> Result<i32> {
+    let api = api(&a.api)?;
+    let body = dsec_common::api::SetNetworkRequest {
+        network_rules: rules(&a.allow),
+    };
+    let sb: SandboxInfo = api
+        .call(
+            Method::PUT,
+            &format!("/v1/sandboxes/{}/network", a.id),
+            Some(&body),
+        )
+        .await?;
+    if a.api.json {
+        output::print_json(&sb.network);
+    } else if sb.network.rules.is_empty() {
+        println!("{}: egress closed", sb.id);
+    } else {
+        let r: Vec<&str> = sb.network.rules.keys().map(String::as_str).collect();
+        println!("{}: may reach {}", sb.id, r.join(", "));
+    }
+    Ok(0)
 }
 
 #[derive(clap::Args)]
@@ -165,6 +211,8 @@ pub async fn run(a: RunArgs) -> Result<i32> {
         labels: a.labels.iter().cloned().collect::<BTreeMap<_, _>>(),
         env: BTreeMap::new(),
         project: a.project.clone(),
+        network: a.network.clone(),
+        network_rules: rules(&a.allow),
     };
     let sb: SandboxInfo = api.call(Method::POST, "/v1/sandboxes", Some(&req)).await?;
     if a.command.is_empty() {

@@ -224,6 +224,19 @@ async fn start_iam(dir: &std::path::Path, addr: &str) -> Result<RaftIam> {
     Ok(node)
 }
 
+/// The `[edge]` table, with state and images under `dir` unless it names other places.
+pub(crate) fn edge_config(table: Option<EdgeConfig>, dir: &Path) -> EdgeConfig {
+    let defaults = EdgeConfig::default();
+    let mut cfg = table.unwrap_or_default();
+    if cfg.state_dir == defaults.state_dir {
+        cfg.state_dir = dir.join("edge");
+    }
+    if cfg.image_store == defaults.image_store {
+        cfg.image_store = dir.join("images");
+    }
+    cfg
+}
+
 /// Starts the edge with IAM as its quota gate, and its TTL reaper.
 pub(crate) async fn start_edge(
     cfg: EdgeConfig,
@@ -280,11 +293,7 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
         }
         Err(_) => ServerConfig::default(),
     };
-    let mut edge_cfg = server_cfg.edge.unwrap_or_else(|| EdgeConfig {
-        state_dir: dir.join("edge"),
-        image_store: dir.join("images"),
-        ..EdgeConfig::default()
-    });
+    let mut edge_cfg = edge_config(server_cfg.edge, &dir);
     if let Some(r) = a.oci_runtime {
         edge_cfg.oci_runtime = r;
     }

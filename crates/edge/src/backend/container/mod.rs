@@ -169,6 +169,21 @@ impl ContainerBackend {
             "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost\n127.0.1.1\tsandbox\n",
         )
         .map_err(|e| format!("writing hosts: {e}"))?;
+        // The edge made the sandbox's network namespace; /etc/resolv.conf names the DNS
+        // proxy's address (DNS to anything else on port 53 is redirected there anyway).
+        let netns = rec
+            .network
+            .as_ref()
+            .map(|_| crate::net::link::netns_path(&rec.id));
+        let resolv = dir.join("resolv.conf");
+        let gateway = rec.network.as_ref().and_then(|n| n.gateway.clone());
+        if let Some(gw) = &gateway {
+            std::fs::write(
+                &resolv,
+                format!("nameserver {gw}\noptions timeout:2 attempts:2\n"),
+            )
+            .map_err(|e| format!("writing resolv.conf: {e}"))?;
+        }
         let cgroup_path = cgroup::sandbox_cgroup_path(&rec.id);
         let limit_swap = match self.mode {
             CgroupMode::V2 => true,
@@ -183,6 +198,8 @@ impl ContainerBackend {
                 cgroup_path: &cgroup_path,
                 limit_swap,
                 nofile: nofile_limit(),
+                netns: netns.as_deref(),
+                resolv_conf: gateway.as_ref().map(|_| resolv.as_path()),
             },
         );
         std::fs::write(

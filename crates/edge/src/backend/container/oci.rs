@@ -129,6 +129,10 @@ pub struct BundleInput<'a> {
     pub limit_swap: bool,
     /// RLIMIT_NOFILE for sandbox processes (never above the edge's own hard limit).
     pub nofile: u64,
+    /// The network namespace to join (made by the edge); `None`: a new, empty one.
+    pub netns: Option<&'a Path>,
+    /// A resolv.conf naming the node's DNS proxy, bound over /etc/resolv.conf.
+    pub resolv_conf: Option<&'a Path>,
 }
 
 pub fn config(rec: &SandboxRecord, inp: &BundleInput<'_>) -> Value {
@@ -149,7 +153,11 @@ pub fn config(rec: &SandboxRecord, inp: &BundleInput<'_>) -> Value {
         memory["swap"] = json!(mem);
     }
     let shm_kb = (rec.limits.memory_mb / 4).clamp(4, 65536) * 1024;
-    json!({
+    let network = match inp.netns {
+        Some(p) => json!({ "type": "network", "path": p }),
+        None => json!({ "type": "network" }),
+    };
+    let mut config = json!({
         "ociVersion": "1.0.2",
         "process": {
             "terminal": false,
@@ -180,7 +188,7 @@ pub fn config(rec: &SandboxRecord, inp: &BundleInput<'_>) -> Value {
         ],
         "linux": {
             "namespaces": [
-                { "type": "pid" }, { "type": "network" }, { "type": "ipc" },
+                { "type": "pid" }, network, { "type": "ipc" },
                 { "type": "uts" }, { "type": "mount" }, { "type": "cgroup" }
             ],
             "cgroupsPath": inp.cgroup_path,
@@ -204,5 +212,9 @@ pub fn config(rec: &SandboxRecord, inp: &BundleInput<'_>) -> Value {
             "readonlyPaths": READONLY_PATHS,
             "seccomp": seccomp()
         }
-    })
+    });
+    if let (Some(r), Some(mounts)) = (inp.resolv_conf, config["mounts"].as_array_mut()) {
+        mounts.push(json!({ "destination": "/etc/resolv.conf", "type": "bind", "source": r, "options": ["bind", "ro", "nosuid", "nodev", "noexec"] }));
+    }
+    config
 }

@@ -1,0 +1,411 @@
+//! The node's DNS proxy, the only resolver a sandbox has (its DNS to any server on port 53
+//! is redirected here). It knows the sandbox by the source address, answers REFUSED for a
+//! name its rules do not allow, asks the upstream resolvers for one that is allowed,
+//! refuses an answer whose CNAME chain leaves the allowed names, and before answering opens
+//! the answer's IPv4 addresses to that sandbox for their TTL. AAAA questions get an empty
+//! answer (sandboxes have no IPv6).
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream, UdpSocket};
+
+use super::Network;
+use super::rules::Policy;
+
+const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(3);
+const TCP_IDLE: Duration = Duration::from_secs(10);
+const MAX_MESSAGE: usize = 65535;
+
+const TYPE_A: u16 = 1;
+const TYPE_CNAME: u16 = 5;
+const TYPE_AAAA: u16 = 28;
+const RCODE_FORMERR: u8 = 1;
+const RCODE_SERVFAIL: u8 = 2;
+const RCODE_REFUSED: u8 = 5;
+
+/// A name starting at `off`, following compression pointers (bounded), and the offset
+/// after it in the original position.
+fn read_name(msg: &[u8], mut off: usize) -> Option<(String, usize)> {
+    let mut labels: Vec<String> = Vec::new();
+    let mut end = None;
+    let mut jumps = 0;
+    loop {
+        let len = *msg.get(off)? as usize;
+        if len & 0xc0 == 0xc0 {
+            let ptr = ((len & 0x3f) << 8) | *msg.get(off + 1)? as usize;
+            end.get_or_insert(off + 2);
+            jumps += 1;
+            if jumps > 16 || ptr >= msg.len() {
+                return None;
+            }
+            off = ptr;
+        } else if len == 0 {
+            let name = labels.join(".").to_ascii_lowercase();
+            return (name.len() <= 253).then(|| (name, end.unwrap_or(off + 1)));
+        } else if len > 63 {
+            return None;
+        } else {
+            let label = msg.get(off + 1..off + 1 + len)?;
+            labels.push(String::from_utf8_lossy(label).into_owned());
+            off += 1 + len;
+        }
+    }
+}
+
+fn u16_at(msg: &[u8], off: usize) -> Option<u16> {
+    Some(u16::from_be_bytes([*msg.get(off)?, *msg.get(off + 1)?]))
+}
+
+fn u32_at(msg: &[u8], off: usize) -> Option<u32> {
+    Some(u32::from_be_bytes(msg.get(off..off + 4)?.try_into().ok()?))
+}
+
+/// The first question: (name, type), and where the question section ends.
+pub fn question(msg: &[u8]) -> Option<(String, u16, usize)> {
+    if msg.len() < 12 || u16_at(msg, 4)? == 0 {
+        return None;
+    }
+    let (name, off) = read_name(msg, 12)?;
+    let qtype = u16_at(msg, off)?;
+    u16_at(msg, off + 2)?;
+    Some((name, qtype, off + 4))
+}
+
+/// An answer with the query's id and question and `rcode`, no records.
+pub fn reply(query: &[u8], rcode: u8) -> Vec<u8> {
+    let qend = question(query).map(|q| q.2).unwrap_or(12).min(query.len());
+    let mut r = query[..qend].to_vec();
+    if r.len() < 12 {
+        r.resize(12, 0);
+    }
+    // QR, opcode from the query, RD copied; RA set.
+    r[2] = 0x80 | (query.get(2).copied().unwrap_or(0) & 0x79);
+    r[3] = 0x80 | (rcode & 0x0f);
+    let qd: u16 = if qend > 12 { 1 } else { 0 };
+    r[4..6].copy_from_slice(&qd.to_be_bytes());
+    for b in &mut r[6..12] {
+        *b = 0;
+    }
+    r
+}
+
+/// What an upstream answer means for the sandbox: the addresses it opens, or why it is
+/// refused.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Verdict {
+    Open(Vec<(Ipv4Addr, u32)>),
+    Refuse(String),
+}
+
+/// Checks an upstream answer against the policy: every name in its answer section (owner
+/// names and CNAME targets) must be allowed.
+pub fn judge(answer: &[u8], policy: &Policy) -> Option<Verdict> {
+    let (_, _, mut off) = question(answer)?;
+    let ancount = u16_at(answer, 6)?;
+    let mut addrs = Vec::new();
+    for _ in 0..ancount {
+        let (owner, next) = read_name(answer, off)?;
+        let rtype = u16_at(answer, next)?;
+        let ttl = u32_at(answer, next + 4)?;
+        let rdlen = u16_at(answer, next + 8)? as usize;
+        let rdata = next + 10;
+        answer.get(rdata..rdata + rdlen)?;
+        if !policy.allows_name(&owner) {
+            return Some(Verdict::Refuse(format!("the answer names {owner}")));
+        }
+        match rtype {
+            TYPE_CNAME => {
+                let (target, _) = read_name(answer, rdata)?;
+                if !policy.allows_name(&target) {
+                    return Some(Verdict::Refuse(format!("{owner} is an alias of {target}")));
+                }
+            }
+            TYPE_A if rdlen == 4 => {
+                let b = &answer[rdata..rdata + 4];
+                addrs.push((Ipv4Addr::new(b[0], b[1], b[2], b[3]), ttl));
+            }
+            _ => {}
+        }
+        off = rdata + rdlen;
+    }
+    Some(Verdict::Open(addrs))
+}
+
+async fn ask_udp(upstream: SocketAddr, query: &[u8]) -> Result<Vec<u8>, String> {
+    let sock = UdpSocket::bind("0.0.0.0:0")
+        .await
+        .map_err(|e| e.to_string())?;
+    sock.connect(upstream).await.map_err(|e| e.to_string())?;
+    sock.send(query).await.map_err(|e| e.to_string())?;
+    let mut buf = vec![0u8; MAX_MESSAGE];
+    loop {
+        let n = tokio::time::timeout(UPSTREAM_TIMEOUT, sock.recv(&mut buf))
+            .await
+            .map_err(|_| format!("{upstream} did not answer"))?
+            .map_err(|e| e.to_string())?;
+        // Only the answer to this query (same id) counts.
+        if n >= 12 && buf[..2] == query[..2] {
+            buf.truncate(n);
+            return Ok(buf);
+        }
+    }
+}
+
+async fn ask_tcp(upstream: SocketAddr, query: &[u8]) -> Result<Vec<u8>, String> {
+    let call = async {
+        let mut s = TcpStream::connect(upstream)
+            .await
+            .map_err(|e| e.to_string())?;
+        let len = u16::try_from(query.len()).map_err(|_| "query too long".to_string())?;
+        s.write_all(&len.to_be_bytes())
+            .await
+            .map_err(|e| e.to_string())?;
+        s.write_all(query).await.map_err(|e| e.to_string())?;
+        let n = s.read_u16().await.map_err(|e| e.to_string())? as usize;
+        let mut buf = vec![0u8; n];
+        s.read_exact(&mut buf).await.map_err(|e| e.to_string())?;
+        Ok(buf)
+    };
+    tokio::time::timeout(UPSTREAM_TIMEOUT, call)
+        .await
+        .map_err(|_| format!("{upstream} did not answer over TCP"))?
+}
+
+/// The answer to `query` from the sandbox at `src`.
+async fn answer(net: &Arc<Network>, src: Ipv4Addr, query: &[u8], tcp: bool) -> Option<Vec<u8>> {
+    if query.len() < 12 {
+        return None;
+    }
+    let Some((name, qtype, _)) = question(query) else {
+        return Some(reply(query, RCODE_FORMERR));
+    };
+    let Some((id, policy)) = net.sandbox_at(src) else {
+        return Some(reply(query, RCODE_REFUSED));
+    };
+    if !policy.allows_name(&name) {
+        tracing::debug!(sandbox = %id, %name, "DNS refused: not allowed");
+        return Some(reply(query, RCODE_REFUSED));
+    }
+    if qtype == TYPE_AAAA {
+        return Some(reply(query, 0));
+    }
+    let mut last = String::new();
+    for up in &net.upstream {
+        let got = if tcp {
+            ask_tcp(*up, query).await
+        } else {
+            ask_udp(*up, query).await
+        };
+        let resp = match got {
+            Ok(r) => r,
+            Err(e) => {
+                last = e;
+                continue;
+            }
+        };
+        return Some(match judge(&resp, &policy) {
+            None => reply(query, RCODE_SERVFAIL),
+            Some(Verdict::Refuse(why)) => {
+                tracing::info!(sandbox = %id, %name, "DNS refused: {why}");
+                reply(query, RCODE_REFUSED)
+            }
+            Some(Verdict::Open(addrs)) => {
+                let named: Vec<(Ipv4Addr, u32, String)> = addrs
+                    .into_iter()
+                    .map(|(ip, ttl)| (ip, ttl, name.clone()))
+                    .collect();
+                let n2 = net.clone();
+                let opened = tokio::task::spawn_blocking(move || n2.learn(src, &named)).await;
+                match opened {
+                    Ok(Ok(())) => resp,
+                    Ok(Err(e)) => {
+                        tracing::warn!(sandbox = %id, "opening the answer's addresses: {e}");
+                        reply(query, RCODE_SERVFAIL)
+                    }
+                    Err(e) => {
+                        tracing::warn!(sandbox = %id, "opening the answer's addresses: {e}");
+                        reply(query, RCODE_SERVFAIL)
+                    }
+                }
+            }
+        });
+    }
+    tracing::warn!(%name, "no DNS upstream answered: {last}");
+    Some(reply(query, RCODE_SERVFAIL))
+}
+
+fn v4(a: SocketAddr) -> Option<Ipv4Addr> {
+    match a {
+        SocketAddr::V4(a) => Some(*a.ip()),
+        SocketAddr::V6(a) => a.ip().to_ipv4_mapped(),
+    }
+}
+
+/// Serves DNS on UDP and TCP `0.0.0.0:<dns_port>` until the tasks are dropped.
+pub async fn spawn(net: Arc<Network>) -> Result<Vec<tokio::task::JoinHandle<()>>, String> {
+    let addr = SocketAddr::from(([0, 0, 0, 0], net.cfg.dns_port));
+    let udp = Arc::new(
+        UdpSocket::bind(addr)
+            .await
+            .map_err(|e| format!("DNS proxy on udp {addr}: {e}"))?,
+    );
+    let tcp = TcpListener::bind(addr)
+        .await
+        .map_err(|e| format!("DNS proxy on tcp {addr}: {e}"))?;
+    let n1 = net.clone();
+    let udp_task = tokio::spawn(async move {
+        let mut buf = vec![0u8; MAX_MESSAGE];
+        loop {
+            let Ok((n, from)) = udp.recv_from(&mut buf).await else {
+                continue;
+            };
+            let Some(src) = v4(from) else { continue };
+            let query = buf[..n].to_vec();
+            let (net, udp) = (n1.clone(), udp.clone());
+            tokio::spawn(async move {
+                if let Some(r) = answer(&net, src, &query, false).await {
+                    let _ = udp.send_to(&r, from).await;
+                }
+            });
+        }
+    });
+    let tcp_task = tokio::spawn(async move {
+        loop {
+            let Ok((mut s, from)) = tcp.accept().await else {
+                continue;
+            };
+            let Some(src) = v4(from) else { continue };
+            let net = net.clone();
+            tokio::spawn(async move {
+                loop {
+                    let Ok(Ok(n)) = tokio::time::timeout(TCP_IDLE, s.read_u16()).await else {
+                        return;
+                    };
+                    let mut q = vec![0u8; n as usize];
+                    if s.read_exact(&mut q).await.is_err() {
+                        return;
+                    }
+                    let Some(r) = answer(&net, src, &q, true).await else {
+                        return;
+                    };
+                    let Ok(len) = u16::try_from(r.len()) else {
+                        return;
+                    };
+                    if s.write_all(&len.to_be_bytes()).await.is_err()
+                        || s.write_all(&r).await.is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    Ok(vec![udp_task, tcp_task])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::net::rules::DomainPattern;
+
+    fn name(n: &str) -> Vec<u8> {
+        let mut v = Vec::new();
+        for l in n.split('.') {
+            v.push(l.len() as u8);
+            v.extend_from_slice(l.as_bytes());
+        }
+        v.push(0);
+        v
+    }
+
+    fn query(n: &str, qtype: u16) -> Vec<u8> {
+        let mut m = vec![0x12, 0x34, 0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0];
+        m.extend(name(n));
+        m.extend(qtype.to_be_bytes());
+        m.extend(1u16.to_be_bytes());
+        m
+    }
+
+    /// An answer to `q` with records (owner as a pointer to the question, or a full name).
+    fn answer_with(q: &[u8], records: &[(Option<&str>, u16, u32, Vec<u8>)]) -> Vec<u8> {
+        let mut m = q.to_vec();
+        m[2] = 0x81;
+        m[3] = 0x80;
+        m[6..8].copy_from_slice(&(records.len() as u16).to_be_bytes());
+        for (owner, t, ttl, rdata) in records {
+            match owner {
+                None => m.extend([0xc0, 12]),
+                Some(o) => m.extend(name(o)),
+            }
+            m.extend(t.to_be_bytes());
+            m.extend(1u16.to_be_bytes());
+            m.extend(ttl.to_be_bytes());
+            m.extend((rdata.len() as u16).to_be_bytes());
+            m.extend(rdata);
+        }
+        m
+    }
+
+    fn policy(domains: &[&str]) -> Policy {
+        Policy {
+            domains: domains
+                .iter()
+                .filter_map(|d| DomainPattern::parse(d))
+                .collect(),
+            cidrs: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn questions_parse_and_refusals_keep_the_question() {
+        let q = query("PyPI.test", TYPE_A);
+        assert_eq!(
+            question(&q).map(|x| (x.0, x.1)),
+            Some(("pypi.test".into(), TYPE_A))
+        );
+        let r = reply(&q, RCODE_REFUSED);
+        assert_eq!(&r[..2], &[0x12, 0x34]);
+        assert_eq!(r[3] & 0x0f, RCODE_REFUSED);
+        assert_eq!(r.len(), q.len());
+        assert!(question(&[0u8; 5]).is_none());
+        // A pointer loop does not hang the parser.
+        let mut bad = vec![0u8; 12];
+        bad[5] = 1;
+        bad.extend([0xc0, 12]);
+        assert!(question(&bad).is_none());
+    }
+
+    #[test]
+    fn answers_open_their_addresses_only_if_every_name_is_allowed() {
+        let p = policy(&["pypi.test", "*.cdn.test"]);
+        let q = query("pypi.test", TYPE_A);
+        let ok = answer_with(&q, &[(None, TYPE_A, 30, vec![203, 0, 113, 10])]);
+        assert_eq!(
+            judge(&ok, &p),
+            Some(Verdict::Open(vec![("203.0.113.10".parse().unwrap(), 30)]))
+        );
+        let cname_in = answer_with(
+            &q,
+            &[
+                (None, TYPE_CNAME, 30, name("a.cdn.test")),
+                (Some("a.cdn.test"), TYPE_A, 5, vec![203, 0, 113, 11]),
+            ],
+        );
+        assert!(matches!(judge(&cname_in, &p), Some(Verdict::Open(v)) if v.len() == 1));
+        let cname_out = answer_with(
+            &q,
+            &[
+                (None, TYPE_CNAME, 30, name("other.test")),
+                (Some("other.test"), TYPE_A, 5, vec![203, 0, 113, 20]),
+            ],
+        );
+        assert!(
+            matches!(judge(&cname_out, &p), Some(Verdict::Refuse(w)) if w.contains("other.test"))
+        );
+        // Truncated records are rejected, not read past the end.
+        assert_eq!(judge(&ok[..ok.len() - 2], &p), None);
+    }
+}

@@ -1,0 +1,334 @@
+//! Sandbox networking: a network namespace per sandbox with a veth to the node and an
+//! address from the node's pool ([`link`]), egress denied unless the sandbox's rules
+//! ([`rules`]) allow it, enforced with nftables ([`nft`]), and a DNS proxy ([`dns`]) that
+//! is every sandbox's only resolver: it answers allowed names only and opens the answers'
+//! addresses to the asking sandbox for their TTL.
+
+pub mod dns;
+pub mod link;
+pub mod nft;
+pub mod rules;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use dsec_common::ApiError;
+
+use crate::config::NetworkConfig;
+use link::Slot;
+use rules::{Cidr, Policy};
+
+/// Shortest time a DNS answer opens an address for (answers with TTL 0 or 1 still need
+/// the connection that follows them to get through).
+pub const MIN_TTL: u32 = 2;
+/// Longest: a long TTL does not open an address for days.
+pub const MAX_TTL: u32 = 3600;
+
+/// The random part of a sandbox id, which names its interface, chain and sets.
+pub fn key_of(id: &str) -> &str {
+    id.rsplit_once('-').map(|(_, k)| k).unwrap_or(id)
+}
+
+#[derive(Debug, Clone)]
+struct Attached {
+    id: String,
+    policy: Policy,
+    /// Addresses its DNS answers opened: address → (until, the name asked for).
+    learned: HashMap<Ipv4Addr, (Instant, String)>,
+}
+
+#[derive(Default)]
+struct State {
+    used: BTreeSet<u32>,
+    /// Sandbox address → its attachment.
+    by_ip: HashMap<Ipv4Addr, Attached>,
+    /// Sandbox key → its address.
+    by_key: HashMap<String, Ipv4Addr>,
+}
+
+pub struct Network {
+    pub cfg: NetworkConfig,
+    services: BTreeMap<String, Vec<String>>,
+    pool: Cidr,
+    pub upstream: Vec<SocketAddr>,
+    state: Mutex<State>,
+    /// The node's `ip_forward` before the edge turned it on, to put back at shutdown.
+    forwarding_was: Mutex<Option<String>>,
+}
+
+const IP_FORWARD: &str = "/proc/sys/net/ipv4/ip_forward";
+
+fn resolv_conf_servers() -> Vec<SocketAddr> {
+    std::fs::read_to_string("/etc/resolv.conf")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("nameserver"))
+        .filter_map(|a| a.trim().parse::<Ipv4Addr>().ok())
+        .map(|ip| SocketAddr::from((ip, 53)))
+        .collect()
+}
+
+impl Network {
+    /// Checks the configuration and, when networking is enabled, installs the node's
+    /// table and turns on IPv4 forwarding.
+    pub fn start(cfg: &NetworkConfig) -> Result<Network, String> {
+        let pool = Cidr::parse(&cfg.pool)
+            .filter(|p| p.prefix <= 30)
+            .ok_or_else(|| {
+                format!(
+                    "[edge.network] pool {:?} is not an IPv4 network of /30 or larger",
+                    cfg.pool
+                )
+            })?;
+        let mut services = rules::default_services();
+        for (name, domains) in &cfg.services {
+            for d in domains {
+                if rules::DomainPattern::parse(d).is_none() {
+                    return Err(format!(
+                        "[edge.network.services] {name}: {d:?} is not a domain"
+                    ));
+                }
+            }
+            services.insert(name.clone(), domains.clone());
+        }
+        let mut upstream = Vec::new();
+        for u in &cfg.dns_upstream {
+            let a = u
+                .parse::<SocketAddr>()
+                .or_else(|_| u.parse::<Ipv4Addr>().map(|ip| SocketAddr::from((ip, 53))))
+                .map_err(|_| format!("[edge.network] dns_upstream {u:?} is not ip or ip:port"))?;
+            upstream.push(a);
+        }
+        if upstream.is_empty() {
+            upstream = resolv_conf_servers();
+        }
+        let net = Network {
+            cfg: cfg.clone(),
+            services,
+            pool,
+            upstream,
+            state: Mutex::new(State::default()),
+            forwarding_was: Mutex::new(None),
+        };
+        if cfg.enabled {
+            nft::apply(&nft::base(&pool, cfg.dns_port)).map_err(|e| {
+                format!(
+                    "{e} (sandbox networking needs nftables; or set [edge.network] enabled = false)"
+                )
+            })?;
+            let was = std::fs::read_to_string(IP_FORWARD).unwrap_or_default();
+            if was.trim() != "1" {
+                std::fs::write(IP_FORWARD, "1")
+                    .map_err(|e| format!("turning on IPv4 forwarding for sandbox egress: {e}"))?;
+                tracing::info!("turned on IPv4 forwarding (sandbox egress goes through the node)");
+                *self_lock(&net.forwarding_was) = Some(was.trim().to_string());
+            }
+        }
+        Ok(net)
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.cfg.enabled
+    }
+
+    pub fn policy(&self, rules: &BTreeMap<String, bool>) -> Result<Policy, ApiError> {
+        rules::compile(rules, &self.services)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self_lock(&self.state)
+    }
+
+    /// Takes a free /30 of the pool.
+    pub fn allocate(&self) -> Result<u32, ApiError> {
+        let mut st = self.lock();
+        let cap = Slot::capacity(&self.pool);
+        let free = (0..cap).find(|i| !st.used.contains(i)).ok_or_else(|| {
+            ApiError::node_full(format!(
+                "the node's sandbox address pool {} is used up ({cap} sandboxes)",
+                self.pool
+            ))
+        })?;
+        st.used.insert(free);
+        Ok(free)
+    }
+
+    fn slot(&self, index: u32) -> Result<Slot, ApiError> {
+        Slot::in_pool(&self.pool, index).ok_or_else(|| {
+            ApiError::internal(format!(
+                "address slot {index} is outside the pool {}",
+                self.pool
+            ))
+        })
+    }
+
+    fn register(&self, id: &str, slot: Slot, policy: Policy) {
+        let mut st = self.lock();
+        st.used.insert(slot.index);
+        st.by_key.insert(key_of(id).to_string(), slot.ip);
+        st.by_ip.insert(
+            slot.ip,
+            Attached {
+                id: id.to_string(),
+                policy,
+                learned: HashMap::new(),
+            },
+        );
+    }
+
+    /// Makes the sandbox's namespace, veth and rules (blocking). On error nothing is left.
+    pub fn attach(&self, id: &str, index: u32, policy: Policy) -> Result<Slot, ApiError> {
+        let slot = self.slot(index)?;
+        let k = key_of(id);
+        link::create(id, k, &slot).map_err(ApiError::internal)?;
+        if let Err(e) = nft::apply(&nft::sandbox(k, &policy)) {
+            link::remove(id, k);
+            return Err(ApiError::internal(format!(
+                "installing the sandbox's egress rules: {e}"
+            )));
+        }
+        self.register(id, slot, policy);
+        Ok(slot)
+    }
+
+    /// Takes back a running sandbox after a restart: its slot, and its rules, reinstalled
+    /// in case the table was lost.
+    pub fn adopt(&self, id: &str, index: u32, policy: Policy) -> Result<(), ApiError> {
+        let slot = self.slot(index)?;
+        nft::apply(&nft::sandbox(key_of(id), &policy)).map_err(ApiError::internal)?;
+        self.register(id, slot, policy);
+        Ok(())
+    }
+
+    /// Removes the sandbox's rules, veth and namespace and frees its slot (blocking;
+    /// idempotent, also for a half-made sandbox).
+    pub fn detach(&self, id: &str, index: Option<u32>) {
+        let k = key_of(id);
+        for line in nft::remove_sandbox(k) {
+            let _ = nft::apply(&line);
+        }
+        link::remove(id, k);
+        let mut st = self.lock();
+        if let Some(ip) = st.by_key.remove(k) {
+            st.by_ip.remove(&ip);
+        }
+        if let Some(i) = index {
+            st.used.remove(&i);
+        }
+    }
+
+    /// Replaces the rules of a running sandbox. Addresses its DNS answers opened stay open
+    /// while their name is still allowed; the others close at once.
+    pub fn set_policy(&self, id: &str, policy: Policy) -> Result<(), ApiError> {
+        let k = key_of(id).to_string();
+        let mut st = self.lock();
+        let ip = *st.by_key.get(&k).ok_or_else(|| {
+            ApiError::precondition(format!(
+                "sandbox {id} has no network (created with network \"none\")"
+            ))
+        })?;
+        let a = st
+            .by_ip
+            .get_mut(&ip)
+            .ok_or_else(|| ApiError::internal("network state lost"))?;
+        let now = Instant::now();
+        a.learned
+            .retain(|_, (until, name)| *until > now && policy.allows_name(name));
+        let keep: Vec<(Ipv4Addr, u32)> = a
+            .learned
+            .iter()
+            .map(|(ip, (until, _))| (*ip, until.duration_since(now).as_secs().max(1) as u32))
+            .collect();
+        let mut script = nft::cidr_sets(&k, &policy);
+        script.push_str(&nft::flush_learned(&k));
+        script.push_str(&nft::learn(&k, &keep, &[]));
+        nft::apply(&script).map_err(ApiError::internal)?;
+        a.policy = policy;
+        Ok(())
+    }
+
+    /// The sandbox at `ip`, as (id, policy).
+    pub fn sandbox_at(&self, ip: Ipv4Addr) -> Option<(String, Policy)> {
+        self.lock()
+            .by_ip
+            .get(&ip)
+            .map(|a| (a.id.clone(), a.policy.clone()))
+    }
+
+    /// Opens `addrs` (address, TTL, the name asked) to the sandbox at `ip` (blocking: the
+    /// DNS answer goes out only once the rule is in).
+    pub fn learn(&self, ip: Ipv4Addr, addrs: &[(Ipv4Addr, u32, String)]) -> Result<(), String> {
+        let mut st = self.lock();
+        let Some(a) = st.by_ip.get_mut(&ip) else {
+            return Err("the sandbox is gone".into());
+        };
+        let now = Instant::now();
+        let k = key_of(&a.id).to_string();
+        let mut present = Vec::new();
+        let mut add = Vec::new();
+        for (addr, ttl, name) in addrs {
+            let ttl = (*ttl).clamp(MIN_TTL, MAX_TTL);
+            if a.learned
+                .get(addr)
+                .is_some_and(|(until, _)| *until > now + Duration::from_millis(200))
+            {
+                present.push(*addr);
+            }
+            add.push((*addr, ttl));
+            a.learned
+                .insert(*addr, (now + Duration::from_secs(ttl as u64), name.clone()));
+        }
+        let r = nft::apply(&nft::learn(&k, &add, &present));
+        if r.is_err() && !present.is_empty() {
+            // An element expired between our check and the delete: add without deleting.
+            return nft::apply(&nft::learn(&k, &add, &[]));
+        }
+        r
+    }
+
+    /// Removes namespaces, interfaces and rule chains that belong to no sandbox in `ids`
+    /// (left by a crash in the middle of a create or a stop). Namespaces of other edges
+    /// (`/run/netns` is shared by every edge on a machine) are not touched.
+    pub fn sweep(&self, edge: &str, ids: &[String]) {
+        let keys: BTreeSet<&str> = ids.iter().map(|i| key_of(i)).collect();
+        let full: BTreeSet<&str> = ids.iter().map(String::as_str).collect();
+        let mine = format!("{edge}-");
+        for ns in link::namespaces() {
+            if ns.starts_with(&mine) && !full.contains(ns.as_str()) {
+                tracing::info!(netns = %ns, "removing a sandbox network namespace nothing owns");
+                link::remove(&ns, key_of(&ns));
+            }
+        }
+        for k in link::interfaces() {
+            if !keys.contains(k.as_str()) {
+                let _ = std::process::Command::new("ip")
+                    .args(["link", "del", &link::host_iface(&k)])
+                    .status();
+            }
+        }
+        for k in nft::sandbox_chains() {
+            if !keys.contains(k.as_str()) {
+                for line in nft::remove_sandbox(&k) {
+                    let _ = nft::apply(&line);
+                }
+            }
+        }
+    }
+
+    /// At shutdown with no sandboxes left: removes the table and restores forwarding.
+    pub fn shutdown(&self) {
+        if !self.cfg.enabled || !self.lock().by_ip.is_empty() {
+            return;
+        }
+        let _ = nft::apply(&nft::drop_table());
+        if let Some(was) = self_lock(&self.forwarding_was).take() {
+            let _ = std::fs::write(IP_FORWARD, was);
+        }
+    }
+}
+
+fn self_lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
