@@ -154,8 +154,8 @@ impl Edge {
         ));
         let mut backends: BTreeMap<&'static str, Arc<dyn Backend>> = BTreeMap::new();
         backends.insert(container.name(), container);
-        let net_cfg = cfg.network.clone();
-        let network = blocking(move || net::Network::start(&net_cfg))
+        let (net_cfg, state_dir) = (cfg.network.clone(), cfg.state_dir.clone());
+        let network = blocking(move || net::Network::start(&net_cfg, &state_dir))
             .await?
             .map_err(ApiError::internal)?;
         let network = Arc::new(network);

@@ -247,14 +247,15 @@ fn v4(a: SocketAddr) -> Option<Ipv4Addr> {
 /// Serves DNS on UDP and TCP `0.0.0.0:<dns_port>` until the tasks are dropped.
 pub async fn spawn(net: Arc<Network>) -> Result<Vec<tokio::task::JoinHandle<()>>, String> {
     let addr = SocketAddr::from(([0, 0, 0, 0], net.cfg.dns_port));
+    let hint = "(is another dsec edge running in this network namespace? one node per namespace, or give this one [edge.network] enabled = false)";
     let udp = Arc::new(
         UdpSocket::bind(addr)
             .await
-            .map_err(|e| format!("DNS proxy on udp {addr}: {e}"))?,
+            .map_err(|e| format!("DNS proxy on udp {addr}: {e} {hint}"))?,
     );
     let tcp = TcpListener::bind(addr)
         .await
-        .map_err(|e| format!("DNS proxy on tcp {addr}: {e}"))?;
+        .map_err(|e| format!("DNS proxy on tcp {addr}: {e} {hint}"))?;
     let n1 = net.clone();
     let udp_task = tokio::spawn(async move {
         let mut buf = vec![0u8; MAX_MESSAGE];

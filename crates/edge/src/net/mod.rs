@@ -54,8 +54,9 @@ pub struct Network {
     pool: Cidr,
     pub upstream: Vec<SocketAddr>,
     state: Mutex<State>,
-    /// The node's `ip_forward` before the edge turned it on, to put back at shutdown.
-    forwarding_was: Mutex<Option<String>>,
+    /// Holds the node's `ip_forward` from before the edge turned it on, to put back at
+    /// shutdown (a file, so that it outlives a crashed edge).
+    forwarding_file: std::path::PathBuf,
 }
 
 const IP_FORWARD: &str = "/proc/sys/net/ipv4/ip_forward";
@@ -73,7 +74,7 @@ fn resolv_conf_servers() -> Vec<SocketAddr> {
 impl Network {
     /// Checks the configuration and, when networking is enabled, installs the node's
     /// table and turns on IPv4 forwarding.
-    pub fn start(cfg: &NetworkConfig) -> Result<Network, String> {
+    pub fn start(cfg: &NetworkConfig, state_dir: &std::path::Path) -> Result<Network, String> {
         let pool = Cidr::parse(&cfg.pool)
             .filter(|p| p.prefix <= 30)
             .ok_or_else(|| {
@@ -110,7 +111,7 @@ impl Network {
             pool,
             upstream,
             state: Mutex::new(State::default()),
-            forwarding_was: Mutex::new(None),
+            forwarding_file: state_dir.join("ip_forward.before"),
         };
         if cfg.enabled {
             nft::apply(&nft::base(&pool, cfg.dns_port)).map_err(|e| {
@@ -120,10 +121,13 @@ impl Network {
             })?;
             let was = std::fs::read_to_string(IP_FORWARD).unwrap_or_default();
             if was.trim() != "1" {
+                if !net.forwarding_file.exists() {
+                    std::fs::write(&net.forwarding_file, was.trim())
+                        .map_err(|e| format!("{}: {e}", net.forwarding_file.display()))?;
+                }
                 std::fs::write(IP_FORWARD, "1")
                     .map_err(|e| format!("turning on IPv4 forwarding for sandbox egress: {e}"))?;
                 tracing::info!("turned on IPv4 forwarding (sandbox egress goes through the node)");
-                *self_lock(&net.forwarding_was) = Some(was.trim().to_string());
             }
         }
         Ok(net)
@@ -206,9 +210,7 @@ impl Network {
     /// idempotent, also for a half-made sandbox).
     pub fn detach(&self, id: &str, index: Option<u32>) {
         let k = key_of(id);
-        for line in nft::remove_sandbox(k) {
-            let _ = nft::apply(&line);
-        }
+        remove_rules(k);
         link::remove(id, k);
         let mut st = self.lock();
         if let Some(ip) = st.by_key.remove(k) {
@@ -310,9 +312,7 @@ impl Network {
         }
         for k in nft::sandbox_chains() {
             if !keys.contains(k.as_str()) {
-                for line in nft::remove_sandbox(&k) {
-                    let _ = nft::apply(&line);
-                }
+                remove_rules(&k);
             }
         }
     }
@@ -323,8 +323,20 @@ impl Network {
             return;
         }
         let _ = nft::apply(&nft::drop_table());
-        if let Some(was) = self_lock(&self.forwarding_was).take() {
-            let _ = std::fs::write(IP_FORWARD, was);
+        if let Ok(was) = std::fs::read_to_string(&self.forwarding_file) {
+            let _ = std::fs::write(IP_FORWARD, was.trim());
+            let _ = std::fs::remove_file(&self.forwarding_file);
+        }
+    }
+}
+
+/// Removes a sandbox's map entry, chain and sets: in one transaction when all are there,
+/// piece by piece when some are not (a half-made sandbox).
+fn remove_rules(k: &str) {
+    let lines = nft::remove_sandbox(k);
+    if nft::apply(&lines.concat()).is_err() {
+        for line in lines {
+            let _ = nft::apply(&line);
         }
     }
 }
