@@ -224,6 +224,7 @@ class Netlab:
         self.api_url = f"http://{API_IP}:{API_PORT}"
         self.api_key = ""
         self._forward_before = ""
+        self._node_started = False
 
     # ---- bring-up ----
 
@@ -287,16 +288,20 @@ class Netlab:
     def _check_world(self) -> None:
         """From the node itself everything answers (the lab works before the node's rules
         are in place)."""
+        def expect(what: str, got: object, want: object) -> None:
+            if got != want:
+                raise RuntimeError(f"netlab: {what} from the node gave {got!r}, not {want!r}")
+
         for ip, port, body in ((PYPI_IP, HTTP_PORT, "pypi"), (OTHER_IP, HTTP_PORT, "other"),
                                (METADATA_IP, 80, "metadata")):
-            got = self.node_py(f"import urllib.request as u; print(u.urlopen('http://{ip}:{port}/', timeout=3)"
-                               ".read().decode().strip())")
-            assert got == body, f"netlab: http://{ip}:{port}/ from the node gave {got!r}"
-        assert self.node_dns(UPSTREAM_DNS_IP, "pypi.test") == [PYPI_IP]
-        assert self.node_dns(UPSTREAM_DNS_IP, "pypi.test", "AAAA") == ["2001:db8::10"]
-        assert self.node_dns(FOREIGN_DNS_IP, "other.test", tcp=True) == [FOREIGN_ANSWER]
-        assert self.node_connect(NODE_IP, HOST_PORT) == "OK"
-        assert self.node_connect("::1", HOST_PORT) == "OK"
+            expect(f"http://{ip}:{port}/", self.node_py(
+                f"import urllib.request as u; print(u.urlopen('http://{ip}:{port}/', timeout=3).read().decode())"), body)
+        expect("DNS A pypi.test", self.node_dns(UPSTREAM_DNS_IP, "pypi.test"), [PYPI_IP])
+        expect("DNS AAAA pypi.test", self.node_dns(UPSTREAM_DNS_IP, "pypi.test", "AAAA"), ["2001:db8::10"])
+        expect("DNS over TCP to the foreign resolver", self.node_dns(FOREIGN_DNS_IP, "other.test", tcp=True),
+               [FOREIGN_ANSWER])
+        expect(f"{NODE_IP}:{HOST_PORT}", self.node_connect(NODE_IP, HOST_PORT), "OK")
+        expect(f"[::1]:{HOST_PORT}", self.node_connect("::1", HOST_PORT), "OK")
 
     def _node_env(self) -> dict:
         env = {k: v for k, v in os.environ.items() if k not in ("DSEC_API_URL", "DSEC_API_KEY")}
@@ -307,6 +312,7 @@ class Netlab:
 
     def _start_node(self) -> None:
         (NODE_DIR / "config.toml").write_text(node_config(self.image_store))
+        self._node_started = True
         r = _run(*in_ns(NODE_NS, [self.dsec, "up", "--data-dir", str(NODE_DIR), "--listen", f"{API_IP}:{API_PORT}"]),
                  check=False, timeout=120, env=self._node_env())
         if r.returncode != 0:
@@ -322,7 +328,7 @@ class Netlab:
         returns what was wrong or had to be forced away."""
         problems: list[str] = []
         try:
-            if (NODE_DIR / "dsec.pid").exists():
+            if self._node_started:
                 r = _run(self.dsec, "down", "--data-dir", str(NODE_DIR), check=False, timeout=180, env=self._node_env())
                 if r.returncode != 0:
                     problems.append(f"dsec down failed ({r.returncode}): {r.stdout} {r.stderr}")
@@ -362,16 +368,18 @@ class Netlab:
         if p.stdout is not None:
             p.stdout.close()
 
-    def _keep_logs(self) -> None:
+    @staticmethod
+    def _keep_logs() -> None:
         shutil.rmtree(KEPT_LOGS, ignore_errors=True)
         KEPT_LOGS.mkdir(parents=True, exist_ok=True)
-        for f in [*LOGS.glob("*"), NODE_DIR / "dsec.log"] if LOGS.exists() else []:
+        for f in [*LOGS.glob("*"), NODE_DIR / "dsec.log"]:
             if f.is_file():
                 shutil.copy(f, KEPT_LOGS / f.name)
 
     # ---- what tests ask ----
 
-    def client(self):
+    def client(self) -> "DSecClient":  # noqa: F821
+        # Imported here: the lab's servers run this file without the SDK on the path.
         from opendsec import DSecClient
         return DSecClient(api_url=self.api_url, api_key=self.api_key)
 

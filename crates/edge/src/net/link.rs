@@ -115,15 +115,18 @@ pub fn create(id: &str, k: &str, slot: &Slot) -> Result<(), String> {
     Ok(())
 }
 
-/// Removes the veth pair and the namespace; either may already be gone.
+/// Removes the namespace and the veth pair; either may already be gone. Deleting the
+/// namespace takes the pair with it (the kernel tears it down once nothing uses it), which
+/// spares the slow synchronous link delete on the node side.
 pub fn remove(id: &str, k: &str) {
-    let _ = Command::new("ip")
-        .args(["link", "del", &host_iface(k)])
-        .stderr(Stdio::null())
-        .status();
     if netns_path(id).exists() {
         let _ = Command::new("ip")
             .args(["netns", "del", &netns_name(id)])
+            .stderr(Stdio::null())
+            .status();
+    } else {
+        let _ = Command::new("ip")
+            .args(["link", "del", &host_iface(k)])
             .stderr(Stdio::null())
             .status();
     }

@@ -42,6 +42,10 @@ struct Attached {
 #[derive(Default)]
 struct State {
     used: BTreeSet<u32>,
+    /// Where the next free slot is looked for: slots are handed out round the pool, so a
+    /// slot just freed (whose veth the kernel may still be tearing down) is not reused at
+    /// once.
+    cursor: u32,
     /// Sandbox address → its attachment.
     by_ip: HashMap<Ipv4Addr, Attached>,
     /// Sandbox key → its address.
@@ -149,13 +153,18 @@ impl Network {
     pub fn allocate(&self) -> Result<u32, ApiError> {
         let mut st = self.lock();
         let cap = Slot::capacity(&self.pool);
-        let free = (0..cap).find(|i| !st.used.contains(i)).ok_or_else(|| {
-            ApiError::node_full(format!(
-                "the node's sandbox address pool {} is used up ({cap} sandboxes)",
-                self.pool
-            ))
-        })?;
+        let start = st.cursor % cap.max(1);
+        let free = (start..cap)
+            .chain(0..start)
+            .find(|i| !st.used.contains(i))
+            .ok_or_else(|| {
+                ApiError::node_full(format!(
+                    "the node's sandbox address pool {} is used up ({cap} sandboxes)",
+                    self.pool
+                ))
+            })?;
         st.used.insert(free);
+        st.cursor = free + 1;
         Ok(free)
     }
 

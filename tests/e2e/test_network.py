@@ -1,0 +1,500 @@
+# SPDX-License-Identifier: AGPL-3.0-only
+"""Sandbox egress policy, end to end, on a node inside netlab's small internet (see
+netlab.py for the topology): a sandbox reaches what its rules name, by name through the
+node's DNS proxy, and nothing else (other names and addresses, the node itself, other
+sandboxes, cloud metadata, other resolvers); rules changed at runtime hold at once; DNS
+TTLs, DNS to other servers, CNAMEs, IPv6 and raw sockets do not get around the rules; 200
+sandboxes with rules leave no rules, namespaces or interfaces behind; bad rules are refused
+with a message that names them.
+
+Probes run inside the sandboxes (PROBE below); a blocked connection is one that fails
+although the lab has a server answering there (netlab checks that from the node first).
+
+Run with `-s` to see the figures."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import re
+import time
+
+import pytest
+
+import netlab
+from conftest import DATA, DSEC
+from netlab import (API_IP, API_PORT, FOREIGN_ANSWER, FOREIGN_DNS_IP, HOST_PORT, HTTP_PORT, METADATA_IP,
+                    NODE_IP, OTHER_IP, PYPI_IP, Netlab)
+from opendsec import DSecClient, DSecRunArgs, InvalidArgumentError, Sandbox
+
+PY = dict(image="root/py:3.11", memory_limit_mb=128, cpu_cores_limit=0.5, ttl_seconds=900)
+TINY = dict(image="root/base", memory_limit_mb=32, cpu_cores_limit=0.05, ttl_seconds=900)
+PYPI_URL = f"http://pypi.test:{HTTP_PORT}/"
+OTHER_URL = f"http://other.test:{HTTP_PORT}/"
+RUNTIME_CHANGE_S = 1.0
+
+# Runs checks inside a sandbox: argv[1] is a JSON list of [function, *args], argv[2] "par"
+# (all at once) or "seq" (in order); prints a JSON list of results. A failure is a string
+# "FAIL <exception>: <message>".
+PROBE = r'''
+import json, socket, struct, sys, time, urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+def fail(e):
+    return f"FAIL {type(e).__name__}: {e}"
+
+def connect(host, port, timeout=2.0):
+    try:
+        socket.create_connection((host, port), timeout).close()
+        return "OK"
+    except OSError as e:
+        return fail(e)
+
+def connect6(addr, iface, port, timeout=2.0):
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect((addr, port, 0, socket.if_nametoindex(iface)))
+        return "OK"
+    except OSError as e:
+        return fail(e)
+
+def http(url, timeout=3.0):
+    try:
+        return urllib.request.urlopen(url, timeout=timeout).read().decode().strip()
+    except Exception as e:
+        return fail(e)
+
+def resolve(name):
+    try:
+        return socket.gethostbyname(name)
+    except OSError as e:
+        return fail(e)
+
+def resolve6(name):
+    try:
+        return sorted({a[4][0] for a in socket.getaddrinfo(name, 80, socket.AF_INET6)})
+    except OSError as e:
+        return fail(e)
+
+def _skip(m, o):
+    while m[o] and m[o] < 0xC0:
+        o += 1 + m[o]
+    return o + (2 if m[o] else 1)
+
+def _exact(s, n):
+    b = b""
+    while len(b) < n:
+        c = s.recv(n - len(b))
+        if not c:
+            raise ConnectionError("closed")
+        b += c
+    return b
+
+def dns(server, name, transport="udp", qtype="A", timeout=2.0):
+    """A query sent straight to server:53: {"rcode", "a": addresses} or FAIL."""
+    t = {"A": 1, "AAAA": 28}[qtype]
+    q = struct.pack(">6H", 0x4242, 0x0100, 1, 0, 0, 0)
+    q += b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\0" + struct.pack(">HH", t, 1)
+    try:
+        if transport == "udp":
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.settimeout(timeout)
+                s.sendto(q, (server, 53))
+                m = s.recv(65535)
+        else:
+            with socket.create_connection((server, 53), timeout) as s:
+                s.sendall(struct.pack(">H", len(q)) + q)
+                m = _exact(s, struct.unpack(">H", _exact(s, 2))[0])
+    except OSError as e:
+        return fail(e)
+    o, out = _skip(m, 12) + 4, []
+    for _ in range(struct.unpack(">H", m[6:8])[0]):
+        o = _skip(m, o)
+        rtype, _, _, n = struct.unpack(">HHIH", m[o:o + 10])
+        o += 10
+        if rtype in (1, 28):
+            out.append(socket.inet_ntop(socket.AF_INET if rtype == 1 else socket.AF_INET6, m[o:o + n]))
+        o += n
+    return {"rcode": m[3] & 15, "a": out}
+
+def raw(kind):
+    try:
+        if kind == "icmp":
+            socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP).close()
+        else:
+            socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3)).close()
+        return "OK"
+    except OSError as e:
+        return fail(e)
+
+def read(path):
+    return open(path).read()
+
+def interfaces():
+    return [line.split(":")[0].strip() for line in read("/proc/net/dev").splitlines()[2:]]
+
+def ipv6_addresses():
+    return [f"{f[5]} {f[0]}" for f in (line.split() for line in read("/proc/net/if_inet6").splitlines())]
+
+def blocked(v):
+    return isinstance(v, str) and v.startswith("FAIL")
+
+def switched(new_name, new_ip, old_name, old_ip, port, limit):
+    """Repeats until the new rules hold (the new name resolves and connects, the old name
+    does not resolve, the old address does not connect); returns when the round that saw
+    it began."""
+    end = time.time() + limit
+    rounds = 0
+    while time.time() < end:
+        began = time.time()
+        rounds += 1
+        if (resolve(new_name) == new_ip and connect(new_ip, port, 1.0) == "OK"
+                and blocked(resolve(old_name)) and blocked(connect(old_ip, port, 0.3))):
+            return {"held_at": began, "rounds": rounds}
+    return {"held_at": None, "rounds": rounds}
+
+checks = json.loads(sys.argv[1])
+run = lambda c: globals()[c[0]](*c[1:])
+if sys.argv[2] == "par":
+    with ThreadPoolExecutor(len(checks)) as pool:
+        results = list(pool.map(run, checks))
+else:
+    results = [run(c) for c in checks]
+print(json.dumps(results))
+'''
+
+
+async def probe(sb: Sandbox, *checks: tuple, parallel: bool = True) -> list:
+    r = await sb.exec(argv=["python3", "-c", PROBE, json.dumps(checks), "par" if parallel else "seq"], timeout=60)
+    assert r.exit_code == 0, f"the probe failed in {sb.id}: {r.stderr}"
+    return json.loads(r.stdout)
+
+
+async def probe_named(sb: Sandbox, title: str, checks: dict[str, tuple], parallel: bool = True) -> dict:
+    """Runs labelled checks and prints them."""
+    got = dict(zip(checks, await probe(sb, *checks.values(), parallel=parallel)))
+    print(f"\n{title} ({sb.id}):", flush=True)
+    for label, v in got.items():
+        print(f"  {label:<48} {' | '.join(str(v).strip().splitlines())[:120]}", flush=True)
+    return got
+
+
+def blocked(v: object) -> bool:
+    return isinstance(v, str) and v.startswith("FAIL")
+
+
+def refused_or_silent(v: object) -> bool:
+    """A DNS probe that got REFUSED (without records) or no answer at all."""
+    return blocked(v) or (isinstance(v, dict) and v["rcode"] == 5 and not v["a"])
+
+
+def key(sb: Sandbox) -> str:
+    return sb.id.rsplit("-", 1)[1]
+
+
+def gateway(address: str) -> str:
+    """The node's side of a sandbox's /30."""
+    return str(ipaddress.IPv4Address(address) - 1)
+
+
+async def node_connect(lab: Netlab, host: str, port: int) -> str:
+    return await asyncio.to_thread(lab.node_connect, host, port)
+
+
+PER_SANDBOX = re.compile(r"^\s*(?:set|chain) (?:sb|a|c|p|x|xp)_\w+", re.M)
+
+
+# ---- fixtures --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lab(server):
+    why = netlab.unavailable()
+    if why:
+        pytest.skip(f"the network tests need network namespaces and nftables: {why}")
+    lab = Netlab(dsec=DSEC, image_store=DATA / "images")
+    try:
+        lab.up()
+        yield lab
+    finally:
+        left = lab.down()
+    assert not left, f"the lab's node left these behind after dsec down: {left}"
+    assert not netlab.sandbox_namespaces()
+
+
+@pytest.fixture
+async def node(lab):
+    """A client of the lab's node, with the zone and the logs fresh; stops every sandbox
+    of the node after the test."""
+    lab.reset_zone()
+    lab.clear_logs()
+    async with lab.client() as c:
+        yield c
+        sem = asyncio.Semaphore(16)
+
+        async def stop(sid: str) -> None:
+            async with sem:
+                await (await c.get_sandbox(sid)).stop()
+
+        await asyncio.gather(*(stop(s.id) for s in await c.list_sandboxes()))
+
+
+# ---- 1. allow by name, everything else closed ------------------------------------------
+
+
+async def test_allow_by_name_and_nothing_else(lab: Netlab, node: DSecClient):
+    sb1, sb2, sb_none = await asyncio.gather(
+        node.run_sandbox(DSecRunArgs(**PY, network_rules={"pypi": True})),
+        node.run_sandbox(DSecRunArgs(**PY, network_rules={})),
+        node.run_sandbox(DSecRunArgs(**PY, network="none")))
+    net1, net2 = sb1.info.network, sb2.info.network
+    assert net1["mode"] == "rules" and net1["rules"] == {"pypi": True}, net1
+    assert net2["mode"] == "rules" and net2["rules"] == {}, net2
+    assert sb_none.info.network["mode"] == "none", sb_none.info.network
+    addr1, addr2 = net1["address"], net2["address"]
+    assert ipaddress.IPv4Address(addr1) in ipaddress.IPv4Network("10.200.0.0/16")
+    gw1 = gateway(addr1)
+
+    # The second sandbox serves HTTP on its address; the node reaches it, so a failure
+    # from the first sandbox is the policy's doing.
+    await sb2.exec_background(argv=["python3", "-m", "http.server", "8000", "--bind", "0.0.0.0"])
+    end = time.monotonic() + 15
+    while (seen := await node_connect(lab, addr2, 8000)) != "OK" and time.monotonic() < end:
+        await asyncio.sleep(0.2)
+    assert seen == "OK", f"the second sandbox's server at {addr2}:8000 is not up: {seen}"
+
+    one, two, none = await asyncio.gather(
+        probe_named(sb1, 'rules {"pypi": true}', {
+            "GET http://pypi.test:8000 (allowed by name)": ("http", PYPI_URL),
+            "GET http://files.pypi.test:8000 (*.pypi.test)": ("http", f"http://files.pypi.test:{HTTP_PORT}/"),
+            "resolve other.test": ("resolve", "other.test"),
+            "GET http://other.test:8000": ("http", OTHER_URL),
+            f"{OTHER_IP}:{HTTP_PORT} by address": ("connect", OTHER_IP, HTTP_PORT),
+            f"node uplink {NODE_IP}:{HOST_PORT}": ("connect", NODE_IP, HOST_PORT),
+            f"node API {API_IP}:{API_PORT}": ("connect", API_IP, API_PORT),
+            f"own gateway {gw1}:{HOST_PORT}": ("connect", gw1, HOST_PORT),
+            f"second sandbox {addr2}:8000": ("connect", addr2, 8000),
+            f"metadata {METADATA_IP}:80": ("connect", METADATA_IP, 80),
+            f"DNS other.test to {FOREIGN_DNS_IP} (UDP)": ("dns", FOREIGN_DNS_IP, "other.test", "udp"),
+            f"DNS other.test to {FOREIGN_DNS_IP} (TCP)": ("dns", FOREIGN_DNS_IP, "other.test", "tcp"),
+            "/etc/resolv.conf": ("read", "/etc/resolv.conf"),
+        }),
+        probe_named(sb2, "rules {}", {
+            "GET http://pypi.test:8000": ("http", PYPI_URL),
+            "resolve pypi.test": ("resolve", "pypi.test"),
+            f"{PYPI_IP}:{HTTP_PORT} by address": ("connect", PYPI_IP, HTTP_PORT),
+            f"{OTHER_IP}:{HTTP_PORT} by address": ("connect", OTHER_IP, HTTP_PORT),
+            "its own server at 127.0.0.1:8000": ("connect", "127.0.0.1", 8000),
+        }),
+        probe_named(sb_none, 'network "none"', {"interfaces (/proc/net/dev)": ("interfaces",)}))
+
+    assert one.pop("GET http://pypi.test:8000 (allowed by name)") == "pypi"
+    assert one.pop("GET http://files.pypi.test:8000 (*.pypi.test)") == "pypi"
+    assert f"nameserver {gw1}" in one.pop("/etc/resolv.conf")
+    for label, v in one.items():
+        if label.startswith("DNS"):
+            assert refused_or_silent(v), f"{label}: {v}"
+        else:
+            assert blocked(v), f'rules {{"pypi": true}}: {label} got through: {v}'
+    assert two.pop("its own server at 127.0.0.1:8000") == "OK"
+    for label, v in two.items():
+        assert blocked(v), f"rules {{}}: {label} got through: {v}"
+    assert none["interfaces (/proc/net/dev)"] == ["lo"], none
+
+    assert lab.foreign_queries() == [], "a sandbox's DNS query reached the foreign resolver"
+    assert lab.host_connections() == [], "a sandbox reached the node's own service"
+    asked = {(q["name"], q["from"]) for q in lab.upstream_queries()}
+    print(f"  the upstream DNS server was asked: {sorted(asked)}", flush=True)
+    assert ("pypi.test", NODE_IP) in asked
+    assert not any(name == "other.test" for name, _ in asked), "the proxy forwarded a name no rule allows"
+
+
+# ---- 2. rules changed at runtime ---------------------------------------------------------
+
+
+async def test_rules_change_at_runtime(lab: Netlab, node: DSecClient):
+    sb = await node.run_sandbox(DSecRunArgs(**PY, network_rules={"pypi": True}))
+    before = await probe(sb, ("http", PYPI_URL), ("connect", PYPI_IP, HTTP_PORT), ("resolve", "other.test"),
+                         parallel=False)
+    assert before[:2] == ["pypi", "OK"] and blocked(before[2]), before
+
+    t0 = time.time()
+    info = await sb.set_network_rules({"other.test": True})
+    call_s = time.time() - t0
+    assert info.network["rules"] == {"other.test": True}, info.network
+    s = (await probe(sb, ("switched", "other.test", OTHER_IP, "pypi.test", PYPI_IP, HTTP_PORT, 5.0)))[0]
+    held_s = s["held_at"] - t0 if s["held_at"] is not None else None
+    print(f"\nset_network_rules answered in {call_s * 1000:.0f} ms; the new rules held "
+          f"{'never (5 s)' if held_s is None else f'{held_s * 1000:.0f} ms'} after the call "
+          f"(round {s['rounds']} of the probe)", flush=True)
+    assert held_s is not None and held_s < RUNTIME_CHANGE_S, s
+
+    after = await probe(sb, ("http", OTHER_URL), ("resolve", "pypi.test"), ("connect", PYPI_IP, HTTP_PORT),
+                        ("http", PYPI_URL))
+    print(f"  after: other.test {after[0]!r}; pypi.test {after[1]}; {PYPI_IP} {after[2]}", flush=True)
+    assert after[0] == "other" and all(blocked(v) for v in after[1:]), after
+    assert (await node.get_sandbox(sb.id)).info.network["rules"] == {"other.test": True}
+
+    # {} closes everything, also the address other.test's answer opened a moment ago.
+    await sb.set_network_rules({})
+    closed = await probe(sb, ("connect", OTHER_IP, HTTP_PORT), ("resolve", "other.test"))
+    assert all(blocked(v) for v in closed), closed
+
+
+# ---- 3. bypasses -------------------------------------------------------------------------
+
+
+async def test_answer_opens_address_for_its_ttl(lab: Netlab, node: DSecClient):
+    sb = await node.run_sandbox(DSecRunArgs(**PY, network_rules={"ttl.test": True}))
+    first = await probe(sb, ("resolve", "ttl.test"), ("connect", PYPI_IP, HTTP_PORT), parallel=False)
+    learned = lab.node("nft", "list", "set", "inet", "dsec", f"a_{key(sb)}").stdout
+    print(f"\nttl.test (TTL 2) -> {first}; the sandbox's DNS-learned set:\n{learned}", flush=True)
+    assert first == [PYPI_IP, "OK"], first
+
+    moved = time.monotonic()
+    lab.set_zone("ttl.test", [["A", OTHER_IP, 2]])
+    await asyncio.sleep(5 - (time.monotonic() - moved))
+    later = await probe(sb, ("connect", PYPI_IP, HTTP_PORT), ("resolve", "ttl.test"),
+                        ("connect", OTHER_IP, HTTP_PORT), parallel=False)
+    print(f"5 s after ttl.test moved to {OTHER_IP}: {PYPI_IP} {later[0]}; ttl.test -> {later[1]}; "
+          f"{OTHER_IP} {later[2]}", flush=True)
+    assert blocked(later[0]), f"{PYPI_IP} still open 5 s after its 2 s TTL: {later[0]}"
+    assert later[1:] == [OTHER_IP, "OK"], later
+
+
+async def test_dns_to_any_server_goes_to_the_proxy(lab: Netlab, node: DSecClient):
+    sb = await node.run_sandbox(DSecRunArgs(**PY, network_rules={"pypi": True}))
+    got = await probe_named(sb, f"DNS straight to the foreign resolver {FOREIGN_DNS_IP}", {
+        "other.test over TCP (not allowed)": ("dns", FOREIGN_DNS_IP, "other.test", "tcp"),
+        "pypi.test over TCP (allowed)": ("dns", FOREIGN_DNS_IP, "pypi.test", "tcp"),
+        "pypi.test over UDP (allowed)": ("dns", FOREIGN_DNS_IP, "pypi.test", "udp"),
+    }, parallel=False)
+    assert refused_or_silent(got["other.test over TCP (not allowed)"])
+    # Allowed names are answered too, but by the node's proxy from its upstream (the
+    # foreign resolver would have said FOREIGN_ANSWER).
+    for label in ("pypi.test over TCP (allowed)", "pypi.test over UDP (allowed)"):
+        assert got[label] == {"rcode": 0, "a": [PYPI_IP]}, f"{label}: {got[label]}"
+    assert lab.foreign_queries() == [], f"sandbox DNS reached the foreign resolver: {lab.foreign_queries()}"
+    assert not any(FOREIGN_ANSWER in str(v) for v in got.values())
+
+
+async def test_cname_out_of_the_allowed_names_is_refused(lab: Netlab, node: DSecClient):
+    sb = await node.run_sandbox(DSecRunArgs(**PY, network_rules={"pypi": True}))
+    gw = gateway(sb.info.network["address"])
+    got = await probe_named(sb, 'alias.pypi.test is a CNAME of other.test; rules {"pypi": true}', {
+        "resolve alias.pypi.test": ("resolve", "alias.pypi.test"),
+        "DNS alias.pypi.test to the gateway": ("dns", gw, "alias.pypi.test"),
+        f"then {OTHER_IP}:{HTTP_PORT}": ("connect", OTHER_IP, HTTP_PORT),
+        "GET http://pypi.test:8000": ("http", PYPI_URL),
+    }, parallel=False)
+    assert blocked(got["resolve alias.pypi.test"])
+    assert got["DNS alias.pypi.test to the gateway"] == {"rcode": 5, "a": []}
+    assert blocked(got[f"then {OTHER_IP}:{HTTP_PORT}"])
+    assert got["GET http://pypi.test:8000"] == "pypi"
+    # The proxy asked (the name is allowed) and refused the answer for its CNAME.
+    assert "alias.pypi.test" in {q["name"] for q in lab.upstream_queries()}
+
+
+async def test_no_ipv6(lab: Netlab, node: DSecClient):
+    sb = await node.run_sandbox(DSecRunArgs(**PY, network_rules={"pypi": True}))
+    iface = f"dsv{key(sb)}"
+    node_ll = await asyncio.to_thread(lab.link_local, iface)
+    # The node's service answers on that address (from the node itself).
+    assert await node_connect(lab, f"{node_ll}%{iface}", HOST_PORT) == "OK"
+    lab.clear_logs()
+    got = await probe_named(sb, "IPv6", {
+        "getaddrinfo(pypi.test, AF_INET6)": ("resolve6", "pypi.test"),
+        "DNS AAAA pypi.test to the gateway": ("dns", gateway(sb.info.network["address"]), "pypi.test", "udp", "AAAA"),
+        f"node [{node_ll}%eth0]:{HOST_PORT}": ("connect6", node_ll, "eth0", HOST_PORT),
+        "the sandbox's IPv6 addresses": ("ipv6_addresses",),
+    })
+    six = got["getaddrinfo(pypi.test, AF_INET6)"]
+    assert blocked(six) or six == [], six
+    assert got["DNS AAAA pypi.test to the gateway"] == {"rcode": 0, "a": []}
+    assert blocked(got[f"node [{node_ll}%eth0]:{HOST_PORT}"])
+    assert lab.host_connections() == [], lab.host_connections()
+
+
+async def test_no_raw_sockets(lab: Netlab, node: DSecClient):
+    sb = await node.run_sandbox(DSecRunArgs(**PY, network_rules={"pypi": True}))
+    got = await probe_named(sb, "raw sockets", {
+        "socket(AF_INET, SOCK_RAW, IPPROTO_ICMP)": ("raw", "icmp"),
+        "socket(AF_PACKET, SOCK_RAW, ETH_P_ALL)": ("raw", "packet"),
+    })
+    for label, v in got.items():
+        assert str(v).startswith("FAIL PermissionError"), f"{label}: {v}"
+
+
+# ---- 4. scale and cleanup ------------------------------------------------------------------
+
+
+async def test_two_hundred_sandboxes_with_rules_leave_nothing_behind(lab: Netlab, node: DSecClient):
+    n, limit = 200, 16
+    rules = [(f"203.0.113.{i % 200 + 1}", 1000 + i) for i in range(n)]
+    sem = asyncio.Semaphore(limit)
+
+    async def make(ip: str, port: int) -> Sandbox:
+        async with sem:
+            return await node.run_sandbox(DSecRunArgs(**TINY, network_rules={f"{ip}:{port}": True}))
+
+    t0 = time.monotonic()
+    made = await asyncio.gather(*(make(*r) for r in rules), return_exceptions=True)
+    took = time.monotonic() - t0
+    ok = [s for s in made if isinstance(s, Sandbox)]
+    failed = [e for e in made if not isinstance(e, Sandbox)]
+    print(f"\n{len(ok)} sandboxes with a rule each in {took:.1f} s: {len(ok) / took:.1f} creates/s "
+          f"(concurrency {limit})", flush=True)
+    assert not failed, f"{len(failed)} of {n} creates failed, e.g. {failed[:3]}"
+    assert len({s.info.network["address"] for s in ok}) == n
+
+    # Each sandbox has its own chain, and its rule in its own set.
+    table = await asyncio.to_thread(lab.nft)
+    egress = lab.node("nft", "list", "map", "inet", "dsec", "egress").stdout
+    assert egress.count("jump sb_") == n, egress[:2000]
+    ports = {k: elems for k, elems in re.findall(r"set p_(\w+) \{[^}]*?elements = \{ ([^}]*?) \}", table)}
+    for s, (ip, port) in zip(ok, rules):
+        assert re.fullmatch(rf"{re.escape(ip)}(/32)? \. {port}", ports.get(key(s), "").strip()), \
+            f"{s.id}: rule {ip}:{port}, set p_{key(s)} holds {ports.get(key(s))!r}"
+
+    t1 = time.monotonic()
+
+    async def stop(s: Sandbox) -> None:
+        async with sem:
+            await s.stop()
+
+    await asyncio.gather(*(stop(s) for s in ok))
+    print(f"stopped them in {time.monotonic() - t1:.1f} s", flush=True)
+    assert await node.list_sandboxes() == []
+
+    table = await asyncio.to_thread(lab.nft)
+    left = PER_SANDBOX.findall(table)
+    assert not left, f"per-sandbox sets and chains left in the node's table: {left[:10]}\n{table[:3000]}"
+    egress = lab.node("nft", "list", "map", "inet", "dsec", "egress").stdout
+    assert "elements" not in egress, egress[:2000]
+    assert netlab.sandbox_namespaces() == []
+    assert lab.sandbox_links() == []
+
+
+# ---- 5. bad rules ----------------------------------------------------------------------------
+
+
+async def test_bad_rules_are_refused(lab: Netlab, node: DSecClient):
+    with pytest.raises(InvalidArgumentError) as e:
+        await node.run_sandbox(DSecRunArgs(**PY, network_rules={"pipy": True}))
+    print(f"\nnetwork_rules {{'pipy': True}}: {e.value.status} {e.value}", flush=True)
+    assert e.value.status == 400 and "pipy" in e.value.message
+
+    with pytest.raises(InvalidArgumentError) as e:
+        await node.run_sandbox(DSecRunArgs(**PY, network="none", network_rules={"pypi": True}))
+    print(f'network "none" with rules: {e.value.status} {e.value}', flush=True)
+    assert await node.list_sandboxes() == []
+
+    # A bad rule for a running sandbox changes nothing.
+    sb = await node.run_sandbox(DSecRunArgs(**PY, network_rules={"pypi": True}))
+    with pytest.raises(InvalidArgumentError) as e:
+        await sb.set_network_rules({"pipy": True})
+    assert "pipy" in e.value.message
+    assert (await node.get_sandbox(sb.id)).info.network["rules"] == {"pypi": True}
+    assert (await probe(sb, ("http", PYPI_URL))) == ["pypi"]
