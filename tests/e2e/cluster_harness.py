@@ -16,7 +16,6 @@ component logs are copied to /var/tmp/dsec-cluster-test-logs first.
 
 from __future__ import annotations
 
-import glob
 import http.client
 import json
 import os
@@ -34,6 +33,8 @@ from pathlib import Path
 import httpx
 
 from conftest import DATA, DSEC, dsec
+
+from hostclean import kill_cgroup as _kill_cgroup, mounts_under as _mounts_under, netns_pids as _netns_pids, sandbox_cgroups
 
 BASE = Path("/var/tmp/dsec-cluster-test")
 CERTS = BASE / "certs"
@@ -333,54 +334,9 @@ def tls_get(addr: str, path: str, ctx: ssl.SSLContext, timeout: float = 5.0) -> 
 # ---- leftovers on the host -------------------------------------------------------------
 
 
-def _mounts_under(root: Path) -> list[str]:
-    out = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        mp = line.split()[4].encode().decode("unicode_escape")  # \040 etc.
-        if mp == str(root) or mp.startswith(str(root) + "/"):
-            out.append(mp)
-    return out
-
-
 def _our_cgroups() -> list[str]:
-    """Cgroups of sandboxes on this cluster's edges (ids start with the edge's name)."""
-    pats = [f"/sys/fs/cgroup/dsec/{e}-*" for e in EDGES] + [f"/sys/fs/cgroup/*/dsec/{e}-*" for e in EDGES]
-    return sorted({p for pat in pats for p in glob.glob(pat) if os.path.isdir(p)})
-
-
-def _kill_cgroup(path: str) -> None:
-    """SIGKILLs everything in a cgroup tree, then removes it, innermost first."""
-    kill = Path(path) / "cgroup.kill"
-    if kill.exists():
-        try:
-            kill.write_text("1")
-        except OSError:
-            pass
-    for _ in range(50):
-        pids = []
-        for d, _, _ in os.walk(path):
-            try:
-                pids += [int(p) for p in Path(d, "cgroup.procs").read_text().split()]
-            except OSError:
-                pass
-        if not pids:
-            break
-        for p in pids:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.1)
-    for d, _, _ in sorted(os.walk(path), key=lambda w: -len(w[0])):
-        try:
-            os.rmdir(d)
-        except OSError:
-            pass
-
-
-def _netns_pids(ns: str) -> list[int]:
-    out = _run("ip", "netns", "pids", ns, check=False).stdout
-    return [int(p) for p in out.split() if p.isdigit()]
+    """Cgroups of sandboxes on this cluster's edges."""
+    return sandbox_cgroups(EDGES)
 
 
 def sweep_host() -> list[str]:

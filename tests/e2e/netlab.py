@@ -30,7 +30,6 @@ This file is also the lab's server program: `python3 netlab.py http|dns|tcp ARGS
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import select
@@ -45,6 +44,8 @@ import time
 import tomllib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+from hostclean import kill_cgroup as _kill_cgroup, mounts_under as _mounts_under, netns_pids as _netns_pids, sandbox_cgroups
 
 SELF = Path(__file__).resolve()
 BASE = Path("/var/tmp/dsec-netlab")
@@ -131,53 +132,8 @@ def sandbox_namespaces() -> list[str]:
     return [ns for ns in _netns_list() if ns.startswith(f"dsec-{NODE_NAME}-")]
 
 
-def _netns_pids(ns: str) -> list[int]:
-    out = _run("ip", "netns", "pids", ns, check=False).stdout
-    return [int(p) for p in out.split() if p.isdigit()]
-
-
 def _sandbox_cgroups() -> list[str]:
-    pats = [f"/sys/fs/cgroup/dsec/{NODE_NAME}-*", f"/sys/fs/cgroup/*/dsec/{NODE_NAME}-*"]
-    return sorted({p for pat in pats for p in glob.glob(pat) if os.path.isdir(p)})
-
-
-def _kill_cgroup(path: str) -> None:
-    """SIGKILLs everything in a cgroup tree, then removes it, innermost first."""
-    kill = Path(path) / "cgroup.kill"
-    if kill.exists():
-        try:
-            kill.write_text("1")
-        except OSError:
-            pass
-    for _ in range(50):
-        pids = []
-        for d, _, _ in os.walk(path):
-            try:
-                pids += [int(p) for p in Path(d, "cgroup.procs").read_text().split()]
-            except OSError:
-                pass
-        if not pids:
-            break
-        for p in pids:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.1)
-    for d, _, _ in sorted(os.walk(path), key=lambda w: -len(w[0])):
-        try:
-            os.rmdir(d)
-        except OSError:
-            pass
-
-
-def _mounts_under(root: Path) -> list[str]:
-    out = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        mp = line.split()[4].encode().decode("unicode_escape")  # \040 etc.
-        if mp == str(root) or mp.startswith(str(root) + "/"):
-            out.append(mp)
-    return out
+    return sandbox_cgroups((NODE_NAME,))
 
 
 def sweep_host() -> list[str]:
@@ -350,6 +306,10 @@ class Netlab:
         if self.node("nft", "list", "table", "inet", "dsec", check=False).returncode == 0:
             left.append("nft table inet dsec in the node after dsec down:\n" + self.nft())
         left += [f"sandbox namespace {ns}" for ns in sandbox_namespaces()]
+        # Interfaces go with their namespace, which the kernel dismantles asynchronously.
+        end = time.monotonic() + 10
+        while self.sandbox_links() and time.monotonic() < end:
+            time.sleep(0.2)
         left += [f"interface {i} in the node" for i in self.sandbox_links()]
         fwd = self.ip_forward()
         if fwd != self._forward_before:

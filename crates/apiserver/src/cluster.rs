@@ -18,7 +18,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use dsec_common::api::{ListSandboxesResponse, NodeStatus};
 use dsec_common::id::SandboxId;
-use dsec_common::{ApiError, ErrorCode};
+use dsec_common::ApiError;
 use dsec_iam::{Iam, Principal, PrincipalKind, ROOT, RemoteIam};
 use dsec_watcher::{ClusterView, Demand, EdgeEndpoint, Placer, Poller, SharedView};
 use http_body_util::{BodyExt, Limited};
@@ -214,18 +214,11 @@ impl Cluster {
     }
 
     async fn principal(&self, headers: &HeaderMap) -> Result<Principal, Failure> {
-        let Some(k) = api_key(headers) else {
-            return Err(Failure(ApiError::new(
-                ErrorCode::Unauthenticated,
-                "missing API key: send `Authorization: Bearer dsk.…`",
-            )));
-        };
-        self.iam.authenticate_async(k).await.ok_or_else(|| {
-            Failure(ApiError::new(
-                ErrorCode::Unauthenticated,
-                "API key not recognised (or revoked): check DSEC_API_KEY or client.toml",
-            ))
-        })
+        let k = api_key(headers).ok_or_else(crate::missing_key)?;
+        self.iam
+            .authenticate_async(k)
+            .await
+            .ok_or_else(crate::unknown_key)
     }
 
     /// Forwards `req` as it is to `edge`, streaming both ways; an `Upgrade` is spliced.

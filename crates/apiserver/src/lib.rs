@@ -169,18 +169,22 @@ pub(crate) fn caller(st: &AppState, headers: &HeaderMap) -> Result<Principal, Fa
     if let Some(p) = forwarded_principal(st, headers) {
         return Ok(p);
     }
-    let Some(k) = api_key(headers) else {
-        return Err(Failure(ApiError::new(
-            ErrorCode::Unauthenticated,
-            "missing API key: send `Authorization: Bearer dsk.…` (dsec up printed one and wrote it to client.toml)",
-        )));
-    };
-    st.iam.authenticate(k).ok_or_else(|| {
-        Failure(ApiError::new(
-            ErrorCode::Unauthenticated,
-            "API key not recognised (or revoked): check DSEC_API_KEY or client.toml",
-        ))
-    })
+    let k = api_key(headers).ok_or_else(missing_key)?;
+    st.iam.authenticate(k).ok_or_else(unknown_key)
+}
+
+pub(crate) fn missing_key() -> Failure {
+    Failure(ApiError::new(
+        ErrorCode::Unauthenticated,
+        "missing API key: send `Authorization: Bearer dsk.…` (dsec up printed one and wrote it to client.toml)",
+    ))
+}
+
+pub(crate) fn unknown_key() -> Failure {
+    Failure(ApiError::new(
+        ErrorCode::Unauthenticated,
+        "API key not recognised (or revoked): check DSEC_API_KEY or client.toml",
+    ))
 }
 
 async fn auth(State(st): State<AppState>, mut req: Request, next: Next) -> Response {

@@ -3,7 +3,6 @@
 //! the sandbox's address and a default route, `dsv<k>` on the node with the gateway
 //! address. Each sandbox has a /30 of the pool.
 
-use std::io::Write;
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -56,29 +55,8 @@ fn ip_batch(netns: Option<&str>, lines: &str) -> Result<(), String> {
     if let Some(ns) = netns {
         cmd.args(["-n", ns]);
     }
-    let mut child = cmd
-        .args(["-batch", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("running ip (install iproute2): {e}"))?;
-    if let Some(mut stdin) = child.stdin.take() {
-        stdin
-            .write_all(lines.as_bytes())
-            .map_err(|e| format!("writing to ip: {e}"))?;
-    }
-    let out = child
-        .wait_with_output()
-        .map_err(|e| format!("waiting for ip: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "ip: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
+    cmd.args(["-batch", "-"]);
+    super::run_with_input(cmd, lines, "ip (install iproute2)").map_err(|e| format!("ip: {e}"))
 }
 
 /// Makes the namespace and the veth pair; on failure removes what it made.

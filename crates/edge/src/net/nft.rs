@@ -11,7 +11,6 @@
 //!
 //! `<k>` is the random part of the sandbox id (12 characters of `[0-9a-z]`).
 
-use std::io::Write;
 use std::process::{Command, Stdio};
 
 use super::rules::{Cidr, Policy, never};
@@ -21,29 +20,10 @@ pub const IFACE_PREFIX: &str = "dsv";
 
 /// Runs an `nft -f -` script as one transaction.
 pub fn apply(script: &str) -> Result<(), String> {
-    let mut child = Command::new("nft")
-        .args(["-f", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("running nft (install the nftables package): {e}"))?;
-    if let Some(mut stdin) = child.stdin.take() {
-        stdin
-            .write_all(script.as_bytes())
-            .map_err(|e| format!("writing to nft: {e}"))?;
-    }
-    let out = child
-        .wait_with_output()
-        .map_err(|e| format!("waiting for nft: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "nft refused the ruleset: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
+    let mut cmd = Command::new("nft");
+    cmd.args(["-f", "-"]);
+    super::run_with_input(cmd, script, "nft (install the nftables package)")
+        .map_err(|e| format!("nft refused the ruleset: {e}"))
 }
 
 /// Names of the current per-sandbox chains (`sb_<k>`), to clean up what no sandbox owns.

@@ -1,0 +1,64 @@
+# SPDX-License-Identifier: AGPL-3.0-only
+"""Host clean-up shared by the test harnesses that run their own nodes (cluster_harness,
+netlab): find and remove what a crashed run can leave behind."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+
+def mounts_under(root: Path) -> list[str]:
+    """Mount points at or below `root`."""
+    out = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        mp = line.split()[4].encode().decode("unicode_escape")  # \040 etc.
+        if mp == str(root) or mp.startswith(str(root) + "/"):
+            out.append(mp)
+    return out
+
+
+def sandbox_cgroups(edges: list[str] | tuple[str, ...]) -> list[str]:
+    """Cgroups of sandboxes of these edges (ids start with the edge's name), v1 or v2."""
+    pats = [f"/sys/fs/cgroup/dsec/{e}-*" for e in edges] + [f"/sys/fs/cgroup/*/dsec/{e}-*" for e in edges]
+    return sorted({p for pat in pats for p in glob.glob(pat) if os.path.isdir(p)})
+
+
+def kill_cgroup(path: str) -> None:
+    """SIGKILLs everything in a cgroup tree, then removes it, innermost first."""
+    kill = Path(path) / "cgroup.kill"
+    if kill.exists():
+        try:
+            kill.write_text("1")
+        except OSError:
+            pass
+    for _ in range(50):
+        pids = []
+        for d, _, _ in os.walk(path):
+            try:
+                pids += [int(p) for p in Path(d, "cgroup.procs").read_text().split()]
+            except OSError:
+                pass
+        if not pids:
+            break
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+    for d, _, _ in sorted(os.walk(path), key=lambda w: -len(w[0])):
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
+
+
+def netns_pids(ns: str) -> list[int]:
+    """Processes running in network namespace `ns`."""
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False).stdout
+    return [int(p) for p in out.split() if p.isdigit()]
