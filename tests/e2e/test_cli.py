@@ -65,10 +65,44 @@ def test_image_build_inspect_run_and_rm(tmp_path):
 
 
 @pytest.mark.parametrize("cmd", [[], ["up"], ["down"], ["status"], ["run"], ["exec"], ["ls"], ["rm"], ["fork"],
-                                 ["set-timeout"], ["shell"], ["cp"], ["logs"], ["ps"], ["trajectory"], ["iam", "project-create"], ["iam", "key-create"], ["iam", "quota-set"], ["image", "build"], ["image", "ls"], ["image", "inspect"], ["image", "rm"]])
+                                 ["set-timeout"], ["shell"], ["cp"], ["logs"], ["ps"], ["trajectory"], ["iam", "project-create"], ["iam", "key-create"], ["iam", "quota-set"], ["image", "build"], ["image", "ls"], ["image", "inspect"], ["image", "rm"],
+                                 ["network"], ["serve"], ["certs", "init"], ["certs", "issue"]])
 def test_every_command_has_help_with_an_example(cmd):
     r = dsec(*cmd, "--help")
     assert "Example" in r.stdout, r.stdout
+
+
+def test_run_with_allow_and_network_change():
+    sid = dsec("run", "root/base", "--allow", "pypi", "--allow", "203.0.113.0/24:443").stdout.strip()
+    try:
+        info = json.loads(dsec("ls", "--json").stdout)["sandboxes"]
+        mine = [s for s in info if s["id"] == sid][0]
+        assert mine["network"]["rules"] == {"pypi": True, "203.0.113.0/24:443": True}
+        r = dsec("network", sid, "--allow", "npm")
+        assert "may reach npm" in r.stdout, r.stdout
+        r = dsec("network", sid, "--json")
+        assert json.loads(r.stdout)["rules"] == {}
+        r = dsec("network", sid, "--allow", "pipy", check=False)
+        assert r.returncode == 1 and 'unknown service name "pipy"' in r.stderr, r.stderr
+        r = dsec("run", "root/base", "--network", "none", "--allow", "pypi", check=False)
+        assert r.returncode == 1 and "none" in r.stderr, r.stderr
+    finally:
+        dsec("rm", sid)
+
+
+def test_certs_make_a_ca_and_component_certificates(tmp_path):
+    r = dsec("certs", "init", "--dir", str(tmp_path))
+    assert "Created the cluster CA" in r.stdout
+    assert "already holds a CA" in dsec("certs", "init", "--dir", str(tmp_path)).stdout
+    assert oct((tmp_path / "ca.key").stat().st_mode & 0o777) == "0o600"
+    r = dsec("certs", "issue", "--dir", str(tmp_path), "--role", "edge", "--name", "edge7", "--host", "10.0.0.7", "--json")
+    out = json.loads(r.stdout)
+    assert out["identity"] == "spiffe://opendsec/edge/edge7"
+    text = subprocess.run(["openssl", "x509", "-noout", "-text", "-in", out["cert"]], capture_output=True, text=True)
+    if text.returncode == 0:
+        assert "IP Address:10.0.0.7" in text.stdout and "URI:spiffe://opendsec/edge/edge7" in text.stdout
+    r = dsec("certs", "issue", "--dir", str(tmp_path), "--role", "king", "--name", "x", check=False)
+    assert r.returncode != 0 and "iam, apiserver, watcher, edge" in r.stderr, r.stderr
 
 
 def test_cp_shell_logs_ps_trajectory(tmp_path):
