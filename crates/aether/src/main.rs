@@ -13,6 +13,7 @@ mod forward;
 mod process;
 mod session;
 mod user;
+mod vm;
 mod watch;
 
 use std::io::{BufRead, BufReader, BufWriter, Read, Write};
@@ -47,22 +48,31 @@ fn main() {
             return;
         }
         Some("chronus") => chronus::main(args.get(2).map(String::as_str).unwrap_or("/bin/sh")),
+        Some("vmux") => {
+            let (Some(listen), Some(chardev)) = (args.get(2), args.get(3)) else {
+                eprintln!("usage: dsec-aether vmux LISTEN_SOCKET QEMU_CHARDEV_SOCKET");
+                std::process::exit(2);
+            };
+            if let Err(e) = vm::vmux_main(listen, chardev) {
+                eprintln!("dsec-aether vmux: {e}");
+                std::process::exit(1);
+            }
+            return;
+        }
         _ => {}
     }
     // SAFETY: plain prctl/fcntl calls on our own process and fd.
-    unsafe {
+    let have_socket = unsafe {
         libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0);
-        if libc::fcntl(LISTEN_FD, libc::F_SETFD, libc::FD_CLOEXEC) != 0 {
-            eprintln!(
-                "dsec-aether: no channel socket on fd {LISTEN_FD}; started outside a sandbox?"
-            );
-            std::process::exit(2);
-        }
         // A closed connection must be a write error, not a signal that ends PID 1.
         libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+        libc::fcntl(LISTEN_FD, libc::F_SETFD, libc::FD_CLOEXEC) == 0
+    };
+    // Without a socket on fd 3 only a VM's init has a channel (its virtio-serial port).
+    if !have_socket && std::process::id() != 1 {
+        eprintln!("dsec-aether: no channel socket on fd {LISTEN_FD}; started outside a sandbox?");
+        std::process::exit(2);
     }
-    // SAFETY: fd 3 is the listening socket the edge passed us (checked above).
-    let listener = unsafe { UnixListener::from_raw_fd(LISTEN_FD) };
     let table = Arc::new(children::Table::default());
     children::start_reaper(table.clone());
     let ctx = Arc::new(Ctx {
@@ -71,6 +81,11 @@ fn main() {
         procs: process::Procs::default(),
         sessions: session::Sessions::default(),
     });
+    if !have_socket {
+        vm::guest_main(move |stream| serve(stream, &ctx));
+    }
+    // SAFETY: fd 3 is the listening socket the edge passed us (checked above).
+    let listener = unsafe { UnixListener::from_raw_fd(LISTEN_FD) };
     for conn in listener.incoming() {
         match conn {
             Ok(stream) => {

@@ -6,5 +6,6 @@ pub mod channel;
 pub mod client_config;
 pub mod error;
 pub mod id;
+pub mod vmux;
 
 pub use error::{ApiError, ErrorCode};

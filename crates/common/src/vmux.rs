@@ -1,0 +1,416 @@
+//! Many channel connections over one byte stream: how the edge reaches aether in a VM,
+//! whose only link to the host is one virtio-serial port (a port opens once and carries
+//! one stream; these hosts have no vsock).
+//!
+//! Each logical connection is a stream with an id, bridged on both ends to a local unix
+//! socket: on the host, a connection accepted on the sandbox's `aether.sock` (so the edge
+//! talks to a VM exactly as to a container); in the guest, one end of a socketpair whose
+//! other end aether serves like any connection. Frames are `[kind u8][stream u32][len
+//! u32][payload]`, big-endian. A sender may have at most [`WINDOW`] bytes of a stream
+//! unacknowledged; the receiver grants more as its local socket takes them, so a slow
+//! reader stalls only its own stream, never the link, and memory stays bounded.
+
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::Shutdown;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Condvar, Mutex};
+
+/// Bytes a stream may have in flight before the receiver grants more.
+pub const WINDOW: u32 = 256 * 1024;
+/// Largest payload of one DATA frame.
+pub const MAX_DATA: usize = 32 * 1024;
+
+const OPEN: u8 = 1;
+const DATA: u8 = 2;
+const EOF: u8 = 3;
+const WINDOW_UPDATE: u8 = 4;
+const CLOSE: u8 = 5;
+/// The host side (re)connected: every earlier stream is gone.
+const RESET: u8 = 6;
+
+const HEADER: usize = 9;
+
+struct Stream {
+    /// Bytes this side may still send.
+    credit: Mutex<u32>,
+    credit_cv: Condvar,
+    /// Incoming payloads, in order, for the writer thread. Unbounded as a queue, but the
+    /// peer never has more than a window of bytes in it; the link's reader never waits.
+    incoming: Sender<Option<Vec<u8>>>,
+    local: UnixStream,
+}
+
+struct Inner {
+    link: Mutex<Box<dyn Write + Send>>,
+    streams: Mutex<HashMap<u32, Arc<Stream>>>,
+    next_id: AtomicU32,
+    /// Guest side: where streams the host opens are handed (the local end to serve).
+    on_open: Option<Box<dyn Fn(UnixStream) + Send + Sync>>,
+}
+
+/// One end of the multiplexed link. Cheap to clone.
+#[derive(Clone)]
+pub struct Mux {
+    inner: Arc<Inner>,
+}
+
+fn frame(kind: u8, id: u32, payload: &[u8]) -> Vec<u8> {
+    let mut f = Vec::with_capacity(HEADER + payload.len());
+    f.push(kind);
+    f.extend_from_slice(&id.to_be_bytes());
+    f.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+impl Mux {
+    /// The host end: streams are opened with [`Mux::open`]. Tells the guest to forget any
+    /// streams of an earlier host connection.
+    pub fn host(link: Box<dyn Write + Send>) -> io::Result<Mux> {
+        let m = Mux::new(link, None);
+        m.send(RESET, 0, &[])?;
+        Ok(m)
+    }
+
+    /// The guest end: each stream the host opens is handed to `on_open` as a unix socket.
+    pub fn guest(
+        link: Box<dyn Write + Send>,
+        on_open: impl Fn(UnixStream) + Send + Sync + 'static,
+    ) -> Mux {
+        Mux::new(link, Some(Box::new(on_open)))
+    }
+
+    fn new(
+        link: Box<dyn Write + Send>,
+        on_open: Option<Box<dyn Fn(UnixStream) + Send + Sync>>,
+    ) -> Mux {
+        Mux {
+            inner: Arc::new(Inner {
+                link: Mutex::new(link),
+                streams: Mutex::new(HashMap::new()),
+                next_id: AtomicU32::new(1),
+                on_open,
+            }),
+        }
+    }
+
+    fn send(&self, kind: u8, id: u32, payload: &[u8]) -> io::Result<()> {
+        let f = frame(kind, id, payload);
+        let mut link = self.inner.link.lock().unwrap_or_else(|p| p.into_inner());
+        link.write_all(&f)?;
+        link.flush()
+    }
+
+    fn streams(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Arc<Stream>>> {
+        self.inner.streams.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Host side: carries `local` (an accepted connection) to the guest as a new stream.
+    pub fn open(&self, local: UnixStream) -> io::Result<()> {
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        self.bridge(id, local)?;
+        if let Err(e) = self.send(OPEN, id, &[]) {
+            self.drop_stream(id);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Starts the two pumps of stream `id`: local socket → link (within the credit the
+    /// peer grants) and link → local socket (granting credit as it goes).
+    fn bridge(&self, id: u32, local: UnixStream) -> io::Result<()> {
+        let (tx, rx) = channel::<Option<Vec<u8>>>();
+        let s = Arc::new(Stream {
+            credit: Mutex::new(WINDOW),
+            credit_cv: Condvar::new(),
+            incoming: tx,
+            local: local.try_clone()?,
+        });
+        self.streams().insert(id, s.clone());
+        let writer_end = local.try_clone()?;
+        let m = self.clone();
+        std::thread::Builder::new()
+            .name(format!("vmux-in-{id}"))
+            .spawn(move || m.pump_in(id, writer_end, rx))?;
+        let m = self.clone();
+        std::thread::Builder::new()
+            .name(format!("vmux-out-{id}"))
+            .spawn(move || m.pump_out(id, local, s))?;
+        Ok(())
+    }
+
+    /// Local socket → link.
+    fn pump_out(&self, id: u32, mut local: UnixStream, s: Arc<Stream>) {
+        let mut buf = vec![0u8; MAX_DATA];
+        loop {
+            let n = match local.read(&mut buf) {
+                Ok(0) => {
+                    let _ = self.send(EOF, id, &[]);
+                    return;
+                }
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => {
+                    let _ = self.send(CLOSE, id, &[]);
+                    self.drop_stream(id);
+                    return;
+                }
+            };
+            {
+                let mut credit = s.credit.lock().unwrap_or_else(|p| p.into_inner());
+                while *credit < n as u32 {
+                    credit = s.credit_cv.wait(credit).unwrap_or_else(|p| p.into_inner());
+                    if !self.streams().contains_key(&id) {
+                        return;
+                    }
+                }
+                *credit -= n as u32;
+            }
+            if self.send(DATA, id, &buf[..n]).is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Link → local socket (a thread per stream, so a slow reader holds up only itself).
+    fn pump_in(&self, id: u32, mut local: UnixStream, rx: Receiver<Option<Vec<u8>>>) {
+        while let Ok(item) = rx.recv() {
+            match item {
+                Some(data) => {
+                    if local.write_all(&data).is_err() {
+                        let _ = self.send(CLOSE, id, &[]);
+                        self.drop_stream(id);
+                        return;
+                    }
+                    let _ = self.send(WINDOW_UPDATE, id, &(data.len() as u32).to_be_bytes());
+                }
+                None => {
+                    let _ = local.shutdown(Shutdown::Write);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Hands a payload to the stream's writer; a stream whose writer is gone is dropped.
+    fn deliver(&self, id: u32, s: &Stream, payload: Vec<u8>) {
+        if s.incoming.send(Some(payload)).is_err() {
+            self.drop_stream(id);
+        }
+    }
+
+    fn drop_stream(&self, id: u32) {
+        if let Some(s) = self.streams().remove(&id) {
+            let _ = s.local.shutdown(Shutdown::Both);
+            s.credit_cv.notify_all();
+        }
+    }
+
+    fn drop_all(&self) {
+        let ids: Vec<u32> = self.streams().keys().copied().collect();
+        for id in ids {
+            self.drop_stream(id);
+        }
+    }
+
+    /// Reads frames from the link until it ends (the caller reconnects or gives up). Every
+    /// stream is dropped when it returns.
+    pub fn run(&self, mut link: impl Read) -> io::Result<()> {
+        let r = self.read_frames(&mut link);
+        self.drop_all();
+        r
+    }
+
+    fn read_frames(&self, link: &mut impl Read) -> io::Result<()> {
+        let mut header = [0u8; HEADER];
+        loop {
+            link.read_exact(&mut header)?;
+            let kind = header[0];
+            let id = u32::from_be_bytes([header[1], header[2], header[3], header[4]]);
+            let len = u32::from_be_bytes([header[5], header[6], header[7], header[8]]) as usize;
+            if len > MAX_DATA {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("vmux frame of {len} bytes (most {MAX_DATA})"),
+                ));
+            }
+            let mut payload = vec![0u8; len];
+            link.read_exact(&mut payload)?;
+            let stream = self.streams().get(&id).cloned();
+            match (kind, stream) {
+                (RESET, _) => self.drop_all(),
+                (OPEN, None) => match &self.inner.on_open {
+                    Some(on_open) => {
+                        let (ours, theirs) = UnixStream::pair()?;
+                        if self.bridge(id, ours).is_ok() {
+                            on_open(theirs);
+                        } else {
+                            let _ = self.send(CLOSE, id, &[]);
+                        }
+                    }
+                    None => {
+                        let _ = self.send(CLOSE, id, &[]);
+                    }
+                },
+                (DATA, Some(s)) => self.deliver(id, &s, payload),
+                (EOF, Some(s)) => {
+                    let _ = s.incoming.send(None);
+                }
+                (WINDOW_UPDATE, Some(s)) if len == 4 => {
+                    let more = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
+                    let mut c = s.credit.lock().unwrap_or_else(|p| p.into_inner());
+                    *c = c.saturating_add(more).min(WINDOW);
+                    s.credit_cv.notify_all();
+                }
+                (CLOSE, Some(_)) => self.drop_stream(id),
+                // Frames of a stream already gone (closed on one side while in flight).
+                _ => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    /// A guest that answers each stream: reads a request line `N` and writes N bytes back
+    /// (a digest-checkable pattern), or echoes everything for `echo`.
+    fn guest_service(s: UnixStream) {
+        std::thread::spawn(move || {
+            let mut r = std::io::BufReader::new(s.try_clone().unwrap());
+            let mut line = String::new();
+            use std::io::BufRead;
+            if r.read_line(&mut line).is_err() {
+                return;
+            }
+            let mut w = s;
+            if line.trim() == "echo" {
+                let _ = std::io::copy(&mut r, &mut w);
+                let _ = w.shutdown(Shutdown::Write);
+                return;
+            }
+            let n: usize = line.trim().parse().unwrap_or(0);
+            let chunk: Vec<u8> = (0..65536u32).map(|i| (i % 251) as u8).collect();
+            let mut left = n;
+            while left > 0 {
+                let k = left.min(chunk.len());
+                if w.write_all(&chunk[..k]).is_err() {
+                    return;
+                }
+                left -= k;
+            }
+            let _ = w.shutdown(Shutdown::Write);
+        });
+    }
+
+    /// A host mux and a guest mux joined by a socketpair (standing in for the serial
+    /// port); returns the host mux.
+    fn link() -> Mux {
+        let (h, g) = UnixStream::pair().unwrap();
+        let guest = Mux::guest(Box::new(g.try_clone().unwrap()), guest_service);
+        std::thread::spawn(move || guest.run(g));
+        let host = Mux::host(Box::new(h.try_clone().unwrap())).unwrap();
+        let h2 = host.clone();
+        std::thread::spawn(move || h2.run(h));
+        host
+    }
+
+    fn connect(host: &Mux) -> UnixStream {
+        let (a, b) = UnixStream::pair().unwrap();
+        host.open(b).unwrap();
+        a
+    }
+
+    #[test]
+    fn many_streams_at_once_each_get_their_own_bytes() {
+        let host = link();
+        let handles: Vec<_> = (0..32)
+            .map(|i| {
+                let mut c = connect(&host);
+                std::thread::spawn(move || {
+                    let n = 1000 + i * 7919;
+                    c.write_all(format!("{n}\n").as_bytes()).unwrap();
+                    let mut got = Vec::new();
+                    c.read_to_end(&mut got).unwrap();
+                    assert_eq!(got.len(), n);
+                    assert!(
+                        got.iter()
+                            .enumerate()
+                            .all(|(j, b)| *b == ((j % 65536) % 251) as u8)
+                    );
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn a_stalled_reader_holds_up_only_its_own_stream() {
+        let host = link();
+        // 64 MiB that nobody reads for a while...
+        let mut slow = connect(&host);
+        slow.write_all(b"67108864\n").unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        // ...does not stop another stream.
+        let mut fast = connect(&host);
+        fast.write_all(b"echo\n").unwrap();
+        let t0 = Instant::now();
+        fast.write_all(b"ping").unwrap();
+        fast.shutdown(Shutdown::Write).unwrap();
+        let mut got = Vec::new();
+        fast.read_to_end(&mut got).unwrap();
+        assert_eq!(got, b"ping");
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        let mut total = 0usize;
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = slow.read(&mut buf).unwrap();
+            if n == 0 {
+                break;
+            }
+            total += n;
+        }
+        assert_eq!(total, 64 << 20);
+    }
+
+    #[test]
+    fn a_host_reconnect_drops_old_streams_and_new_ones_work() {
+        let (h, g) = UnixStream::pair().unwrap();
+        let guest = Mux::guest(Box::new(g.try_clone().unwrap()), guest_service);
+        std::thread::spawn(move || guest.run(g));
+        let host = Mux::host(Box::new(h.try_clone().unwrap())).unwrap();
+        let h2 = host.clone();
+        let reader = h.try_clone().unwrap();
+        std::thread::spawn(move || h2.run(reader));
+        let mut old = connect(&host);
+        old.write_all(b"echo\n").unwrap();
+        // A second host end on the same link announces itself: the guest forgets `old`.
+        let host2 = Mux::host(Box::new(h)).unwrap();
+        let mut buf = [0u8; 1];
+        old.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        assert_eq!(old.read(&mut buf).unwrap_or(0), 0, "the old stream ends");
+        let _ = host2;
+        let mut c = connect(&host);
+        c.write_all(b"5\n").unwrap();
+        let mut got = Vec::new();
+        c.read_to_end(&mut got).unwrap();
+        assert_eq!(got.len(), 5);
+    }
+
+    #[test]
+    fn oversized_frames_end_the_link() {
+        let (mut a, b) = UnixStream::pair().unwrap();
+        let guest = Mux::guest(Box::new(b.try_clone().unwrap()), guest_service);
+        let t = std::thread::spawn(move || guest.run(b));
+        a.write_all(&frame(DATA, 1, &[])[..5]).unwrap();
+        a.write_all(&(u32::MAX).to_be_bytes()).unwrap();
+        assert!(t.join().unwrap().is_err());
+    }
+}
