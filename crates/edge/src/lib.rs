@@ -45,10 +45,6 @@ const PLANNED_BACKENDS: &[Planned] = &[
         name: "microvm",
         needs: "hardware KVM and a firecracker binary",
     },
-    Planned {
-        name: "vm",
-        needs: "qemu-system-x86_64 (KVM or TCG)",
-    },
 ];
 
 impl Planned {
@@ -71,7 +67,6 @@ pub trait Quotas: Send + Sync {
 
 /// Longest path a unix socket can have, less room for the file name.
 const MAX_STATE_DIR_LEN: usize = 70;
-const AGENT_START_TIMEOUT: Duration = Duration::from_secs(20);
 
 pub(crate) struct Entry {
     rec: Mutex<SandboxRecord>,
@@ -152,8 +147,14 @@ impl Edge {
             images.clone(),
             mode,
         ));
+        let vm: Arc<dyn Backend> = Arc::new(backend::vm::VmBackend::new(
+            backend::container::find_aether(cfg.aether_binary.as_deref()),
+            images.clone(),
+            &cfg.state_dir.join("sandboxes"),
+        ));
         let mut backends: BTreeMap<&'static str, Arc<dyn Backend>> = BTreeMap::new();
         backends.insert(container.name(), container);
+        backends.insert(vm.name(), vm);
         let (net_cfg, state_dir) = (cfg.network.clone(), cfg.state_dir.clone());
         let network = blocking(move || net::Network::start(&net_cfg, &state_dir))
             .await?
@@ -487,7 +488,7 @@ impl Edge {
             let channel = paths.channel.clone();
             let (b2, r2) = (backend.clone(), rec.clone());
             blocking(move || b2.create(&r2, &paths, seed.as_deref())).await??;
-            if let Err(e) = channel::wait_ready(&channel, AGENT_START_TIMEOUT).await {
+            if let Err(e) = channel::wait_ready(&channel, backend.start_timeout()).await {
                 let (b2, r2, p2) = (backend.clone(), rec.clone(), self.paths(&rec.id));
                 let _ = blocking(move || b2.destroy(&r2, &p2)).await;
                 return Err(e);

@@ -3,6 +3,7 @@
 //! async workers.
 
 pub mod container;
+pub mod vm;
 
 use std::path::{Path, PathBuf};
 
@@ -47,4 +48,8 @@ pub trait Backend: Send + Sync {
     fn destroy(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError>;
     /// OOM kills counted for the sandbox so far.
     fn oom_kills(&self, rec: &SandboxRecord) -> u64;
+    /// How long aether may take to answer after [`Backend::create`] returns.
+    fn start_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(20)
+    }
 }
