@@ -10,6 +10,7 @@
 //! ```
 
 pub mod build;
+pub mod cpio;
 pub mod digest;
 pub mod reference;
 pub mod store;
