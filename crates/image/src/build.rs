@@ -283,7 +283,7 @@ pub fn build(
 }
 
 /// Runs a child and forwards each line of its combined output to `progress`.
-fn run_logged(
+pub(crate) fn run_logged(
     cmd: &mut Command,
     what: &str,
     progress: &mut dyn FnMut(&str),

@@ -7,13 +7,17 @@
 //! manifests/<sha256>.json image manifest (layers bottom-up, env, cmd)
 //! refs/<ns>/<name>/<tag>  the manifest digest a reference points at
 //! tmp/                    work in progress; renamed into place when complete
+//! guest/                  VM guest kernel, initramfs and root disks (see [`guest`])
 //! ```
 
 pub mod build;
+pub mod cpio;
 pub mod digest;
+pub mod guest;
 pub mod reference;
 pub mod store;
 
+pub use guest::{DiskSource, Kernel, ensure_initramfs, ensure_kernel, ensure_root_disk};
 pub use reference::ImageRef;
 pub use store::{ImageStore, Manifest};
 

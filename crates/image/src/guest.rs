@@ -1,0 +1,1347 @@
+//! Guest artefacts for the VM backends, built from Debian packages and cached in the
+//! image store:
+//!
+//! ```text
+//! guest/kernel-<release>/vmlinuz                 from linux-image-<release> (the package
+//! guest/kernel-<release>/modules/<name>.ko         behind linux-image-cloud-amd64)
+//! guest/kernel-<release>/kernel.json             release, package version, sha256 of vmlinuz
+//! guest/kernel-<release>/initramfs-<hash>.cpio.gz busybox + the modules + /init
+//! guest/disks/<key>.ext4                         an image's layers + aether as a raw ext4 disk
+//! ```
+//!
+//! The initramfs `/init` loads the virtio modules, mounts `/dev/vda` (ext4) read-only under
+//! an overlayfs whose upper layer is a tmpfs, prints `dsec-guest: root ready` and
+//! `switch_root`s into the program named by `dsec.init=` on the kernel command line
+//! (default `/.dsec/aether`), passing it the words after `--` on the command line.
+//!
+//! Everything is built in a temporary path next to its final place and renamed into it,
+//! so a crash leaves nothing half-written under a cached name.
+
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::build::run_logged;
+use crate::cpio::CpioWriter;
+use crate::store::remove_tree;
+use crate::{ImageError, ImageRef, ImageStore, IoContext};
+
+/// The Debian meta-package whose dependency names the guest kernel.
+pub const KERNEL_META_PACKAGE: &str = "linux-image-cloud-amd64";
+
+/// Modules the guest loads, in `insmod` order (dependencies first). virtio-mmio finds the
+/// devices QEMU's microvm describes in ACPI; virtio-pci serves q35 and `microvm,pcie=on`.
+pub const GUEST_MODULES: &[&str] = &[
+    "virtio_ring",
+    "virtio",
+    "virtio_mmio",
+    "virtio_pci_legacy_dev",
+    "virtio_pci_modern_dev",
+    "virtio_pci",
+    "virtio_blk",
+    "failover",
+    "net_failover",
+    "virtio_net",
+    "virtio_console",
+    "virtio-rng",
+    "overlay",
+];
+
+/// Without these the guest cannot mount its root, so a kernel package lacking them is
+/// refused rather than cached.
+const REQUIRED_MODULES: &[&str] = &[
+    "virtio_ring",
+    "virtio",
+    "virtio_mmio",
+    "virtio_blk",
+    "overlay",
+];
+
+/// Where the root disk puts the in-sandbox agent, and what `/init` runs by default.
+pub const AETHER_GUEST_PATH: &str = "/.dsec/aether";
+
+/// The line `/init` prints on the console once the root filesystem is in place.
+pub const ROOT_READY_LINE: &str = "dsec-guest: root ready";
+
+/// The host's static busybox (Debian package busybox-static), copied into the initramfs.
+pub const HOST_BUSYBOX: &str = "/bin/busybox";
+
+/// Busybox applets linked in the initramfs's /bin.
+const INITRAMFS_APPLETS: &[&str] = &[
+    "sh",
+    "mount",
+    "insmod",
+    "switch_root",
+    "mkdir",
+    "echo",
+    "cat",
+    "sleep",
+    "poweroff",
+];
+
+/// Bumped whenever the initramfs or root disk layout changes, so old cache entries are
+/// not reused.
+const INITRAMFS_FORMAT: &str = "dsec-initramfs-v1";
+const ROOT_DISK_FORMAT: &str = "dsec-root-disk-v1";
+
+/// A guest kernel unpacked into the store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Kernel {
+    /// Kernel release (`uname -r`), e.g. `6.1.0-57-cloud-amd64`.
+    pub version: String,
+    /// Debian version of the package it came from, e.g. `6.1.192-3`.
+    pub package_version: String,
+    /// `<store_root>/guest/kernel-<version>`.
+    pub dir: PathBuf,
+    pub vmlinuz: PathBuf,
+    pub vmlinuz_sha256: String,
+    /// Uncompressed modules, in `insmod` order (a subset of [`GUEST_MODULES`]: the ones the
+    /// package ships as modules).
+    pub modules: Vec<PathBuf>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct KernelJson {
+    version: String,
+    package: String,
+    package_version: String,
+    vmlinuz_sha256: String,
+    /// Module names, in `insmod` order; each is `modules/<name>.ko`.
+    modules: Vec<String>,
+}
+
+fn guest_dir(store_root: &Path) -> PathBuf {
+    store_root.join("guest")
+}
+
+fn build_err(msg: impl Into<String>) -> ImageError {
+    ImageError::Build(msg.into())
+}
+
+/// The message of an error about to be wrapped in another, without a second
+/// "image build failed" prefix.
+fn detail(e: &ImageError) -> String {
+    match e {
+        ImageError::Build(m) => m.clone(),
+        e => e.to_string(),
+    }
+}
+
+fn sha256_file(p: &Path) -> Result<String, ImageError> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(p).ctx(|| format!("opening {}", p.display()))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f
+            .read(&mut buf)
+            .ctx(|| format!("reading {}", p.display()))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(hex::encode(h.finalize()))
+}
+
+fn random_hex() -> String {
+    let mut r = [0u8; 8];
+    dsec_common::id::fill_random(&mut r);
+    hex::encode(r)
+}
+
+/// A path removed on drop unless [`TempPath::keep`] was called.
+struct TempPath(Option<PathBuf>);
+
+impl TempPath {
+    fn new(p: PathBuf) -> TempPath {
+        TempPath(Some(p))
+    }
+    fn path(&self) -> &Path {
+        self.0.as_deref().expect("temp path is kept")
+    }
+    fn keep(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for TempPath {
+    fn drop(&mut self) {
+        if let Some(p) = self.0.take() {
+            if p.is_dir() {
+                let _ = remove_tree(&p);
+            } else {
+                let _ = std::fs::remove_file(&p);
+            }
+        }
+    }
+}
+
+/// Runs a command to completion, logging its output at debug level.
+fn run(cmd: &mut Command, what: &str) -> Result<(), ImageError> {
+    run_logged(
+        cmd,
+        what,
+        &mut |line| tracing::debug!(target: "dsec_image::guest", "{what}: {line}"),
+    )
+}
+
+/// Runs a command and returns its stdout; the error carries stderr.
+fn output(cmd: &mut Command, what: &str) -> Result<String, ImageError> {
+    let out = cmd.output().ctx(|| format!("running {what}"))?;
+    if !out.status.success() {
+        return Err(build_err(format!(
+            "{what} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn valid_release(v: &str) -> bool {
+    !v.is_empty()
+        && v.len() <= 64
+        && v.as_bytes()[0].is_ascii_digit()
+        && v.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b".+-~_".contains(&b))
+}
+
+/// The kernel release named by `apt-cache depends linux-image-cloud-amd64` output, e.g.
+/// `Depends: linux-image-6.1.0-57-cloud-amd64` gives `6.1.0-57-cloud-amd64`.
+pub fn parse_kernel_depends(depends: &str) -> Option<String> {
+    depends.lines().find_map(|l| {
+        let dep = l
+            .trim()
+            .trim_start_matches('|')
+            .strip_prefix("Depends:")?
+            .trim();
+        let dep = dep.trim_start_matches('<').trim_end_matches('>');
+        let release = dep.strip_prefix("linux-image-")?;
+        (release.ends_with("-cloud-amd64") && valid_release(release)).then(|| release.to_string())
+    })
+}
+
+/// The `Candidate:` version in `apt-cache policy` output.
+fn parse_candidate(policy: &str) -> Option<String> {
+    policy.lines().find_map(|l| {
+        let v = l.trim().strip_prefix("Candidate:")?.trim();
+        (v != "(none)" && !v.is_empty()).then(|| v.to_string())
+    })
+}
+
+fn apt_fix() -> String {
+    format!(
+        "run `apt-get update` (a Debian bookworm main source must be configured) so apt knows {KERNEL_META_PACKAGE}"
+    )
+}
+
+/// The kernel release `linux-image-cloud-amd64` points at now.
+fn current_kernel_release() -> Result<String, ImageError> {
+    let depends = output(
+        Command::new("apt-cache").args(["depends", KERNEL_META_PACKAGE]),
+        &format!("apt-cache depends {KERNEL_META_PACKAGE}"),
+    )
+    .map_err(|e| {
+        build_err(format!(
+            "cannot find the guest kernel package: {}; {}",
+            detail(&e),
+            apt_fix()
+        ))
+    })?;
+    parse_kernel_depends(&depends).ok_or_else(|| {
+        build_err(format!(
+            "{KERNEL_META_PACKAGE} depends on no linux-image-*-cloud-amd64 package (apt-cache said: {}); {}",
+            depends.trim(),
+            apt_fix()
+        ))
+    })
+}
+
+/// The version of `package` apt would install.
+fn candidate_version(package: &str) -> Result<String, ImageError> {
+    let policy = output(
+        Command::new("apt-cache").args(["policy", package]),
+        &format!("apt-cache policy {package}"),
+    )?;
+    parse_candidate(&policy).ok_or_else(|| {
+        build_err(format!(
+            "apt has no installable version of {package}; {}",
+            apt_fix()
+        ))
+    })
+}
+
+fn kernel_dir(store_root: &Path, release: &str) -> PathBuf {
+    guest_dir(store_root).join(format!("kernel-{release}"))
+}
+
+/// Loads a cached kernel, or `None` when `dir` holds none.
+fn load_kernel(dir: &Path) -> Result<Option<Kernel>, ImageError> {
+    let json = dir.join("kernel.json");
+    let bytes = match std::fs::read(&json) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).ctx(|| format!("reading {}", json.display())),
+    };
+    let damaged = |why: String| {
+        ImageError::Corrupt(format!(
+            "guest kernel cache {} is damaged ({why}); remove that directory and it is rebuilt on next use",
+            dir.display()
+        ))
+    };
+    let k: KernelJson =
+        serde_json::from_slice(&bytes).map_err(|e| damaged(format!("kernel.json: {e}")))?;
+    let vmlinuz = dir.join("vmlinuz");
+    let sha = sha256_file(&vmlinuz).map_err(|e| damaged(e.to_string()))?;
+    if sha != k.vmlinuz_sha256 {
+        return Err(damaged(format!(
+            "vmlinuz has sha256 {sha}, kernel.json says {}",
+            k.vmlinuz_sha256
+        )));
+    }
+    let mut modules = Vec::new();
+    for m in &k.modules {
+        let p = dir.join("modules").join(format!("{m}.ko"));
+        if !p.is_file() {
+            return Err(damaged(format!("{} is missing", p.display())));
+        }
+        modules.push(p);
+    }
+    Ok(Some(Kernel {
+        version: k.version,
+        package_version: k.package_version,
+        dir: dir.to_path_buf(),
+        vmlinuz,
+        vmlinuz_sha256: k.vmlinuz_sha256,
+        modules,
+    }))
+}
+
+/// The newest kernel already in the cache, for hosts where apt cannot say which is current.
+fn newest_cached_kernel(store_root: &Path) -> Option<Kernel> {
+    let mut found: Vec<Kernel> = std::fs::read_dir(guest_dir(store_root))
+        .ok()?
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().starts_with("kernel-"))
+        .filter_map(|e| load_kernel(&e.path()).ok().flatten())
+        .collect();
+    found.sort_by(|a, b| {
+        let key = |v: &str| -> Vec<u64> {
+            v.split(|c: char| !c.is_ascii_digit())
+                .filter_map(|s| s.parse().ok())
+                .collect()
+        };
+        key(&a.version).cmp(&key(&b.version))
+    });
+    found.pop()
+}
+
+/// Normalised module name: the kernel treats `-` and `_` alike.
+fn module_key(name: &str) -> String {
+    name.replace('-', "_")
+}
+
+/// Module name → path of its `.ko`, `.ko.xz`, `.ko.zst` or `.ko.gz` under `dir`.
+fn find_modules(dir: &Path) -> Result<BTreeMap<String, PathBuf>, ImageError> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).ctx(|| format!("listing {}", d.display()))? {
+            let e = e.ctx(|| format!("listing {}", d.display()))?;
+            let ft = e
+                .file_type()
+                .ctx(|| format!("reading {}", e.path().display()))?;
+            if ft.is_dir() {
+                stack.push(e.path());
+                continue;
+            }
+            let name = e.file_name().to_string_lossy().into_owned();
+            let stem = [".ko", ".ko.xz", ".ko.zst", ".ko.gz"]
+                .iter()
+                .find_map(|ext| name.strip_suffix(ext));
+            if let Some(stem) = stem {
+                out.entry(module_key(stem)).or_insert_with(|| e.path());
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Copies module `src` to `dest` as a plain `.ko`, decompressing it if it is compressed
+/// (busybox `insmod` wants it uncompressed).
+fn install_module(src: &Path, dest: &Path) -> Result<(), ImageError> {
+    let name = src.to_string_lossy();
+    let tool = if name.ends_with(".ko.xz") {
+        Some(("xz", "xz-utils"))
+    } else if name.ends_with(".ko.zst") {
+        Some(("zstd", "zstd"))
+    } else if name.ends_with(".ko.gz") {
+        Some(("gzip", "gzip"))
+    } else {
+        None
+    };
+    let Some((tool, package)) = tool else {
+        std::fs::copy(src, dest).ctx(|| format!("copying {}", src.display()))?;
+        return Ok(());
+    };
+    let out_file = std::fs::File::create(dest).ctx(|| format!("creating {}", dest.display()))?;
+    let out = Command::new(tool)
+        .arg("-dc")
+        .arg(src)
+        .stdout(out_file)
+        .output()
+        .map_err(|e| {
+            build_err(format!(
+                "cannot run `{tool}` to decompress {} ({e}); install it with `apt-get install {package}`",
+                src.display()
+            ))
+        })?;
+    if !out.status.success() {
+        return Err(build_err(format!(
+            "{tool} -d {} failed: {}",
+            src.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(())
+}
+
+/// Names listed in the package's `modules.builtin` (built into the kernel image).
+fn builtin_modules(modroot: &Path) -> Vec<String> {
+    std::fs::read_to_string(modroot.join("modules.builtin"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.rsplit('/').next())
+        .filter_map(|f| f.strip_suffix(".ko"))
+        .map(module_key)
+        .collect()
+}
+
+/// Makes sure the Debian cloud kernel (the version `linux-image-cloud-amd64` points at now)
+/// and its virtio modules are in `<store_root>/guest/kernel-<release>/`; downloads and
+/// unpacks the package (no install) on a cache miss. Needs `apt-get`, `dpkg-deb` and, for
+/// compressed modules, `xz`.
+pub fn ensure_kernel(store_root: &Path) -> Result<Kernel, ImageError> {
+    let release = match current_kernel_release() {
+        Ok(r) => r,
+        Err(e) => {
+            if let Some(k) = newest_cached_kernel(store_root) {
+                tracing::warn!(
+                    "using cached guest kernel {} because the current one is unknown: {e}",
+                    k.version
+                );
+                return Ok(k);
+            }
+            return Err(e);
+        }
+    };
+    let dir = kernel_dir(store_root, &release);
+    if let Some(k) = load_kernel(&dir)? {
+        tracing::debug!("guest kernel {release} is cached in {}", dir.display());
+        return Ok(k);
+    }
+    let package = format!("linux-image-{release}");
+    let package_version = candidate_version(&package)?;
+    tracing::info!("building guest kernel {release} from {package} {package_version}");
+    let parent = guest_dir(store_root);
+    std::fs::create_dir_all(&parent).ctx(|| format!("creating {}", parent.display()))?;
+    let work = TempPath::new(parent.join(format!(".tmp-kernel-{release}-{}", random_hex())));
+    let dl = work.path().join("download");
+    let unpacked = work.path().join("unpacked");
+    let out = work.path().join("out");
+    for d in [&dl, &unpacked, &out.join("modules")] {
+        std::fs::create_dir_all(d).ctx(|| format!("creating {}", d.display()))?;
+    }
+
+    tracing::info!("apt-get download {package}={package_version}");
+    run(
+        Command::new("apt-get")
+            .args(["download", "-q", "-o", "APT::Sandbox::User=root"])
+            .arg(format!("{package}={package_version}"))
+            .current_dir(&dl),
+        &format!("apt-get download {package}"),
+    )
+    .map_err(|e| {
+        build_err(format!(
+            "downloading the guest kernel failed: {}\nThe host needs network access to a Debian mirror (or an apt proxy); check `apt-get download {package}` by hand",
+            detail(&e)
+        ))
+    })?;
+    let deb = std::fs::read_dir(&dl)
+        .ctx(|| format!("listing {}", dl.display()))?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "deb"))
+        .ok_or_else(|| build_err(format!("apt-get download {package} produced no .deb file")))?;
+
+    tracing::info!("unpacking {}", deb.display());
+    run(
+        Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&unpacked),
+        "dpkg-deb -x",
+    )?;
+
+    let vmlinuz_src = unpacked.join("boot").join(format!("vmlinuz-{release}"));
+    if !vmlinuz_src.is_file() {
+        return Err(build_err(format!(
+            "{package} has no boot/vmlinuz-{release}; is it a kernel image package?"
+        )));
+    }
+    let vmlinuz = out.join("vmlinuz");
+    std::fs::copy(&vmlinuz_src, &vmlinuz).ctx(|| format!("copying {}", vmlinuz_src.display()))?;
+
+    let modroot = unpacked.join("lib/modules").join(&release);
+    let available = find_modules(&modroot.join("kernel"))?;
+    let builtin = builtin_modules(&modroot);
+    let mut names = Vec::new();
+    for m in GUEST_MODULES {
+        let key = module_key(m);
+        match available.get(&key) {
+            Some(src) => {
+                install_module(src, &out.join("modules").join(format!("{m}.ko")))?;
+                names.push(m.to_string());
+            }
+            None if builtin.contains(&key) => {
+                tracing::debug!("module {m} is built into {release}");
+            }
+            None if REQUIRED_MODULES.contains(m) => {
+                return Err(build_err(format!(
+                    "{package} ships no {m} module and does not build it in; the guest could not mount its root. Use a kernel with virtio and overlayfs support"
+                )));
+            }
+            None => tracing::warn!("{package} has no {m} module; guests will run without it"),
+        }
+    }
+
+    let json = KernelJson {
+        version: release.clone(),
+        package: package.clone(),
+        package_version: package_version.clone(),
+        vmlinuz_sha256: sha256_file(&vmlinuz)?,
+        modules: names,
+    };
+    let bytes = serde_json::to_vec_pretty(&json)
+        .map_err(|e| build_err(format!("encoding kernel.json: {e}")))?;
+    std::fs::write(out.join("kernel.json"), bytes).ctx(|| "writing kernel.json".into())?;
+
+    match std::fs::rename(&out, &dir) {
+        Ok(()) => {}
+        // Someone else finished the same kernel first: theirs is as good as ours.
+        Err(_) if dir.join("kernel.json").is_file() => {}
+        Err(e) => return Err(e).ctx(|| format!("moving the kernel into {}", dir.display())),
+    }
+    drop(work);
+    tracing::info!("guest kernel {release} cached in {}", dir.display());
+    load_kernel(&dir)?.ok_or_else(|| {
+        ImageError::Corrupt(format!(
+            "{} vanished right after it was written",
+            dir.display()
+        ))
+    })
+}
+
+/// The `/init` script of the initramfs.
+fn init_script() -> String {
+    let modules = GUEST_MODULES.join(" ");
+    format!(
+        r#"#!/bin/sh
+# OpenDsec guest init: load the virtio modules, mount the root disk read-only under an
+# overlayfs with a tmpfs upper layer, and switch_root into the agent.
+# Kernel command line: dsec.init=PATH (default {AETHER_GUEST_PATH}), dsec.root=DEV
+# (default /dev/vda), dsec.rootfstype=TYPE (default ext4); the words after `--` become
+# the arguments of dsec.init.
+export PATH=/bin
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+
+fail() {{
+    echo "dsec-guest: error: $*"
+    /bin/busybox poweroff -f
+    exit 1
+}}
+
+init={AETHER_GUEST_PATH}
+root=/dev/vda
+rootfstype=ext4
+set -f
+read -r cmdline < /proc/cmdline
+for arg in $cmdline; do
+    case "$arg" in
+        --) break ;;
+        dsec.init=*) init="${{arg#dsec.init=}}" ;;
+        dsec.root=*) root="${{arg#dsec.root=}}" ;;
+        dsec.rootfstype=*) rootfstype="${{arg#dsec.rootfstype=}}" ;;
+    esac
+done
+set +f
+
+for m in {modules}; do
+    if [ -f /lib/modules/$m.ko ]; then
+        insmod /lib/modules/$m.ko || echo "dsec-guest: warning: insmod $m failed"
+    fi
+done
+
+i=0
+while [ ! -b "$root" ]; do
+    i=$((i + 1))
+    [ $i -gt 200 ] && fail "no root disk $root after 10 s (is a virtio-blk device attached?)"
+    sleep 0.05
+done
+
+mkdir -p /mnt/lower /mnt/rw /newroot
+mount -t "$rootfstype" -o ro "$root" /mnt/lower || fail "cannot mount $root ($rootfstype) read-only"
+mount -t tmpfs -o mode=0755 dsec-rw /mnt/rw || fail "cannot mount the tmpfs for the writable layer"
+mkdir -p /mnt/rw/upper /mnt/rw/work
+mount -t overlay -o lowerdir=/mnt/lower,upperdir=/mnt/rw/upper,workdir=/mnt/rw/work dsec-root /newroot \
+    || fail "cannot mount the overlay root (is the overlay module loaded?)"
+for d in proc sys dev; do
+    mkdir -p /newroot/$d
+    mount --move /$d /newroot/$d || fail "cannot move /$d into the new root"
+done
+# The root disk and the writable layer stay reachable for the agent (e.g. to commit the
+# sandbox's changes) where the disk has mount points for them.
+[ -d /newroot/.dsec/lower ] && mount --move /mnt/lower /newroot/.dsec/lower
+[ -d /newroot/.dsec/rw ] && mount --move /mnt/rw /newroot/.dsec/rw
+[ -x "/newroot$init" ] || [ -L "/newroot$init" ] || fail "$init is not an executable in the root disk"
+
+echo "{ROOT_READY_LINE}"
+exec switch_root /newroot "$init" "$@"
+"#
+    )
+}
+
+/// Offset of PT_INTERP in a 64-bit little-endian ELF file, i.e. whether it needs a dynamic
+/// loader. `Err` when it is not such a file.
+fn elf_has_interpreter(bytes: &[u8]) -> Result<bool, String> {
+    if bytes.len() < 64 || &bytes[..4] != b"\x7fELF" {
+        return Err("not an ELF executable".into());
+    }
+    if bytes[4] != 2 || bytes[5] != 1 {
+        return Err("not a 64-bit little-endian ELF executable".into());
+    }
+    let u16_at = |o: usize| u16::from_le_bytes([bytes[o], bytes[o + 1]]) as usize;
+    let phoff = u64::from_le_bytes(bytes[0x20..0x28].try_into().expect("8 bytes")) as usize;
+    let (phentsize, phnum) = (u16_at(0x36), u16_at(0x38));
+    for i in 0..phnum {
+        let o = phoff + i * phentsize;
+        if o + 4 > bytes.len() {
+            return Err("truncated ELF program headers".into());
+        }
+        let p_type = u32::from_le_bytes(bytes[o..o + 4].try_into().expect("4 bytes"));
+        if p_type == 3 {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+fn read_static_busybox() -> Result<Vec<u8>, ImageError> {
+    let fix = "install Debian's busybox-static package (`apt-get install busybox-static`), which provides a statically linked /bin/busybox";
+    let bytes = std::fs::read(HOST_BUSYBOX)
+        .map_err(|e| build_err(format!("cannot read {HOST_BUSYBOX} ({e}); {fix}")))?;
+    match elf_has_interpreter(&bytes) {
+        Ok(false) => Ok(bytes),
+        Ok(true) => Err(build_err(format!(
+            "{HOST_BUSYBOX} is dynamically linked and cannot run in the guest's initramfs; {fix}"
+        ))),
+        Err(e) => Err(build_err(format!("{HOST_BUSYBOX}: {e}; {fix}"))),
+    }
+}
+
+/// The initramfs as an uncompressed newc archive.
+fn initramfs_archive(busybox: &[u8], modules: &[(String, Vec<u8>)]) -> std::io::Result<Vec<u8>> {
+    let mut w = CpioWriter::new(Vec::new());
+    for d in [
+        "bin",
+        "dev",
+        "proc",
+        "sys",
+        "mnt",
+        "mnt/lower",
+        "mnt/rw",
+        "newroot",
+        "lib",
+        "lib/modules",
+    ] {
+        w.dir(d, 0o755)?;
+    }
+    // The kernel opens /dev/console for /init's stdio before anything is mounted.
+    w.char_device("dev/console", 0o600, 5, 1)?;
+    w.file("bin/busybox", 0o755, busybox)?;
+    for a in INITRAMFS_APPLETS {
+        w.symlink(&format!("bin/{a}"), "busybox")?;
+    }
+    for (name, bytes) in modules {
+        w.file(&format!("lib/modules/{name}.ko"), 0o644, bytes)?;
+    }
+    w.file("init", 0o755, init_script().as_bytes())?;
+    w.finish()
+}
+
+/// Makes sure the initramfs for `kernel` is cached (busybox from the host, the kernel's
+/// virtio modules, and the `/init` described in the module docs); returns its path,
+/// `<store_root>/guest/kernel-<release>/initramfs-<hash of its inputs>.cpio.gz`.
+pub fn ensure_initramfs(store_root: &Path, kernel: &Kernel) -> Result<PathBuf, ImageError> {
+    let busybox = read_static_busybox()?;
+    let mut modules = Vec::new();
+    for p in &kernel.modules {
+        let name = p
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let bytes = std::fs::read(p).ctx(|| format!("reading {}", p.display()))?;
+        modules.push((name, bytes));
+    }
+    let mut h = Sha256::new();
+    h.update(INITRAMFS_FORMAT.as_bytes());
+    h.update(kernel.version.as_bytes());
+    h.update(init_script().as_bytes());
+    h.update(INITRAMFS_APPLETS.join(" ").as_bytes());
+    h.update(Sha256::digest(&busybox));
+    for (name, bytes) in &modules {
+        h.update(name.as_bytes());
+        h.update(Sha256::digest(bytes));
+    }
+    let hash = hex::encode(h.finalize());
+    let dir = kernel_dir(store_root, &kernel.version);
+    let dest = dir.join(format!("initramfs-{}.cpio.gz", &hash[..16]));
+    if dest.is_file() {
+        tracing::debug!("initramfs is cached at {}", dest.display());
+        return Ok(dest);
+    }
+    tracing::info!(
+        "building initramfs for {} ({} modules)",
+        kernel.version,
+        modules.len()
+    );
+    std::fs::create_dir_all(&dir).ctx(|| format!("creating {}", dir.display()))?;
+    let archive =
+        initramfs_archive(&busybox, &modules).ctx(|| "writing the initramfs archive".into())?;
+    let tmp = TempPath::new(dir.join(format!(".tmp-initramfs-{}", random_hex())));
+    let file =
+        std::fs::File::create(tmp.path()).ctx(|| format!("creating {}", tmp.path().display()))?;
+    let mut gz = flate2::write::GzEncoder::new(file, flate2::Compression::best());
+    gz.write_all(&archive)
+        .and_then(|_| gz.finish())
+        .and_then(|f| f.sync_all())
+        .ctx(|| format!("writing {}", tmp.path().display()))?;
+    std::fs::rename(tmp.path(), &dest).ctx(|| format!("writing {}", dest.display()))?;
+    tmp.keep();
+    tracing::info!("initramfs cached at {}", dest.display());
+    Ok(dest)
+}
+
+/// What a root disk is built from.
+#[derive(Debug, Clone, Copy)]
+pub enum DiskSource<'a> {
+    /// An image in the store, resolved to its layers.
+    Image(&'a ImageRef),
+    /// Layer digests, bottom first (as in a manifest).
+    Layers(&'a [String]),
+}
+
+impl DiskSource<'_> {
+    fn layers(&self, store: &ImageStore) -> Result<Vec<String>, ImageError> {
+        let layers = match self {
+            DiskSource::Image(r) => store.resolve(r)?.1.layers,
+            DiskSource::Layers(l) => l.to_vec(),
+        };
+        if layers.is_empty() {
+            return Err(build_err(
+                "the image has no layers; a root disk needs at least one",
+            ));
+        }
+        for l in &layers {
+            if !crate::digest::valid_digest(l) || !store.layer_path(l).is_dir() {
+                return Err(ImageError::Corrupt(format!(
+                    "layer {l} is not in the image store at {}",
+                    store.root().display()
+                )));
+            }
+        }
+        Ok(layers)
+    }
+}
+
+/// Sizes and whiteout style of a directory tree.
+#[derive(Debug, Default, Clone, Copy)]
+struct TreeStats {
+    /// Bytes the tree takes in 4 KiB blocks.
+    block_bytes: u64,
+    entries: u64,
+    /// Holds OCI whiteouts (`.wh.NAME`, `.wh..wh..opq`), which overlayfs does not read.
+    oci_whiteouts: bool,
+}
+
+fn tree_stats(dir: &Path) -> Result<TreeStats, ImageError> {
+    let mut s = TreeStats::default();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).ctx(|| format!("listing {}", d.display()))? {
+            let e = e.ctx(|| format!("listing {}", d.display()))?;
+            let md = e
+                .path()
+                .symlink_metadata()
+                .ctx(|| format!("reading {}", e.path().display()))?;
+            s.entries += 1;
+            if e.file_name().to_string_lossy().starts_with(".wh.") {
+                s.oci_whiteouts = true;
+            }
+            if md.is_dir() {
+                s.block_bytes += 4096;
+                stack.push(e.path());
+            } else if md.is_file() || md.file_type().is_symlink() {
+                s.block_bytes += md.len().div_ceil(4096) * 4096;
+            }
+        }
+    }
+    Ok(s)
+}
+
+fn cstring(p: &Path) -> Result<CString, ImageError> {
+    CString::new(p.as_os_str().as_encoded_bytes())
+        .map_err(|_| build_err(format!("path {} contains a NUL byte", p.display())))
+}
+
+/// Rewrites OCI whiteouts in `dir` (a private copy of a layer) as overlayfs ones:
+/// `.wh.NAME` becomes a 0/0 character device `NAME`, `.wh..wh..opq` becomes the
+/// `trusted.overlay.opaque` attribute on its directory.
+fn convert_oci_whiteouts(dir: &Path) -> Result<(), ImageError> {
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let mut entries = Vec::new();
+        for e in std::fs::read_dir(&d).ctx(|| format!("listing {}", d.display()))? {
+            entries.push(e.ctx(|| format!("listing {}", d.display()))?);
+        }
+        for e in entries {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let path = e.path();
+            if name == ".wh..wh..opq" {
+                std::fs::remove_file(&path).ctx(|| format!("removing {}", path.display()))?;
+                let c = cstring(&d)?;
+                // SAFETY: NUL-terminated strings; a 1-byte value.
+                let rc = unsafe {
+                    libc::setxattr(
+                        c.as_ptr(),
+                        c"trusted.overlay.opaque".as_ptr(),
+                        b"y".as_ptr().cast(),
+                        1,
+                        0,
+                    )
+                };
+                if rc != 0 {
+                    return Err(std::io::Error::last_os_error())
+                        .ctx(|| format!("marking {} opaque (needs root)", d.display()));
+                }
+            } else if let Some(target) = name.strip_prefix(".wh.") {
+                std::fs::remove_file(&path).ctx(|| format!("removing {}", path.display()))?;
+                let hidden = d.join(target);
+                if hidden.symlink_metadata().is_ok() {
+                    remove_tree(&hidden)?;
+                }
+                let c = cstring(&hidden)?;
+                // SAFETY: NUL-terminated path.
+                if unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR, libc::makedev(0, 0)) } != 0 {
+                    return Err(std::io::Error::last_os_error())
+                        .ctx(|| format!("making whiteout {} (needs root)", hidden.display()));
+                }
+            } else if e.file_type().is_ok_and(|t| t.is_dir()) {
+                stack.push(path);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn mkdir_mode(p: &Path, mode: u32) -> Result<(), ImageError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(p).ctx(|| format!("creating {}", p.display()))?;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
+        .ctx(|| format!("chmod {}", p.display()))
+}
+
+/// Writes a raw ext4 image of the image's filesystem to `dest`: its layers stacked (upper
+/// overriding lower, whiteouts honoured, overlayfs style or OCI `.wh.` style), plus
+/// `aether` at `/.dsec/aether` and empty `/proc`, `/sys`, `/dev`, `/mnt` and the mount
+/// points `/.dsec/lower`, `/.dsec/rw` that the guest's `/init` uses. No journal: guests
+/// mount it read-only. `size_mb: None` sizes it to fit.
+///
+/// Needs root (it mounts an overlay in a private mount namespace) and `mkfs.ext4`.
+pub fn build_root_disk(
+    store: &ImageStore,
+    source: DiskSource<'_>,
+    aether: &Path,
+    dest: &Path,
+    size_mb: Option<u64>,
+) -> Result<(), ImageError> {
+    let layers = source.layers(store)?;
+    let aether_md = std::fs::metadata(aether).map_err(|e| {
+        build_err(format!(
+            "aether binary {} is not readable ({e}); build it (`cargo build -p dsec-aether`) or pass its path",
+            aether.display()
+        ))
+    })?;
+    if !aether_md.is_file() {
+        return Err(build_err(format!(
+            "aether binary {} is not a regular file",
+            aether.display()
+        )));
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err(build_err(
+            "building a VM root disk mounts an overlay of the image layers and needs root; run the edge as root",
+        ));
+    }
+
+    let work = TempPath::new(store.temp_dir("guest-disk")?);
+    // Top layer: what the guest needs besides the image.
+    let stage = work.path().join("stage");
+    mkdir_mode(&stage, 0o755)?;
+    for d in ["proc", "sys", "dev", "mnt"] {
+        mkdir_mode(&stage.join(d), 0o755)?;
+    }
+    for d in [".dsec", ".dsec/lower", ".dsec/rw"] {
+        mkdir_mode(&stage.join(d), 0o755)?;
+    }
+    let aether_dest = stage.join(AETHER_GUEST_PATH.trim_start_matches('/'));
+    std::fs::copy(aether, &aether_dest).ctx(|| format!("copying {}", aether.display()))?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&aether_dest, std::fs::Permissions::from_mode(0o755))
+            .ctx(|| format!("chmod {}", aether_dest.display()))?;
+    }
+
+    let layers_dir = store.root().join("layers");
+    let mut total = tree_stats(&stage)?;
+    // Lowerdirs relative to layers/, top first, to fit more layers in one mount's options.
+    let work_rel = format!(
+        "../tmp/{}",
+        work.path()
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+    );
+    let mut lowers = vec![format!("{work_rel}/stage")];
+    for (i, l) in layers.iter().enumerate().rev() {
+        let path = store.layer_path(l);
+        let s = tree_stats(&path)?;
+        total.block_bytes += s.block_bytes;
+        total.entries += s.entries;
+        if s.oci_whiteouts {
+            tracing::info!(
+                "layer {} has OCI whiteouts; converting a copy for overlayfs",
+                &l[..12]
+            );
+            let copy = work.path().join(format!("oci-{i}"));
+            std::fs::create_dir(&copy).ctx(|| format!("creating {}", copy.display()))?;
+            run(
+                Command::new("cp")
+                    .args(["-a", "--reflink=auto"])
+                    .arg(format!("{}/.", path.display()))
+                    .arg(&copy),
+                "cp -a (layer copy)",
+            )?;
+            convert_oci_whiteouts(&copy)?;
+            lowers.push(format!("{work_rel}/oci-{i}"));
+        } else {
+            lowers.push(l.clone());
+        }
+    }
+    let lowerdir = lowers.join(":");
+    if lowerdir.len() >= 3900 || lowerdir.contains(',') {
+        return Err(build_err(format!(
+            "image has too many layers ({}) for one overlay mount; flatten it with a commit",
+            layers.len()
+        )));
+    }
+    // 256-byte inodes plus directory entries, 5% slack for ext4's own metadata, 8 MiB floor.
+    let inodes = total.entries + 64;
+    let needed = (total.block_bytes + inodes * 320) * 21 / 20;
+    let auto_mb = needed.div_ceil(1 << 20) + 8;
+    let size_mb = size_mb.unwrap_or(auto_mb);
+
+    let merged = work.path().join("merged");
+    std::fs::create_dir(&merged).ctx(|| format!("creating {}", merged.display()))?;
+    let dest_dir = dest
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dest_dir).ctx(|| format!("creating {}", dest_dir.display()))?;
+    let tmp_dest = TempPath::new(dest_dir.join(format!(".tmp-disk-{}.ext4", random_hex())));
+    std::fs::File::create(tmp_dest.path())
+        .ctx(|| format!("creating {}", tmp_dest.path().display()))?;
+
+    tracing::info!(
+        "building a {size_mb} MiB ext4 root disk from {} layers ({} entries) at {}",
+        layers.len(),
+        total.entries,
+        dest.display()
+    );
+    // A private mount namespace: the overlay disappears with it, whatever happens.
+    let script = r#"set -e
+cd "$LAYERS"
+mount -t overlay -o "ro,lowerdir=$LOWER" dsec-disk "$MERGED"
+mkfs.ext4 -q -F -b 4096 -m 0 -N "$INODES" -O ^has_journal -E root_owner=0:0 -L dsecroot -d "$MERGED" "$DEST" "${SIZE}M"
+umount "$MERGED"
+"#;
+    let r = run(
+        Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sh", "-c", script])
+            .env("LAYERS", &layers_dir)
+            .env("LOWER", &lowerdir)
+            .env("MERGED", &merged)
+            .env("INODES", inodes.to_string())
+            .env("DEST", tmp_dest.path())
+            .env("SIZE", size_mb.to_string()),
+        "mkfs.ext4 of the root disk",
+    );
+    if let Err(e) = r {
+        return Err(build_err(format!(
+            "{}\n(if the disk ran out of space, give a larger size than {size_mb} MiB; mkfs.ext4 comes with e2fsprogs)",
+            detail(&e)
+        )));
+    }
+    std::fs::rename(tmp_dest.path(), dest).ctx(|| format!("writing {}", dest.display()))?;
+    tmp_dest.keep();
+    Ok(())
+}
+
+/// Makes sure a root disk for `source` with `aether` is cached; returns
+/// `<store root>/guest/disks/<key>.ext4`. The key is a hash of the layer digests and the
+/// aether binary's sha256, so images that share all their layers share a disk.
+pub fn ensure_root_disk(
+    store: &ImageStore,
+    source: DiskSource<'_>,
+    aether: &Path,
+) -> Result<PathBuf, ImageError> {
+    let layers = source.layers(store)?;
+    let aether_sha = sha256_file(aether).map_err(|e| {
+        build_err(format!(
+            "cannot read the aether binary: {e}; build it (`cargo build -p dsec-aether`) or pass its path"
+        ))
+    })?;
+    let mut h = Sha256::new();
+    h.update(ROOT_DISK_FORMAT.as_bytes());
+    for l in &layers {
+        h.update(l.as_bytes());
+        h.update(b"\n");
+    }
+    h.update(aether_sha.as_bytes());
+    let key = hex::encode(h.finalize());
+    let dest = guest_dir(store.root())
+        .join("disks")
+        .join(format!("{key}.ext4"));
+    if dest.is_file() {
+        tracing::debug!("root disk is cached at {}", dest.display());
+        return Ok(dest);
+    }
+    build_root_disk(store, DiskSource::Layers(&layers), aether, &dest, None)?;
+    tracing::info!("root disk cached at {}", dest.display());
+    Ok(dest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpio::{S_IFCHR, S_IFLNK, read_newc};
+
+    #[test]
+    fn kernel_release_comes_from_the_meta_package_dependency() {
+        let out = "linux-image-cloud-amd64\n  Depends: linux-image-6.1.0-57-cloud-amd64\n";
+        assert_eq!(
+            parse_kernel_depends(out).as_deref(),
+            Some("6.1.0-57-cloud-amd64")
+        );
+        let alt =
+            "linux-image-cloud-amd64\n |Depends: <linux-image-6.1.0-9-cloud-amd64>\n  Depends: x\n";
+        assert_eq!(
+            parse_kernel_depends(alt).as_deref(),
+            Some("6.1.0-9-cloud-amd64")
+        );
+        assert_eq!(
+            parse_kernel_depends("x\n  Depends: linux-image-6.1.0-57-amd64\n"),
+            None
+        );
+        assert_eq!(
+            parse_kernel_depends("  Depends: linux-image-../../x-cloud-amd64\n"),
+            None
+        );
+        let policy =
+            "linux-image-6.1.0-57-cloud-amd64:\n  Installed: (none)\n  Candidate: 6.1.192-3\n";
+        assert_eq!(parse_candidate(policy).as_deref(), Some("6.1.192-3"));
+        assert_eq!(parse_candidate("x:\n  Candidate: (none)\n"), None);
+    }
+
+    #[test]
+    fn finds_plain_and_compressed_modules_with_dash_or_underscore() {
+        let tmp = tempfile::tempdir().unwrap();
+        let k = tmp.path().join("kernel");
+        std::fs::create_dir_all(k.join("drivers/char/hw_random")).unwrap();
+        std::fs::create_dir_all(k.join("fs/overlayfs")).unwrap();
+        std::fs::write(k.join("drivers/char/hw_random/virtio-rng.ko"), b"rng").unwrap();
+        std::fs::write(k.join("fs/overlayfs/overlay.ko.xz"), b"xz").unwrap();
+        std::fs::write(k.join("fs/overlayfs/README"), b"no").unwrap();
+        let m = find_modules(&k).unwrap();
+        assert_eq!(m.len(), 2);
+        assert!(m[&module_key("virtio-rng")].ends_with("virtio-rng.ko"));
+        assert!(m["overlay"].ends_with("overlay.ko.xz"));
+    }
+
+    #[test]
+    fn compressed_modules_are_decompressed() {
+        if Command::new("xz").arg("--version").output().is_err() {
+            eprintln!("skipped: xz is not installed");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let plain = tmp.path().join("m.ko");
+        std::fs::write(&plain, b"module bytes").unwrap();
+        assert!(
+            Command::new("xz")
+                .arg("-k")
+                .arg(&plain)
+                .status()
+                .unwrap()
+                .success()
+        );
+        let out = tmp.path().join("out.ko");
+        install_module(&tmp.path().join("m.ko.xz"), &out).unwrap();
+        assert_eq!(std::fs::read(&out).unwrap(), b"module bytes");
+    }
+
+    #[test]
+    fn elf_check_tells_static_from_dynamic() {
+        let sh = std::fs::read("/bin/sh").unwrap();
+        assert_eq!(elf_has_interpreter(&sh), Ok(true), "/bin/sh is dynamic");
+        if let Ok(bb) = std::fs::read(HOST_BUSYBOX) {
+            // Debian's busybox-static; the dynamic `busybox` package also installs here.
+            let dynamic = Command::new("file")
+                .arg("-L")
+                .arg(HOST_BUSYBOX)
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).contains("dynamically"))
+                .unwrap_or(false);
+            assert_eq!(elf_has_interpreter(&bb), Ok(dynamic));
+        }
+        assert!(elf_has_interpreter(b"#!/bin/sh\n").is_err());
+    }
+
+    #[test]
+    fn initramfs_has_busybox_applets_modules_console_and_init() {
+        let modules = vec![
+            ("virtio_ring".to_string(), b"ring".to_vec()),
+            ("virtio-rng".to_string(), b"rng".to_vec()),
+        ];
+        let a = initramfs_archive(b"\x7fELFbusybox", &modules).unwrap();
+        let e = read_newc(&a).unwrap();
+        let get = |n: &str| {
+            e.iter()
+                .find(|e| e.name == n)
+                .unwrap_or_else(|| panic!("{n} missing"))
+        };
+        assert_eq!(get("bin/busybox").mode, 0o100755);
+        assert_eq!(get("bin/busybox").data, b"\x7fELFbusybox");
+        for a in [
+            "sh",
+            "mount",
+            "insmod",
+            "switch_root",
+            "mkdir",
+            "echo",
+            "cat",
+            "sleep",
+        ] {
+            let l = get(&format!("bin/{a}"));
+            assert_eq!(l.file_type(), S_IFLNK, "{a}");
+            assert_eq!(l.data, b"busybox", "{a}");
+        }
+        assert_eq!(get("dev/console").file_type(), S_IFCHR);
+        assert_eq!(get("dev/console").rdev, (5, 1));
+        assert_eq!(get("lib/modules/virtio-rng.ko").data, b"rng");
+        let init = get("init");
+        assert_eq!(init.mode, 0o100755);
+        let script = String::from_utf8(init.data.clone()).unwrap();
+        assert!(script.starts_with("#!/bin/sh\n"));
+        assert!(script.contains(ROOT_READY_LINE));
+        assert!(script.contains("exec switch_root /newroot \"$init\" \"$@\""));
+        assert!(script.contains(&format!("init={AETHER_GUEST_PATH}\n")));
+        // Modules load in the documented order.
+        let for_line = script.lines().find(|l| l.starts_with("for m in ")).unwrap();
+        assert_eq!(
+            for_line,
+            format!("for m in {}; do", GUEST_MODULES.join(" "))
+        );
+        for d in ["proc", "sys", "mnt/lower", "mnt/rw", "newroot"] {
+            assert_eq!(get(d).mode, 0o040755, "{d}");
+        }
+    }
+
+    #[test]
+    fn init_script_parses_with_busybox_sh() {
+        let Ok(out) = Command::new(HOST_BUSYBOX)
+            .args(["sh", "-n", "-c", &init_script()])
+            .output()
+        else {
+            eprintln!("skipped: {HOST_BUSYBOX} is not installed");
+            return;
+        };
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    fn debugfs(disk: &Path, req: &str) -> String {
+        let o = Command::new("debugfs")
+            .arg("-R")
+            .arg(req)
+            .arg(disk)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    /// Layers with overlayfs and OCI whiteouts stack into one ext4 disk; the cache is keyed
+    /// by layers and aether.
+    #[test]
+    fn root_disk_stacks_layers_honours_whiteouts_and_caches() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0
+            || Command::new("mkfs.ext4").arg("-V").output().is_err()
+            || Command::new("debugfs").arg("-V").output().is_err()
+        {
+            eprintln!("skipped: needs root, mkfs.ext4 and debugfs");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let store = ImageStore::open(tmp.path()).unwrap();
+        let mk = |files: &[(&str, &str)]| {
+            let d = store.temp_dir("l").unwrap();
+            for (p, c) in files {
+                let p = d.join(p);
+                std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+                std::fs::write(p, c).unwrap();
+            }
+            d
+        };
+        let base = mk(&[
+            ("etc/keep", "base"),
+            ("etc/over", "base"),
+            ("etc/gone-overlay", "x"),
+            ("etc/gone-oci", "x"),
+            ("opq/old", "x"),
+            ("opq-oci/old", "x"),
+        ]);
+        std::os::unix::fs::chown(base.join("etc/keep"), Some(1000), Some(1001)).unwrap();
+        let (l1, _) = store.add_layer(&base).unwrap();
+        let top = mk(&[("etc/over", "top"), ("opq/new", "y"), ("opq-oci/new", "y")]);
+        // overlayfs-style whiteout and opaque dir, as `run` steps produce them.
+        let wh = cstring(&top.join("etc/gone-overlay")).unwrap();
+        assert_eq!(
+            unsafe { libc::mknod(wh.as_ptr(), libc::S_IFCHR, libc::makedev(0, 0)) },
+            0
+        );
+        let opq = cstring(&top.join("opq")).unwrap();
+        assert_eq!(
+            unsafe {
+                libc::setxattr(
+                    opq.as_ptr(),
+                    c"trusted.overlay.opaque".as_ptr(),
+                    b"y".as_ptr().cast(),
+                    1,
+                    0,
+                )
+            },
+            0
+        );
+        let (l2, _) = store.add_layer(&top).unwrap();
+        // OCI-style whiteouts in a third layer.
+        let oci = mk(&[
+            ("etc/.wh.gone-oci", ""),
+            ("opq-oci/.wh..wh..opq", ""),
+            ("opq-oci/fresh", "z"),
+        ]);
+        let (l3, _) = store.add_layer(&oci).unwrap();
+        let aether = tmp.path().join("aether");
+        std::fs::write(&aether, b"#!/bin/sh\necho aether\n").unwrap();
+
+        let layers = vec![l1.clone(), l2.clone(), l3.clone()];
+        let disk = ensure_root_disk(&store, DiskSource::Layers(&layers), &aether).unwrap();
+        assert!(disk.starts_with(tmp.path().join("guest/disks")));
+        assert_eq!(debugfs(&disk, "cat /etc/keep"), "base");
+        assert_eq!(debugfs(&disk, "cat /etc/over"), "top");
+        assert_eq!(
+            debugfs(&disk, "cat /.dsec/aether"),
+            "#!/bin/sh\necho aether\n"
+        );
+        let root = debugfs(&disk, "ls -l /");
+        for d in ["proc", "sys", "dev", "mnt", "etc", ".dsec"] {
+            assert!(root.contains(&format!(" {d}")), "/{d} missing in:\n{root}");
+        }
+        let etc = debugfs(&disk, "ls /etc");
+        assert!(
+            !etc.contains("gone-overlay"),
+            "overlay whiteout ignored:\n{etc}"
+        );
+        assert!(!etc.contains("gone-oci"), "OCI whiteout ignored:\n{etc}");
+        assert!(!etc.contains(".wh."), "{etc}");
+        let opq_ls = debugfs(&disk, "ls /opq");
+        assert!(
+            opq_ls.contains("new") && !opq_ls.contains("old"),
+            "{opq_ls}"
+        );
+        let opq_oci = debugfs(&disk, "ls /opq-oci");
+        // The opaque marker hides everything below its layer, even l2's newer file.
+        assert!(
+            opq_oci.contains("fresh")
+                && !opq_oci.contains("old")
+                && !opq_oci.contains("new")
+                && !opq_oci.contains(".wh."),
+            "{opq_oci}"
+        );
+        let owner = debugfs(&disk, "stat /etc/keep");
+        assert!(owner.contains("User:  1000   Group:  1001"), "{owner}");
+        let stat = debugfs(&disk, "stat /.dsec/aether");
+        assert!(stat.contains("Mode:  0755"), "{stat}");
+        assert!(debugfs(&disk, "stats").contains("Filesystem volume name:   dsecroot"));
+
+        // Cache hit: same path, not rewritten.
+        let mtime = std::fs::metadata(&disk).unwrap().modified().unwrap();
+        assert_eq!(
+            ensure_root_disk(&store, DiskSource::Layers(&layers), &aether).unwrap(),
+            disk
+        );
+        assert_eq!(std::fs::metadata(&disk).unwrap().modified().unwrap(), mtime);
+        // Another aether, another disk.
+        std::fs::write(&aether, b"other").unwrap();
+        let disk2 = ensure_root_disk(&store, DiskSource::Layers(&layers), &aether).unwrap();
+        assert_ne!(disk, disk2);
+        // Nothing left behind in tmp/, and the store's layers are untouched.
+        assert_eq!(
+            std::fs::read_dir(tmp.path().join("tmp")).unwrap().count(),
+            0
+        );
+        assert!(store.layer_path(&l3).join("etc/.wh.gone-oci").exists());
+        // Too small a disk is an error that says so.
+        std::fs::write(&aether, vec![7u8; 3 << 20]).unwrap();
+        let err = build_root_disk(
+            &store,
+            DiskSource::Layers(&layers),
+            &aether,
+            &tmp.path().join("x.ext4"),
+            Some(2),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("larger size"), "{err}");
+        assert!(!tmp.path().join("x.ext4").exists());
+    }
+}
