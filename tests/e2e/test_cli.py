@@ -66,7 +66,7 @@ def test_image_build_inspect_run_and_rm(tmp_path):
 
 @pytest.mark.parametrize("cmd", [[], ["up"], ["down"], ["status"], ["run"], ["exec"], ["ls"], ["rm"], ["fork"],
                                  ["set-timeout"], ["shell"], ["cp"], ["logs"], ["ps"], ["trajectory"], ["iam", "project-create"], ["iam", "key-create"], ["iam", "quota-set"], ["image", "build"], ["image", "ls"], ["image", "inspect"], ["image", "rm"],
-                                 ["network"], ["serve"], ["certs", "init"], ["certs", "issue"]])
+                                 ["network"], ["serve"], ["certs", "init"], ["certs", "issue"], ["image", "vm-kernel"]])
 def test_every_command_has_help_with_an_example(cmd):
     r = dsec(*cmd, "--help")
     assert "Example" in r.stdout, r.stdout

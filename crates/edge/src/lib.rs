@@ -40,12 +40,10 @@ struct Planned {
     needs: &'static str,
 }
 
-const PLANNED_BACKENDS: &[Planned] = &[
-    Planned {
-        name: "microvm",
-        needs: "hardware KVM and a firecracker binary",
-    },
-];
+const PLANNED_BACKENDS: &[Planned] = &[Planned {
+    name: "microvm",
+    needs: "hardware KVM and a firecracker binary",
+}];
 
 impl Planned {
     fn detail(&self) -> String {
@@ -369,6 +367,15 @@ impl Edge {
         &self,
         req: &CreateSandboxRequest,
     ) -> Result<Option<registry::NetRecord>, ApiError> {
+        if req.backend == "vm" {
+            // A VM has no network device yet: it gets loopback only.
+            if req.network_rules.values().any(|v| *v) {
+                return Err(ApiError::unimplemented(
+                    "network_rules are not supported for backend \"vm\" yet (its sandboxes have loopback only); use backend \"container\" for egress",
+                ));
+            }
+            return Ok(None);
+        }
         match req.network.as_deref() {
             None | Some("rules") => {}
             Some("none") if req.network_rules.values().any(|v| *v) => {

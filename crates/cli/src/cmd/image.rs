@@ -26,6 +26,13 @@ pub enum ImageCommand {
     /// Remove an image reference and the layers nothing else uses
     #[command(after_help = "Example:\n  dsec image rm root/py:3.11")]
     Rm(RefArgs),
+    /// Fetch and build what `vm` sandboxes boot: the guest kernel (from Debian's
+    /// linux-image-cloud-amd64) and the initramfs (done on the first vm create otherwise)
+    #[command(
+        name = "vm-kernel",
+        after_help = "Example:\n  dsec image vm-kernel --data-dir /var/lib/dsec\n\nNeeds a Debian mirror (apt-get download); edges without one can share a store where it ran."
+    )]
+    VmKernel(StoreArgs),
 }
 
 #[derive(clap::Args)]
@@ -87,6 +94,34 @@ pub async fn run(c: ImageCommand) -> Result<i32> {
 
 fn run_blocking(c: ImageCommand) -> Result<i32> {
     match c {
+        ImageCommand::VmKernel(a) => {
+            let store = open(&a)?;
+            let t0 = Instant::now();
+            if !a.json {
+                eprintln!(
+                    "fetching and unpacking the guest kernel (first time: a download of tens of MiB)…"
+                );
+            }
+            let kernel = dsec_image::guest::ensure_kernel(store.root())?;
+            let initrd = dsec_image::guest::ensure_initramfs(store.root(), &kernel)?;
+            if a.json {
+                output::print_json(&serde_json::json!({
+                    "kernel": kernel.version,
+                    "vmlinuz": kernel.vmlinuz,
+                    "initramfs": initrd,
+                }));
+            } else {
+                println!(
+                    "guest kernel {} ({}) and initramfs ready in {:.1} s:\n  {}\n  {}",
+                    kernel.version,
+                    kernel.package_version,
+                    t0.elapsed().as_secs_f64(),
+                    kernel.vmlinuz.display(),
+                    initrd.display()
+                );
+            }
+            Ok(0)
+        }
         ImageCommand::Build(a) => {
             let text = std::fs::read_to_string(&a.spec)
                 .with_context(|| format!("reading {}", a.spec.display()))?;

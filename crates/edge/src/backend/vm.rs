@@ -61,6 +61,8 @@ pub struct VmBackend {
     images: ImageStore,
     /// The edge's sandbox directories (`<dir>/<id>/qemu.pid`, …).
     sandboxes: PathBuf,
+    /// The guest kernel and initramfs, found (or built) on the first create.
+    boot: std::sync::Mutex<Option<(guest::Kernel, PathBuf)>>,
 }
 
 fn find_qemu() -> Result<PathBuf, String> {
@@ -116,7 +118,22 @@ impl VmBackend {
             accel: Accel::detect(),
             images,
             sandboxes: sandboxes.to_path_buf(),
+            boot: std::sync::Mutex::new(None),
         }
+    }
+
+    /// The kernel and initramfs; building them the first time downloads the kernel
+    /// package (tens of MiB) and can take a minute.
+    fn boot_files(&self) -> Result<(guest::Kernel, PathBuf), String> {
+        let mut b = self.boot.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(k) = b.as_ref() {
+            return Ok(k.clone());
+        }
+        let root = self.images.root();
+        let kernel = guest::ensure_kernel(root).map_err(|e| e.to_string())?;
+        let initrd = guest::ensure_initramfs(root, &kernel).map_err(|e| e.to_string())?;
+        *b = Some((kernel.clone(), initrd.clone()));
+        Ok((kernel, initrd))
     }
 
     pub fn accel(&self) -> Accel {
@@ -126,11 +143,10 @@ impl VmBackend {
     fn create_inner(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), String> {
         let qemu = self.qemu.as_ref().map_err(Clone::clone)?;
         let aether = self.aether.as_ref().map_err(Clone::clone)?;
-        let root = self.images.root();
-        let kernel = guest::ensure_kernel(root).map_err(|e| e.to_string())?;
-        let initrd = guest::ensure_initramfs(root, &kernel).map_err(|e| e.to_string())?;
-        let disk = guest::ensure_root_disk(&self.images, guest::DiskSource::Layers(&rec.layers), aether)
-            .map_err(|e| e.to_string())?;
+        let (kernel, initrd) = self.boot_files()?;
+        let disk =
+            guest::ensure_root_disk(&self.images, guest::DiskSource::Layers(&rec.layers), aether)
+                .map_err(|e| e.to_string())?;
         let dir = &paths.dir;
         let chardev = dir.join("vm.chardev");
         let qmp = dir.join("vm.qmp");
@@ -144,37 +160,53 @@ impl VmBackend {
             rec.limits.disk_mb
         );
         let mut cmd = Command::new(qemu);
-        cmd.args(["-M", "microvm", "-accel", self.accel.as_str(), "-cpu", "max"])
-            .args(["-m", &format!("{mem}M"), "-smp", &cpus.to_string()])
-            .args(["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"])
-            .arg("-daemonize")
-            .arg("-pidfile")
-            .arg(&qemu_pid)
-            .arg("-serial")
-            .arg(format!("file:{}", dir.join("console.log").display()))
-            .arg("-kernel")
-            .arg(&kernel.vmlinuz)
-            .arg("-initrd")
-            .arg(&initrd)
-            .args(["-append", &append])
-            .arg("-drive")
-            .arg(format!(
-                "id=root,file={},format=raw,if=none,readonly=on",
-                disk.display()
-            ))
-            .args(["-device", "virtio-blk-device,drive=root"])
-            .args(["-device", "virtio-serial-device"])
-            .arg("-chardev")
-            .arg(format!("socket,id=ch,path={},server=on,wait=off", chardev.display()))
-            .args([
-                "-device",
-                &format!("virtserialport,chardev=ch,name={}", "dsec.channel"),
-            ])
-            .arg("-qmp")
-            .arg(format!("unix:{},server=on,wait=off", qmp.display()))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
+        cmd.args([
+            "-M",
+            "microvm",
+            "-accel",
+            self.accel.as_str(),
+            "-cpu",
+            "max",
+        ])
+        .args(["-m", &format!("{mem}M"), "-smp", &cpus.to_string()])
+        .args([
+            "-nodefaults",
+            "-no-user-config",
+            "-display",
+            "none",
+            "-no-reboot",
+        ])
+        .arg("-daemonize")
+        .arg("-pidfile")
+        .arg(&qemu_pid)
+        .arg("-serial")
+        .arg(format!("file:{}", dir.join("console.log").display()))
+        .arg("-kernel")
+        .arg(&kernel.vmlinuz)
+        .arg("-initrd")
+        .arg(&initrd)
+        .args(["-append", &append])
+        .arg("-drive")
+        .arg(format!(
+            "id=root,file={},format=raw,if=none,readonly=on",
+            disk.display()
+        ))
+        .args(["-device", "virtio-blk-device,drive=root"])
+        .args(["-device", "virtio-serial-device"])
+        .arg("-chardev")
+        .arg(format!(
+            "socket,id=ch,path={},server=on,wait=off",
+            chardev.display()
+        ))
+        .args([
+            "-device",
+            &format!("virtserialport,chardev=ch,name={}", "dsec.channel"),
+        ])
+        .arg("-qmp")
+        .arg(format!("unix:{},server=on,wait=off", qmp.display()))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
         let out = cmd
             .output()
             .map_err(|e| format!("starting {}: {e}", qemu.display()))?;
@@ -211,10 +243,14 @@ impl VmBackend {
 
     fn qmp(&self, rec: &SandboxRecord, command: &str) -> Result<(), ApiError> {
         use std::io::{BufRead, BufReader, Write};
-        let sock = std::os::unix::net::UnixStream::connect(self.sandboxes.join(&rec.id).join("vm.qmp"))
-            .map_err(|e| ApiError::unavailable(format!("the VM's QMP socket: {e}")))?;
+        let sock =
+            std::os::unix::net::UnixStream::connect(self.sandboxes.join(&rec.id).join("vm.qmp"))
+                .map_err(|e| ApiError::unavailable(format!("the VM's QMP socket: {e}")))?;
         let _ = sock.set_read_timeout(Some(Duration::from_secs(10)));
-        let mut r = BufReader::new(sock.try_clone().map_err(|e| ApiError::internal(e.to_string()))?);
+        let mut r = BufReader::new(
+            sock.try_clone()
+                .map_err(|e| ApiError::internal(e.to_string()))?,
+        );
         let mut w = sock;
         let mut line = String::new();
         let _ = r.read_line(&mut line); // greeting
@@ -236,7 +272,6 @@ impl VmBackend {
         }
         Ok(())
     }
-
 }
 
 impl Backend for VmBackend {
