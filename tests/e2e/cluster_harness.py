@@ -34,7 +34,8 @@ import httpx
 
 from conftest import DATA, DSEC, dsec
 
-from hostclean import kill_cgroup as _kill_cgroup, mounts_under as _mounts_under, netns_pids as _netns_pids, sandbox_cgroups
+import hostclean
+from hostclean import sandbox_cgroups
 
 BASE = Path("/var/tmp/dsec-cluster-test")
 CERTS = BASE / "certs"
@@ -343,20 +344,7 @@ def sweep_host() -> list[str]:
     """Removes whatever a cluster run (this or an earlier, crashed one) left on the host:
     processes in the test namespaces, sandbox cgroups of the test edges, mounts and files
     under BASE, the namespaces and the bridge. Returns what it found besides the network."""
-    found = []
-    for ns in namespaces():
-        for pid in _netns_pids(ns):
-            found.append(f"process {pid} in {ns}")
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for cg in _our_cgroups():
-        found.append(f"cgroup {cg}")
-        _kill_cgroup(cg)
-    for mp in sorted(_mounts_under(BASE), key=len, reverse=True):
-        found.append(f"mount {mp}")
-        _run("umount", "-l", mp, check=False)
+    found = hostclean.sweep(namespaces(), _our_cgroups(), BASE)
     teardown_network()
     if BASE.exists():
         _run("rm", "-rf", "--one-file-system", str(BASE), check=False)

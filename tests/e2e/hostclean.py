@@ -62,3 +62,23 @@ def netns_pids(ns: str) -> list[int]:
     """Processes running in network namespace `ns`."""
     out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False).stdout
     return [int(p) for p in out.split() if p.isdigit()]
+
+
+def sweep(namespaces: list[str], cgroups: list[str], base: Path) -> list[str]:
+    """Kills every process in `namespaces`, kills and removes `cgroups`, and unmounts
+    everything under `base`; returns what it found."""
+    found = []
+    for ns in namespaces:
+        for pid in netns_pids(ns):
+            found.append(f"process {pid} in {ns}")
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for cg in cgroups:
+        found.append(f"cgroup {cg}")
+        kill_cgroup(cg)
+    for mp in sorted(mounts_under(base), key=len, reverse=True):
+        found.append(f"mount {mp}")
+        subprocess.run(["umount", "-l", mp], capture_output=True, check=False)
+    return found

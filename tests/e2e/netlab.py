@@ -45,7 +45,8 @@ import tomllib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from hostclean import kill_cgroup as _kill_cgroup, mounts_under as _mounts_under, netns_pids as _netns_pids, sandbox_cgroups
+import hostclean
+from hostclean import sandbox_cgroups
 
 SELF = Path(__file__).resolve()
 BASE = Path("/var/tmp/dsec-netlab")
@@ -141,20 +142,7 @@ def sweep_host() -> list[str]:
     processes in the lab's namespaces, the node's sandboxes (cgroups, namespaces), mounts
     and files under BASE, the namespaces and the root veth. Returns what it found besides
     the lab's own namespaces and veth."""
-    found = []
-    for ns in lab_namespaces():
-        for pid in _netns_pids(ns):
-            found.append(f"process {pid} in {ns}")
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for cg in _sandbox_cgroups():
-        found.append(f"cgroup {cg}")
-        _kill_cgroup(cg)
-    for mp in sorted(_mounts_under(BASE), key=len, reverse=True):
-        found.append(f"mount {mp}")
-        _run("umount", "-l", mp, check=False)
+    found = hostclean.sweep(lab_namespaces(), _sandbox_cgroups(), BASE)
     for ns in sandbox_namespaces():
         found.append(f"sandbox namespace {ns}")
         _run("ip", "netns", "del", ns, check=False)

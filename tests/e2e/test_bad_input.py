@@ -115,7 +115,7 @@ async def test_bad_exec_and_fork_requests(client, raw):
     assert leftovers() == []
 
 
-@pytest.mark.parametrize("backend", ["vm", "microvm"])
+@pytest.mark.parametrize("backend", ["microvm"])
 async def test_backends_not_in_this_build_say_so(raw, backend):
     r = await raw.post("/v1/sandboxes", json={"image": "root/base", "backend": backend})
     msg = err(r, 503, "unavailable")

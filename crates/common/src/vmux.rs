@@ -33,7 +33,12 @@ const RESET: u8 = 6;
 
 const HEADER: usize = 9;
 
+const IN_DONE: u8 = 1;
+const OUT_DONE: u8 = 2;
+
 struct Stream {
+    /// Which directions have ended ([`IN_DONE`], [`OUT_DONE`]); with both, the stream goes.
+    done: Mutex<u8>,
     /// Bytes this side may still send.
     credit: Mutex<u32>,
     credit_cv: Condvar,
@@ -124,6 +129,7 @@ impl Mux {
     fn bridge(&self, id: u32, local: UnixStream) -> io::Result<()> {
         let (tx, rx) = channel::<Option<Vec<u8>>>();
         let s = Arc::new(Stream {
+            done: Mutex::new(0),
             credit: Mutex::new(WINDOW),
             credit_cv: Condvar::new(),
             incoming: tx,
@@ -149,6 +155,7 @@ impl Mux {
             let n = match local.read(&mut buf) {
                 Ok(0) => {
                     let _ = self.send(EOF, id, &[]);
+                    self.finish(id, OUT_DONE);
                     return;
                 }
                 Ok(n) => n,
@@ -189,6 +196,7 @@ impl Mux {
                 }
                 None => {
                     let _ = local.shutdown(Shutdown::Write);
+                    self.finish(id, IN_DONE);
                     return;
                 }
             }
@@ -200,6 +208,25 @@ impl Mux {
         if s.incoming.send(Some(payload)).is_err() {
             self.drop_stream(id);
         }
+    }
+
+    /// Marks one direction of a stream ended; a stream ended both ways is forgotten (its
+    /// socket closes once the pumps are gone).
+    fn finish(&self, id: u32, bit: u8) {
+        let mut streams = self.streams();
+        let both = streams.get(&id).is_some_and(|s| {
+            let mut d = s.done.lock().unwrap_or_else(|p| p.into_inner());
+            *d |= bit;
+            *d == IN_DONE | OUT_DONE
+        });
+        if both {
+            streams.remove(&id);
+        }
+    }
+
+    /// Streams currently open (for tests and diagnostics).
+    pub fn open_streams(&self) -> usize {
+        self.streams().len()
     }
 
     fn drop_stream(&self, id: u32) {
@@ -349,6 +376,12 @@ mod tests {
         for h in handles {
             h.join().unwrap();
         }
+        // Streams ended both ways are forgotten (no descriptors kept per connection).
+        let t0 = Instant::now();
+        while host.open_streams() > 0 && t0.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(host.open_streams(), 0);
     }
 
     #[test]

@@ -495,7 +495,10 @@ impl Edge {
             let channel = paths.channel.clone();
             let (b2, r2) = (backend.clone(), rec.clone());
             blocking(move || b2.create(&r2, &paths, seed.as_deref())).await??;
-            if let Err(e) = channel::wait_ready(&channel, backend.start_timeout()).await {
+            if let Err(mut e) = channel::wait_ready(&channel, backend.start_timeout()).await {
+                if let Some(log) = backend.start_log(&self.paths(&rec.id)) {
+                    e.message = format!("{} (its console ended with: {log})", e.message);
+                }
                 let (b2, r2, p2) = (backend.clone(), rec.clone(), self.paths(&rec.id));
                 let _ = blocking(move || b2.destroy(&r2, &p2)).await;
                 return Err(e);

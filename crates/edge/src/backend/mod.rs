@@ -48,6 +48,11 @@ pub trait Backend: Send + Sync {
     fn destroy(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError>;
     /// OOM kills counted for the sandbox so far.
     fn oom_kills(&self, rec: &SandboxRecord) -> u64;
+    /// What the sandbox printed while starting (a VM's console), to explain a start that
+    /// failed.
+    fn start_log(&self, _paths: &SandboxPaths) -> Option<String> {
+        None
+    }
     /// How long aether may take to answer after [`Backend::create`] returns.
     fn start_timeout(&self) -> std::time::Duration {
         std::time::Duration::from_secs(20)

@@ -155,7 +155,7 @@ impl VmBackend {
         // The guest's writable layer is a tmpfs inside it, so its disk limit is guest memory.
         let mem = rec.limits.memory_mb.max(128) + rec.limits.disk_mb / 4;
         let append = format!(
-            "console=ttyS0 quiet panic=-1 tsc_early_khz={} tsc=reliable dsec.rw_mb={}",
+            "console=ttyS0 quiet panic=-1 tsc_early_khz={} tsc=reliable random.trust_cpu=on dsec.rw_mb={}",
             tsc_khz(),
             rec.limits.disk_mb
         );
@@ -192,6 +192,10 @@ impl VmBackend {
             disk.display()
         ))
         .args(["-device", "virtio-blk-device,drive=root"])
+        // Entropy from the host: without it the guest's CRNG can take minutes to initialise
+        // under TCG, and getrandom() (Python's start-up) blocks until then.
+        .args(["-object", "rng-random,id=rng,filename=/dev/urandom"])
+        .args(["-device", "virtio-rng-device,rng=rng"])
         .args(["-device", "virtio-serial-device"])
         .arg("-chardev")
         .arg(format!(
@@ -361,6 +365,12 @@ impl Backend for VmBackend {
 
     fn oom_kills(&self, _rec: &SandboxRecord) -> u64 {
         0
+    }
+
+    fn start_log(&self, paths: &SandboxPaths) -> Option<String> {
+        let text = std::fs::read_to_string(paths.dir.join("console.log")).ok()?;
+        let lines: Vec<&str> = text.lines().rev().take(8).collect();
+        Some(lines.into_iter().rev().collect::<Vec<_>>().join(" | "))
     }
 
     /// A guest boots before aether answers: about 2 s under TCG on an idle host, far more
