@@ -276,15 +276,7 @@ pub fn router(c: Arc<Cluster>) -> Router {
     let iam_routes = crate::iam::routes()
         .with_state(iam)
         .route_layer(middleware::from_fn_with_state(c.clone(), auth));
-    Router::new()
-        .route(
-            "/healthz",
-            get(|| async { axum::Json(serde_json::json!({"ok": true})) }),
-        )
-        .route(
-            "/openapi.json",
-            get(|| async { ([(header::CONTENT_TYPE, "application/json")], crate::OPENAPI) }),
-        )
+    crate::public_routes()
         .route("/v1/status", get(status))
         .route("/v1/sandboxes", post(create).get(list))
         .route("/v1/images", get(images))

@@ -124,15 +124,7 @@ pub fn router(state: AppState) -> Router {
         .merge(runtime::routes())
         .merge(iam::routes().with_state(state.iam.clone()))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
-    Router::new()
-        .route(
-            "/healthz",
-            get(|| async { axum::Json(serde_json::json!({"ok": true})) }),
-        )
-        .route(
-            "/openapi.json",
-            get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }),
-        )
+    public_routes()
         .merge(api)
         // Checks the API key or the sandbox's port token itself.
         .merge(ports::routes())
@@ -149,6 +141,22 @@ pub fn router(state: AppState) -> Router {
         })
         .layer(DefaultBodyLimit::max(64 << 20))
         .with_state(state)
+}
+
+/// `/healthz`, answered by every listener of every role.
+pub fn health<S: Clone + Send + Sync + 'static>() -> Router<S> {
+    Router::new().route(
+        "/healthz",
+        get(|| async { axum::Json(serde_json::json!({"ok": true})) }),
+    )
+}
+
+/// What any apiserver serves without a key: health and the API description.
+pub(crate) fn public_routes<S: Clone + Send + Sync + 'static>() -> Router<S> {
+    health().route(
+        "/openapi.json",
+        get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }),
+    )
 }
 
 pub(crate) fn api_key(headers: &HeaderMap) -> Option<&str> {

@@ -10,7 +10,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use axum::Router;
 use axum::extract::{Extension, Request};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -129,13 +128,6 @@ async fn stop_signal() -> bool {
     }
 }
 
-fn healthz() -> Router {
-    Router::new().route(
-        "/healthz",
-        axum::routing::get(|| async { axum::Json(serde_json::json!({"ok": true})) }),
-    )
-}
-
 async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener> {
     tokio::net::TcpListener::bind(addr)
         .await
@@ -204,7 +196,7 @@ async fn run_iam(cfg: RoleConfig, tls: Tls) -> Result<i32> {
     let app = node
         .router()
         .merge(dsec_iam::service::router(node.clone()))
-        .merge(healthz())
+        .merge(dsec_apiserver::health())
         .layer(middleware::from_fn(replicas_only));
     let listener = bind(cfg.listen).await?;
     let server_tls = tls.clone();
@@ -256,7 +248,7 @@ async fn run_apiserver(cfg: RoleConfig, tls: Tls) -> Result<i32> {
     );
     let refresh = cluster.spawn_refresh();
     let internal = bind(cfg.listen).await?;
-    dsec_mtls::server::spawn(internal, &tls, &Role::ALL, healthz());
+    dsec_mtls::server::spawn(internal, &tls, &Role::ALL, dsec_apiserver::health());
     let public_addr = cfg.public_listen.context("public_listen is required")?;
     let public = bind(public_addr).await?;
     tracing::info!("public API on http://{public_addr}");
@@ -285,7 +277,7 @@ async fn run_watcher(cfg: RoleConfig, tls: Tls) -> Result<i32> {
     let poller = dsec_watcher::Poller::new(endpoints, Duration::from_secs(2), client);
     let view = poller.view();
     let polling = tokio::spawn(poller.run(every));
-    let app = dsec_watcher::router(view).merge(healthz());
+    let app = dsec_watcher::router(view).merge(dsec_apiserver::health());
     let listener = bind(cfg.listen).await?;
     dsec_mtls::serve(listener, &tls, &[Role::Apiserver], app, async {
         stop_signal().await;
