@@ -30,11 +30,6 @@ def qemu_processes(sandbox_id: str) -> list[int]:
 def need_qemu():
     if not shutil.which("qemu-system-x86_64"):
         pytest.skip("skipped: qemu-system-x86_64 is not installed")
-    # Opt-in until an intermittent hang is understood: now and then the first VM of a
-    # server's run does not answer (its console shows aether serving the channel, but the
-    # first command never returns). Run with DSEC_TEST_VM=1.
-    if os.environ.get("DSEC_TEST_VM") != "1":
-        pytest.skip("skipped: set DSEC_TEST_VM=1 to run the vm backend tests")
 
 
 async def test_vm_sandbox_runs_the_seed_example_in_its_own_kernel(client, need_qemu):
@@ -86,4 +81,182 @@ async def test_vm_sandbox_survives_an_edge_restart(client, need_qemu):
         async with DSecClient() as c3:
             for s in await c3.list_sandboxes():
                 await (await c3.get_sandbox(s.id)).stop()
+    assert wait_for(lambda: not qemu_processes(sb.id), timeout=10)
+
+
+# A Python process that holds a random value in memory and answers over a FIFO: "get N"
+# writes "N value" to /tmp/out, "set N V" changes the value first. Nothing but the
+# process's memory holds the value.
+HOLDER = r"""
+import os, random
+value = random.getrandbits(62)
+os.mkfifo("/tmp/cmd")
+while True:
+    with open("/tmp/cmd") as f:
+        for line in f:
+            parts = line.split()
+            if parts[0] == "set":
+                value = int(parts[2])
+            with open("/tmp/out.tmp", "w") as o:
+                o.write(f"{parts[1]} {value}\n")
+            os.rename("/tmp/out.tmp", "/tmp/out")
+"""
+
+
+async def ask(sb, cmd: str, nonce: int) -> int:
+    """Sends `cmd nonce ...` to the holder and returns the value it answers with."""
+    script = (
+        f'echo "{cmd}" > /tmp/cmd; '
+        f'for i in $(seq 400); do grep -q "^{nonce} " /tmp/out 2>/dev/null && break; sleep 0.05; done; cat /tmp/out'
+    )
+    r = await sb.exec(["sh", "-c", script], timeout=60)
+    nonce_seen, value = r.stdout.split()
+    assert int(nonce_seen) == nonce, r
+    return int(value)
+
+
+def qemu_pss_kib(sandbox_id: str) -> int:
+    """PSS of the sandbox's QEMU process (its share of every page it maps)."""
+    total = 0
+    for pid in qemu_processes(sandbox_id):
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if b"qemu-system" not in cmd:
+            continue
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                total += int(line.split()[1])
+    return total
+
+
+async def test_vm_fork_copies_keep_memory_and_then_diverge(client, need_qemu):
+    sb = await client.run_sandbox(DSecRunArgs(image="root/py:3.11", backend="vm", memory_limit_mb=512))
+    copies = []
+    try:
+        await sb.files.write("/tmp/holder.py", HOLDER.encode())
+        await sb.exec_background(["python3", "/tmp/holder.py"])
+        assert await wait_for_file(sb, "/tmp/cmd")
+        value = await ask(sb, "get 1", 1)
+        print(f"\nsource holds {value}", flush=True)
+        t0 = time.monotonic()
+        copies = await sb.fork(count=4)
+        took = time.monotonic() - t0
+        fork = sb.last_fork
+        print(f"fork of 4 under TCG: {took:.2f} s, source paused {fork['source_paused_ms']} ms, "
+              f"memory_preserved={fork['memory_preserved']}", flush=True)
+        assert fork["memory_preserved"] is True
+        assert len({c.id for c in copies}) == 4 and sb.id not in {c.id for c in copies}
+        # Every copy's process is the source's, with the value in its memory.
+        for i, c in enumerate(copies):
+            assert await ask(c, f"get {10 + i}", 10 + i) == value, c.id
+        # Each changes it on its own; the source and the other copies keep theirs.
+        for i, c in enumerate(copies):
+            assert await ask(c, f"set {20 + i} {1000 + i}", 20 + i) == 1000 + i
+        for i, c in enumerate(copies):
+            assert await ask(c, f"get {30 + i}", 30 + i) == 1000 + i
+        assert await ask(sb, "get 40", 40) == value
+        # Their random numbers differ (reseeded after the restore), and each knows its id.
+        rand = set()
+        for c in [sb, *copies]:
+            r = await c.exec(["sh", "-c", "head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; cat /proc/sys/kernel/random/uuid"])
+            rand.add(r.stdout)
+        assert len(rand) == 5, rand
+        for c in copies:
+            r = await c.exec(["sh", "-c", "echo $DSEC_SANDBOX_ID"])
+            assert r.stdout.strip() == c.id
+        # The clock was stepped to the host's.
+        r = await copies[0].exec(["date", "+%s"])
+        assert abs(int(r.stdout) - time.time()) < 5, r
+    finally:
+        for c in copies:
+            await c.stop()
+        await sb.stop()
+    for c in [sb, *copies]:
+        assert wait_for(lambda: not qemu_processes(c.id), timeout=10), f"QEMU of {c.id} outlived it"
+
+
+def wait_for_file(sb, path: str, timeout: float = 60.0) -> bool:
+    import asyncio
+
+    async def loop():
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if await sb.files.exists(path):
+                return True
+            await asyncio.sleep(0.2)
+        return False
+
+    return loop()
+
+
+async def test_vm_fork_copies_share_memory(client, need_qemu):
+    sb = await client.run_sandbox(DSecRunArgs(image="root/py:3.11", backend="vm", memory_limit_mb=512))
+    copies = []
+    try:
+        # Something worth sharing: a Python process holding 128 MiB.
+        await sb.exec_background(["python3", "-c", "import time; b = bytearray(range(256)) * (512 * 1024); time.sleep(100000)"])
+        await asyncio_sleep(8)
+        source = qemu_pss_kib(sb.id)
+        copies = await sb.fork(count=8)
+        await asyncio_sleep(3)
+        per_copy = [qemu_pss_kib(c.id) for c in copies]
+        total = sum(per_copy)
+        print(f"\n8 copies of a 512 MiB guest (TCG): source PSS {source / 1024:.0f} MiB, copies "
+              f"{total / 1024:.0f} MiB in all ({total / 8 / 1024:.0f} MiB each), "
+              f"{total / (8 * source):.2f} of 8 x the source's", flush=True)
+        assert all(p > 0 for p in per_copy), per_copy
+        assert total < 0.5 * 8 * source, (source, per_copy)
+        for c in copies:
+            r = await c.exec(["echo", "alive"])
+            assert r.stdout == "alive\n"
+    finally:
+        for c in copies:
+            await c.stop()
+        await sb.stop()
+
+
+async def asyncio_sleep(s: float):
+    import asyncio
+    await asyncio.sleep(s)
+
+
+async def test_vm_pause_to_disk_keeps_the_process_and_frees_the_host(client, need_qemu):
+    sb = await client.run_sandbox(DSecRunArgs(image="root/py:3.11", backend="vm", memory_limit_mb=512, labels={"job": "vm-pause"}))
+    try:
+        await sb.files.write("/tmp/holder.py", HOLDER.encode())
+        await sb.exec_background(["python3", "/tmp/holder.py"])
+        assert await wait_for_file(sb, "/tmp/cmd")
+        value = await ask(sb, "get 1", 1)
+        # In place: QEMU stays, the guest stops.
+        info = await sb.pause()
+        assert info.state == "paused" and not info.paused_to_disk
+        assert qemu_processes(sb.id)
+        with pytest.raises(Exception):
+            await sb.exec(["true"])
+        await sb.resume()
+        assert await ask(sb, "get 2", 2) == value
+        # To disk: no QEMU while paused, the same process and value after.
+        t0 = time.monotonic()
+        info = await sb.pause(to_disk=True)
+        paused = time.monotonic() - t0
+        assert info.state == "paused" and info.paused_to_disk
+        assert wait_for(lambda: not qemu_processes(sb.id), timeout=10), "QEMU still runs while paused to disk"
+        assert not list(Path("/dev/shm/dsec-vm").glob(f"{sb.id}*")), "its memory file is still in RAM"
+        t0 = time.monotonic()
+        info = await sb.resume()
+        resumed = time.monotonic() - t0
+        assert info.state == "running"
+        assert qemu_processes(sb.id)
+        assert await ask(sb, "get 3", 3) == value
+        r = await sb.exec(["date", "+%s"])
+        assert abs(int(r.stdout) - time.time()) < 5, r
+        print(f"\npause to disk {paused:.2f} s, resume from disk {resumed:.2f} s (TCG)", flush=True)
+        # A group pause and resume by label.
+        g = await client.pause_group({"job": "vm-pause"}, to_disk=True)
+        assert g["done"] == [sb.id] and not g["failed"], g
+        assert wait_for(lambda: not qemu_processes(sb.id), timeout=10)
+        g = await client.resume_group({"job": "vm-pause"})
+        assert g["done"] == [sb.id], g
+        assert await ask(sb, "get 4", 4) == value
+    finally:
+        await sb.stop()
     assert wait_for(lambda: not qemu_processes(sb.id), timeout=10)

@@ -35,7 +35,7 @@ const MAX_REQUEST_BYTES: u64 = 64 << 20;
 
 struct Ctx {
     table: Arc<children::Table>,
-    base_env: exec::Env,
+    base_env: std::sync::RwLock<exec::Env>,
     procs: process::Procs,
     sessions: session::Sessions,
 }
@@ -50,10 +50,12 @@ fn main() {
         Some("chronus") => chronus::main(args.get(2).map(String::as_str).unwrap_or("/bin/sh")),
         Some("vmux") => {
             let (Some(listen), Some(chardev)) = (args.get(2), args.get(3)) else {
-                eprintln!("usage: dsec-aether vmux LISTEN_SOCKET QEMU_CHARDEV_SOCKET");
+                eprintln!(
+                    "usage: dsec-aether vmux LISTEN_SOCKET QEMU_CHARDEV_SOCKET [QEMU_WAKE_SOCKET]"
+                );
                 std::process::exit(2);
             };
-            if let Err(e) = vm::vmux_main(listen, chardev) {
+            if let Err(e) = vm::vmux_main(listen, chardev, args.get(4).map(String::as_str)) {
                 eprintln!("dsec-aether vmux: {e}");
                 std::process::exit(1);
             }
@@ -77,7 +79,7 @@ fn main() {
     children::start_reaper(table.clone());
     let ctx = Arc::new(Ctx {
         table,
-        base_env: exec::base_env(),
+        base_env: std::sync::RwLock::new(exec::base_env()),
         procs: process::Procs::default(),
         sessions: session::Sessions::default(),
     });
@@ -102,6 +104,16 @@ fn main() {
                 std::thread::sleep(Duration::from_millis(10));
             }
         }
+    }
+}
+
+impl Ctx {
+    /// The environment every new process starts from.
+    fn env(&self) -> exec::Env {
+        self.base_env
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 }
 
@@ -135,17 +147,31 @@ fn serve(stream: UnixStream, ctx: &Ctx) {
         }
     };
     let reply = match req {
+        Request::Restored {
+            sandbox_id,
+            unix_ms,
+            entropy,
+        } => match vm::restored(unix_ms, &entropy) {
+            Ok(()) => {
+                ctx.base_env
+                    .write()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert("DSEC_SANDBOX_ID".into(), sandbox_id);
+                Response::Ok
+            }
+            Err(e) => err((ErrorCode::Internal, e)),
+        },
         Request::Ping => Response::Pong {
             version: PROTOCOL_VERSION,
             pid: std::process::id(),
         },
-        Request::Exec(spec) => match exec::run(spec, &ctx.table, &ctx.base_env) {
+        Request::Exec(spec) => match exec::run(spec, &ctx.table, &ctx.env()) {
             Ok(r) => Response::Exec(r),
             Err(message) => invalid(message),
         },
         Request::Start(spec) => {
             let attach = spec.attach;
-            match ctx.procs.start(spec, &ctx.table, &ctx.base_env) {
+            match ctx.procs.start(spec, &ctx.table, &ctx.env()) {
                 Ok(p) => {
                     if write_json(&mut out, &Response::Started { pid: p.pid }).is_err() {
                         return;
@@ -270,7 +296,7 @@ fn serve(stream: UnixStream, ctx: &Ctx) {
             max_output_bytes,
         } => match ctx
             .sessions
-            .create(&ctx.table, &ctx.base_env, cwd, env, max_output_bytes)
+            .create(&ctx.table, &ctx.env(), cwd, env, max_output_bytes)
         {
             Ok(s) => Response::Session(s),
             Err(e) => err(e),

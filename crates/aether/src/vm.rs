@@ -7,9 +7,11 @@
 //! VM exactly as to a container, and the VM outlives a restart of the edge.
 
 use std::fs::File;
-use std::io;
+use std::io::{self, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use dsec_common::vmux::Mux;
@@ -56,6 +58,55 @@ fn prepare_guest() {
     let _ = std::os::unix::fs::symlink("pts/ptmx", "/dev/ptmx");
     mount("shm", "/dev/shm", "tmpfs", "mode=1777");
     let _ = std::fs::write("/proc/sys/kernel/hostname", "sandbox");
+}
+
+/// After a restore from a snapshot: the clock stood still while the VM was saved, and
+/// every copy of one snapshot has the same RNG state. Steps the clock and reseeds.
+pub fn restored(unix_ms: u64, entropy_hex: &str) -> Result<(), String> {
+    let ts = libc::timespec {
+        tv_sec: (unix_ms / 1000) as libc::time_t,
+        tv_nsec: ((unix_ms % 1000) * 1_000_000) as libc::c_long,
+    };
+    // SAFETY: clock_settime with a valid timespec.
+    if unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) } != 0 {
+        return Err(format!("setting the clock: {}", io::Error::last_os_error()));
+    }
+    let bytes = decode_hex(entropy_hex)?;
+    if bytes.is_empty() || bytes.len() > 512 || bytes.len() % 4 != 0 {
+        return Err("entropy must be 4..512 bytes, a multiple of 4".into());
+    }
+    // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+    let mut info = Vec::with_capacity(8 + bytes.len());
+    info.extend_from_slice(&((bytes.len() * 8) as i32).to_ne_bytes());
+    info.extend_from_slice(&(bytes.len() as i32).to_ne_bytes());
+    info.extend_from_slice(&bytes);
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/urandom")
+        .map_err(|e| format!("opening /dev/urandom: {e}"))?;
+    use std::os::fd::AsRawFd;
+    const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
+    const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
+    // SAFETY: the ioctls take a rand_pool_info laid out above and no argument.
+    unsafe {
+        if libc::ioctl(f.as_raw_fd(), RNDADDENTROPY as _, info.as_ptr()) != 0 {
+            return Err(format!("adding entropy: {}", io::Error::last_os_error()));
+        }
+        if libc::ioctl(f.as_raw_fd(), RNDRESEEDCRNG as _) != 0 {
+            return Err(format!("reseeding: {}", io::Error::last_os_error()));
+        }
+    }
+    Ok(())
+}
+
+fn decode_hex(s: &str) -> Result<Vec<u8>, String> {
+    if s.len() % 2 != 0 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err("entropy must be hex".into());
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).map_err(|e| e.to_string()))
+        .collect()
 }
 
 /// Guest init: serves the channel over the virtio-serial port until the VM ends.
@@ -108,9 +159,65 @@ pub fn guest_main(serve: impl Fn(UnixStream) + Send + Sync + Clone + 'static) ->
     }
 }
 
-/// `dsec-aether vmux LISTEN CHARDEV`: the host end (see the module comment). Ends when the
-/// VM's chardev closes (QEMU is gone).
-pub fn vmux_main(listen: &str, chardev: &str) -> io::Result<()> {
+/// When bytes were last written to and read from the link (ms since `start`).
+struct LinkClock {
+    start: Instant,
+    wrote: AtomicU64,
+    read: AtomicU64,
+}
+
+impl LinkClock {
+    fn now(&self) -> u64 {
+        self.start.elapsed().as_millis() as u64 + 1
+    }
+}
+
+struct TimedWriter(UnixStream, Arc<LinkClock>);
+
+impl Write for TimedWriter {
+    fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+        let n = self.0.write(b)?;
+        self.1.wrote.store(self.1.now(), Ordering::Relaxed);
+        Ok(n)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.0.flush()
+    }
+}
+
+struct TimedReader(UnixStream, Arc<LinkClock>);
+
+impl Read for TimedReader {
+    fn read(&mut self, b: &mut [u8]) -> io::Result<usize> {
+        let n = self.0.read(b)?;
+        self.1.read.store(self.1.now(), Ordering::Relaxed);
+        Ok(n)
+    }
+}
+
+/// QEMU reads a chardev only while the guest can take data, and re-checks that only when
+/// its main loop wakes; a guest that opens the port (or is restored) while that loop
+/// sleeps leaves the host's bytes unread. When the link has been sent bytes and nothing
+/// has come back for a while, a connection to the VM's spare `wake` chardev wakes the loop.
+fn wake_when_stalled(wake: String, clock: Arc<LinkClock>) {
+    let mut poked_at = 0u64;
+    loop {
+        std::thread::sleep(Duration::from_millis(100));
+        let (wrote, read, now) = (
+            clock.wrote.load(Ordering::Relaxed),
+            clock.read.load(Ordering::Relaxed),
+            clock.now(),
+        );
+        if wrote > read && now.saturating_sub(wrote) >= 100 && now.saturating_sub(poked_at) >= 250 {
+            poked_at = now;
+            drop(UnixStream::connect(&wake));
+        }
+    }
+}
+
+/// `dsec-aether vmux LISTEN CHARDEV [WAKE]`: the host end (see the module comment). Ends
+/// when the VM's chardev closes (QEMU is gone).
+pub fn vmux_main(listen: &str, chardev: &str, wake: Option<&str>) -> io::Result<()> {
     let t0 = Instant::now();
     let link = loop {
         match UnixStream::connect(chardev) {
@@ -124,10 +231,20 @@ pub fn vmux_main(listen: &str, chardev: &str) -> io::Result<()> {
     };
     let _ = std::fs::remove_file(listen);
     let listener = UnixListener::bind(listen)?;
-    let mux = Mux::host(Box::new(link.try_clone()?))?;
+    let clock = Arc::new(LinkClock {
+        start: Instant::now(),
+        wrote: AtomicU64::new(0),
+        read: AtomicU64::new(0),
+    });
+    let mux = Mux::host(Box::new(TimedWriter(link.try_clone()?, clock.clone())))?;
+    if let Some(w) = wake {
+        let (w, c) = (w.to_string(), clock.clone());
+        std::thread::spawn(move || wake_when_stalled(w, c));
+    }
     let m2 = mux.clone();
+    let reader = TimedReader(link, clock);
     std::thread::spawn(move || {
-        let _ = m2.run(link);
+        let _ = m2.run(reader);
         // QEMU closed the chardev: the VM is gone, and so is this process.
         std::process::exit(0);
     });

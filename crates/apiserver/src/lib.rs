@@ -13,8 +13,8 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use dsec_common::api::{
-    ClusterStatus, CreateSandboxRequest, ExecRequest, ForkRequest, ListSandboxesResponse,
-    SetNetworkRequest, SetTimeoutRequest,
+    ClusterStatus, CreateSandboxRequest, ExecRequest, ForkRequest, GroupRequest,
+    ListSandboxesResponse, PauseRequest, SetNetworkRequest, SetTimeoutRequest,
 };
 use dsec_common::id::SandboxId;
 use dsec_common::{ApiError, ErrorCode};
@@ -115,6 +115,10 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sandboxes/{id}", get(get_one).delete(stop))
         .route("/v1/sandboxes/{id}/exec", post(exec))
         .route("/v1/sandboxes/{id}/fork", post(fork))
+        .route("/v1/sandboxes/{id}/pause", post(pause))
+        .route("/v1/sandboxes/{id}/resume", post(resume))
+        .route("/v1/groups/pause", post(pause_group))
+        .route("/v1/groups/resume", post(resume_group))
         .route("/v1/sandboxes/{id}/timeout", post(set_timeout))
         .route(
             "/v1/sandboxes/{id}/network",
@@ -361,6 +365,68 @@ async fn fork(
         body(&bytes, "fork")?
     };
     Ok(json(StatusCode::CREATED, &st.edge.fork(&id, req).await?))
+}
+
+async fn pause(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    route(&st, &id)?;
+    let req: PauseRequest = if bytes.is_empty() {
+        PauseRequest::default()
+    } else {
+        body(&bytes, "pause")?
+    };
+    Ok(json(
+        StatusCode::OK,
+        &st.edge.pause(&id, req.to_disk).await?,
+    ))
+}
+
+async fn resume(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
+    route(&st, &id)?;
+    Ok(json(StatusCode::OK, &st.edge.resume(&id).await?))
+}
+
+/// The caller's sandboxes (its project and those inside it) that carry every label.
+pub(crate) fn group_ids(
+    st: &AppState,
+    p: &Principal,
+    req: &GroupRequest,
+) -> ApiResult<Vec<String>> {
+    if req.labels.is_empty() {
+        return Err(ApiError::invalid(
+            "labels must name at least one key: value; a group is the sandboxes that carry them all",
+        )
+        .into());
+    }
+    let mut sandboxes = st.edge.list(&req.labels);
+    sandboxes.retain(|s| dsec_iam::within(&s.project, &p.project));
+    Ok(sandboxes.into_iter().map(|s| s.id).collect())
+}
+
+async fn pause_group(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    let req: GroupRequest = body(&bytes, "group pause")?;
+    let ids = group_ids(&st, &p, &req)?;
+    Ok(json(
+        StatusCode::OK,
+        &st.edge.group(ids, req.to_disk, false).await,
+    ))
+}
+
+async fn resume_group(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    let req: GroupRequest = body(&bytes, "group resume")?;
+    let ids = group_ids(&st, &p, &req)?;
+    Ok(json(StatusCode::OK, &st.edge.group(ids, false, true).await))
 }
 
 async fn set_timeout(

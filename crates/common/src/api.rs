@@ -122,6 +122,48 @@ pub struct SandboxInfo {
     pub port_token: String,
     #[serde(default)]
     pub network: NetworkInfo,
+    /// Paused with its memory written to disk and no processes on the host.
+    #[serde(default)]
+    pub paused_to_disk: bool,
+}
+
+/// `POST /v1/sandboxes/{id}/pause`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PauseRequest {
+    /// Write the sandbox's memory to disk and end its processes (VM backends), freeing
+    /// the host's memory until it is resumed; false: freeze it in place.
+    #[serde(default)]
+    pub to_disk: bool,
+}
+
+/// `POST /v1/groups/pause` and `/v1/groups/resume`: every sandbox with these labels.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GroupRequest {
+    /// `key: value` pairs a sandbox must all have (at least one).
+    pub labels: BTreeMap<String, String>,
+    #[serde(default)]
+    pub to_disk: bool,
+}
+
+/// What a group pause or resume did, sandbox by sandbox.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct GroupResponse {
+    /// Sandboxes now in the asked-for state.
+    pub done: Vec<String>,
+    /// Sandboxes that could not be changed, with the reason.
+    #[serde(default)]
+    pub failed: Vec<GroupFailure>,
+    /// Milliseconds the whole call took.
+    pub took_ms: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct GroupFailure {
+    pub id: String,
+    pub code: crate::ErrorCode,
+    pub message: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

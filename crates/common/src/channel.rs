@@ -128,6 +128,14 @@ pub enum Request {
     Connect {
         port: u16,
     },
+    /// The sandbox's memory was restored from a snapshot (a fork copy, or a resume): step
+    /// the clock to `unix_ms`, mix `entropy` (hex) into the kernel's RNG and reseed it, so
+    /// copies do not share random numbers, and take `sandbox_id` as the sandbox's id.
+    Restored {
+        sandbox_id: String,
+        unix_ms: u64,
+        entropy: String,
+    },
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -9,6 +9,15 @@
 //! u32][payload]`, big-endian. A sender may have at most [`WINDOW`] bytes of a stream
 //! unacknowledged; the receiver grants more as its local socket takes them, so a slow
 //! reader stalls only its own stream, never the link, and memory stays bounded.
+//!
+//! A VM can be stopped with half a frame read (its memory saved, then restored in a fork
+//! copy or after a pause to disk) and a new host end then joins mid-stream, in both
+//! directions. So each host connection starts with [`FILLER`] bytes of `0xFF` (longer than
+//! any frame, never a frame kind) and a RESET carrying a random nonce: whatever half frame
+//! the guest was in is completed or rejected, after which it skips `0xFF`s and reads the
+//! RESET. The guest answers with the same filler and RESET, and the host ignores
+//! everything before that exact RESET (the tail of a frame the guest began for an
+//! earlier host).
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -32,6 +41,11 @@ const CLOSE: u8 = 5;
 const RESET: u8 = 6;
 
 const HEADER: usize = 9;
+/// Never a frame kind: filler between frames after a (re)connect.
+const SYNC: u8 = 0xFF;
+/// Filler sent before a RESET: more than the longest frame.
+pub const FILLER: usize = MAX_DATA + HEADER + 1;
+const NONCE: usize = 16;
 
 const IN_DONE: u8 = 1;
 const OUT_DONE: u8 = 2;
@@ -52,6 +66,8 @@ struct Inner {
     link: Mutex<Box<dyn Write + Send>>,
     streams: Mutex<HashMap<u32, Arc<Stream>>>,
     next_id: AtomicU32,
+    /// Host side: the RESET the guest must echo before its frames count.
+    awaiting: Mutex<Option<Vec<u8>>>,
     /// Guest side: where streams the host opens are handed (the local end to serve).
     on_open: Option<Box<dyn Fn(UnixStream) + Send + Sync>>,
 }
@@ -76,8 +92,27 @@ impl Mux {
     /// streams of an earlier host connection.
     pub fn host(link: Box<dyn Write + Send>) -> io::Result<Mux> {
         let m = Mux::new(link, None);
-        m.send(RESET, 0, &[])?;
+        let mut nonce = [0u8; NONCE];
+        crate::id::fill_random(&mut nonce);
+        // Stream ids start at a random point, so a late frame of a stream that an earlier
+        // host had open is not taken for one of ours.
+        let mut start = [0u8; 4];
+        crate::id::fill_random(&mut start);
+        m.inner
+            .next_id
+            .store(u32::from_be_bytes(start) >> 1 | 1, Ordering::Relaxed);
+        *m.inner.awaiting.lock().unwrap_or_else(|p| p.into_inner()) = Some(frame(RESET, 0, &nonce));
+        m.send_reset(&nonce)?;
         Ok(m)
+    }
+
+    /// Filler, then a RESET with `nonce` (see the module comment).
+    fn send_reset(&self, nonce: &[u8]) -> io::Result<()> {
+        let mut f = vec![SYNC; FILLER];
+        f.extend_from_slice(&frame(RESET, 0, nonce));
+        let mut link = self.inner.link.lock().unwrap_or_else(|p| p.into_inner());
+        link.write_all(&f)?;
+        link.flush()
     }
 
     /// The guest end: each stream the host opens is handed to `on_open` as a unix socket.
@@ -97,6 +132,7 @@ impl Mux {
                 link: Mutex::new(link),
                 streams: Mutex::new(HashMap::new()),
                 next_id: AtomicU32::new(1),
+                awaiting: Mutex::new(None),
                 on_open,
             }),
         }
@@ -116,17 +152,14 @@ impl Mux {
     /// Host side: carries `local` (an accepted connection) to the guest as a new stream.
     pub fn open(&self, local: UnixStream) -> io::Result<()> {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        self.bridge(id, local)?;
-        if let Err(e) = self.send(OPEN, id, &[]) {
-            self.drop_stream(id);
-            return Err(e);
-        }
-        Ok(())
+        self.bridge(id, local, true)
     }
 
     /// Starts the two pumps of stream `id`: local socket → link (within the credit the
     /// peer grants) and link → local socket (granting credit as it goes).
-    fn bridge(&self, id: u32, local: UnixStream) -> io::Result<()> {
+    /// With `announce`, the OPEN goes out before either pump can send a byte of the
+    /// stream (a DATA ahead of its OPEN would be dropped by the peer).
+    fn bridge(&self, id: u32, local: UnixStream, announce: bool) -> io::Result<()> {
         let (tx, rx) = channel::<Option<Vec<u8>>>();
         let s = Arc::new(Stream {
             done: Mutex::new(0),
@@ -136,16 +169,27 @@ impl Mux {
             local: local.try_clone()?,
         });
         self.streams().insert(id, s.clone());
-        let writer_end = local.try_clone()?;
-        let m = self.clone();
-        std::thread::Builder::new()
-            .name(format!("vmux-in-{id}"))
-            .spawn(move || m.pump_in(id, writer_end, rx))?;
-        let m = self.clone();
-        std::thread::Builder::new()
-            .name(format!("vmux-out-{id}"))
-            .spawn(move || m.pump_out(id, local, s))?;
-        Ok(())
+        if announce && let Err(e) = self.send(OPEN, id, &[]) {
+            self.drop_stream(id);
+            return Err(e);
+        }
+        let started = (|| {
+            let writer_end = local.try_clone()?;
+            let m = self.clone();
+            std::thread::Builder::new()
+                .name(format!("vmux-in-{id}"))
+                .spawn(move || m.pump_in(id, writer_end, rx))?;
+            let m = self.clone();
+            std::thread::Builder::new()
+                .name(format!("vmux-out-{id}"))
+                .spawn(move || m.pump_out(id, local, s))?;
+            Ok(())
+        })();
+        if started.is_err() {
+            let _ = self.send(CLOSE, id, &[]);
+            self.drop_stream(id);
+        }
+        started
     }
 
     /// Local socket → link.
@@ -153,6 +197,8 @@ impl Mux {
         let mut buf = vec![0u8; MAX_DATA];
         loop {
             let n = match local.read(&mut buf) {
+                // Dropped meanwhile (a RESET): the peer no longer knows this id.
+                _ if !self.streams().contains_key(&id) => return,
                 Ok(0) => {
                     let _ = self.send(EOF, id, &[]);
                     self.finish(id, OUT_DONE);
@@ -245,34 +291,87 @@ impl Mux {
 
     /// Reads frames from the link until it ends (the caller reconnects or gives up). Every
     /// stream is dropped when it returns.
-    pub fn run(&self, mut link: impl Read) -> io::Result<()> {
+    pub fn run(&self, link: impl Read) -> io::Result<()> {
+        let mut link = io::BufReader::with_capacity(64 * 1024, link);
         let r = self.read_frames(&mut link);
         self.drop_all();
         r
     }
 
+    /// Host side: discards what the guest sends until the echo of our RESET.
+    fn await_echo(&self, link: &mut impl Read) -> io::Result<()> {
+        let Some(want) = self
+            .inner
+            .awaiting
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+        else {
+            return Ok(());
+        };
+        let mut window: Vec<u8> = Vec::with_capacity(want.len());
+        let mut b = [0u8; 1];
+        while window != want {
+            link.read_exact(&mut b)?;
+            if window.len() == want.len() {
+                window.remove(0);
+            }
+            window.push(b[0]);
+        }
+        *self
+            .inner
+            .awaiting
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = None;
+        Ok(())
+    }
+
     fn read_frames(&self, link: &mut impl Read) -> io::Result<()> {
+        self.await_echo(link)?;
         let mut header = [0u8; HEADER];
         loop {
-            link.read_exact(&mut header)?;
+            // Filler between frames.
+            loop {
+                link.read_exact(&mut header[..1])?;
+                if header[0] != SYNC {
+                    break;
+                }
+            }
+            link.read_exact(&mut header[1..])?;
             let kind = header[0];
             let id = u32::from_be_bytes([header[1], header[2], header[3], header[4]]);
             let len = u32::from_be_bytes([header[5], header[6], header[7], header[8]]) as usize;
-            if len > MAX_DATA {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!("vmux frame of {len} bytes (most {MAX_DATA})"),
-                ));
+            if len > MAX_DATA || !(OPEN..=RESET).contains(&kind) {
+                if self.inner.on_open.is_none() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("vmux frame of kind {kind} and {len} bytes (most {MAX_DATA})"),
+                    ));
+                }
+                // The guest joined a new host mid-frame: skip to the filler before its
+                // RESET.
+                loop {
+                    link.read_exact(&mut header[..1])?;
+                    if header[0] == SYNC {
+                        break;
+                    }
+                }
+                continue;
             }
             let mut payload = vec![0u8; len];
             link.read_exact(&mut payload)?;
             let stream = self.streams().get(&id).cloned();
             match (kind, stream) {
-                (RESET, _) => self.drop_all(),
+                (RESET, _) => {
+                    self.drop_all();
+                    if self.inner.on_open.is_some() {
+                        self.send_reset(&payload)?;
+                    }
+                }
                 (OPEN, None) => match &self.inner.on_open {
                     Some(on_open) => {
                         let (ours, theirs) = UnixStream::pair()?;
-                        if self.bridge(id, ours).is_ok() {
+                        if self.bridge(id, ours, false).is_ok() {
                             on_open(theirs);
                         } else {
                             let _ = self.send(CLOSE, id, &[]);
@@ -438,12 +537,62 @@ mod tests {
     }
 
     #[test]
-    fn oversized_frames_end_the_link() {
-        let (mut a, b) = UnixStream::pair().unwrap();
-        let guest = Mux::guest(Box::new(b.try_clone().unwrap()), guest_service);
-        let t = std::thread::spawn(move || guest.run(b));
-        a.write_all(&frame(DATA, 1, &[])[..5]).unwrap();
-        a.write_all(&(u32::MAX).to_be_bytes()).unwrap();
+    fn a_restored_guest_and_a_new_host_resynchronise_mid_frame() {
+        let (h, g) = UnixStream::pair().unwrap();
+        // The guest stopped half-way through a DATA frame of an earlier host...
+        let mut raw = h.try_clone().unwrap();
+        let mut half = frame(DATA, 7, &[1u8; 1000]);
+        half.truncate(600);
+        raw.write_all(&half).unwrap();
+        // ...and had begun a frame of its own towards that host.
+        let mut graw = g.try_clone().unwrap();
+        graw.write_all(&frame(DATA, 9, &[SYNC; 50])[..20]).unwrap();
+        let guest = Mux::guest(Box::new(g.try_clone().unwrap()), guest_service);
+        std::thread::spawn(move || guest.run(g));
+        let host = Mux::host(Box::new(h.try_clone().unwrap())).unwrap();
+        let h2 = host.clone();
+        std::thread::spawn(move || h2.run(h));
+        for n in [5usize, 70_000] {
+            let mut c = connect(&host);
+            c.write_all(format!("{n}\n").as_bytes()).unwrap();
+            c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let mut got = Vec::new();
+            c.read_to_end(&mut got).unwrap();
+            assert_eq!(got.len(), n);
+        }
+    }
+
+    #[test]
+    fn a_guest_cut_off_inside_a_header_resynchronises() {
+        for cut in 1..HEADER {
+            let (h, g) = UnixStream::pair().unwrap();
+            let mut raw = h.try_clone().unwrap();
+            raw.write_all(&frame(DATA, 3, &[0u8; 40])[..cut]).unwrap();
+            let guest = Mux::guest(Box::new(g.try_clone().unwrap()), guest_service);
+            std::thread::spawn(move || guest.run(g));
+            let host = Mux::host(Box::new(h.try_clone().unwrap())).unwrap();
+            let h2 = host.clone();
+            std::thread::spawn(move || h2.run(h));
+            let mut c = connect(&host);
+            c.write_all(b"5\n").unwrap();
+            c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let mut got = Vec::new();
+            c.read_to_end(&mut got).unwrap();
+            assert_eq!(got.len(), 5, "cut after {cut} header bytes");
+        }
+    }
+
+    #[test]
+    fn oversized_frames_end_the_host_link() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let host = Mux::host(Box::new(a.try_clone().unwrap())).unwrap();
+        let t = std::thread::spawn(move || host.run(a));
+        // Echo the host's RESET as a guest would, then send an oversized frame.
+        let mut hello = vec![0u8; FILLER + HEADER + NONCE];
+        b.read_exact(&mut hello).unwrap();
+        b.write_all(&hello[FILLER..]).unwrap();
+        b.write_all(&frame(DATA, 1, &[])[..5]).unwrap();
+        b.write_all(&(u32::MAX).to_be_bytes()).unwrap();
         assert!(t.join().unwrap().is_err());
     }
 }

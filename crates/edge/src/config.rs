@@ -36,6 +36,9 @@ pub struct EdgeConfig {
     pub default_exec_timeout_seconds: f64,
     /// Sandbox networking and egress policy.
     pub network: NetworkConfig,
+    /// Where VM memory files live: a tmpfs, so a VM's memory is RAM and fork copies can
+    /// map a snapshot of it copy-on-write.
+    pub vm_ram_dir: PathBuf,
 }
 
 /// Each sandbox gets a network namespace with a veth to the node, an address from `pool`,
@@ -110,6 +113,7 @@ impl Default for EdgeConfig {
             max_output_bytes: 16 << 20,
             default_exec_timeout_seconds: 600.0,
             network: NetworkConfig::default(),
+            vm_ram_dir: PathBuf::from("/dev/shm/dsec-vm"),
         }
     }
 }

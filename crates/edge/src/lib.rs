@@ -98,6 +98,31 @@ pub struct Edge {
     dns: Vec<tokio::task::JoinHandle<()>>,
 }
 
+/// Runs an operation that changes a sandbox as a task of its own, so it ends in a
+/// consistent state even when the request that started it is dropped (the client left).
+async fn finish<T: Send + 'static>(
+    op: impl std::future::Future<Output = Result<T, ApiError>> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::spawn(op)
+        .await
+        .map_err(|e| ApiError::internal(format!("worker failed: {e}")))?
+}
+
+/// After a VM's memory was restored (fork copy, resume): its clock, RNG and id.
+async fn tell_restored(channel: &Path, id: &str, within: Duration) -> Result<(), ApiError> {
+    let mut entropy = [0u8; 64];
+    dsec_common::id::fill_random(&mut entropy);
+    let req = Request::Restored {
+        sandbox_id: id.to_string(),
+        unix_ms: now_ms(),
+        entropy: entropy.iter().map(|b| format!("{b:02x}")).collect(),
+    };
+    match channel::call(channel, &req, within).await? {
+        Response::Ok => Ok(()),
+        other => Err(channel::unexpected(&other)),
+    }
+}
+
 pub(crate) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, ApiError> {
@@ -149,6 +174,7 @@ impl Edge {
             backend::container::find_aether(cfg.aether_binary.as_deref()),
             images.clone(),
             &cfg.state_dir.join("sandboxes"),
+            &cfg.vm_ram_dir,
         ));
         let mut backends: BTreeMap<&'static str, Arc<dyn Backend>> = BTreeMap::new();
         backends.insert(container.name(), container);
@@ -358,8 +384,12 @@ impl Edge {
             oom_kills: 0,
             port_token: port_token(),
             network,
+            paused_at_ms: None,
+            paused_to_disk: false,
         };
-        self.launch(backend, rec, None).await
+        // To the end even if the caller goes away: a half-made sandbox is never left.
+        let edge = self.clone();
+        finish(async move { edge.launch(backend, rec, None).await }).await
     }
 
     /// The network a create asks for, its rules checked (400 names what is wrong).
@@ -494,8 +524,16 @@ impl Edge {
             let paths = self.paths(&rec.id);
             let channel = paths.channel.clone();
             let (b2, r2) = (backend.clone(), rec.clone());
+            let restored = seed.is_some() && backend.fork_preserves_memory();
             blocking(move || b2.create(&r2, &paths, seed.as_deref())).await??;
-            if let Err(mut e) = channel::wait_ready(&channel, backend.start_timeout()).await {
+            let ready = async {
+                channel::wait_ready(&channel, backend.start_timeout()).await?;
+                if restored {
+                    tell_restored(&channel, &rec.id, backend.start_timeout()).await?;
+                }
+                Ok::<(), ApiError>(())
+            };
+            if let Err(mut e) = ready.await {
                 if let Some(log) = backend.start_log(&self.paths(&rec.id)) {
                     e.message = format!("{} (its console ended with: {log})", e.message);
                 }
@@ -589,6 +627,15 @@ impl Edge {
         id: &str,
         req: ForkRequest,
     ) -> Result<ForkResponse, ApiError> {
+        let (edge, id) = (self.clone(), id.to_string());
+        finish(async move { edge.fork_now(&id, req).await }).await
+    }
+
+    async fn fork_now(
+        self: &Arc<Self>,
+        id: &str,
+        req: ForkRequest,
+    ) -> Result<ForkResponse, ApiError> {
         let count = validate::fork_count(&req)?;
         let e = self.entry(id)?;
         let src = e.snapshot();
@@ -616,13 +663,14 @@ impl Edge {
             let t0 = Instant::now();
             let copied = blocking(move || {
                 b2.pause(&r2)?;
-                let r = b2.snapshot_fs(&r2, &p2, &s2);
+                let r = b2.snapshot(&r2, &p2, &s2);
                 let resumed = b2.resume(&r2);
                 r.and(resumed)
             })
             .await?;
             paused_ms = t0.elapsed().as_millis() as u64;
             if let Err(err) = copied {
+                backend.discard_snapshot(&seed);
                 let _ = std::fs::remove_dir_all(&seed);
                 return Err(err);
             }
@@ -673,8 +721,9 @@ impl Edge {
                 }
             }
         }
-        let s2 = seed.clone();
+        let (b2, s2) = (backend.clone(), seed.clone());
         let _ = blocking(move || {
+            b2.discard_snapshot(&s2);
             std::process::Command::new("rm")
                 .arg("-rf")
                 .arg(&s2)
@@ -703,6 +752,142 @@ impl Edge {
             },
             source_paused_ms: paused_ms,
         })
+    }
+
+    /// Pauses a running sandbox: frozen in place, or (`to_disk`, VM backends) saved to
+    /// disk with its processes ended. Its TTL and idle time stop running until resumed.
+    pub async fn pause(self: &Arc<Self>, id: &str, to_disk: bool) -> Result<SandboxInfo, ApiError> {
+        let (edge, id) = (self.clone(), id.to_string());
+        finish(async move { edge.pause_now(&id, to_disk).await }).await
+    }
+
+    async fn pause_now(self: &Arc<Self>, id: &str, to_disk: bool) -> Result<SandboxInfo, ApiError> {
+        let e = self.entry(id)?;
+        let _g = e.op.lock().await;
+        let rec = e.snapshot();
+        if rec.state == SandboxState::Paused && (rec.paused_to_disk || !to_disk) {
+            return Ok(rec.info());
+        }
+        if rec.state != SandboxState::Running && rec.state != SandboxState::Paused {
+            return Err(ApiError::precondition(format!(
+                "sandbox {id} is {:?}; only a running sandbox can be paused",
+                rec.state
+            )));
+        }
+        let backend = self.backend(&rec.backend)?;
+        let (b2, r2, p2, was_running) = (
+            backend.clone(),
+            rec.clone(),
+            self.paths(id),
+            rec.state == SandboxState::Running,
+        );
+        blocking(move || {
+            if was_running {
+                b2.pause(&r2)?;
+            }
+            if to_disk && let Err(err) = b2.suspend(&r2, &p2) {
+                if was_running {
+                    let _ = b2.resume(&r2);
+                }
+                return Err(err);
+            }
+            Ok(())
+        })
+        .await??;
+        let rec = e.update(|r| {
+            r.state = SandboxState::Paused;
+            r.paused_at_ms.get_or_insert(now_ms());
+            r.paused_to_disk = to_disk;
+            r.clone()
+        });
+        self.registry.save(&rec)?;
+        tracing::info!(sandbox = %id, to_disk, "sandbox paused");
+        Ok(rec.info())
+    }
+
+    /// Resumes a paused sandbox where it stopped (from disk if it was paused to disk).
+    pub async fn resume(self: &Arc<Self>, id: &str) -> Result<SandboxInfo, ApiError> {
+        let (edge, id) = (self.clone(), id.to_string());
+        finish(async move { edge.resume_now(&id).await }).await
+    }
+
+    async fn resume_now(self: &Arc<Self>, id: &str) -> Result<SandboxInfo, ApiError> {
+        let e = self.entry(id)?;
+        let _g = e.op.lock().await;
+        let rec = e.snapshot();
+        match rec.state {
+            SandboxState::Running => return Ok(rec.info()),
+            SandboxState::Paused => {}
+            s => {
+                return Err(ApiError::precondition(format!(
+                    "sandbox {id} is {s:?}; only a paused sandbox can be resumed"
+                )));
+            }
+        }
+        let backend = self.backend(&rec.backend)?;
+        let (b2, r2, p2) = (backend.clone(), rec.clone(), self.paths(id));
+        if rec.paused_to_disk {
+            blocking(move || b2.wake(&r2, &p2)).await??;
+            let channel = self.paths(id).channel;
+            channel::wait_ready(&channel, backend.start_timeout()).await?;
+        } else {
+            blocking(move || b2.resume(&r2)).await??;
+        }
+        if backend.fork_preserves_memory() {
+            // The guest's clock stood still while it was paused.
+            tell_restored(&self.paths(id).channel, id, backend.start_timeout()).await?;
+        }
+        let now = now_ms();
+        let rec = e.update(|r| {
+            let paused_for = r.paused_at_ms.map_or(0, |t| now.saturating_sub(t));
+            r.expires_at_ms = r.expires_at_ms.saturating_add(paused_for);
+            r.last_activity_ms = now;
+            r.state = SandboxState::Running;
+            r.paused_at_ms = None;
+            r.paused_to_disk = false;
+            r.clone()
+        });
+        self.registry.save(&rec)?;
+        tracing::info!(sandbox = %id, "sandbox resumed");
+        Ok(rec.info())
+    }
+
+    /// Pauses (or, with `resume`, resumes) the sandboxes `ids` (a group: those with
+    /// given labels), in parallel.
+    pub async fn group(
+        self: &Arc<Self>,
+        ids: Vec<String>,
+        to_disk: bool,
+        resume: bool,
+    ) -> dsec_common::api::GroupResponse {
+        let t0 = Instant::now();
+        let mut tasks = Vec::new();
+        for id in ids {
+            let edge = self.clone();
+            tasks.push(tokio::spawn(async move {
+                let r = if resume {
+                    edge.resume(&id).await
+                } else {
+                    edge.pause(&id, to_disk).await
+                };
+                (id, r)
+            }));
+        }
+        let mut out = dsec_common::api::GroupResponse::default();
+        for t in tasks {
+            match t.await {
+                Ok((id, Ok(_))) => out.done.push(id),
+                Ok((id, Err(e))) => out.failed.push(dsec_common::api::GroupFailure {
+                    id,
+                    code: e.code,
+                    message: e.message,
+                }),
+                Err(e) => tracing::warn!("group worker failed: {e}"),
+            }
+        }
+        out.done.sort();
+        out.took_ms = t0.elapsed().as_millis() as u64;
+        out
     }
 
     pub async fn stop(self: &Arc<Self>, id: &str) -> Result<(), ApiError> {
@@ -787,19 +972,25 @@ impl Edge {
     /// whose agent has gone.
     pub async fn reap_once(self: &Arc<Self>, check_alive: bool) {
         let now = now_ms();
-        let entries: Vec<(String, SandboxRecord)> = {
+        // A sandbox in the middle of an operation (a pause, a fork) is not judged: its
+        // agent may be stopped on purpose.
+        let entries: Vec<(String, SandboxRecord, bool)> = {
             let map = self.sandboxes.lock().unwrap_or_else(|p| p.into_inner());
-            map.iter().map(|(k, e)| (k.clone(), e.snapshot())).collect()
+            map.iter()
+                .map(|(k, e)| (k.clone(), e.snapshot(), e.op.try_lock().is_err()))
+                .collect()
         };
-        for (id, rec) in entries {
-            if rec.state != SandboxState::Running && rec.state != SandboxState::Paused {
+        for (id, rec, busy) in entries {
+            // A paused sandbox's time does not run (a preempted job resumes later).
+            if rec.state != SandboxState::Running {
                 continue;
             }
             let expired = now >= rec.expires_at_ms;
             let idle = rec
                 .idle_timeout_seconds
                 .is_some_and(|s| now >= rec.last_activity_ms + s * 1000);
-            let dead = check_alive && !expired && !idle && !agent_alive(&self.paths(&id).channel);
+            let dead =
+                check_alive && !busy && !expired && !idle && !agent_alive(&self.paths(&id).channel);
             if expired || idle || dead {
                 let why = if expired {
                     "ttl expired"

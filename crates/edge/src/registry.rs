@@ -38,6 +38,12 @@ pub struct SandboxRecord {
     /// Its network; `None`: loopback only.
     #[serde(default)]
     pub network: Option<NetRecord>,
+    /// When it was paused (unix ms); its TTL and idle time do not run while paused.
+    #[serde(default)]
+    pub paused_at_ms: Option<u64>,
+    /// Paused to disk: its memory is saved and its processes are gone.
+    #[serde(default)]
+    pub paused_to_disk: bool,
 }
 
 /// A sandbox's place in the node's network.
@@ -67,6 +73,7 @@ impl SandboxRecord {
             forked_from: self.forked_from.clone(),
             port_token: self.port_token.clone(),
             project: self.project.clone(),
+            paused_to_disk: self.paused_to_disk,
             network: match &self.network {
                 Some(n) => dsec_common::api::NetworkInfo {
                     mode: "rules".into(),

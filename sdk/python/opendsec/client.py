@@ -119,6 +119,8 @@ class SandboxInfo:
     project: str = "root"
     # {"mode": "rules" | "none", "address": "10.200.0.2", "rules": {...}}
     network: dict[str, Any] = field(default_factory=dict)
+    # Paused with its memory on disk and no process on the host.
+    paused_to_disk: bool = False
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "SandboxInfo":
@@ -211,6 +213,18 @@ class DSecClient:
 
     async def status(self) -> dict[str, Any]:
         return await self._request("GET", "/v1/status")
+
+    async def pause_group(self, labels: dict[str, str], to_disk: bool = False) -> dict[str, Any]:
+        """Pauses every sandbox of yours that carries all ``labels`` (e.g. a preempted
+        job's), in parallel. Returns ``{"done": [ids], "failed": [{id, code, message}],
+        "took_ms": n}``."""
+        return await self._request(
+            "POST", "/v1/groups/pause", json={"labels": labels, "to_disk": to_disk}, timeout=600.0
+        )
+
+    async def resume_group(self, labels: dict[str, str]) -> dict[str, Any]:
+        """Resumes every paused sandbox of yours that carries all ``labels``."""
+        return await self._request("POST", "/v1/groups/resume", json={"labels": labels}, timeout=600.0)
 
     # ---- IAM: a key acts on its own project and the projects inside it ----
 
@@ -509,8 +523,11 @@ class Sandbox:
     async def fork(self, count: int = 1, labels: dict[str, str] | None = None) -> list["Sandbox"]:
         """Makes ``count`` copies of this sandbox.
 
-        Container sandboxes: the copies get this sandbox's files (its writable layer) but
-        not its process memory; their processes start fresh.
+        VM sandboxes (``backend="vm"``): each copy carries the source's memory, so its
+        processes go on from where the source was, and the copies share unchanged memory
+        pages with each other; each gets its own clock step, RNG reseed and id
+        (``DSEC_SANDBOX_ID``). Container sandboxes: the copies get this sandbox's files
+        (its writable layer) but not its process memory; their processes start fresh.
         """
         body: dict[str, Any] = {"count": count}
         if labels:
@@ -533,6 +550,22 @@ class Sandbox:
         if with_token and self.info.port_token:
             url += ("&" if "?" in url else "?") + f"dsec_token={self.info.port_token}"
         return url
+
+    async def pause(self, to_disk: bool = False) -> SandboxInfo:
+        """Pauses the sandbox: its processes stop where they are and its TTL stops running.
+
+        ``to_disk=True`` (VM backends) also writes its memory to disk and ends the VM
+        process, so the host's memory is freed until :meth:`resume`.
+        """
+        r = await self._client._request("POST", f"{self._base}/pause", json={"to_disk": to_disk}, timeout=600.0)
+        self.info = SandboxInfo.from_json(r)
+        return self.info
+
+    async def resume(self) -> SandboxInfo:
+        """Resumes a paused sandbox where it stopped (from disk if it was paused to disk)."""
+        r = await self._client._request("POST", f"{self._base}/resume", timeout=600.0)
+        self.info = SandboxInfo.from_json(r)
+        return self.info
 
     async def set_timeout(self, ttl_seconds: int) -> SandboxInfo:
         """Sets the remaining lifetime to ``ttl_seconds`` from now."""

@@ -36,13 +36,30 @@ pub trait Backend: Send + Sync {
     fn is_alive(&self, rec: &SandboxRecord) -> bool;
     fn pause(&self, rec: &SandboxRecord) -> Result<(), ApiError>;
     fn resume(&self, rec: &SandboxRecord) -> Result<(), ApiError>;
-    /// Copies the sandbox's writable filesystem into `dest` (the caller pauses around it).
-    fn snapshot_fs(
+    /// Saves what fork copies start from into `dest` (the caller pauses around it): the
+    /// sandbox's writable filesystem, and a VM's memory and device state.
+    fn snapshot(
         &self,
         rec: &SandboxRecord,
         paths: &SandboxPaths,
         dest: &Path,
     ) -> Result<(), ApiError>;
+    /// Frees what [`Backend::snapshot`] kept outside `dest` (the caller removes `dest`).
+    fn discard_snapshot(&self, _dest: &Path) {}
+    /// Writes a paused sandbox to disk and ends its processes, freeing its memory.
+    fn suspend(&self, _rec: &SandboxRecord, _paths: &SandboxPaths) -> Result<(), ApiError> {
+        Err(ApiError::unimplemented(format!(
+            "the {} backend cannot pause to disk; pause in place instead (to_disk: false)",
+            self.name()
+        )))
+    }
+    /// Starts a sandbox [`Backend::suspend`]ed to disk again where it stopped.
+    fn wake(&self, _rec: &SandboxRecord, _paths: &SandboxPaths) -> Result<(), ApiError> {
+        Err(ApiError::unimplemented(format!(
+            "the {} backend cannot resume from disk",
+            self.name()
+        )))
+    }
     /// Kills every process and removes every mount, cgroup and file of the sandbox.
     /// Idempotent: also cleans up after a half-finished create.
     fn destroy(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError>;

@@ -284,7 +284,7 @@ impl Backend for ContainerBackend {
             .map_err(|e| ApiError::internal(format!("resuming: {e}")))
     }
 
-    fn snapshot_fs(
+    fn snapshot(
         &self,
         _rec: &SandboxRecord,
         paths: &SandboxPaths,

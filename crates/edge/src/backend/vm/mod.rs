@@ -1,0 +1,706 @@
+//! The `vm` backend: a QEMU `microvm` per sandbox, with KVM where the host has hardware
+//! virtualisation and TCG (emulation) otherwise. The guest boots the kernel and initramfs
+//! the image store builds from Debian packages; its root is the image's layers as a
+//! read-only ext4 disk (shared by every VM of the image) under an overlay whose writable
+//! layer is a tmpfs in the guest; aether is its init and serves the channel over a
+//! virtio-serial port, which `dsec-aether vmux` carries to the sandbox's `aether.sock`.
+//! QEMU and vmux run detached from the edge (their pids in the sandbox directory), so a
+//! restarted edge re-adopts running VMs.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use dsec_common::ApiError;
+use dsec_common::api::BackendStatus;
+use dsec_image::ImageStore;
+use dsec_image::guest;
+
+mod qmp;
+
+use qmp::Qmp;
+
+use super::{Backend, SandboxPaths};
+use crate::registry::SandboxRecord;
+
+/// How a VM's CPU is run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Accel {
+    Kvm,
+    Tcg,
+}
+
+impl Accel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Accel::Kvm => "kvm",
+            Accel::Tcg => "tcg",
+        }
+    }
+
+    /// KVM when `/dev/kvm` is there and the CPU has hardware virtualisation behind it
+    /// (`vmx`/`svm` and the kvm_intel/kvm_amd module); anything else (e.g. a paravirtual
+    /// KVM module that cannot run an unmodified guest) gets TCG.
+    pub fn detect() -> Accel {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let flags = cpuinfo
+            .lines()
+            .find(|l| l.starts_with("flags"))
+            .unwrap_or_default();
+        let hw = flags.split_whitespace().any(|f| f == "vmx" || f == "svm");
+        let module = Path::new("/sys/module/kvm_intel").exists()
+            || Path::new("/sys/module/kvm_amd").exists();
+        if Path::new("/dev/kvm").exists() && hw && module {
+            Accel::Kvm
+        } else {
+            Accel::Tcg
+        }
+    }
+}
+
+pub struct VmBackend {
+    qemu: Result<PathBuf, String>,
+    aether: Result<PathBuf, String>,
+    accel: Accel,
+    images: ImageStore,
+    /// The edge's sandbox directories (`<dir>/<id>/qemu.pid`, …).
+    sandboxes: PathBuf,
+    /// Where VM memory files live (a tmpfs: `/dev/shm/dsec-vm`).
+    ram_dir: PathBuf,
+    /// The guest kernel and initramfs, found (or built) on the first create.
+    boot: std::sync::Mutex<Option<(guest::Kernel, PathBuf)>>,
+}
+
+fn find_qemu() -> Result<PathBuf, String> {
+    for dir in ["/usr/bin", "/usr/local/bin", "/usr/libexec"] {
+        let p = Path::new(dir).join("qemu-system-x86_64");
+        if p.exists() {
+            return Ok(p);
+        }
+    }
+    Err("qemu-system-x86_64 is not installed (apt-get install qemu-system-x86)".into())
+}
+
+/// The host's TSC rate in kHz: the guest is told it, so its boot does not stall trying to
+/// calibrate against an emulated PIT on a busy host.
+fn tsc_khz() -> u64 {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("cpu MHz"))
+        .and_then(|l| l.split(':').nth(1))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map(|mhz| (mhz * 1000.0) as u64)
+        .unwrap_or(2_000_000)
+}
+
+fn read_pid(p: &Path) -> Option<i32> {
+    std::fs::read_to_string(p).ok()?.trim().parse().ok()
+}
+
+/// Whether `pid` runs (a zombie does not: QEMU and vmux can be the edge's children, or
+/// those of a subreaper, until reaped).
+fn alive(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists.
+    if unsafe { libc::kill(pid, 0) } != 0 {
+        return false;
+    }
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, rest)| !rest.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(false)
+}
+
+fn kill(pid_file: &Path) {
+    if let Some(pid) = read_pid(pid_file) {
+        // SAFETY: SIGKILL to the process whose pid we recorded; waitpid reaps it if it
+        // is our child (and fails harmlessly if not).
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        for _ in 0..200 {
+            unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
+            if !alive(pid) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+/// Where a VM's memory comes from when QEMU starts.
+enum Mem<'a> {
+    /// Its own file in the RAM directory, mapped shared (what a snapshot can leave out
+    /// and copies can map); `fill` is copied into it first (a resume from disk).
+    Own { fill: Option<&'a Path> },
+    /// A fork copy: the template's file mapped private, so pages stay shared with the
+    /// other copies until written.
+    Template(&'a Path),
+}
+
+/// What a saved VM is, written next to its state as `vm.json`.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct SavedVm {
+    /// The root disk the guest had (its page cache is in the saved memory, so a restore
+    /// must get the same disk even if the image's disk has been rebuilt since).
+    disk: PathBuf,
+    mem_mb: u64,
+    cpus: u64,
+    /// `shared`: `dev` holds the device state and `ram` the memory file;
+    /// `full`: `full` holds both (the VM's memory was private, e.g. a fork copy).
+    kind: String,
+    /// The memory file of a `shared` save, when it lives outside the saved directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    ram: Option<PathBuf>,
+}
+
+/// The VM's own description (`<sandbox dir>/vm.json`): what a save and a restart need.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct VmInfo {
+    disk: PathBuf,
+    mem_mb: u64,
+    cpus: u64,
+    /// Whether its memory is its own shared file (else a private mapping of a template).
+    shared_ram: bool,
+}
+
+fn read_json<T: serde::de::DeserializeOwned>(p: &Path) -> Result<T, String> {
+    let b = std::fs::read(p).map_err(|e| format!("reading {}: {e}", p.display()))?;
+    serde_json::from_slice(&b).map_err(|e| format!("{}: {e}", p.display()))
+}
+
+fn write_json<T: serde::Serialize>(p: &Path, v: &T) -> Result<(), String> {
+    let b = serde_json::to_vec_pretty(v).map_err(|e| e.to_string())?;
+    std::fs::write(p, b).map_err(|e| format!("writing {}: {e}", p.display()))
+}
+
+/// `cp --sparse=always`: memory files are mostly holes.
+fn copy_sparse(from: &Path, to: &Path) -> Result<(), String> {
+    let out = Command::new("cp")
+        .arg("--sparse=always")
+        .arg(from)
+        .arg(to)
+        .output()
+        .map_err(|e| format!("running cp: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "copying {} to {}: {}",
+            from.display(),
+            to.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(())
+}
+
+/// How long saving or loading a VM's state may take (the memory goes through it when the
+/// VM's pages are private).
+const SAVE_TIMEOUT: Duration = Duration::from_secs(120);
+
+impl VmBackend {
+    pub fn new(
+        aether: Result<PathBuf, String>,
+        images: ImageStore,
+        sandboxes: &Path,
+        ram_dir: &Path,
+    ) -> VmBackend {
+        VmBackend {
+            qemu: find_qemu(),
+            aether,
+            accel: Accel::detect(),
+            images,
+            sandboxes: sandboxes.to_path_buf(),
+            ram_dir: ram_dir.to_path_buf(),
+            boot: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// The kernel and initramfs; building them the first time downloads the kernel
+    /// package (tens of MiB) and can take a minute.
+    fn boot_files(&self) -> Result<(guest::Kernel, PathBuf), String> {
+        let mut b = self.boot.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(k) = b.as_ref() {
+            return Ok(k.clone());
+        }
+        let root = self.images.root();
+        let kernel = guest::ensure_kernel(root).map_err(|e| e.to_string())?;
+        let initrd = guest::ensure_initramfs(root, &kernel).map_err(|e| e.to_string())?;
+        *b = Some((kernel.clone(), initrd.clone()));
+        Ok((kernel, initrd))
+    }
+
+    pub fn accel(&self) -> Accel {
+        self.accel
+    }
+
+    /// The VM's own memory file.
+    fn ram_file(&self, id: &str) -> PathBuf {
+        self.ram_dir.join(format!("{id}.ram"))
+    }
+
+    fn qmp_of(&self, id: &str) -> Result<Qmp, String> {
+        Qmp::connect(
+            &self.sandboxes.join(id).join("vm.qmp"),
+            Duration::from_secs(5),
+        )
+    }
+
+    /// Starts QEMU (and the channel's host end) for a sandbox: booting, or, with
+    /// `incoming`, loading a saved state (`(file, ignore_shared)`) and continuing it.
+    fn start(
+        &self,
+        rec: &SandboxRecord,
+        paths: &SandboxPaths,
+        info: &VmInfo,
+        mem: Mem<'_>,
+        incoming: Option<(&Path, bool)>,
+    ) -> Result<(), String> {
+        let qemu = self.qemu.as_ref().map_err(Clone::clone)?;
+        let aether = self.aether.as_ref().map_err(Clone::clone)?;
+        let (kernel, initrd) = self.boot_files()?;
+        let dir = &paths.dir;
+        let chardev = dir.join("vm.chardev");
+        let wake = dir.join("vm.wake");
+        let qmp = dir.join("vm.qmp");
+        let qemu_pid = dir.join("qemu.pid");
+        std::fs::create_dir_all(&self.ram_dir)
+            .map_err(|e| format!("creating {}: {e}", self.ram_dir.display()))?;
+        let (mem_path, share) = match mem {
+            Mem::Own { fill } => {
+                let own = self.ram_file(&rec.id);
+                if let Some(src) = fill {
+                    copy_sparse(src, &own)?;
+                }
+                (own, "on")
+            }
+            Mem::Template(t) => (t.to_path_buf(), "off"),
+        };
+        write_json(&dir.join("vm.json"), info)?;
+        let append = format!(
+            "console=ttyS0 quiet panic=-1 tsc_early_khz={} tsc=reliable random.trust_cpu=on dsec.rw_mb={}",
+            tsc_khz(),
+            rec.limits.disk_mb
+        );
+        let mut cmd = Command::new(qemu);
+        cmd.args([
+            "-M",
+            "microvm,memory-backend=mem",
+            "-accel",
+            self.accel.as_str(),
+            "-cpu",
+            "max",
+        ])
+        .args([
+            "-m",
+            &format!("{}M", info.mem_mb),
+            "-smp",
+            &info.cpus.to_string(),
+        ])
+        // The guest's memory is a file: a snapshot can leave it out (the file is the
+        // memory) and fork copies map it copy-on-write. No prealloc or mlock, which
+        // would touch every page and end the sharing.
+        .arg("-object")
+        .arg(format!(
+            "memory-backend-file,id=mem,size={}M,mem-path={},share={share}",
+            info.mem_mb,
+            mem_path.display()
+        ))
+        .args([
+            "-nodefaults",
+            "-no-user-config",
+            "-display",
+            "none",
+            "-no-reboot",
+        ])
+        .arg("-daemonize")
+        .arg("-pidfile")
+        .arg(&qemu_pid)
+        .arg("-serial")
+        .arg(format!("file:{}", dir.join("console.log").display()))
+        .arg("-kernel")
+        .arg(&kernel.vmlinuz)
+        .arg("-initrd")
+        .arg(&initrd)
+        .args(["-append", &append])
+        .arg("-drive")
+        .arg(format!(
+            "id=root,file={},format=raw,if=none,readonly=on",
+            info.disk.display()
+        ))
+        .args(["-device", "virtio-blk-device,drive=root"])
+        // Entropy from the host: without it the guest's CRNG can take minutes to initialise
+        // under TCG, and getrandom() (Python's start-up) blocks until then.
+        .args(["-object", "rng-random,id=rng,filename=/dev/urandom"])
+        .args(["-device", "virtio-rng-device,rng=rng"])
+        .args(["-device", "virtio-serial-device"])
+        .arg("-chardev")
+        .arg(format!(
+            "socket,id=ch,path={},server=on,wait=off",
+            chardev.display()
+        ))
+        .args([
+            "-device",
+            &format!("virtserialport,chardev=ch,name={}", "dsec.channel"),
+        ])
+        // A chardev with no device: connecting to it only wakes QEMU's main loop (see
+        // dsec-aether vmux).
+        .arg("-chardev")
+        .arg(format!(
+            "socket,id=wake,path={},server=on,wait=off",
+            wake.display()
+        ))
+        .arg("-qmp")
+        .arg(format!("unix:{},server=on,wait=off", qmp.display()))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+        // Never run the guest before the channel's host end is connected: output the
+        // guest writes to an unconnected port stalls the port for good (QEMU throttles
+        // it and has no socket to wait on), so QEMU starts stopped.
+        match incoming {
+            Some(_) => cmd.args(["-incoming", "defer"]),
+            None => cmd.arg("-S"),
+        };
+        let out = cmd
+            .output()
+            .map_err(|e| format!("starting {}: {e}", qemu.display()))?;
+        if !out.status.success() {
+            return Err(format!(
+                "QEMU did not start: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        let mut q = Qmp::connect(&qmp, Duration::from_secs(10))?;
+        if let Some((state, ignore_shared)) = incoming {
+            q.set_ignore_shared(ignore_shared)?;
+            q.load(state, SAVE_TIMEOUT)?;
+        }
+        // The channel's host end, detached like QEMU (it exits when the VM does).
+        let vmux_log = std::fs::File::create(dir.join("vmux.log"))
+            .map_err(|e| format!("creating vmux.log: {e}"))?;
+        let mut vmux = Command::new(aether);
+        vmux.arg("vmux")
+            .arg(&paths.channel)
+            .arg(&chardev)
+            .arg(&wake)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(vmux_log);
+        // SAFETY: setsid between fork and exec, so the edge's exit does not take it along.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut vmux, || {
+                libc::setsid();
+                Ok(())
+            });
+        }
+        let child = vmux
+            .spawn()
+            .map_err(|e| format!("starting dsec-aether vmux: {e}"))?;
+        std::fs::write(dir.join("vmux.pid"), child.id().to_string())
+            .map_err(|e| format!("writing vmux.pid: {e}"))?;
+        q.wait_connected("ch", Duration::from_secs(10))?;
+        q.execute("cont", serde_json::Value::Null)?;
+        Ok(())
+    }
+
+    fn boot(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), String> {
+        let aether = self.aether.as_ref().map_err(Clone::clone)?;
+        let disk =
+            guest::ensure_root_disk(&self.images, guest::DiskSource::Layers(&rec.layers), aether)
+                .map_err(|e| e.to_string())?;
+        let info = VmInfo {
+            disk,
+            // The guest's writable layer is a tmpfs inside it, so its disk limit is
+            // guest memory.
+            mem_mb: rec.limits.memory_mb.max(128) + rec.limits.disk_mb / 4,
+            cpus: rec.limits.cpu_cores.ceil().max(1.0) as u64,
+            shared_ram: true,
+        };
+        self.start(rec, paths, &info, Mem::Own { fill: None }, None)
+    }
+
+    /// A fork copy from a saved VM (see [`VmBackend::save`]).
+    fn restore_copy(
+        &self,
+        rec: &SandboxRecord,
+        paths: &SandboxPaths,
+        seed: &Path,
+    ) -> Result<(), String> {
+        let saved: SavedVm = read_json(&seed.join("vm.json"))?;
+        match saved.kind.as_str() {
+            "shared" => {
+                let ram = saved.ram.clone().unwrap_or_else(|| seed.join("ram"));
+                let info = VmInfo {
+                    disk: saved.disk,
+                    mem_mb: saved.mem_mb,
+                    cpus: saved.cpus,
+                    shared_ram: false,
+                };
+                self.start(
+                    rec,
+                    paths,
+                    &info,
+                    Mem::Template(&ram),
+                    Some((&seed.join("dev"), true)),
+                )
+            }
+            _ => {
+                let info = VmInfo {
+                    disk: saved.disk,
+                    mem_mb: saved.mem_mb,
+                    cpus: saved.cpus,
+                    shared_ram: true,
+                };
+                self.start(
+                    rec,
+                    paths,
+                    &info,
+                    Mem::Own { fill: None },
+                    Some((&seed.join("full"), false)),
+                )
+            }
+        }
+    }
+
+    /// Saves a stopped VM into `dest`: its device state and a copy of its memory file
+    /// (`ram_to`, sparse) when its memory is its own shared file, or one stream with
+    /// the memory in it when its pages are private. The VM stays stopped, and may go on
+    /// (`cont`) afterwards: its own file is never mapped by anything restored from this.
+    fn save(&self, rec: &SandboxRecord, dest: &Path, ram_to: &Path) -> Result<(), String> {
+        let dir = self.sandboxes.join(&rec.id);
+        let info: VmInfo = read_json(&dir.join("vm.json"))?;
+        std::fs::create_dir_all(dest).map_err(|e| format!("creating {}: {e}", dest.display()))?;
+        let mut q = self.qmp_of(&rec.id)?;
+        q.set_ignore_shared(info.shared_ram)?;
+        let saved = if info.shared_ram {
+            q.save(&dest.join("dev"), SAVE_TIMEOUT)?;
+            copy_sparse(&self.ram_file(&rec.id), ram_to)?;
+            SavedVm {
+                disk: info.disk,
+                mem_mb: info.mem_mb,
+                cpus: info.cpus,
+                kind: "shared".into(),
+                ram: Some(ram_to.to_path_buf()),
+            }
+        } else {
+            q.save(&dest.join("full"), SAVE_TIMEOUT)?;
+            SavedVm {
+                disk: info.disk,
+                mem_mb: info.mem_mb,
+                cpus: info.cpus,
+                kind: "full".into(),
+                ram: None,
+            }
+        };
+        write_json(&dest.join("vm.json"), &saved)
+    }
+
+    fn suspended_dir(&self, id: &str) -> PathBuf {
+        self.sandboxes.join(id).join("suspended")
+    }
+
+    fn stop_processes(&self, dir: &Path) {
+        kill(&dir.join("qemu.pid"));
+        kill(&dir.join("vmux.pid"));
+        for f in ["qemu.pid", "vmux.pid", "vm.chardev", "vm.wake", "vm.qmp"] {
+            let _ = std::fs::remove_file(dir.join(f));
+        }
+    }
+
+    fn qmp(&self, rec: &SandboxRecord, command: &str) -> Result<(), ApiError> {
+        let mut q = self
+            .qmp_of(&rec.id)
+            .map_err(|e| ApiError::unavailable(format!("the VM's control socket: {e}")))?;
+        q.execute(command, serde_json::Value::Null)
+            .map(drop)
+            .map_err(ApiError::internal)
+    }
+}
+
+impl Backend for VmBackend {
+    fn name(&self) -> &'static str {
+        "vm"
+    }
+
+    fn status(&self) -> BackendStatus {
+        let (available, detail) = match (&self.qemu, &self.aether) {
+            (Ok(q), Ok(_)) => (
+                true,
+                format!(
+                    "QEMU microvm ({}; {}), kernel and root disks built from Debian packages on first use",
+                    q.display(),
+                    match self.accel {
+                        Accel::Kvm => "KVM",
+                        Accel::Tcg => "TCG emulation: no hardware virtualisation on this host",
+                    }
+                ),
+            ),
+            (Err(e), _) | (_, Err(e)) => (false, e.clone()),
+        };
+        BackendStatus {
+            name: "vm".into(),
+            available,
+            detail,
+        }
+    }
+
+    fn fork_preserves_memory(&self) -> bool {
+        true
+    }
+
+    fn create(
+        &self,
+        rec: &SandboxRecord,
+        paths: &SandboxPaths,
+        seed: Option<&Path>,
+    ) -> Result<(), ApiError> {
+        let started = match seed {
+            Some(seed) => self.restore_copy(rec, paths, seed),
+            None => self.boot(rec, paths),
+        };
+        started.map_err(|e| {
+            let _ = self.destroy(rec, paths);
+            ApiError::internal(format!("starting the VM: {e}"))
+        })
+    }
+
+    fn is_alive(&self, rec: &SandboxRecord) -> bool {
+        let dir = self.sandboxes.join(&rec.id);
+        if self.suspended_dir(&rec.id).join("vm.json").exists() {
+            return true;
+        }
+        [dir.join("qemu.pid"), dir.join("vmux.pid")]
+            .iter()
+            .all(|p| read_pid(p).is_some_and(alive))
+    }
+
+    /// Stops the VM's CPUs in place (its memory stays where it is).
+    fn pause(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
+        self.qmp(rec, "stop")
+    }
+
+    fn resume(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
+        self.qmp(rec, "cont")
+    }
+
+    /// The VM's device state and memory (see [`VmBackend::save`]); the copy of its memory
+    /// file goes to the RAM directory, next to the memory it copies.
+    fn snapshot(
+        &self,
+        rec: &SandboxRecord,
+        _paths: &SandboxPaths,
+        dest: &Path,
+    ) -> Result<(), ApiError> {
+        let name = dest
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_else(|| rec.id.clone());
+        let ram = self.ram_dir.join(format!("seed-{name}.ram"));
+        self.save(rec, dest, &ram).map_err(|e| {
+            let _ = std::fs::remove_file(&ram);
+            ApiError::internal(format!("snapshotting the VM: {e}"))
+        })
+    }
+
+    fn discard_snapshot(&self, dest: &Path) {
+        if let Ok(saved) = read_json::<SavedVm>(&dest.join("vm.json"))
+            && let Some(ram) = saved.ram
+        {
+            // Copies map it; their pages stay until the last one ends.
+            let _ = std::fs::remove_file(ram);
+        }
+    }
+
+    fn suspend(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError> {
+        let dest = self.suspended_dir(&rec.id);
+        let part = paths.dir.join("suspended.part");
+        let _ = std::fs::remove_dir_all(&part);
+        let r = self.save(rec, &part, &part.join("ram")).and_then(|()| {
+            // The saved memory now names its place inside `suspended/`.
+            let mut saved: SavedVm = read_json(&part.join("vm.json"))?;
+            if saved.ram.is_some() {
+                saved.ram = Some(dest.join("ram"));
+            }
+            write_json(&part.join("vm.json"), &saved)?;
+            std::fs::rename(&part, &dest).map_err(|e| format!("moving the saved VM: {e}"))
+        });
+        if let Err(e) = r {
+            let _ = std::fs::remove_dir_all(&part);
+            return Err(ApiError::internal(format!("saving the VM to disk: {e}")));
+        }
+        self.stop_processes(&paths.dir);
+        let _ = std::fs::remove_file(self.ram_file(&rec.id));
+        Ok(())
+    }
+
+    fn wake(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError> {
+        let dir = self.suspended_dir(&rec.id);
+        let r = (|| {
+            let saved: SavedVm = read_json(&dir.join("vm.json"))?;
+            let info = VmInfo {
+                disk: saved.disk.clone(),
+                mem_mb: saved.mem_mb,
+                cpus: saved.cpus,
+                shared_ram: true,
+            };
+            match saved.ram.as_deref() {
+                Some(ram) => self.start(
+                    rec,
+                    paths,
+                    &info,
+                    Mem::Own { fill: Some(ram) },
+                    Some((&dir.join("dev"), true)),
+                ),
+                None => self.start(
+                    rec,
+                    paths,
+                    &info,
+                    Mem::Own { fill: None },
+                    Some((&dir.join("full"), false)),
+                ),
+            }
+        })();
+        match r {
+            Ok(()) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                Ok(())
+            }
+            Err(e) => {
+                // Still suspended: the saved state stays for another try.
+                self.stop_processes(&paths.dir);
+                let _ = std::fs::remove_file(self.ram_file(&rec.id));
+                Err(ApiError::internal(format!(
+                    "resuming the VM from disk: {e}"
+                )))
+            }
+        }
+    }
+
+    fn destroy(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError> {
+        self.stop_processes(&paths.dir);
+        let _ = std::fs::remove_file(self.ram_file(&rec.id));
+        let _ = std::fs::remove_dir_all(self.suspended_dir(&rec.id));
+        let _ = std::fs::remove_file(&paths.channel);
+        Ok(())
+    }
+
+    fn oom_kills(&self, _rec: &SandboxRecord) -> u64 {
+        0
+    }
+
+    fn start_log(&self, paths: &SandboxPaths) -> Option<String> {
+        let text = std::fs::read_to_string(paths.dir.join("console.log")).ok()?;
+        let lines: Vec<&str> = text.lines().rev().take(8).collect();
+        Some(lines.into_iter().rev().collect::<Vec<_>>().join(" | "))
+    }
+
+    /// A guest boots before aether answers: about 2 s under TCG on an idle host, far more
+    /// when many boot at once on few cores.
+    fn start_timeout(&self) -> Duration {
+        match self.accel {
+            Accel::Kvm => Duration::from_secs(30),
+            Accel::Tcg => Duration::from_secs(120),
+        }
+    }
+}
