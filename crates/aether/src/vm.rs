@@ -100,7 +100,7 @@ pub fn restored(unix_ms: u64, entropy_hex: &str) -> Result<(), String> {
 }
 
 fn decode_hex(s: &str) -> Result<Vec<u8>, String> {
-    if s.len() % 2 != 0 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+    if !s.len().is_multiple_of(2) || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
         return Err("entropy must be hex".into());
     }
     (0..s.len())
