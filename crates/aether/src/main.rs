@@ -262,6 +262,32 @@ fn serve(stream: UnixStream, ctx: &Ctx) {
                 Err(e) => err(e),
             }
         }
+        Request::ExportTree { path } => {
+            match files::check_path(&path).and_then(|p| files::stat(&p).map(|s| (p, s))) {
+                Ok((p, s)) if s.kind == "dir" => {
+                    let mut w = BufWriter::with_capacity(dsec_common::channel::CHUNK + 64, out);
+                    if write_json(&mut w, &Response::Ok).is_err() {
+                        return;
+                    }
+                    // The sandbox's own mount points are not part of its changes.
+                    let end = match dsec_common::tree::export(&p, &[".dsec"], &mut w) {
+                        Ok(s) => Response::Exported {
+                            entries: s.entries,
+                            bytes: s.bytes,
+                        },
+                        Err(dsec_common::tree::ExportError::Tree(m)) => {
+                            Response::error(ErrorCode::FailedPrecondition, m)
+                        }
+                        Err(dsec_common::tree::ExportError::Write(_)) => return,
+                    };
+                    let _ = write_json(&mut w, &end);
+                    let _ = w.flush();
+                    return;
+                }
+                Ok((p, _)) => invalid(format!("{} is not a directory", p.display())),
+                Err(e) => err(e),
+            }
+        }
         Request::Stat { path } => fs_reply(&path, |p| files::stat(p).map(Response::Stat)),
         Request::List { path, depth } => fs_reply(&path, |p| {
             files::list(p, depth).map(|entries| Response::Entries { entries })

@@ -114,6 +114,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sandboxes", post(create).get(list))
         .route("/v1/sandboxes/{id}", get(get_one).delete(stop))
         .route("/v1/sandboxes/{id}/exec", post(exec))
+        .route("/v1/sandboxes/{id}/commit", post(commit))
         .route("/v1/sandboxes/{id}/fork", post(fork))
         .route("/v1/sandboxes/{id}/pause", post(pause))
         .route("/v1/sandboxes/{id}/resume", post(resume))
@@ -455,6 +456,19 @@ async fn set_network(
     ))
 }
 
+/// Images are one namespace for the whole store (`GET /v1/images` lists every one), so a
+/// commit may name any valid reference; an existing one is replaced only with
+/// `overwrite`.
+async fn commit(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    route(&st, &id)?;
+    let req: dsec_common::api::CommitRequest = body(&bytes, "commit")?;
+    Ok(json(StatusCode::CREATED, &st.edge.commit(&id, req).await?))
+}
+
 async fn images(State(st): State<AppState>) -> ApiResult<Response> {
     let store = st.edge.images().clone();
     let list = tokio::task::spawn_blocking(move || store.list())
@@ -486,6 +500,7 @@ mod tests {
             "/v1/sandboxes/{id}",
             "/v1/sandboxes/{id}/exec",
             "/v1/sandboxes/{id}/fork",
+            "/v1/sandboxes/{id}/commit",
             "/v1/sandboxes/{id}/timeout",
             "/v1/sandboxes/{id}/network",
             "/v1/status",

@@ -110,6 +110,12 @@ enum Command {
         after_help = "Example:\n  dsec trajectory local-0123456789ab\n  dsec trajectory local-0123456789ab episode-7 --json"
     )]
     Trajectory(cmd::runtime::TrajectoryArgs),
+    /// Turn a running sandbox's filesystem changes into a new image (one more layer on its
+    /// image; env and workdir kept) that any later sandbox, container or vm, can use
+    #[command(
+        after_help = "Example:\n  dsec commit local-0123456789ab root/myenv:v1\n  dsec run root/myenv:v1 -- ls /root\n\nAn existing IMAGE_REF is replaced only with --overwrite. A container sandbox is frozen\nwhile its changes are copied; a vm sandbox keeps running (write nothing during it)."
+    )]
+    Commit(cmd::commit::CommitArgs),
     /// Build, list, inspect and remove images
     #[command(subcommand)]
     Image(cmd::image::ImageCommand),
@@ -151,6 +157,7 @@ fn main() {
             Command::Logs(a) => cmd::runtime::logs(a).await,
             Command::Ps(a) => cmd::runtime::ps(a).await,
             Command::Trajectory(a) => cmd::runtime::trajectory(a).await,
+            Command::Commit(a) => cmd::commit::commit(a).await,
             Command::Image(c) => cmd::image::run(c).await,
             Command::Iam(c) => cmd::iam::run(c).await,
             Command::Certs(c) => cmd::certs::run(c),

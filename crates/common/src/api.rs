@@ -66,6 +66,33 @@ pub struct SetNetworkRequest {
     pub network_rules: BTreeMap<String, bool>,
 }
 
+/// `POST /v1/sandboxes/{id}/commit`: the sandbox's filesystem changes become one more
+/// layer on top of its image, tagged as `image`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CommitRequest {
+    /// The new image's reference, e.g. `root/myenv:v1`.
+    pub image: String,
+    /// Replace `image` if it exists (otherwise that is a 409 `already_exists`).
+    #[serde(default)]
+    pub overwrite: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CommitResponse {
+    /// The new image's reference, normalised (`root/myenv` → `root/myenv:latest`).
+    pub image: String,
+    /// Its manifest digest.
+    pub digest: String,
+    /// Its layer digests, bottom first; the last is the sandbox's changes.
+    pub layers: Vec<String>,
+    /// The image's size (its layers' tar sizes added up).
+    pub size_bytes: u64,
+    /// How long the sandbox was frozen while its changes were copied (0 for a `vm`
+    /// sandbox: its agent reads them while it runs).
+    pub paused_ms: u64,
+}
+
 pub fn root_project() -> String {
     "root".to_string()
 }

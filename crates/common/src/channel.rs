@@ -78,6 +78,12 @@ pub enum Request {
     Exists {
         path: String,
     },
+    /// Answers `Ok`, then the tree under `path` as described in [`crate::tree`] (entries
+    /// in `D` frames; a top-level `.dsec`, the sandbox's own mount points, left out), then
+    /// `Exported` or an error. For a commit of a VM's writable layer.
+    ExportTree {
+        path: String,
+    },
     Mkdir {
         path: String,
     },
@@ -188,6 +194,7 @@ pub enum Response {
     Processes { processes: Vec<ProcessInfo> },
     File { size: u64 },
     Written { path: String, size: u64 },
+    Exported { entries: u64, bytes: u64 },
     Stat(FileStat),
     Entries { entries: Vec<FileStat> },
     Exists { exists: bool },

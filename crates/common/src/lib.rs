@@ -6,6 +6,7 @@ pub mod channel;
 pub mod client_config;
 pub mod error;
 pub mod id;
+pub mod tree;
 pub mod vmux;
 
 pub use error::{ApiError, ErrorCode};

@@ -5,6 +5,7 @@
 pub mod backend;
 pub mod cgroup;
 pub mod channel;
+mod commit;
 pub mod config;
 pub mod host;
 pub mod net;

@@ -957,7 +957,7 @@ pub fn build_root_disk(
     let lowerdir = lowers.join(":");
     if lowerdir.len() >= 3900 || lowerdir.contains(',') {
         return Err(build_err(format!(
-            "image has too many layers ({}) for one overlay mount; flatten it with a commit",
+            "image has too many layers ({}) for one overlay mount; build it with fewer steps",
             layers.len()
         )));
     }

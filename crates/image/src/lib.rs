@@ -14,6 +14,7 @@ pub mod build;
 pub mod cpio;
 pub mod digest;
 pub mod guest;
+pub mod import;
 pub mod reference;
 pub mod store;
 
@@ -33,6 +34,17 @@ pub enum ImageError {
     Corrupt(String),
     #[error("image build failed: {0}")]
     Build(String),
+    #[error("image {0} already exists; commit with overwrite to replace it")]
+    AlreadyExists(String),
+    /// A tree sent for a commit broke the format's rules.
+    #[error("the sandbox sent a malformed file tree: {0}")]
+    BadTree(String),
+    /// The sender of a tree stopped with this reason.
+    #[error("the sandbox could not send its files: {0}")]
+    Export(String),
+    /// The sandbox's files hold something a layer cannot carry.
+    #[error("cannot commit: {0}")]
+    Uncommittable(String),
     #[error("{context}: {source}")]
     Io {
         context: String,

@@ -51,6 +51,19 @@ impl ImageStore {
             let p = root.join(sub);
             std::fs::create_dir_all(&p).ctx(|| format!("creating {}", p.display()))?;
         }
+        // Layers hold what sandboxes committed, set-id programs included, on a filesystem
+        // that honours set-id bits: only root may reach them (sandboxes see them through
+        // overlay mounts made by root). Best effort: a non-root `dsec image ls` cannot.
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            use std::os::unix::fs::PermissionsExt;
+            for sub in ["layers", "tmp"] {
+                let p = root.join(sub);
+                if std::fs::metadata(&p).is_ok_and(|m| m.permissions().mode() & 0o077 != 0) {
+                    let _ = std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o700));
+                }
+            }
+        }
         Ok(ImageStore { root })
     }
 
@@ -122,6 +135,75 @@ impl ImageStore {
             std::fs::create_dir_all(parent).ctx(|| format!("creating {}", parent.display()))?;
         }
         write_atomic(&self.root.join("tmp"), &dest, digest.as_bytes())
+    }
+
+    /// Points `r` at `digest` only if `r` does not exist yet (atomically, so two commits
+    /// to one new name cannot both win).
+    pub fn tag_new(&self, r: &ImageRef, digest: &str) -> Result<(), ImageError> {
+        let dest = self.root.join("refs").join(r.rel_path());
+        if let Some(parent) = dest.parent() {
+            std::fs::create_dir_all(parent).ctx(|| format!("creating {}", parent.display()))?;
+        }
+        let mut rnd = [0u8; 8];
+        dsec_common::id::fill_random(&mut rnd);
+        let tmp = self
+            .root
+            .join("tmp")
+            .join(format!("w-{}", hex::encode(rnd)));
+        std::fs::write(&tmp, digest.as_bytes()).ctx(|| format!("writing {}", tmp.display()))?;
+        let linked = std::fs::hard_link(&tmp, &dest);
+        let _ = std::fs::remove_file(&tmp);
+        match linked {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                Err(ImageError::AlreadyExists(r.to_string()))
+            }
+            Err(e) => Err(e).ctx(|| format!("writing {}", dest.display())),
+        }
+    }
+
+    /// Whether a reference exists (whatever state its image is in).
+    pub fn exists(&self, r: &ImageRef) -> bool {
+        std::fs::symlink_metadata(self.root.join("refs").join(r.rel_path())).is_ok()
+    }
+
+    /// Makes image `target` from `base` plus one more layer, the finished tree in
+    /// `layer_dir` (under `tmp/`; moved into the store): env and workdir are the base's.
+    /// Without `overwrite` an existing `target` is refused. Returns the manifest's digest
+    /// and the manifest.
+    pub fn commit(
+        &self,
+        base: &Manifest,
+        layer_dir: &Path,
+        target: &ImageRef,
+        overwrite: bool,
+        source: String,
+    ) -> Result<(String, Manifest), ImageError> {
+        if !overwrite && self.exists(target) {
+            remove_tree(layer_dir)?;
+            return Err(ImageError::AlreadyExists(target.to_string()));
+        }
+        let (layer, size) = self.add_layer(layer_dir)?;
+        let mut layers = base.layers.clone();
+        layers.push(layer);
+        let m = Manifest {
+            schema_version: 1,
+            layers,
+            env: base.env.clone(),
+            workdir: base.workdir.clone(),
+            created_ms: now_ms(),
+            size_bytes: base.size_bytes + size,
+            source,
+        };
+        let digest = self.put_manifest(&m)?;
+        if overwrite {
+            self.tag(target, &digest)?;
+        } else {
+            // Lost a race to another commit: its image stands; this layer and manifest
+            // are collected by the next `gc`.
+            self.tag_new(target, &digest)?;
+        }
+        Ok((digest, m))
     }
 
     /// The manifest digest and manifest a reference points at.
@@ -301,6 +383,62 @@ mod tests {
         assert!(matches!(
             store.resolve(&ImageRef::parse("root/none").unwrap()),
             Err(ImageError::NotFound(_))
+        ));
+    }
+
+    #[test]
+    fn commit_adds_a_layer_keeps_env_and_refuses_existing_tags() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = ImageStore::open(tmp.path()).unwrap();
+        let base_layer = layer(&store, "a", "1");
+        let base = Manifest {
+            schema_version: 1,
+            layers: vec![base_layer.clone()],
+            env: BTreeMap::from([("K".to_string(), "v".to_string())]),
+            workdir: Some("/w".into()),
+            created_ms: 1,
+            size_bytes: 10,
+            source: "base".into(),
+        };
+        let mk = |content: &str| {
+            let d = store.temp_dir("c").unwrap();
+            std::fs::write(d.join("new"), content).unwrap();
+            d
+        };
+        let r = ImageRef::parse("root/committed:v1").unwrap();
+        let (digest, m) = store
+            .commit(&base, &mk("x"), &r, false, "commit of sandbox s".into())
+            .unwrap();
+        assert_eq!(m.layers.len(), 2);
+        assert_eq!(m.layers[0], base_layer);
+        assert_eq!(
+            (m.env.clone(), m.workdir.clone()),
+            (base.env.clone(), base.workdir.clone())
+        );
+        assert!(m.size_bytes > base.size_bytes);
+        assert_eq!(store.resolve(&r).unwrap(), (digest.clone(), m));
+        assert!(
+            store
+                .layer_path(&store.resolve(&r).unwrap().1.layers[1])
+                .join("new")
+                .is_file()
+        );
+        // An existing tag: refused without overwrite (and the tree is cleaned up), replaced with.
+        let again = mk("y");
+        assert!(matches!(
+            store.commit(&base, &again, &r, false, String::new()),
+            Err(ImageError::AlreadyExists(_))
+        ));
+        assert!(!again.exists());
+        assert_eq!(store.resolve(&r).unwrap().0, digest);
+        let (d2, _) = store
+            .commit(&base, &mk("y"), &r, true, String::new())
+            .unwrap();
+        assert_ne!(d2, digest);
+        assert_eq!(store.resolve(&r).unwrap().0, d2);
+        assert!(matches!(
+            store.tag_new(&r, &digest),
+            Err(ImageError::AlreadyExists(_))
         ));
     }
 

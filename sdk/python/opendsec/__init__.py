@@ -2,6 +2,7 @@
 """OpenDsec Python SDK: sandboxes for agents and RL rollouts."""
 
 from .client import (
+    CommitResult,
     DSecClient,
     DSecRunArgs,
     ExecResult,
@@ -28,6 +29,7 @@ from .errors import (
 )
 
 __all__ = [
+    "CommitResult",
     "DSecClient",
     "DSecRunArgs",
     "ExecResult",

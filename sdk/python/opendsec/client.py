@@ -127,6 +127,23 @@ class SandboxInfo:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
+@dataclass
+class CommitResult:
+    """What ``Sandbox.commit`` made: a new image, usable as ``DSecRunArgs(image=...)``."""
+
+    image: str
+    digest: str
+    # Layer digests, bottom first; the last holds the sandbox's changes.
+    layers: list[str] = field(default_factory=list)
+    size_bytes: int = 0
+    # How long the sandbox was frozen while its changes were copied (0 for vm sandboxes).
+    paused_ms: int = 0
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "CommitResult":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
 class DSecClient:
     """Async client for the OpenDsec API.
 
@@ -581,6 +598,20 @@ class Sandbox:
         r = await self._client._request("PUT", f"{self._base}/network", json={"network_rules": network_rules})
         self.info = SandboxInfo.from_json(r)
         return self.info
+
+    async def commit(self, image: str, overwrite: bool = False) -> CommitResult:
+        """Turns this sandbox's filesystem changes into a new image ``image``
+        (``ns/name[:tag]``): one more layer on top of the sandbox's image, with its env and
+        workdir. Any later sandbox, container or vm, can start from it.
+
+        An existing ``image`` is replaced only with ``overwrite=True``; otherwise the call
+        raises ``AlreadyExistsError``. A container sandbox is frozen while its changes are
+        copied; a vm sandbox keeps running, so write nothing in it meanwhile.
+        """
+        r = await self._client._request(
+            "POST", f"{self._base}/commit", json={"image": image, "overwrite": overwrite}, timeout=1800.0
+        )
+        return CommitResult.from_json(r)
 
     async def stop(self) -> None:
         """Stops the sandbox; stopping one that is already gone is not an error."""

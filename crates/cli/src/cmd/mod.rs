@@ -1,4 +1,5 @@
 pub mod certs;
+pub mod commit;
 pub mod iam;
 pub mod image;
 pub mod role;

@@ -74,4 +74,18 @@ pub trait Backend: Send + Sync {
     fn start_timeout(&self) -> std::time::Duration {
         std::time::Duration::from_secs(20)
     }
+    /// Copies the sandbox's filesystem changes (its writable layer, overlayfs whiteouts
+    /// and opaque markers included) into `dest`, for a commit; the caller pauses around
+    /// it. A VM keeps its changes inside the guest: the edge asks its agent instead.
+    fn copy_changes(
+        &self,
+        _rec: &SandboxRecord,
+        _paths: &SandboxPaths,
+        _dest: &Path,
+    ) -> Result<(), ApiError> {
+        Err(ApiError::unimplemented(format!(
+            "the {} backend cannot commit a sandbox",
+            self.name()
+        )))
+    }
 }

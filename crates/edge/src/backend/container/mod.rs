@@ -100,6 +100,9 @@ fn nofile_limit() -> u64 {
     (r.rlim_max as u64).min(65536)
 }
 
+/// Files of the image the bundle bind-mounts over (see `oci.rs`), relative to the root.
+const BIND_MOUNT_FILES: [&str; 2] = ["etc/hosts", "etc/resolv.conf"];
+
 /// Copies the contents of `src` into `dest`, keeping owners, modes, links, xattrs and
 /// overlay whiteouts (`cp -a`; reflinks where the filesystem has them).
 fn copy_tree(src: &Path, dest: &Path) -> Result<(), String> {
@@ -342,6 +345,26 @@ impl Backend for ContainerBackend {
 
     fn oom_kills(&self, rec: &SandboxRecord) -> u64 {
         cgroup::oom_kills(self.mode, &cgroup::sandbox_cgroup_path(&rec.id))
+    }
+
+    fn copy_changes(
+        &self,
+        _rec: &SandboxRecord,
+        paths: &SandboxPaths,
+        dest: &Path,
+    ) -> Result<(), ApiError> {
+        copy_tree(&paths.dir.join("disk/upper"), dest)
+            .map_err(|e| ApiError::internal(format!("copying the writable layer: {e}")))?;
+        // Files the runtime made in the upper as mount points for its bind mounts (where
+        // the image has none): never the sandbox's own, which cannot replace a mount point.
+        for f in BIND_MOUNT_FILES {
+            let p = dest.join(f);
+            if std::fs::symlink_metadata(&p).is_ok_and(|m| m.is_file()) {
+                std::fs::remove_file(&p)
+                    .map_err(|e| ApiError::internal(format!("removing {}: {e}", p.display())))?;
+            }
+        }
+        Ok(())
     }
 }
 

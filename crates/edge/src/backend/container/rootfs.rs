@@ -74,7 +74,7 @@ pub fn mount_overlay(
     );
     if data.len() >= 4000 {
         return Err(format!(
-            "image has too many layers ({}) for one overlay mount; flatten it with a commit",
+            "image has too many layers ({}) for one overlay mount; build it with fewer steps",
             lowers.len()
         ));
     }
