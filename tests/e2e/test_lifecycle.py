@@ -24,6 +24,11 @@ async def test_exec_env_cwd_stdin_exit_codes_and_timeout(client):
         assert r.stdout == "c x /tmp\n"
         r = await sb.exec(["cat"], stdin="from stdin")
         assert r.stdout == "from stdin"
+        # A background child that keeps stdout open: the command still returns, with what
+        # it printed, and the child runs on.
+        r = await sb.run_shell("s=1000; sleep $s & echo started $!")
+        assert r.exit_code == 0 and r.stdout.startswith("started "), r
+        assert (await sb.run_shell(COUNT_SLEEPS)).stdout.strip() == "1"
         t0 = time.monotonic()
         r = await sb.run_shell("sleep 30", timeout=1)
         assert r.timed_out and r.exit_code == 137

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use dsec_common::api::ExecResult;
@@ -29,6 +29,7 @@ pub fn base_env() -> Env {
     env
 }
 
+#[derive(Default)]
 struct Capture {
     data: Vec<u8>,
     truncated: bool,
@@ -46,33 +47,64 @@ pub fn spawn(f: impl FnOnce() + Send + 'static) -> Result<(), String> {
 /// pids limit fails the request before anything runs; it gets its pipe through the sender.
 type Reader = Box<dyn Read + Send>;
 
-fn capture(cap: u64) -> Result<(mpsc::Sender<Reader>, mpsc::Receiver<Capture>), String> {
+/// What one pipe's reader has so far, and whether it reached end of file. Shared, so a
+/// command whose background child keeps the pipe open still returns what it printed.
+#[derive(Default)]
+struct Captured {
+    out: std::sync::Mutex<Capture>,
+    eof: std::sync::Condvar,
+    done: std::sync::atomic::AtomicBool,
+}
+
+impl Captured {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Capture> {
+        self.out.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits until end of file or `deadline`, then takes what was read.
+    fn take(&self, deadline: Instant) -> Capture {
+        let mut g = self.lock();
+        while !self.done.load(std::sync::atomic::Ordering::SeqCst) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            g = match self.eof.wait_timeout(g, left) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        }
+        std::mem::take(&mut *g)
+    }
+}
+
+fn capture(cap: u64) -> Result<(mpsc::Sender<Reader>, Arc<Captured>), String> {
     let (pipe_tx, pipe_rx) = mpsc::channel::<Reader>();
-    let (tx, rx) = mpsc::channel();
+    let shared = Arc::new(Captured::default());
+    let out = shared.clone();
     spawn(move || {
         let Ok(mut r) = pipe_rx.recv() else { return };
-        let mut out = Capture {
-            data: Vec::new(),
-            truncated: false,
-        };
         let mut buf = [0u8; 64 * 1024];
         loop {
             match r.read(&mut buf) {
                 Ok(0) => break,
                 Ok(n) => {
-                    let room = (cap as usize).saturating_sub(out.data.len());
+                    let mut o = out.lock();
+                    let room = (cap as usize).saturating_sub(o.data.len());
                     if n > room {
-                        out.truncated = true;
+                        o.truncated = true;
                     }
-                    out.data.extend_from_slice(&buf[..n.min(room)]);
+                    o.data.extend_from_slice(&buf[..n.min(room)]);
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(_) => break,
             }
         }
-        let _ = tx.send(out);
+        let _g = out.lock();
+        out.done.store(true, std::sync::atomic::Ordering::SeqCst);
+        out.eof.notify_all();
     })?;
-    Ok((pipe_tx, rx))
+    Ok((pipe_tx, shared))
 }
 
 /// The command for `spec` (argv, environment, cwd, user), not yet started.
@@ -185,14 +217,9 @@ pub fn run(spec: ExecSpec, table: &Table, base: &Env) -> Result<ExecResult, Stri
             std::thread::sleep(Duration::from_millis(10));
         }
     }
-    let collect = |rx: mpsc::Receiver<Capture>| {
-        rx.recv_timeout(PIPE_GRACE).ok().unwrap_or(Capture {
-            data: Vec::new(),
-            truncated: false,
-        })
-    };
-    let out = collect(out_rx);
-    let err = collect(err_rx);
+    let deadline = Instant::now() + PIPE_GRACE;
+    let out = out_rx.take(deadline);
+    let err = err_rx.take(deadline);
     let signal = status.signal();
     Ok(ExecResult {
         stdout: String::from_utf8_lossy(&out.data).into_owned(),

@@ -17,7 +17,9 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use dsec_common::ApiError;
-use dsec_common::api::{ListSandboxesResponse, NodeStatus};
+use dsec_common::api::{
+    GroupFailure, GroupRequest, GroupResponse, ListSandboxesResponse, NodeStatus,
+};
 use dsec_common::id::SandboxId;
 use dsec_iam::{Iam, Principal, PrincipalKind, ROOT, RemoteIam};
 use dsec_watcher::{ClusterView, Demand, EdgeEndpoint, Placer, Poller, SharedView};
@@ -30,6 +32,8 @@ use crate::{ApiResult, Failure, PRINCIPAL_HEADER, api_key, encode_principal, jso
 const CREATE_TIMEOUT: Duration = Duration::from_secs(120);
 /// The most a listing or status call to one edge may take.
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// A group pause to disk writes every member's memory out.
+const GROUP_TIMEOUT: Duration = Duration::from_secs(600);
 const MAX_ANSWER: usize = 64 << 20;
 /// Memory a create is placed by when it names none (the edges' usual default).
 const DEFAULT_MEMORY_MB: u64 = 512;
@@ -280,6 +284,7 @@ pub fn router(c: Arc<Cluster>) -> Router {
         .route("/v1/status", get(status))
         .route("/v1/sandboxes", post(create).get(list))
         .route("/v1/images", get(images))
+        .route("/v1/groups/{verb}", post(group))
         .route("/v1/sandboxes/{id}", any(sandbox))
         .route("/v1/sandboxes/{id}/{*rest}", any(sandbox_rest))
         .merge(iam_routes)
@@ -464,6 +469,65 @@ async fn list(
         resp.headers_mut().insert("x-dsec-unreachable-edges", v);
     }
     Ok(resp)
+}
+
+/// A group pause or resume: every edge acts on its own sandboxes with the labels, at
+/// once; the answers are merged. An edge that does not answer is one failure, named.
+async fn group(
+    State(c): State<Arc<Cluster>>,
+    Path(verb): Path<String>,
+    headers: HeaderMap,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    if verb != "pause" && verb != "resume" {
+        return Err(Failure(ApiError::not_found(
+            "no such endpoint: groups can be paused (/v1/groups/pause) or resumed (/v1/groups/resume)",
+        )));
+    }
+    let p = c.principal(&headers).await?;
+    // Checked here too, so a bad body is one clear error, not one per edge.
+    let req: GroupRequest = crate::body(&bytes, "group")?;
+    if req.labels.is_empty() {
+        return Err(Failure(ApiError::invalid(
+            "labels must name at least one key: value; a group is the sandboxes that carry them all",
+        )));
+    }
+    let started = std::time::Instant::now();
+    let path = format!("/v1/groups/{verb}");
+    let calls = c.edges.keys().map(|edge| {
+        let (c, p, path, body) = (c.clone(), p.clone(), path.clone(), bytes.to_vec());
+        async move {
+            let r = c
+                .call(edge, Method::POST, &path, Some(body), &p, GROUP_TIMEOUT)
+                .await;
+            (edge.clone(), r)
+        }
+    });
+    let mut out = GroupResponse::default();
+    for (edge, r) in futures_util::future::join_all(calls).await {
+        let answer = match r {
+            Ok((s, bytes)) if s.is_success() => serde_json::from_slice::<GroupResponse>(&bytes)
+                .map_err(|e| format!("edge {edge} gave an answer that is not a group result: {e}")),
+            Ok((s, bytes)) => Err(serde_json::from_slice::<ApiError>(&bytes)
+                .map(|e| format!("edge {edge}: {}", e.message))
+                .unwrap_or_else(|_| format!("edge {edge} answered {s}"))),
+            Err(e) => Err(format!("edge {edge} does not answer: {e}")),
+        };
+        match answer {
+            Ok(g) => {
+                out.done.extend(g.done);
+                out.failed.extend(g.failed);
+            }
+            Err(message) => out.failed.push(GroupFailure {
+                id: format!("edge:{edge}"),
+                code: dsec_common::ErrorCode::Unavailable,
+                message,
+            }),
+        }
+    }
+    out.done.sort();
+    out.took_ms = started.elapsed().as_millis() as u64;
+    Ok(json(StatusCode::OK, &out))
 }
 
 async fn images(State(c): State<Arc<Cluster>>, req: Request) -> ApiResult<Response> {

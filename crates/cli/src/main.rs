@@ -73,9 +73,32 @@ enum Command {
     /// Stop and remove sandboxes
     #[command(after_help = "Example:\n  dsec rm local-0123456789ab")]
     Rm(cmd::sandbox::RmArgs),
-    /// Fork a running sandbox into copies (containers: filesystem only, not memory)
-    #[command(after_help = "Example:\n  dsec fork local-0123456789ab --count 4")]
+    /// Fork a running sandbox into copies (vm: with its memory; containers: filesystem only)
+    #[command(
+        after_help = "Example:\n  dsec fork local-0123456789ab --count 4 --label job=7\n\nThe source pauses briefly while its state is saved, then runs on; every copy starts\nwhere the source was (a vm copy with its processes and memory) and diverges from there."
+    )]
     Fork(cmd::sandbox::ForkArgs),
+    /// Pause a sandbox: frozen in place, or with --to-disk (vm) saved to disk with its memory
+    /// and its processes ended, freeing the host's memory
+    #[command(
+        after_help = "Example:\n  dsec pause local-0123456789ab\n  dsec pause --to-disk local-0123456789ab && dsec resume local-0123456789ab\n\nA paused sandbox's lifetime is extended by the time it stays paused."
+    )]
+    Pause(cmd::pause::PauseArgs),
+    /// Resume a paused sandbox where it stopped (from disk too)
+    #[command(after_help = "Example:\n  dsec resume local-0123456789ab")]
+    Resume(cmd::pause::ResumeArgs),
+    /// Pause every sandbox with the given labels (a preempted job) in one call
+    #[command(
+        name = "pause-group",
+        after_help = "Example:\n  dsec pause-group --label job=7 --to-disk\n  dsec resume-group --label job=7\n\nExits 1 when any sandbox could not be paused (each one is listed with the reason)."
+    )]
+    PauseGroup(cmd::pause::GroupArgs),
+    /// Resume every paused sandbox with the given labels
+    #[command(
+        name = "resume-group",
+        after_help = "Example:\n  dsec resume-group --label job=7 --json"
+    )]
+    ResumeGroup(cmd::pause::GroupArgs),
     /// Replace a running sandbox's egress rules (they hold for new connections at once)
     #[command(
         after_help = "Example:\n  dsec network local-0123456789ab --allow pypi --allow 203.0.113.0/24:443\n  dsec network local-0123456789ab          # close egress"
@@ -150,6 +173,10 @@ fn main() {
             Command::Ls(a) => cmd::sandbox::ls(a).await,
             Command::Rm(a) => cmd::sandbox::rm(a).await,
             Command::Fork(a) => cmd::sandbox::fork(a).await,
+            Command::Pause(a) => cmd::pause::pause(a).await,
+            Command::Resume(a) => cmd::pause::resume(a).await,
+            Command::PauseGroup(a) => cmd::pause::group(a, false).await,
+            Command::ResumeGroup(a) => cmd::pause::group(a, true).await,
             Command::SetTimeout(a) => cmd::sandbox::set_timeout(a).await,
             Command::Network(a) => cmd::sandbox::network(a).await,
             Command::Shell(a) => cmd::runtime::shell(a).await,

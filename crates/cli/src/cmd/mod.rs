@@ -2,6 +2,7 @@ pub mod certs;
 pub mod commit;
 pub mod iam;
 pub mod image;
+pub mod pause;
 pub mod role;
 pub mod runtime;
 pub mod sandbox;

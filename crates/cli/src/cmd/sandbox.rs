@@ -12,7 +12,7 @@ use hyper::Method;
 use super::api;
 use crate::{ApiArgs, output};
 
-fn parse_label(s: &str) -> Result<(String, String), String> {
+pub(crate) fn parse_label(s: &str) -> Result<(String, String), String> {
     s.split_once('=')
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .ok_or_else(|| format!("{s:?} is not KEY=VALUE"))
@@ -136,8 +136,12 @@ pub struct RmArgs {
 #[derive(clap::Args)]
 pub struct ForkArgs {
     pub id: String,
+    /// How many copies
     #[arg(long, default_value_t = 1)]
     pub count: u32,
+    /// KEY=VALUE for every copy (repeatable)
+    #[arg(long = "label", value_parser = parse_label)]
+    pub labels: Vec<(String, String)>,
     #[command(flatten)]
     pub api: ApiArgs,
 }
@@ -322,7 +326,7 @@ pub async fn fork(a: ForkArgs) -> Result<i32> {
     let api = api(&a.api)?;
     let req = ForkRequest {
         count: a.count as f64,
-        labels: BTreeMap::new(),
+        labels: a.labels.into_iter().collect(),
     };
     let r: ForkResponse = api
         .call(
