@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: AGPL-3.0-only
+"""VM lifecycle costs, for each VM backend the server reports available (`vm` on QEMU,
+`microvm` on Firecracker), with a container sandbox's cold start as the reference in the
+same run:
+
+  cold start     create until the first exec of `true` answers
+  pause/resume   in place (the VM stops where it is)
+  suspend        pause to disk (memory written out, VM process gone)
+  restore        resume from disk until an exec answers
+  fork           the source's stall, and per-copy latency (fork call until every copy
+                 answers an exec) for N = 1, 8, 32 (--counts)
+  PSS per copy   proportional set size of each copy's VM process after the fork of the
+                 largest N, next to the source's (pages shared copy-on-write count once)
+
+    python3 bench/vm_lifecycle.py --repeat 3 --counts 1,8,32
+Starts its own server (--attach uses a running one, found as the SDK finds it; PSS is then
+read from --data-dir's sandbox directories only if they are on this host), prints a table
+labelled with the accelerator (KVM or TCG emulation), and writes JSON to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "sdk/python"))
+from opendsec import DSecClient, DSecRunArgs  # noqa: E402
+
+DSEC = os.environ.get("DSEC_BIN", str(ROOT / "target/debug/dsec"))
+VM_BACKENDS = ("vm", "microvm")
+# A process that holds memory worth sharing (64 MiB, touched), as a warmed environment does.
+HOLDER = "import time; b = bytearray(range(256)) * (256 * 1024); time.sleep(1e9)"
+
+
+def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, **kw)
+
+
+def summary(xs_s: list[float]) -> dict:
+    return {
+        "count": len(xs_s),
+        "min_ms": round(min(xs_s) * 1000, 1),
+        "median_ms": round(statistics.median(xs_s) * 1000, 1),
+        "max_ms": round(max(xs_s) * 1000, 1),
+    }
+
+
+def vm_pid(data: Path, sandbox_id: str) -> int | None:
+    """The VM process of a sandbox: QEMU's or Firecracker's pid file in its directory."""
+    d = data / "edge/sandboxes" / sandbox_id
+    for name in ("qemu.pid", "firecracker.pid"):
+        try:
+            return int((d / name).read_text().strip())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def pss_mib(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+async def timed(coro) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    r = await coro
+    return time.perf_counter() - t0, r
+
+
+async def cold_start(c: DSecClient, image: str, backend: str, memory: int) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    sb = await c.run_sandbox(DSecRunArgs(image=image, backend=backend, memory_limit_mb=memory))
+    await sb.exec(["true"])
+    return time.perf_counter() - t0, sb
+
+
+async def bench_backend(c: DSecClient, backend: str, image: str, memory: int, repeat: int,
+                        counts: list[int], data: Path | None) -> dict:
+    out: dict = {}
+    starts, pauses, resumes, suspends, restores = [], [], [], [], []
+    for i in range(repeat):
+        t, sb = await cold_start(c, image, backend, memory)
+        starts.append(t)
+        print(f"  {backend}: cold start {t * 1000:.0f} ms", flush=True)
+        try:
+            for _ in range(3):
+                pauses.append((await timed(sb.pause()))[0])
+                resumes.append((await timed(sb.resume()))[0])
+            t, _ = await timed(sb.pause(to_disk=True))
+            suspends.append(t)
+            t0 = time.perf_counter()
+            await sb.resume()
+            await sb.exec(["true"])
+            restores.append(time.perf_counter() - t0)
+        finally:
+            await sb.stop()
+    out["cold_start_to_first_exec"] = summary(starts)
+    out["pause"] = summary(pauses)
+    out["resume"] = summary(resumes)
+    out["pause_to_disk"] = summary(suspends)
+    out["restore_from_disk_to_first_exec"] = summary(restores)
+
+    sb = await c.run_sandbox(DSecRunArgs(image=image, backend=backend, memory_limit_mb=memory))
+    try:
+        await sb.exec_background(["python3", "-c", HOLDER])
+        await asyncio.sleep(3)
+        source_pss = pss_mib(vm_pid(data, sb.id)) if data else None
+        forks = []
+        for n in counts:
+            t0 = time.perf_counter()
+            copies = await sb.fork(count=n)
+            called = time.perf_counter() - t0
+            await asyncio.gather(*(cp.exec(["true"]) for cp in copies))
+            all_answer = time.perf_counter() - t0
+            stall = sb.last_fork.get("source_paused_ms")
+            row = {"n": n, "source_stall_ms": stall, "fork_call_ms": round(called * 1000, 1),
+                   "all_copies_answer_ms": round(all_answer * 1000, 1),
+                   "per_copy_ms": round(all_answer * 1000 / n, 1)}
+            if n == max(counts) and data:
+                await asyncio.sleep(2)
+                per = [pss_mib(vm_pid(data, cp.id)) for cp in copies]
+                if all(p is not None for p in per):
+                    row["pss_per_copy_mib"] = round(sum(per) / n, 1)
+                    row["pss_all_copies_mib"] = round(sum(per), 1)
+            print(f"  {backend}: fork N={n}: source stall {stall} ms, all copies answer in "
+                  f"{all_answer * 1000:.0f} ms ({row['per_copy_ms']} ms per copy)", flush=True)
+            forks.append(row)
+            await asyncio.gather(*(cp.stop() for cp in copies))
+        out["fork"] = forks
+        out["source_pss_mib"] = round(source_pss, 1) if source_pss else None
+    finally:
+        await sb.stop()
+    return out
+
+
+async def bench(url: str | None, key: str | None, image: str, memory: int, repeat: int,
+                counts: list[int], data: Path | None, only: list[str]) -> dict:
+    async with DSecClient(api_url=url, api_key=key, timeout=600.0) as c:
+        status = await c.status()
+        nodes = status.get("nodes") or [status]
+        backends = {b["name"]: b for n in nodes for b in n.get("backends", [])}
+        result: dict = {"backends": {}, "skipped": {}}
+        ref = []
+        for _ in range(repeat):
+            t, sb = await cold_start(c, image, "container", memory)
+            ref.append(t)
+            await sb.stop()
+        result["container_cold_start_to_first_exec"] = summary(ref)
+        for name in VM_BACKENDS:
+            if only and name not in only:
+                continue
+            b = backends.get(name)
+            if not b or not b.get("available"):
+                why = b["detail"] if b else "not reported by the server"
+                result["skipped"][name] = why
+                print(f"{name}: skipped: {why}", flush=True)
+                continue
+            accel = "KVM" if "KVM" in b["detail"] and "TCG" not in b["detail"] else "TCG"
+            print(f"{name} ({accel}): {b['detail']}", flush=True)
+            r = await bench_backend(c, name, image, memory, repeat, counts, data)
+            r["accelerator"] = accel
+            r["detail"] = b["detail"]
+            result["backends"][name] = r
+        return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=3, help="cold starts (each followed by pause/resume/suspend/restore)")
+    ap.add_argument("--counts", default="1,8,32", help="fork sizes, comma-separated")
+    ap.add_argument("--memory", type=int, default=512, help="guest memory, MiB")
+    ap.add_argument("--image", default="root/py:3.11")
+    ap.add_argument("--backend", action="append", default=[], help="only this VM backend (repeatable)")
+    ap.add_argument("--data-dir", default="/var/tmp/dsec-bench")
+    ap.add_argument("--image-store", default=None, help="default: <data-dir>/images (built if missing)")
+    ap.add_argument("--listen", default="127.0.0.1:7614")
+    ap.add_argument("--attach", action="store_true",
+                    help="use a running server (DSEC_API_URL/DSEC_API_KEY or client.toml) instead of starting one")
+    a = ap.parse_args()
+    counts = sorted({int(x) for x in a.counts.split(",") if x.strip()})
+    data = Path(a.data_dir)
+    started = False
+    url = key = None
+    try:
+        if not a.attach:
+            store = Path(a.image_store) if a.image_store else data / "images"
+            for spec in ("images/base.toml", "images/py-3.11.toml"):
+                run([DSEC, "image", "build", str(ROOT / spec), "--if-missing", "--store", str(store)])
+            subprocess.run([DSEC, "down", "--data-dir", str(data)], capture_output=True)
+            run([DSEC, "up", "--data-dir", str(data), "--listen", a.listen, "--image-store", str(store)])
+            started = True
+            cfg = dict(l.split(" = ", 1) for l in (data / "client.toml").read_text().splitlines() if " = " in l)
+            url, key = json.loads(cfg["api_url"]), json.loads(cfg["api_key"])
+        r = asyncio.run(bench(url, key, a.image, a.memory, a.repeat, counts,
+                              data if (data / "edge/sandboxes").is_dir() else None, a.backend))
+    finally:
+        if started:
+            run([DSEC, "down", "--data-dir", str(data)])
+
+    print(f"\n{'':34} {'median ms':>10} {'min ms':>9} {'max ms':>9}")
+    ref = r["container_cold_start_to_first_exec"]
+    print(f"{'container cold start (reference)':34} {ref['median_ms']:10.1f} {ref['min_ms']:9.1f} {ref['max_ms']:9.1f}")
+    for name, b in r["backends"].items():
+        print(f"\n{name} ({b['accelerator']}{' emulation: no hardware virtualisation' if b['accelerator'] == 'TCG' else ''})")
+        for k in ("cold_start_to_first_exec", "pause", "resume", "pause_to_disk", "restore_from_disk_to_first_exec"):
+            s = b[k]
+            print(f"  {k.replace('_', ' '):32} {s['median_ms']:10.1f} {s['min_ms']:9.1f} {s['max_ms']:9.1f}")
+        print(f"  {'fork N':8} {'stall ms':>9} {'call ms':>9} {'all answer ms':>14} {'per copy ms':>12} {'PSS/copy MiB':>13}")
+        for f in b["fork"]:
+            pss = f.get("pss_per_copy_mib")
+            print(f"  {f['n']:<8} {f['source_stall_ms']:>9} {f['fork_call_ms']:9.1f} {f['all_copies_answer_ms']:14.1f} "
+                  f"{f['per_copy_ms']:12.1f} {pss if pss is not None else '-':>13}")
+        if b.get("source_pss_mib"):
+            print(f"  source PSS {b['source_pss_mib']} MiB")
+    for name, why in r["skipped"].items():
+        print(f"\n{name}: skipped: {why}")
+
+    out = {"bench": "vm_lifecycle", "image": a.image, "memory_mib": a.memory, "repeat": a.repeat,
+           "counts": counts, "host_cpus": os.cpu_count(), **r,
+           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    res = ROOT / "bench/results"
+    res.mkdir(parents=True, exist_ok=True)
+    path = res / f"vm_lifecycle-{int(time.time())}.json"
+    path.write_text(json.dumps(out, indent=2))
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
