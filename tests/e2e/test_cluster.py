@@ -439,3 +439,64 @@ async def _assert_invisible(cluster: Cluster, api: str, key: str, info: SandboxI
     async with httpx.AsyncClient(base_url=cluster.api_url(api), headers={"Authorization": f"Bearer {key}"}) as raw:
         r = await raw.delete(f"/v1/sandboxes/{info.id}")
         assert r.status_code == 404 and r.json()["code"] == "not_found", (api, r.status_code, r.text)
+
+
+# ---- 5. VM state across edges ----------------------------------------------------------
+
+
+async def test_vm_fork_and_resume_on_another_edge(cluster):
+    """A VM's memory goes with it to another edge: copies forked there hold the source
+    process's value, and a sandbox paused to disk resumes there, same process and value,
+    under a new id; the old id is gone. The other edge pulls the state over mutual TLS."""
+    import shutil
+
+    from test_vm import HOLDER, ask, qemu_processes, wait_for_file
+
+    if not shutil.which("qemu-system-x86_64"):
+        pytest.skip("skipped: qemu-system-x86_64 is not installed")
+    async with _client(cluster, "api1") as c:
+        sb = await c.run_sandbox(DSecRunArgs(image="root/py:3.11", backend="vm", memory_limit_mb=256,
+                                             ttl_seconds=1800, labels={"test": "vm-move"}))
+        made = [sb]
+        try:
+            await sb.files.write("/tmp/holder.py", HOLDER.encode())
+            await sb.exec_background(["python3", "/tmp/holder.py"])
+            assert await wait_for_file(sb, "/tmp/cmd")
+            value = await ask(sb, "get 1", 1)
+            source_edge = _edge_of(sb.id)
+            target = next(e for e in EDGES if e != source_edge)
+
+            t0 = time.monotonic()
+            copies = await sb.fork(count=2, edge=target)
+            fork_s = time.monotonic() - t0
+            made += copies
+            assert [_edge_of(x.id) for x in copies] == [target, target], [x.id for x in copies]
+            for i, cp in enumerate(copies):
+                assert cp.info.forked_from == sb.id
+                assert await ask(cp, f"get {10 + i}", 10 + i) == value, "a copy on the other edge lost the memory"
+            assert await ask(sb, "get 2", 2) == value
+
+            old = sb.id
+            await sb.pause(to_disk=True)
+            assert not qemu_processes(old)
+            t0 = time.monotonic()
+            info = await sb.resume(edge=target)
+            move_s = time.monotonic() - t0
+            assert info.moved_from == old and _edge_of(info.id) == target and info.state == "running", info
+            assert await ask(sb, "get 3", 3) == value, "the moved sandbox lost its process's memory"
+            with pytest.raises(NotFoundError):
+                await c.get_sandbox(old)
+            assert not qemu_processes(old)
+            print(f"\nVM to another edge (TCG): fork of 2 there {fork_s:.2f} s "
+                  f"(source paused {sb.last_fork['source_paused_ms']} ms); resume there from disk {move_s:.2f} s",
+                  flush=True)
+            # Refused clearly: an edge that does not exist.
+            with pytest.raises(DSecError) as e:
+                await copies[0].fork(count=1, edge="nowhere")
+            assert "nowhere" in str(e.value)
+        finally:
+            for x in made:
+                try:
+                    await x.stop()
+                except NotFoundError:
+                    pass

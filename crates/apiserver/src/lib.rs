@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use dsec_common::api::{
     ClusterStatus, CreateSandboxRequest, ExecRequest, ForkRequest, GroupRequest,
-    ListSandboxesResponse, PauseRequest, SetNetworkRequest, SetTimeoutRequest,
+    ListSandboxesResponse, PauseRequest, ResumeRequest, SetNetworkRequest, SetTimeoutRequest,
 };
 use dsec_common::id::SandboxId;
 use dsec_common::{ApiError, ErrorCode};
@@ -26,6 +26,7 @@ pub mod cluster;
 pub mod iam;
 mod ports;
 mod runtime;
+pub mod transfer;
 
 pub const OPENAPI: &str = include_str!("../openapi.json");
 
@@ -131,6 +132,8 @@ pub fn router(state: AppState) -> Router {
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     public_routes()
         .merge(api)
+        // Edge to edge over mutual TLS: each handler checks the peer's certificate.
+        .merge(transfer::routes())
         // Checks the API key or the sandbox's port token itself.
         .merge(ports::routes())
         .fallback(|| async {
@@ -385,9 +388,22 @@ async fn pause(
     ))
 }
 
-async fn resume(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
+async fn resume(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
     route(&st, &id)?;
-    Ok(json(StatusCode::OK, &st.edge.resume(&id).await?))
+    let req: ResumeRequest = if bytes.is_empty() {
+        ResumeRequest::default()
+    } else {
+        body(&bytes, "resume")?
+    };
+    let info = match req.edge.filter(|e| e != st.edge.name()) {
+        Some(target) => st.edge.resume_on(&id, &target).await?,
+        None => st.edge.resume(&id).await?,
+    };
+    Ok(json(StatusCode::OK, &info))
 }
 
 /// The caller's sandboxes (its project and those inside it) that carry every label.

@@ -84,8 +84,10 @@ enum Command {
         after_help = "Example:\n  dsec pause local-0123456789ab\n  dsec pause --to-disk local-0123456789ab && dsec resume local-0123456789ab\n\nA paused sandbox's lifetime is extended by the time it stays paused."
     )]
     Pause(cmd::pause::PauseArgs),
-    /// Resume a paused sandbox where it stopped (from disk too)
-    #[command(after_help = "Example:\n  dsec resume local-0123456789ab")]
+    /// Resume a paused sandbox where it stopped (from disk too), here or on another edge
+    #[command(
+        after_help = "Example:\n  dsec resume local-0123456789ab\n  dsec resume edge1-0123456789ab --edge edge2    # moves it: a new id on edge2"
+    )]
     Resume(cmd::pause::ResumeArgs),
     /// Pause every sandbox with the given labels (a preempted job) in one call
     #[command(

@@ -152,6 +152,9 @@ pub struct SandboxInfo {
     /// Paused with its memory written to disk and no processes on the host.
     #[serde(default)]
     pub paused_to_disk: bool,
+    /// The id it had on the edge it was resumed away from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moved_from: Option<String>,
 }
 
 /// `POST /v1/sandboxes/{id}/pause`.
@@ -259,6 +262,22 @@ pub struct ForkRequest {
     pub count: f64,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub labels: BTreeMap<String, String>,
+    /// Make the copies on this edge (cluster): it pulls the source's saved state from
+    /// the source's edge. Default: the source's edge.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub edge: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{id}/resume`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResumeRequest {
+    /// Resume on this edge instead (cluster, VM backends): it pulls the sandbox's saved
+    /// state from its edge and the sandbox continues there under a new id (the answer's
+    /// `id`; `moved_from` names the old one). The sandbox is paused to disk first if it
+    /// was not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub edge: Option<String>,
 }
 
 fn one() -> f64 {

@@ -12,6 +12,7 @@ pub mod net;
 pub mod registry;
 pub mod runtime;
 pub mod trajectory;
+pub mod transfer;
 mod validate;
 
 use std::collections::{BTreeMap, HashMap};
@@ -97,6 +98,10 @@ pub struct Edge {
     /// Sandbox networking; `None` when `[edge.network] enabled = false`.
     net: Option<Arc<net::Network>>,
     dns: Vec<tokio::task::JoinHandle<()>>,
+    /// Saved states offered to other edges (a resume or fork placed there).
+    offers: transfer::Offers,
+    /// The other edges of the cluster; unset on a single machine.
+    peers: std::sync::OnceLock<Arc<dyn transfer::Peers>>,
 }
 
 /// Runs an operation that changes a sandbox as a task of its own, so it ends in a
@@ -206,6 +211,8 @@ impl Edge {
             quotas,
             net,
             dns,
+            offers: transfer::Offers::default(),
+            peers: std::sync::OnceLock::new(),
         });
         let e2 = edge.clone();
         blocking(move || e2.adopt()).await?;
@@ -387,6 +394,7 @@ impl Edge {
             network,
             paused_at_ms: None,
             paused_to_disk: false,
+            moved_from: None,
         };
         // To the end even if the caller goes away: a half-made sandbox is never left.
         let edge = self.clone();
@@ -638,19 +646,21 @@ impl Edge {
         req: ForkRequest,
     ) -> Result<ForkResponse, ApiError> {
         let count = validate::fork_count(&req)?;
+        let remote = req.edge.clone().filter(|e| *e != self.cfg.name);
         let e = self.entry(id)?;
         let src = e.snapshot();
         let backend = self.backend(&src.backend)?;
-        let mut seed_id = [0u8; 8];
-        dsec_common::id::fill_random(&mut seed_id);
-        let seed = self.fork_tmp.join(format!(
-            "{}-{}",
-            src.id,
-            seed_id
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect::<String>()
-        ));
+        if remote.is_some() && !backend.fork_preserves_memory() {
+            return Err(ApiError::unimplemented(format!(
+                "the {} backend cannot fork onto another edge (VM backends can); leave out edge",
+                backend.name()
+            )));
+        }
+        let peers = match &remote {
+            Some(_) => Some(self.peers()?),
+            None => None,
+        };
+        let seed = self.fork_tmp.join(format!("{}-{}", src.id, random_hex(8)));
         let paused_ms;
         {
             let _g = e.op.lock().await;
@@ -671,18 +681,72 @@ impl Edge {
             .await?;
             paused_ms = t0.elapsed().as_millis() as u64;
             if let Err(err) = copied {
-                backend.discard_snapshot(&seed);
-                let _ = std::fs::remove_dir_all(&seed);
+                self.discard_seed(&backend, &seed).await;
                 return Err(err);
             }
         }
+        let made = match (remote, peers) {
+            (Some(target), Some(peers)) => {
+                // The copies are made there, from this snapshot, which goes when they run.
+                let answer = self
+                    .hand_over(
+                        &peers,
+                        &backend,
+                        &seed,
+                        &target,
+                        transfer::ImportKind::Fork {
+                            count,
+                            labels: req.labels.clone(),
+                        },
+                        &src,
+                    )
+                    .await;
+                self.discard_seed(&backend, &seed).await;
+                let mut r: ForkResponse = serde_json::from_slice(&answer?).map_err(|e| {
+                    ApiError::internal(format!("edge {target} answered the fork with: {e}"))
+                })?;
+                r.source_paused_ms = paused_ms;
+                return Ok(r);
+            }
+            _ => {
+                self.copies(&backend, &src, &seed, count, &req.labels)
+                    .await?
+            }
+        };
+        Ok(fork_response(&backend, made, paused_ms))
+    }
+
+    /// Removes a fork's snapshot.
+    async fn discard_seed(&self, backend: &Arc<dyn Backend>, seed: &Path) {
+        let (b2, s2) = (backend.clone(), seed.to_path_buf());
+        let _ = blocking(move || {
+            b2.discard_snapshot(&s2);
+            std::process::Command::new("rm")
+                .arg("-rf")
+                .arg(&s2)
+                .status()
+        })
+        .await;
+    }
+
+    /// `count` copies of `src` started from the snapshot `seed` (which is removed
+    /// afterwards); all or none.
+    async fn copies(
+        self: &Arc<Self>,
+        backend: &Arc<dyn Backend>,
+        src: &SandboxRecord,
+        seed: &Path,
+        count: u64,
+        extra_labels: &BTreeMap<String, String>,
+    ) -> Result<Vec<SandboxInfo>, ApiError> {
         let now = now_ms();
         let mut tasks = Vec::new();
         for _ in 0..count {
             let mut labels = src.labels.clone();
-            labels.extend(req.labels.clone());
+            labels.extend(extra_labels.clone());
             let rec = SandboxRecord {
                 id: SandboxId::generate(&self.cfg.name).to_string(),
+                edge: self.cfg.name.clone(),
                 state: SandboxState::Creating,
                 created_at_ms: now,
                 expires_at_ms: now
@@ -701,9 +765,12 @@ impl Edge {
                     gateway: None,
                     rules: n.rules.clone(),
                 }),
+                paused_at_ms: None,
+                paused_to_disk: false,
+                moved_from: None,
                 ..src.clone()
             };
-            let (edge, b, s) = (self.clone(), backend.clone(), seed.clone());
+            let (edge, b, s) = (self.clone(), backend.clone(), seed.to_path_buf());
             tasks.push(tokio::spawn(
                 async move { edge.launch(b, rec, Some(s)).await },
             ));
@@ -722,15 +789,7 @@ impl Edge {
                 }
             }
         }
-        let (b2, s2) = (backend.clone(), seed.clone());
-        let _ = blocking(move || {
-            b2.discard_snapshot(&s2);
-            std::process::Command::new("rm")
-                .arg("-rf")
-                .arg(&s2)
-                .status()
-        })
-        .await;
+        self.discard_seed(backend, seed).await;
         if let Some(err) = first_err {
             for info in &made {
                 let _ = self.stop(&info.id).await;
@@ -740,19 +799,7 @@ impl Edge {
                 format!("fork failed, no copies kept: {}", err.message),
             ));
         }
-        Ok(ForkResponse {
-            sandboxes: made,
-            memory_preserved: backend.fork_preserves_memory(),
-            note: if backend.fork_preserves_memory() {
-                "copies carry the source's memory and filesystem".into()
-            } else {
-                format!(
-                    "{} backend: copies carry the source's filesystem (its writable layer) but not its process memory; processes start fresh",
-                    backend.name()
-                )
-            },
-            source_paused_ms: paused_ms,
-        })
+        Ok(made)
     }
 
     /// Pauses a running sandbox: frozen in place, or (`to_disk`, VM backends) saved to
@@ -1048,6 +1095,32 @@ impl Edge {
             }
         }
     }
+}
+
+fn fork_response(
+    backend: &Arc<dyn Backend>,
+    made: Vec<SandboxInfo>,
+    paused_ms: u64,
+) -> ForkResponse {
+    ForkResponse {
+        sandboxes: made,
+        memory_preserved: backend.fork_preserves_memory(),
+        note: if backend.fork_preserves_memory() {
+            "copies carry the source's memory and filesystem".into()
+        } else {
+            format!(
+                "{} backend: copies carry the source's filesystem (its writable layer) but not its process memory; processes start fresh",
+                backend.name()
+            )
+        },
+        source_paused_ms: paused_ms,
+    }
+}
+
+fn random_hex(n: usize) -> String {
+    let mut b = vec![0u8; n];
+    dsec_common::id::fill_random(&mut b);
+    hex::encode(b)
 }
 
 fn port_token() -> String {

@@ -44,6 +44,9 @@ pub struct SandboxRecord {
     /// Paused to disk: its memory is saved and its processes are gone.
     #[serde(default)]
     pub paused_to_disk: bool,
+    /// The id it had on the edge it was resumed away from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moved_from: Option<String>,
 }
 
 /// A sandbox's place in the node's network.
@@ -74,6 +77,7 @@ impl SandboxRecord {
             port_token: self.port_token.clone(),
             project: self.project.clone(),
             paused_to_disk: self.paused_to_disk,
+            moved_from: self.moved_from.clone(),
             network: match &self.network {
                 Some(n) => dsec_common::api::NetworkInfo {
                     mode: "rules".into(),

@@ -1013,6 +1013,58 @@ umount "$MERGED"
     Ok(())
 }
 
+/// Where root disks are cached.
+pub fn disks_dir(store_root: &Path) -> PathBuf {
+    guest_dir(store_root).join("disks")
+}
+
+/// The sha256 of a root disk (they never change once built), kept next to it as
+/// `<disk>.sha256` after the first time.
+pub fn disk_sha256(disk: &Path) -> Result<String, ImageError> {
+    let mut side = disk.as_os_str().to_owned();
+    side.push(".sha256");
+    let side = PathBuf::from(side);
+    if let Ok(s) = std::fs::read_to_string(&side) {
+        let s = s.trim();
+        if s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Ok(s.to_string());
+        }
+    }
+    let sha = sha256_file(disk)?;
+    let _ = std::fs::write(&side, &sha);
+    Ok(sha)
+}
+
+/// A root disk received from another edge (`received`, claimed to have `sha256`): checked
+/// and kept as `disks/imported-<sha256>.ext4`, which is returned.
+pub fn adopt_disk(store_root: &Path, received: &Path, sha256: &str) -> Result<PathBuf, ImageError> {
+    if sha256.len() != 64 || !sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(build_err(format!("{sha256:?} is not a sha256")));
+    }
+    let got = sha256_file(received)?;
+    if got != sha256 {
+        return Err(build_err(format!(
+            "the received root disk has sha256 {got}, not the {sha256} it was sent as"
+        )));
+    }
+    let dir = disks_dir(store_root);
+    std::fs::create_dir_all(&dir).ctx(|| format!("creating {}", dir.display()))?;
+    let dest = dir.join(format!("imported-{sha256}.ext4"));
+    if dest.is_file() {
+        let _ = std::fs::remove_file(received);
+    } else if std::fs::rename(received, &dest).is_err() {
+        // Another filesystem: copy, then move into place whole.
+        let tmp = dir.join(format!(".imported-{sha256}.tmp"));
+        std::fs::copy(received, &tmp).ctx(|| format!("copying the disk to {}", tmp.display()))?;
+        std::fs::rename(&tmp, &dest).ctx(|| format!("moving the disk to {}", dest.display()))?;
+        let _ = std::fs::remove_file(received);
+    }
+    let mut side = dest.as_os_str().to_owned();
+    side.push(".sha256");
+    let _ = std::fs::write(PathBuf::from(side), sha256);
+    Ok(dest)
+}
+
 /// Makes sure a root disk for `source` with `aether` is cached; returns
 /// `<store root>/guest/disks/<key>.ext4`. The key is a hash of the layer digests and the
 /// aether binary's sha256, so images that share all their layers share a disk.

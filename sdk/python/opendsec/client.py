@@ -121,6 +121,8 @@ class SandboxInfo:
     network: dict[str, Any] = field(default_factory=dict)
     # Paused with its memory on disk and no process on the host.
     paused_to_disk: bool = False
+    # The id it had on the edge it was resumed away from (``resume(edge=...)``).
+    moved_from: str | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "SandboxInfo":
@@ -537,7 +539,8 @@ class Sandbox:
 
     # ---- the sandbox itself ----------------------------------------------------------
 
-    async def fork(self, count: int = 1, labels: dict[str, str] | None = None) -> list["Sandbox"]:
+    async def fork(self, count: int = 1, labels: dict[str, str] | None = None,
+                   edge: str | None = None) -> list["Sandbox"]:
         """Makes ``count`` copies of this sandbox.
 
         VM sandboxes (``backend="vm"``): each copy carries the source's memory, so its
@@ -545,10 +548,15 @@ class Sandbox:
         pages with each other; each gets its own clock step, RNG reseed and id
         (``DSEC_SANDBOX_ID``). Container sandboxes: the copies get this sandbox's files
         (its writable layer) but not its process memory; their processes start fresh.
+
+        ``edge`` (a cluster, VM sandboxes) makes the copies on that edge: it pulls the
+        snapshot from this sandbox's edge.
         """
         body: dict[str, Any] = {"count": count}
         if labels:
             body["labels"] = labels
+        if edge:
+            body["edge"] = edge
         r = await self._client._request("POST", f"{self._base}/fork", json=body, timeout=600.0)
         self.last_fork = r
         return [Sandbox(self._client, SandboxInfo.from_json(s)) for s in r["sandboxes"]]
@@ -578,9 +586,15 @@ class Sandbox:
         self.info = SandboxInfo.from_json(r)
         return self.info
 
-    async def resume(self) -> SandboxInfo:
-        """Resumes a paused sandbox where it stopped (from disk if it was paused to disk)."""
-        r = await self._client._request("POST", f"{self._base}/resume", timeout=600.0)
+    async def resume(self, edge: str | None = None) -> SandboxInfo:
+        """Resumes a paused sandbox where it stopped (from disk if it was paused to disk).
+
+        ``edge`` (a cluster, VM sandboxes) resumes it on that edge instead: it is paused to
+        disk first if it was not, the other edge pulls its state, and it goes on there
+        under a new id; this object follows it (``info.moved_from`` is the old id).
+        """
+        body = {"edge": edge} if edge else None
+        r = await self._client._request("POST", f"{self._base}/resume", json=body, timeout=900.0)
         self.info = SandboxInfo.from_json(r)
         return self.info
 

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 
 use anyhow::{Result, bail};
-use dsec_common::api::{GroupRequest, GroupResponse, PauseRequest, SandboxInfo};
+use dsec_common::api::{GroupRequest, GroupResponse, PauseRequest, ResumeRequest, SandboxInfo};
 use hyper::Method;
 
 use super::api;
@@ -24,6 +24,10 @@ pub struct PauseArgs {
 #[derive(clap::Args)]
 pub struct ResumeArgs {
     pub id: String,
+    /// Resume on this edge of the cluster instead (vm backends): it pulls the saved state
+    /// and the sandbox goes on there under a new id, which is printed
+    #[arg(long)]
+    pub edge: Option<String>,
     #[command(flatten)]
     pub api: ApiArgs,
 }
@@ -48,7 +52,10 @@ fn show(s: &SandboxInfo, json: bool) {
             (dsec_common::api::SandboxState::Paused, true) => "paused (on disk)".to_string(),
             (st, _) => format!("{st:?}").to_lowercase(),
         };
-        println!("{}: {state}", s.id);
+        match &s.moved_from {
+            Some(old) => println!("{}: {state} (moved from {old} on another edge)", s.id),
+            None => println!("{}: {state}", s.id),
+        }
     }
 }
 
@@ -71,7 +78,7 @@ pub async fn resume(a: ResumeArgs) -> Result<i32> {
         .call(
             Method::POST,
             &format!("/v1/sandboxes/{}/resume", a.id),
-            None::<&()>,
+            Some(&ResumeRequest { edge: a.edge }),
         )
         .await?;
     show(&s, a.api.json);

@@ -295,6 +295,16 @@ async fn run_edge(cfg: RoleConfig, tls: Tls) -> Result<i32> {
         Some(tls.client.clone()),
     ));
     let (edge, reaper) = super::up::start_edge(edge_cfg, iam.clone()).await?;
+    // A resume or fork placed on another edge pulls the state from here, or from there.
+    edge.set_peers(Arc::new(dsec_apiserver::transfer::MtlsPeers::new(
+        dsec_mtls::Client::new(Some(tls.client.clone())),
+        cfg.cluster
+            .edges
+            .iter()
+            .filter(|(name, _)| **name != cfg.name)
+            .map(|(n, a)| (n.clone(), a.clone()))
+            .collect(),
+    )));
     let app = dsec_apiserver::router(dsec_apiserver::AppState {
         edge: edge.clone(),
         iam,

@@ -142,6 +142,9 @@ pub struct ForkArgs {
     /// KEY=VALUE for every copy (repeatable)
     #[arg(long = "label", value_parser = parse_label)]
     pub labels: Vec<(String, String)>,
+    /// Make the copies on this edge of the cluster (vm backends; default: the source's)
+    #[arg(long)]
+    pub edge: Option<String>,
     #[command(flatten)]
     pub api: ApiArgs,
 }
@@ -327,6 +330,7 @@ pub async fn fork(a: ForkArgs) -> Result<i32> {
     let req = ForkRequest {
         count: a.count as f64,
         labels: a.labels.into_iter().collect(),
+        edge: a.edge,
     };
     let r: ForkResponse = api
         .call(

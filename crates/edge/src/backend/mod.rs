@@ -13,6 +13,27 @@ use dsec_common::api::BackendStatus;
 use crate::registry::SandboxRecord;
 
 /// Paths the edge gives a backend for one sandbox.
+/// Where in a sandbox's directory a sandbox paused to disk keeps its saved state.
+pub const SUSPENDED_DIR: &str = "suspended";
+
+/// One file of a saved state (a snapshot or a sandbox paused to disk) as it travels to
+/// another edge.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct SavedFile {
+    /// What the file is (`vm.json`, `dev`, `full`, `ram`, `disk`).
+    pub name: String,
+    pub size: u64,
+    /// Given for files the other edge may already hold (a VM's root disk).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sha256: Option<String>,
+    /// Its file name on the sending edge (where the receiver may have the same file).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hint: Option<String>,
+    /// Where it is on the sending edge.
+    #[serde(skip)]
+    pub path: PathBuf,
+}
+
 pub struct SandboxPaths {
     /// The sandbox's private directory.
     pub dir: PathBuf,
@@ -57,6 +78,33 @@ pub trait Backend: Send + Sync {
     fn wake(&self, _rec: &SandboxRecord, _paths: &SandboxPaths) -> Result<(), ApiError> {
         Err(ApiError::unimplemented(format!(
             "the {} backend cannot resume from disk",
+            self.name()
+        )))
+    }
+    /// The files another edge needs to restore the state saved in `saved` (by
+    /// [`Backend::snapshot`] or [`Backend::suspend`]).
+    fn saved_files(&self, _saved: &Path) -> Result<Vec<SavedFile>, ApiError> {
+        Err(ApiError::unimplemented(format!(
+            "the {} backend cannot move a sandbox's state to another edge (VM backends can)",
+            self.name()
+        )))
+    }
+    /// A file this edge already holds with the content of `f`, so it need not be fetched.
+    fn local_copy(&self, _f: &SavedFile) -> Option<PathBuf> {
+        None
+    }
+    /// Makes a state fetched from another edge into `staged` restorable here, once
+    /// `staged` has been moved to `home`: checks it, puts shared files in their place
+    /// and points its description at them. `have`: files found with [`Backend::local_copy`].
+    fn adopt_saved(
+        &self,
+        _staged: &Path,
+        _home: &Path,
+        _files: &[SavedFile],
+        _have: &std::collections::BTreeMap<String, PathBuf>,
+    ) -> Result<(), ApiError> {
+        Err(ApiError::unimplemented(format!(
+            "the {} backend cannot restore a state from another edge",
             self.name()
         )))
     }

@@ -20,7 +20,7 @@ mod qmp;
 
 use qmp::Qmp;
 
-use super::{Backend, SandboxPaths};
+use super::{Backend, SandboxPaths, SavedFile};
 use crate::registry::SandboxRecord;
 
 /// How a VM's CPU is run.
@@ -153,7 +153,13 @@ struct SavedVm {
     /// The memory file of a `shared` save, when it lives outside the saved directory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     ram: Option<PathBuf>,
+    /// The guest kernel's release: a restore needs the same kernel.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    kernel: Option<String>,
 }
+
+/// The files a saved VM is made of, as another edge receives them.
+const SAVED_FILES: &[&str] = &["vm.json", "dev", "full", "ram", "disk"];
 
 /// The VM's own description (`<sandbox dir>/vm.json`): what a save and a restart need.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -471,6 +477,7 @@ impl VmBackend {
         let dir = self.sandboxes.join(&rec.id);
         let info: VmInfo = read_json(&dir.join("vm.json"))?;
         std::fs::create_dir_all(dest).map_err(|e| format!("creating {}: {e}", dest.display()))?;
+        let kernel = Some(self.boot_files()?.0.version);
         let mut q = self.qmp_of(&rec.id)?;
         q.set_ignore_shared(info.shared_ram)?;
         let saved = if info.shared_ram {
@@ -482,6 +489,7 @@ impl VmBackend {
                 cpus: info.cpus,
                 kind: "shared".into(),
                 ram: Some(ram_to.to_path_buf()),
+                kernel,
             }
         } else {
             q.save(&dest.join("full"), SAVE_TIMEOUT)?;
@@ -491,13 +499,14 @@ impl VmBackend {
                 cpus: info.cpus,
                 kind: "full".into(),
                 ram: None,
+                kernel,
             }
         };
         write_json(&dest.join("vm.json"), &saved)
     }
 
     fn suspended_dir(&self, id: &str) -> PathBuf {
-        self.sandboxes.join(id).join("suspended")
+        self.sandboxes.join(id).join(super::SUSPENDED_DIR)
     }
 
     fn stop_processes(&self, dir: &Path) {
@@ -610,6 +619,131 @@ impl Backend for VmBackend {
             // Copies map it; their pages stay until the last one ends.
             let _ = std::fs::remove_file(ram);
         }
+    }
+
+    fn saved_files(&self, saved: &Path) -> Result<Vec<SavedFile>, ApiError> {
+        let bad = |e: String| ApiError::internal(format!("reading the saved VM: {e}"));
+        let vm: SavedVm = read_json(&saved.join("vm.json")).map_err(bad)?;
+        let size = |p: &Path| {
+            std::fs::metadata(p)
+                .map(|m| m.len())
+                .map_err(|e| bad(format!("{}: {e}", p.display())))
+        };
+        let mut out = Vec::new();
+        let state = if vm.kind == "shared" { "dev" } else { "full" };
+        for (name, path) in [
+            ("vm.json", saved.join("vm.json")),
+            (state, saved.join(state)),
+        ] {
+            out.push(SavedFile {
+                name: name.into(),
+                size: size(&path)?,
+                sha256: None,
+                hint: None,
+                path,
+            });
+        }
+        if let Some(ram) = vm.ram {
+            out.push(SavedFile {
+                name: "ram".into(),
+                size: size(&ram)?,
+                sha256: None,
+                hint: None,
+                path: ram,
+            });
+        }
+        let sha = guest::disk_sha256(&vm.disk).map_err(|e| bad(e.to_string()))?;
+        out.push(SavedFile {
+            name: "disk".into(),
+            size: size(&vm.disk)?,
+            sha256: Some(sha),
+            hint: vm
+                .disk
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned()),
+            path: vm.disk,
+        });
+        Ok(out)
+    }
+
+    /// A root disk with the same content, under the sender's name (the same image's
+    /// disk built here) or as one received before.
+    fn local_copy(&self, f: &SavedFile) -> Option<PathBuf> {
+        let sha = f.sha256.as_deref().filter(|_| f.name == "disk")?;
+        let dir = guest::disks_dir(self.images.root());
+        let mut candidates = vec![dir.join(format!("imported-{sha}.ext4"))];
+        if let Some(h) = f
+            .hint
+            .as_deref()
+            .filter(|h| h.ends_with(".ext4") && !h.contains('/') && !h.starts_with('.'))
+        {
+            candidates.push(dir.join(h));
+        }
+        candidates
+            .into_iter()
+            .find(|c| c.is_file() && guest::disk_sha256(c).is_ok_and(|s| s == sha))
+    }
+
+    fn adopt_saved(
+        &self,
+        staged: &Path,
+        home: &Path,
+        files: &[SavedFile],
+        have: &std::collections::BTreeMap<String, PathBuf>,
+    ) -> Result<(), ApiError> {
+        let bad =
+            |e: String| ApiError::invalid(format!("the VM state sent by the other edge: {e}"));
+        if let Some(f) = files
+            .iter()
+            .find(|f| !SAVED_FILES.contains(&f.name.as_str()))
+        {
+            return Err(bad(format!("unknown file {:?}", f.name)));
+        }
+        let mut vm: SavedVm = read_json(&staged.join("vm.json")).map_err(bad)?;
+        let state = match vm.kind.as_str() {
+            "shared" => "dev",
+            "full" => "full",
+            k => return Err(bad(format!("unknown kind {k:?}"))),
+        };
+        if !staged.join(state).is_file() {
+            return Err(bad(format!("{state} is missing")));
+        }
+        if vm.mem_mb == 0 || vm.mem_mb > 1 << 20 || vm.cpus == 0 || vm.cpus > 256 {
+            return Err(bad(format!(
+                "{} MiB and {} cpus is not a VM",
+                vm.mem_mb, vm.cpus
+            )));
+        }
+        let here = self
+            .boot_files()
+            .map_err(|e| ApiError::unavailable(format!("the guest kernel: {e}")))?
+            .0
+            .version;
+        if let Some(k) = &vm.kernel
+            && *k != here
+        {
+            return Err(ApiError::precondition(format!(
+                "the VM runs guest kernel {k} and this edge has {here}; restore it on an edge with the same kernel"
+            )));
+        }
+        vm.ram = match vm.kind.as_str() {
+            "shared" if staged.join("ram").is_file() => Some(home.join("ram")),
+            "shared" => return Err(bad("ram is missing".into())),
+            _ => None,
+        };
+        vm.disk = match have.get("disk") {
+            Some(p) => p.clone(),
+            None => {
+                let sha = files
+                    .iter()
+                    .find(|f| f.name == "disk")
+                    .and_then(|f| f.sha256.clone())
+                    .ok_or_else(|| bad("the disk has no sha256".into()))?;
+                guest::adopt_disk(self.images.root(), &staged.join("disk"), &sha)
+                    .map_err(|e| bad(e.to_string()))?
+            }
+        };
+        write_json(&staged.join("vm.json"), &vm).map_err(ApiError::internal)
     }
 
     fn suspend(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError> {

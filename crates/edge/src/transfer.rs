@@ -1,0 +1,506 @@
+//! Moving a VM's saved state between edges: a resume or a fork placed on another edge.
+//! The edge that has the state offers it under a random token; the other edge pulls the
+//! files (memory, device state, the root disk unless it holds the same one) over the
+//! cluster's mutual-TLS channel, restores them, and answers; only then does the first
+//! edge let its copy go.
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dsec_common::ApiError;
+use dsec_common::api::{ForkRequest, SandboxInfo, SandboxState};
+use dsec_common::id::SandboxId;
+use serde::{Deserialize, Serialize};
+
+use crate::backend::{Backend, SUSPENDED_DIR, SavedFile};
+use crate::registry::{SandboxRecord, now_ms};
+use crate::{Edge, blocking, finish, fork_response, port_token, random_hex};
+
+/// How long the receiving edge may take: fetching the memory and restoring it.
+const IMPORT_TIMEOUT: Duration = Duration::from_secs(900);
+
+pub type PeerFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, ApiError>> + Send + 'a>>;
+
+/// The other edges of the cluster, reached over mutual TLS (the `edge` role gives this).
+pub trait Peers: Send + Sync {
+    /// `POST`s JSON to `path` on `edge`; the answer's body on success, its error otherwise.
+    fn post(
+        &self,
+        edge: &str,
+        path: &str,
+        body: Vec<u8>,
+        timeout: Duration,
+    ) -> PeerFuture<'_, Vec<u8>>;
+    /// `GET`s `path` on `edge` (a small JSON answer).
+    fn get(&self, edge: &str, path: &str) -> PeerFuture<'_, Vec<u8>>;
+    /// `GET`s `path` on `edge` into the new file `dest` (runs of zeros left as holes);
+    /// returns the bytes received.
+    fn download(&self, edge: &str, path: &str, dest: &Path) -> PeerFuture<'_, u64>;
+}
+
+/// What is asked of the edge that receives a state.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ImportKind {
+    /// Take over a sandbox paused to disk and resume it here.
+    Resume,
+    /// Make `count` copies here of a sandbox snapshotted on the other edge.
+    Fork {
+        count: u64,
+        labels: BTreeMap<String, String>,
+    },
+}
+
+/// `POST /v1/imports`, from one edge to another.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImportRequest {
+    pub kind: ImportKind,
+    /// The edge that offers the state, and its token.
+    pub from: String,
+    pub token: String,
+    /// The sandbox the state is of, as its edge records it.
+    pub record: SandboxRecord,
+}
+
+/// `GET /v1/exports/{token}`: what an offered state is made of.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ExportManifest {
+    pub files: Vec<SavedFile>,
+}
+
+/// How long an offer stays open (the whole transfer must start within it).
+const OFFER_TTL: Duration = Duration::from_secs(3600);
+/// The most files and bytes a state may have.
+const MAX_FILES: usize = 16;
+const MAX_FILE_BYTES: u64 = 1 << 40;
+
+struct Offer {
+    files: Vec<SavedFile>,
+    at: Instant,
+}
+
+/// States this edge offers to others.
+#[derive(Default)]
+pub struct Offers {
+    map: Mutex<HashMap<String, Offer>>,
+}
+
+impl Offers {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Offer>> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Offers `files` under a new token.
+    pub fn open(&self, files: Vec<SavedFile>) -> String {
+        let mut b = [0u8; 16];
+        dsec_common::id::fill_random(&mut b);
+        let token = hex::encode(b);
+        let mut m = self.lock();
+        m.retain(|_, o| o.at.elapsed() < OFFER_TTL);
+        m.insert(
+            token.clone(),
+            Offer {
+                files,
+                at: Instant::now(),
+            },
+        );
+        token
+    }
+
+    pub fn close(&self, token: &str) {
+        self.lock().remove(token);
+    }
+
+    fn gone(token: &str) -> ApiError {
+        ApiError::not_found(format!(
+            "no state is offered under {token:?} (the transfer finished, failed or took too long)"
+        ))
+    }
+
+    pub fn manifest(&self, token: &str) -> Result<ExportManifest, ApiError> {
+        let m = self.lock();
+        let o = m
+            .get(token)
+            .filter(|o| o.at.elapsed() < OFFER_TTL)
+            .ok_or_else(|| Self::gone(token))?;
+        Ok(ExportManifest {
+            files: o.files.clone(),
+        })
+    }
+
+    /// Where the offered file `name` is on this host.
+    pub fn file(&self, token: &str, name: &str) -> Result<PathBuf, ApiError> {
+        let m = self.lock();
+        let o = m.get(token).ok_or_else(|| Self::gone(token))?;
+        o.files
+            .iter()
+            .find(|f| f.name == name)
+            .map(|f| f.path.clone())
+            .ok_or_else(|| ApiError::not_found(format!("the offered state has no file {name:?}")))
+    }
+}
+
+/// Checks a manifest from another edge before anything is fetched.
+pub fn check_manifest(m: &ExportManifest) -> Result<(), ApiError> {
+    let bad = |s: String| ApiError::invalid(format!("the other edge's state: {s}"));
+    if m.files.is_empty() || m.files.len() > MAX_FILES {
+        return Err(bad(format!("{} files", m.files.len())));
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for f in &m.files {
+        let plain = !f.name.is_empty()
+            && f.name.len() <= 32
+            && f.name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-')
+            && !f.name.starts_with('.');
+        if !plain {
+            return Err(bad(format!("{:?} is not a plain file name", f.name)));
+        }
+        if !seen.insert(f.name.clone()) {
+            return Err(bad(format!("{:?} is listed twice", f.name)));
+        }
+        if f.size > MAX_FILE_BYTES {
+            return Err(bad(format!("{} is {} bytes", f.name, f.size)));
+        }
+    }
+    Ok(())
+}
+
+/// Fetches every file of an offered state into `staged` (a new directory), except those
+/// `local` finds on this edge already; returns those.
+pub async fn fetch(
+    peers: &dyn Peers,
+    from: &str,
+    token: &str,
+    staged: &Path,
+    local: impl Fn(&SavedFile) -> Option<PathBuf>,
+) -> Result<(ExportManifest, BTreeMap<String, PathBuf>), ApiError> {
+    let raw = peers.get(from, &format!("/v1/exports/{token}")).await?;
+    let manifest: ExportManifest = serde_json::from_slice(&raw).map_err(|e| {
+        ApiError::internal(format!(
+            "edge {from} sent a manifest that does not parse: {e}"
+        ))
+    })?;
+    check_manifest(&manifest)?;
+    std::fs::create_dir_all(staged)
+        .map_err(|e| ApiError::internal(format!("creating {}: {e}", staged.display())))?;
+    let mut have = BTreeMap::new();
+    let t0 = Instant::now();
+    let mut fetched = 0u64;
+    for f in &manifest.files {
+        if let Some(p) = local(f) {
+            tracing::info!(file = %f.name, "already here: {}", p.display());
+            have.insert(f.name.clone(), p);
+            continue;
+        }
+        let got = peers
+            .download(
+                from,
+                &format!("/v1/exports/{token}/files/{}", f.name),
+                &staged.join(&f.name),
+            )
+            .await?;
+        if got != f.size {
+            return Err(ApiError::unavailable(format!(
+                "edge {from} sent {got} bytes of {} instead of {}; try again",
+                f.name, f.size
+            )));
+        }
+        fetched += got;
+    }
+    tracing::info!(
+        from,
+        bytes = fetched,
+        ms = t0.elapsed().as_millis() as u64,
+        "state fetched"
+    );
+    Ok((manifest, have))
+}
+
+impl Edge {
+    /// Gives the edge the other edges of its cluster (the `edge` role does, at start).
+    pub fn set_peers(&self, peers: Arc<dyn Peers>) {
+        let _ = self.peers.set(peers);
+    }
+
+    pub(crate) fn peers(&self) -> Result<Arc<dyn Peers>, ApiError> {
+        self.peers.get().cloned().ok_or_else(|| {
+            ApiError::invalid(
+                "this edge is not part of a cluster, so there is no other edge to place it on; leave out edge",
+            )
+        })
+    }
+
+    /// States this edge offers to others (the `/v1/exports` routes serve them).
+    pub fn offers(&self) -> &Offers {
+        &self.offers
+    }
+
+    /// Offers the state saved in `dir` and asks `target` to import it; the offer closes
+    /// when `target` has answered. Returns its answer.
+    pub(crate) async fn hand_over(
+        self: &Arc<Self>,
+        peers: &Arc<dyn Peers>,
+        backend: &Arc<dyn Backend>,
+        dir: &Path,
+        target: &str,
+        kind: ImportKind,
+        rec: &SandboxRecord,
+    ) -> Result<Vec<u8>, ApiError> {
+        let (b2, d2) = (backend.clone(), dir.to_path_buf());
+        let files = blocking(move || b2.saved_files(&d2)).await??;
+        let token = self.offers.open(files);
+        let req = ImportRequest {
+            kind,
+            from: self.cfg.name.clone(),
+            token: token.clone(),
+            record: rec.clone(),
+        };
+        let body = serde_json::to_vec(&req).map_err(|e| ApiError::internal(e.to_string()))?;
+        let r = peers
+            .post(target, "/v1/imports", body, IMPORT_TIMEOUT)
+            .await;
+        self.offers.close(&token);
+        r
+    }
+
+    /// Resumes sandbox `id` on edge `target`: paused to disk here first if it is not,
+    /// pulled by `target`, resumed there under a new id; this edge's copy goes once it
+    /// runs there (and stays, paused to disk, if it does not).
+    pub async fn resume_on(
+        self: &Arc<Self>,
+        id: &str,
+        target: &str,
+    ) -> Result<SandboxInfo, ApiError> {
+        let (edge, id, target) = (self.clone(), id.to_string(), target.to_string());
+        finish(async move { edge.resume_on_now(&id, &target).await }).await
+    }
+
+    async fn resume_on_now(
+        self: &Arc<Self>,
+        id: &str,
+        target: &str,
+    ) -> Result<SandboxInfo, ApiError> {
+        let peers = self.peers()?;
+        let e = self.entry(id)?;
+        let backend = self.backend(&e.snapshot().backend)?;
+        if !backend.fork_preserves_memory() {
+            return Err(ApiError::unimplemented(format!(
+                "the {} backend cannot move a sandbox to another edge (VM backends can); resume it where it is",
+                backend.name()
+            )));
+        }
+        if !e.snapshot().paused_to_disk {
+            self.pause_now(id, true).await?;
+        }
+        let guard = e.op.lock().await;
+        let rec = e.snapshot();
+        if rec.state != SandboxState::Paused || !rec.paused_to_disk {
+            return Err(ApiError::precondition(format!(
+                "sandbox {id} was changed while it was being paused to disk ({:?}); try again",
+                rec.state
+            )));
+        }
+        let dir = self.paths(id).dir.join(SUSPENDED_DIR);
+        let answer = self
+            .hand_over(&peers, &backend, &dir, target, ImportKind::Resume, &rec)
+            .await?;
+        let info: SandboxInfo = serde_json::from_slice(&answer).map_err(|e| {
+            ApiError::internal(format!("edge {target} answered the resume with: {e}"))
+        })?;
+        tracing::info!(sandbox = %id, to = %info.id, edge = %target, "sandbox moved");
+        // It runs there now: this edge's copy goes.
+        drop(guard);
+        if let Err(err) = self.stop(id).await {
+            tracing::warn!(sandbox = %id, "removing the moved sandbox: {}", err.message);
+        }
+        Ok(info)
+    }
+
+    /// Takes a state another edge offers: resumes a sandbox here, or makes fork copies.
+    /// Answers a [`SandboxInfo`] or a [`dsec_common::api::ForkResponse`].
+    pub async fn import(
+        self: &Arc<Self>,
+        req: ImportRequest,
+    ) -> Result<serde_json::Value, ApiError> {
+        let edge = self.clone();
+        finish(async move { edge.import_now(req).await }).await
+    }
+
+    async fn import_now(
+        self: &Arc<Self>,
+        req: ImportRequest,
+    ) -> Result<serde_json::Value, ApiError> {
+        let peers = self.peers()?;
+        if req.from == self.cfg.name {
+            return Err(ApiError::invalid("an edge cannot import from itself"));
+        }
+        let backend = self.backend(&req.record.backend)?;
+        if !backend.fork_preserves_memory() {
+            return Err(ApiError::unimplemented(format!(
+                "the {} backend cannot restore a state from another edge",
+                backend.name()
+            )));
+        }
+        let count = match &req.kind {
+            ImportKind::Fork { count, labels } => crate::validate::fork_count(&ForkRequest {
+                count: *count as f64,
+                labels: labels.clone(),
+                edge: None,
+            })?,
+            ImportKind::Resume => 1,
+        };
+        let staged = self.fork_tmp.join(format!("import-{}", random_hex(8)));
+        let b2 = backend.clone();
+        let fetched = fetch(&*peers, &req.from, &req.token, &staged, |f| {
+            b2.local_copy(f)
+        })
+        .await;
+        let r = match fetched {
+            Ok((manifest, have)) => match req.kind {
+                ImportKind::Resume => self
+                    .take_over(&backend, req.record, &staged, manifest, have)
+                    .await
+                    .and_then(|i| to_value(&i)),
+                ImportKind::Fork { labels, .. } => {
+                    let (b2, st, files) = (backend.clone(), staged.clone(), manifest.files);
+                    let adopted = blocking(move || b2.adopt_saved(&st, &st, &files, &have)).await?;
+                    match adopted {
+                        Ok(()) => {
+                            let made = self
+                                .copies(&backend, &req.record, &staged, count, &labels)
+                                .await;
+                            made.and_then(|m| to_value(&fork_response(&backend, m, 0)))
+                        }
+                        Err(e) => Err(e),
+                    }
+                }
+            },
+            Err(e) => Err(e),
+        };
+        if r.is_err() {
+            self.discard_seed(&backend, &staged).await;
+        }
+        r
+    }
+
+    /// A sandbox paused to disk on another edge (its state fetched into `staged`) made
+    /// this edge's, under a new id, and resumed.
+    async fn take_over(
+        self: &Arc<Self>,
+        backend: &Arc<dyn Backend>,
+        old: SandboxRecord,
+        staged: &Path,
+        manifest: ExportManifest,
+        have: BTreeMap<String, PathBuf>,
+    ) -> Result<SandboxInfo, ApiError> {
+        let now = now_ms();
+        let rec = SandboxRecord {
+            id: SandboxId::generate(&self.cfg.name).to_string(),
+            edge: self.cfg.name.clone(),
+            state: SandboxState::Paused,
+            paused_to_disk: true,
+            paused_at_ms: old.paused_at_ms.or(Some(now)),
+            moved_from: Some(old.id.clone()),
+            port_token: port_token(),
+            // A VM's network device is its own (none yet); nothing to carry over.
+            network: None,
+            last_activity_ms: now,
+            ..old
+        };
+        self.admit()?;
+        if let Some(q) = &self.quotas {
+            q.reserve(&rec)?;
+        }
+        let paths = self.paths(&rec.id);
+        let home = paths.dir.join(SUSPENDED_DIR);
+        let placed = async {
+            self.registry.save(&rec)?;
+            let (b2, st, h2) = (backend.clone(), staged.to_path_buf(), home.clone());
+            blocking(move || b2.adopt_saved(&st, &h2, &manifest.files, &have)).await??;
+            std::fs::rename(staged, &home)
+                .map_err(|e| ApiError::internal(format!("moving the received state: {e}")))
+        }
+        .await;
+        if let Err(e) = placed {
+            let _ = std::fs::remove_dir_all(&paths.dir);
+            if let Some(q) = &self.quotas {
+                q.release(&rec.id);
+            }
+            return Err(e);
+        }
+        let id = rec.id.clone();
+        self.insert(rec);
+        match self.resume_now(&id).await {
+            Ok(info) => {
+                tracing::info!(sandbox = %id, from = %info.moved_from.as_deref().unwrap_or(""), "sandbox taken over");
+                Ok(info)
+            }
+            Err(e) => {
+                let _ = self.stop(&id).await;
+                Err(e)
+            }
+        }
+    }
+}
+
+fn to_value<T: Serialize>(v: &T) -> Result<serde_json::Value, ApiError> {
+    serde_json::to_value(v).map_err(|e| ApiError::internal(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(name: &str, size: u64) -> SavedFile {
+        SavedFile {
+            name: name.into(),
+            size,
+            sha256: None,
+            hint: None,
+            path: PathBuf::new(),
+        }
+    }
+
+    #[test]
+    fn manifests_with_odd_names_or_sizes_are_refused() {
+        let ok = ExportManifest {
+            files: vec![file("vm.json", 10), file("ram", 1 << 30)],
+        };
+        assert!(check_manifest(&ok).is_ok());
+        for bad in [
+            vec![],
+            vec![file("../etc", 1)],
+            vec![file(".hidden", 1)],
+            vec![file("a/b", 1)],
+            vec![file("ram", 1), file("ram", 2)],
+            vec![file("ram", MAX_FILE_BYTES + 1)],
+        ] {
+            assert!(
+                check_manifest(&ExportManifest { files: bad.clone() }).is_err(),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn offers_name_only_their_files_and_close() {
+        let o = Offers::default();
+        let mut f = file("dev", 3);
+        f.path = PathBuf::from("/x/dev");
+        let t = o.open(vec![f]);
+        assert_eq!(t.len(), 32);
+        assert_eq!(o.file(&t, "dev").unwrap(), PathBuf::from("/x/dev"));
+        assert!(o.file(&t, "ram").is_err());
+        assert!(o.file("nope", "dev").is_err());
+        assert_eq!(o.manifest(&t).unwrap().files.len(), 1);
+        o.close(&t);
+        assert!(o.manifest(&t).is_err());
+    }
+}
