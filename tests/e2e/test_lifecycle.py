@@ -8,8 +8,11 @@ import os
 import signal
 import time
 
+import pytest
+
 from conftest import DATA, leftovers, server_down, server_up, wait_for
 from opendsec import DSecClient, DSecRunArgs, NotFoundError
+from opendsec.errors import DSecError
 
 # Counts `sleep 1000` processes (the base image has no pgrep).
 COUNT_SLEEPS = "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' ' | grep -o 'sleep 100[0]' | wc -l"
@@ -37,6 +40,65 @@ async def test_exec_env_cwd_stdin_exit_codes_and_timeout(client):
         assert r.stdout_truncated and len(r.stdout) == 16 << 20
     finally:
         await sb.stop()
+
+
+async def test_container_pause_freezes_processes_and_groups_pause_by_label(client):
+    """Containers pause through the freezer: a counting loop stands still while paused and
+    goes on after; the TTL does not run meanwhile; pause to disk is refused with a reason;
+    a group (by label) pauses and resumes in one call, other sandboxes untouched."""
+    labels = {"job": f"freeze-{os.getpid()}"}
+    a = await client.run_sandbox(DSecRunArgs(image="root/base", labels=labels, ttl_seconds=600))
+    b = await client.run_sandbox(DSecRunArgs(image="root/base", labels=labels, ttl_seconds=600))
+    other = await client.run_sandbox(DSecRunArgs(image="root/base", ttl_seconds=600))
+    try:
+        for sb in (a, b, other):
+            await sb.exec_background(cmd="i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.05; done")
+        await asyncio.sleep(0.5)
+
+        async def count(sb) -> int:
+            return int((await sb.run_shell("cat /tmp/c")).stdout)
+
+        r0 = await count(a)
+        await asyncio.sleep(1.0)
+        running = await count(a) - r0
+        p0 = await count(a)
+        info = await a.pause()
+        assert info.state == "paused" and not info.paused_to_disk
+        expires = info.expires_at_ms
+        with pytest.raises(DSecError):
+            await a.exec(["true"], timeout=5)
+        await asyncio.sleep(1.0)
+        await a.resume()
+        p1 = await count(a)
+        assert running >= 4 and p1 - p0 < running / 2, f"counted {p1 - p0} while paused 1 s, {running} while running"
+        await asyncio.sleep(0.5)
+        assert await count(a) > p1, "the counter did not go on after resume"
+        assert (await a.refresh()).expires_at_ms >= expires + 900, "the TTL ran while paused"
+
+        with pytest.raises(DSecError) as e:
+            await a.pause(to_disk=True)
+        assert e.value.code == "unimplemented" and "in place" in e.value.message
+
+        r = await client.pause_group(labels)
+        assert sorted(r["done"]) == sorted([a.id, b.id]) and not r["failed"], r
+        assert (await other.refresh()).state == "running"
+        o1 = await count(other)
+        await asyncio.sleep(0.4)
+        assert await count(other) > o1
+        for sb in (a, b):
+            assert (await sb.refresh()).state == "paused"
+        r = await client.resume_group(labels)
+        assert sorted(r["done"]) == sorted([a.id, b.id]), r
+        for sb in (a, b):
+            c0 = await count(sb)
+            await asyncio.sleep(0.4)
+            assert await count(sb) > c0
+        with pytest.raises(DSecError) as e:
+            await client.pause_group({})
+        assert e.value.code == "invalid_argument"
+    finally:
+        for sb in (a, b, other):
+            await sb.stop()
 
 
 async def test_ttl_stops_sandbox_and_set_timeout_extends_it(client):
