@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
+from conftest import cgroup_file, cgroup_mode, wait_for
 from opendsec import DSecClient, DSecRunArgs
 
 
@@ -260,3 +260,38 @@ async def test_vm_pause_to_disk_keeps_the_process_and_frees_the_host(client, nee
     finally:
         await sb.stop()
     assert wait_for(lambda: not qemu_processes(sb.id), timeout=10)
+
+
+def _cpu_seconds(sandbox_id: str) -> float:
+    if cgroup_mode() == "v2":
+        stat = cgroup_file("cpu", sandbox_id, "cpu.stat").read_text()
+        return int(stat.split("usage_usec")[1].split()[0]) / 1e6
+    return int(cgroup_file("cpuacct", sandbox_id, "cpuacct.usage").read_text()) / 1e9
+
+
+async def test_vm_limits_hold_for_qemu(client, need_qemu):
+    """QEMU runs in the sandbox's cgroup: a guest spinning on its one vCPU gets half a host
+    core with cpu_cores_limit=0.5, and the memory limit is the guest's plus QEMU's own."""
+    sb = await client.run_sandbox(DSecRunArgs(image="root/base", backend="vm", memory_limit_mb=256,
+                                              cpu_cores_limit=0.5))
+    try:
+        qemu = [p for p in qemu_processes(sb.id) if b"qemu-system" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert qemu, "no QEMU process"
+        mem_file = "memory.max" if cgroup_mode() == "v2" else "memory.limit_in_bytes"
+        procs = cgroup_file("memory", sb.id, "cgroup.procs").read_text().split()
+        assert str(qemu[0]) in procs, (qemu, procs)
+        limit = int(cgroup_file("memory", sb.id, mem_file).read_text())
+        # The guest gets memory_limit_mb plus a quarter of disk_limit_mb (its writable layer is
+        # a tmpfs in it); QEMU some hundreds of MiB.
+        assert (256 << 20) < limit <= (1024 << 20), limit
+        await sb.exec_background(cmd="while :; do :; done")
+        await asyncio_sleep(1)
+        t0, c0 = time.monotonic(), _cpu_seconds(sb.id)
+        await asyncio_sleep(3)
+        used = (_cpu_seconds(sb.id) - c0) / (time.monotonic() - t0)
+        print(f"\nvm with cpu_cores_limit=0.5, guest spinning: QEMU used {used:.2f} cores", flush=True)
+        assert 0.2 < used < 0.65, used
+    finally:
+        await sb.stop()
+    assert wait_for(lambda: not cgroup_file("memory", sb.id, "cgroup.procs").parent.exists(), timeout=10), \
+        "the VM's cgroup outlived it"

@@ -181,6 +181,7 @@ impl Edge {
             images.clone(),
             &cfg.state_dir.join("sandboxes"),
             &cfg.vm_ram_dir,
+            mode,
         ));
         let mut backends: BTreeMap<&'static str, Arc<dyn Backend>> = BTreeMap::new();
         backends.insert(container.name(), container);

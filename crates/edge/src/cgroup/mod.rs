@@ -1,8 +1,10 @@
 //! Cgroup mode detection and per-sandbox cgroup reads. The OCI runtime creates and limits
-//! the cgroups; the edge reads counters from them and removes what a runtime leaves.
+//! a container's cgroups; the edge reads counters from them and removes what a runtime
+//! leaves. A VM's cgroups the edge makes itself (`own.rs`).
 //! v1 (all controllers on v1), v2 (unified only) and hybrid (v1 controllers plus a
 //! cgroup2 mount at `unified/`) are siblings behind one interface.
 
+pub mod own;
 mod v1;
 mod v2;
 

@@ -21,6 +21,7 @@ mod qmp;
 use qmp::Qmp;
 
 use super::{Backend, SandboxPaths, SavedFile};
+use crate::cgroup::{self, CgroupMode};
 use crate::registry::SandboxRecord;
 
 /// How a VM's CPU is run.
@@ -69,7 +70,14 @@ pub struct VmBackend {
     ram_dir: PathBuf,
     /// The guest kernel and initramfs, found (or built) on the first create.
     boot: std::sync::Mutex<Option<(guest::Kernel, PathBuf)>>,
+    /// QEMU runs in the sandbox's cgroup (CPU quota, memory, pids).
+    cgroups: CgroupMode,
 }
+
+/// What QEMU itself needs beyond the guest's memory (device emulation, and under TCG the
+/// translated-code cache, capped with `tb-size`).
+const QEMU_OVERHEAD_MB: u64 = 256;
+const TCG_CACHE_MB: u64 = 128;
 
 fn find_qemu() -> Result<PathBuf, String> {
     for dir in ["/usr/bin", "/usr/local/bin", "/usr/libexec"] {
@@ -210,6 +218,7 @@ impl VmBackend {
         images: ImageStore,
         sandboxes: &Path,
         ram_dir: &Path,
+        cgroups: CgroupMode,
     ) -> VmBackend {
         VmBackend {
             qemu: find_qemu(),
@@ -219,6 +228,7 @@ impl VmBackend {
             sandboxes: sandboxes.to_path_buf(),
             ram_dir: ram_dir.to_path_buf(),
             boot: std::sync::Mutex::new(None),
+            cgroups,
         }
     }
 
@@ -289,11 +299,15 @@ impl VmBackend {
             rec.limits.disk_mb
         );
         let mut cmd = Command::new(qemu);
+        let accel = match self.accel {
+            Accel::Kvm => "kvm".to_string(),
+            Accel::Tcg => format!("tcg,tb-size={TCG_CACHE_MB}"),
+        };
         cmd.args([
             "-M",
             "microvm,memory-backend=mem",
             "-accel",
-            self.accel.as_str(),
+            &accel,
             "-cpu",
             "max",
         ])
@@ -361,6 +375,22 @@ impl VmBackend {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
+        // The sandbox's limits hold for QEMU as a whole, from its first allocation.
+        let overhead = QEMU_OVERHEAD_MB
+            + match self.accel {
+                Accel::Kvm => 0,
+                Accel::Tcg => TCG_CACHE_MB,
+            };
+        let procs = cgroup::own::create(
+            self.cgroups,
+            &cgroup::sandbox_cgroup_path(&rec.id),
+            &cgroup::own::Limits {
+                cpu_cores: rec.limits.cpu_cores,
+                memory_bytes: (info.mem_mb + overhead) << 20,
+                pids: 1024,
+            },
+        )?;
+        cgroup::own::join_before_exec(&mut cmd, &procs)?;
         // Never run the guest before the channel's host end is connected: output the
         // guest writes to an unconnected port stalls the port for good (QEMU throttles
         // it and has no socket to wait on), so QEMU starts stopped.
@@ -514,6 +544,17 @@ impl VmBackend {
         kill(&dir.join("vmux.pid"));
         for f in ["qemu.pid", "vmux.pid", "vm.chardev", "vm.wake", "vm.qmp"] {
             let _ = std::fs::remove_file(dir.join(f));
+        }
+        if let Some(id) = dir.file_name() {
+            let rel = cgroup::sandbox_cgroup_path(&id.to_string_lossy());
+            // QEMU's daemonised child can take a moment to leave its cgroup.
+            for _ in 0..50 {
+                cgroup::remove(self.cgroups, &rel);
+                if cgroup::leftovers(self.cgroups, &rel).is_empty() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
         }
     }
 
@@ -819,8 +860,10 @@ impl Backend for VmBackend {
         Ok(())
     }
 
-    fn oom_kills(&self, _rec: &SandboxRecord) -> u64 {
-        0
+    /// QEMU killed for going over the memory limit (the guest's own OOM killer acts
+    /// inside it first, on its memory).
+    fn oom_kills(&self, rec: &SandboxRecord) -> u64 {
+        cgroup::oom_kills(self.cgroups, &cgroup::sandbox_cgroup_path(&rec.id))
     }
 
     fn start_log(&self, paths: &SandboxPaths) -> Option<String> {
