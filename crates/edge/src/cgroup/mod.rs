@@ -102,6 +102,87 @@ pub fn remove(mode: CgroupMode, rel: &str) {
     }
 }
 
+/// Limits for a cgroup the edge makes itself (for a process no OCI runtime starts, such
+/// as a Firecracker VMM).
+#[derive(Debug, Clone, Copy)]
+pub struct LeafLimits {
+    pub memory_bytes: u64,
+    /// CPU time per 100 ms period, in microseconds (cores × 100 000).
+    pub cpu_quota_us: u64,
+}
+
+const CPU_PERIOD_US: u64 = 100_000;
+
+/// Makes the sandbox's cgroup `rel` in every hierarchy the limits need and sets them;
+/// returns the `cgroup.procs` files a process is moved into (by writing its pid, or `0`
+/// for the writer itself). On error what was made is removed again.
+pub fn create_leaf(
+    mode: CgroupMode,
+    rel: &str,
+    limits: LeafLimits,
+) -> Result<Vec<std::path::PathBuf>, String> {
+    let root = Path::new("/sys/fs/cgroup");
+    let rel = rel.trim_start_matches('/');
+    let mut files: Vec<(std::path::PathBuf, Vec<(&str, String)>)> = Vec::new();
+    match mode {
+        CgroupMode::V2 => {
+            // Controllers must be enabled on the way down for the limits to exist.
+            let mut at = root.to_path_buf();
+            for part in Path::new(rel).parent().into_iter().flat_map(|p| p.iter()) {
+                let _ = std::fs::write(at.join("cgroup.subtree_control"), "+memory +cpu +pids");
+                at = at.join(part);
+                let _ = std::fs::create_dir(&at);
+            }
+            let _ = std::fs::write(at.join("cgroup.subtree_control"), "+memory +cpu +pids");
+            files.push((
+                root.join(rel),
+                vec![
+                    ("memory.max", limits.memory_bytes.to_string()),
+                    (
+                        "cpu.max",
+                        format!("{} {CPU_PERIOD_US}", limits.cpu_quota_us.max(1000)),
+                    ),
+                ],
+            ));
+        }
+        CgroupMode::V1 | CgroupMode::Hybrid => {
+            files.push((
+                root.join("memory").join(rel),
+                vec![("memory.limit_in_bytes", limits.memory_bytes.to_string())],
+            ));
+            files.push((
+                root.join("cpu").join(rel),
+                vec![
+                    ("cpu.cfs_period_us", CPU_PERIOD_US.to_string()),
+                    (
+                        "cpu.cfs_quota_us",
+                        limits.cpu_quota_us.max(1000).to_string(),
+                    ),
+                ],
+            ));
+            files.push((root.join("pids").join(rel), Vec::new()));
+        }
+    }
+    let mut procs = Vec::new();
+    for (dir, settings) in &files {
+        let made = std::fs::create_dir_all(dir)
+            .map_err(|e| format!("creating cgroup {}: {e}", dir.display()))
+            .and_then(|()| {
+                for (k, v) in settings {
+                    std::fs::write(dir.join(k), v)
+                        .map_err(|e| format!("setting {}/{k} to {v}: {e}", dir.display()))?;
+                }
+                Ok(())
+            });
+        if let Err(e) = made {
+            remove(mode, &format!("/{rel}"));
+            return Err(e);
+        }
+        procs.push(dir.join("cgroup.procs"));
+    }
+    Ok(procs)
+}
+
 /// Removes the shared parent cgroups once no sandbox uses them (at shutdown; during
 /// operation a concurrent create may be about to use them).
 pub fn remove_parents(mode: CgroupMode) {
