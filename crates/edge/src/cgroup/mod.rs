@@ -213,6 +213,47 @@ mod tests {
     }
 
     #[test]
+    fn a_leaf_gets_its_limits_and_is_removed() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: making cgroups needs root");
+            return;
+        }
+        let mode = detect();
+        let mut r = [0u8; 4];
+        dsec_common::id::fill_random(&mut r);
+        let rel = format!("/dsec-test-{}", hex::encode(r));
+        let limits = LeafLimits {
+            memory_bytes: 256 << 20,
+            cpu_quota_us: 50_000,
+        };
+        let procs = match create_leaf(mode, &rel, limits) {
+            Ok(p) => p,
+            Err(e) if e.contains("Read-only") || e.contains("Permission denied") => {
+                eprintln!("skipped: cgroups are not writable here: {e}");
+                return;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        assert!(
+            !procs.is_empty() && procs.iter().all(|p| p.exists()),
+            "{procs:?}"
+        );
+        let mem = match mode {
+            CgroupMode::V2 => Path::new("/sys/fs/cgroup")
+                .join(&rel[1..])
+                .join("memory.max"),
+            _ => Path::new("/sys/fs/cgroup/memory")
+                .join(&rel[1..])
+                .join("memory.limit_in_bytes"),
+        };
+        let got = std::fs::read_to_string(&mem).unwrap_or_default();
+        remove(mode, &rel);
+        assert_eq!(got.trim(), (256u64 << 20).to_string());
+        assert!(leftovers(mode, &rel).is_empty());
+    }
+
+    #[test]
     fn parses_counters() {
         assert_eq!(
             v1::parse_oom_control("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n"),

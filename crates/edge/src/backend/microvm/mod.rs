@@ -1024,4 +1024,123 @@ mod tests {
                 .starts_with("backend microvm cannot run on this host: ")
         );
     }
+
+    /// A stand-in Firecracker: answers `--version`, and otherwise serves 204s on its
+    /// `--api-sock`, logging each request line and its own argv.
+    const FAKE_FIRECRACKER: &str = r#"#!/usr/bin/env python3
+import os, socket, sys
+if sys.argv[1:2] == ["--version"]:
+    print("Firecracker v1.16.1"); sys.exit(0)
+if sys.argv[1:2] == ["--snapshot-version"]:
+    print("v10.0.0"); sys.exit(0)
+here = os.path.dirname(os.path.abspath(__file__))
+open(os.path.join(here, "argv"), "w").write(" ".join(sys.argv[1:]))
+sock = sys.argv[sys.argv.index("--api-sock") + 1]
+s = socket.socket(socket.AF_UNIX); s.bind(sock); s.listen(8)
+while True:
+    c, _ = s.accept(); f = c.makefile("rb")
+    line = f.readline().decode(); n = 0
+    while True:
+        h = f.readline().decode()
+        if h in ("\r\n", ""): break
+        if h.lower().startswith("content-length:"): n = int(h.split(":")[1])
+    f.read(n)
+    with open(os.path.join(here, "calls"), "a") as log: log.write(" ".join(line.split()[:2]) + "\n")
+    if line.startswith("GET"):
+        c.sendall(b"HTTP/1.1 200 \r\nContent-Length: 2\r\n\r\n{}")
+    else:
+        c.sendall(b"HTTP/1.1 204 \r\n\r\n")
+    c.close()
+"#;
+
+    fn netns_inode(path: &Path) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(path).map(|m| m.ino()).unwrap_or(0)
+    }
+
+    #[test]
+    fn the_vmm_starts_in_its_namespace_and_cgroup_and_is_cleaned_up() {
+        use std::os::unix::fs::PermissionsExt;
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 || !Path::new("/usr/bin/python3").exists() {
+            eprintln!("skipped: needs root and python3");
+            return;
+        }
+        let d = tempfile::tempdir().unwrap();
+        let bin_dir = d.path().join("bin");
+        std::fs::create_dir_all(&bin_dir).unwrap();
+        let fake = bin_dir.join("firecracker");
+        std::fs::write(&fake, FAKE_FIRECRACKER).unwrap();
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let b = MicrovmBackend::new(
+            &MicrovmConfig {
+                binary: Some(fake.clone()),
+                diff_snapshots: false,
+            },
+            Ok(PathBuf::from("/bin/true")),
+            ImageStore::open(d.path().join("images")).unwrap(),
+            &d.path().join("sandboxes"),
+            &d.path().join("ram"),
+            crate::cgroup::detect(),
+        );
+        let fc =
+            b.fc.as_ref()
+                .expect("the stand-in passes the probe")
+                .clone();
+        let mut r = [0u8; 4];
+        dsec_common::id::fill_random(&mut r);
+        let id = format!("t-{}", hex::encode(r));
+        let rec: SandboxRecord = serde_json::from_value(json!({
+            "id": id, "edge": "t", "backend": "microvm", "image": "root/base",
+            "image_digest": "", "layers": [], "env": {}, "workdir": null,
+            "limits": {"cpu_cores": 1.0, "memory_mb": 128, "disk_mb": 64, "pids": 64},
+            "labels": {}, "state": "creating", "created_at_ms": 0, "expires_at_ms": 0,
+            "idle_timeout_seconds": null, "last_activity_ms": 0, "forked_from": null,
+            "oom_kills": 0
+        }))
+        .unwrap();
+        let dir = d.path().join("sandboxes").join(&id);
+        std::fs::create_dir_all(&dir).unwrap();
+        let paths = SandboxPaths {
+            channel: dir.join("aether.sock"),
+            dir: dir.clone(),
+        };
+        /// Destroys the sandbox however the test ends.
+        struct Cleanup<'a>(&'a MicrovmBackend, &'a SandboxRecord, &'a SandboxPaths);
+        impl Drop for Cleanup<'_> {
+            fn drop(&mut self) {
+                let _ = self.0.destroy(self.1, self.2);
+            }
+        }
+        let _cleanup = Cleanup(&b, &rec, &paths);
+
+        let c = b.spawn_vmm(&fc, &rec, &paths, 128).unwrap();
+        pause_call(&c).unwrap();
+        let pid = read_pid(&dir.join(FC_PID)).unwrap();
+        assert!(alive(pid));
+        let ns = netns::name(&id);
+        assert_eq!(
+            netns_inode(&PathBuf::from(format!("/proc/{pid}/ns/net"))),
+            netns_inode(&netns::path(&ns)),
+            "Firecracker is not in its namespace"
+        );
+        let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+        assert!(cg.contains(&format!("/dsec/{id}")), "{cg}");
+        let argv = std::fs::read_to_string(bin_dir.join("argv")).unwrap();
+        assert!(
+            argv.contains("--api-sock") && argv.contains(&format!("--id {id}")),
+            "{argv}"
+        );
+        assert!(!argv.contains("seccomp"), "{argv}");
+        let calls = std::fs::read_to_string(bin_dir.join("calls")).unwrap();
+        assert_eq!(calls, "GET /\nPATCH /vm\n");
+
+        b.destroy(&rec, &paths).unwrap();
+        assert!(!alive(pid), "Firecracker outlived destroy");
+        assert!(!netns::exists(&ns));
+        assert!(
+            crate::cgroup::leftovers(b.mode, &crate::cgroup::sandbox_cgroup_path(&id)).is_empty()
+        );
+        assert!(!dir.join(API_SOCK).exists() && !dir.join(FC_PID).exists());
+    }
 }
