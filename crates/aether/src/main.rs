@@ -14,6 +14,7 @@ mod process;
 mod session;
 mod user;
 mod vm;
+mod vsock;
 mod watch;
 
 use std::io::{BufRead, BufReader, BufWriter, Read, Write};
@@ -61,6 +62,21 @@ fn main() {
             }
             return;
         }
+        Some("vsockproxy") => {
+            let (Some(listen), Some(fc_uds), Some(port)) = (args.get(2), args.get(3), args.get(4))
+            else {
+                eprintln!(
+                    "usage: dsec-aether vsockproxy LISTEN_SOCKET FIRECRACKER_VSOCK_SOCKET PORT [FIRECRACKER_PID]"
+                );
+                std::process::exit(2);
+            };
+            if let Err(e) = vsock::proxy_main(listen, fc_uds, port, args.get(5).map(String::as_str))
+            {
+                eprintln!("dsec-aether vsockproxy: {e}");
+                std::process::exit(1);
+            }
+            return;
+        }
         _ => {}
     }
     // SAFETY: plain prctl/fcntl calls on our own process and fd.
@@ -70,7 +86,7 @@ fn main() {
         libc::signal(libc::SIGPIPE, libc::SIG_IGN);
         libc::fcntl(LISTEN_FD, libc::F_SETFD, libc::FD_CLOEXEC) == 0
     };
-    // Without a socket on fd 3 only a VM's init has a channel (its virtio-serial port).
+    // Without a socket on fd 3 only a VM's init has a channel (virtio-serial or vsock).
     if !have_socket && std::process::id() != 1 {
         eprintln!("dsec-aether: no channel socket on fd {LISTEN_FD}; started outside a sandbox?");
         std::process::exit(2);

@@ -4,7 +4,8 @@
 //! `dsec_common::vmux`) like a connection on fd 3. On the host, `dsec-aether vmux LISTEN
 //! CHARDEV` runs next to QEMU: it accepts the edge's connections on the sandbox's usual
 //! `aether.sock` and carries each one over QEMU's chardev socket, so the edge talks to a
-//! VM exactly as to a container, and the VM outlives a restart of the edge.
+//! VM exactly as to a container, and the VM outlives a restart of the edge. A Firecracker
+//! guest uses vsock instead (see `vsock.rs`).
 
 use std::fs::File;
 use std::io::{self, Read, Write};
@@ -109,9 +110,15 @@ fn decode_hex(s: &str) -> Result<Vec<u8>, String> {
         .collect()
 }
 
-/// Guest init: serves the channel over the virtio-serial port until the VM ends.
+/// Guest init: serves the channel until the VM ends, over vsock when the kernel command
+/// line says `dsec.channel=vsock` (Firecracker), else over the virtio-serial port (QEMU).
 pub fn guest_main(serve: impl Fn(UnixStream) + Send + Sync + Clone + 'static) -> ! {
     prepare_guest();
+    let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
+    if dsec_common::vsock::channel_from_cmdline(&cmdline) == dsec_common::vsock::GuestChannel::Vsock
+    {
+        crate::vsock::guest_main(serve);
+    }
     let t0 = Instant::now();
     let path = loop {
         if let Some(p) = find_port() {

@@ -8,5 +8,6 @@ pub mod error;
 pub mod id;
 pub mod tree;
 pub mod vmux;
+pub mod vsock;
 
 pub use error::{ApiError, ErrorCode};

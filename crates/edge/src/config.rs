@@ -39,6 +39,15 @@ pub struct EdgeConfig {
     /// Where VM memory files live: a tmpfs, so a VM's memory is RAM and fork copies can
     /// map a snapshot of it copy-on-write.
     pub vm_ram_dir: PathBuf,
+    /// The Firecracker binary for the `microvm` backend (v1.16 or a later v1 release);
+    /// empty: `firecracker` on PATH, in /usr/local/bin or /usr/bin. Its version is probed
+    /// at start; without it (or without hardware KVM) the backend reports unavailable.
+    pub firecracker_binary: Option<PathBuf>,
+    /// `microvm` fork snapshots: false (default) writes all guest memory each time (Full);
+    /// true tracks dirty pages and writes only those changed since the VM's last snapshot
+    /// or load (Diff, laid over a copy of that memory). Firecracker calls Diff snapshots a
+    /// developer preview.
+    pub firecracker_diff_snapshots: bool,
 }
 
 /// Each sandbox gets a network namespace with a veth to the node, an address from `pool`,
@@ -114,6 +123,8 @@ impl Default for EdgeConfig {
             default_exec_timeout_seconds: 600.0,
             network: NetworkConfig::default(),
             vm_ram_dir: PathBuf::from("/dev/shm/dsec-vm"),
+            firecracker_binary: None,
+            firecracker_diff_snapshots: false,
         }
     }
 }

@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 
 use dsec_common::ApiError;
 use dsec_common::api::{
-    BackendStatus, CreateSandboxRequest, ExecRequest, ExecResult, ForkRequest, ForkResponse,
-    NodeStatus, SandboxInfo, SandboxState,
+    CreateSandboxRequest, ExecRequest, ExecResult, ForkRequest, ForkResponse, NodeStatus,
+    SandboxInfo, SandboxState,
 };
 use dsec_common::channel::{Request, Response};
 use dsec_common::id::SandboxId;
@@ -34,27 +34,6 @@ use backend::container::ContainerBackend;
 use backend::{Backend, SandboxPaths};
 pub use config::EdgeConfig;
 use registry::{Registry, SandboxRecord, now_ms};
-
-/// VM backends the API names but this build does not include yet; requests for them get a
-/// clear "unavailable" with what the host would need.
-struct Planned {
-    name: &'static str,
-    needs: &'static str,
-}
-
-const PLANNED_BACKENDS: &[Planned] = &[Planned {
-    name: "microvm",
-    needs: "hardware KVM and a firecracker binary",
-}];
-
-impl Planned {
-    fn detail(&self) -> String {
-        format!(
-            "not included in this build yet (it will need {})",
-            self.needs
-        )
-    }
-}
 
 /// The quota gate: every sandbox holds a reservation in its project from before it starts
 /// until it is gone (stopped, expired, dead). IAM implements it.
@@ -183,9 +162,21 @@ impl Edge {
             &cfg.vm_ram_dir,
             mode,
         ));
+        let microvm: Arc<dyn Backend> = Arc::new(backend::microvm::MicrovmBackend::new(
+            &backend::microvm::MicrovmConfig {
+                binary: cfg.firecracker_binary.clone(),
+                diff_snapshots: cfg.firecracker_diff_snapshots,
+            },
+            backend::container::find_aether(cfg.aether_binary.as_deref()),
+            images.clone(),
+            &cfg.state_dir.join("sandboxes"),
+            &cfg.vm_ram_dir,
+            mode,
+        ));
         let mut backends: BTreeMap<&'static str, Arc<dyn Backend>> = BTreeMap::new();
         backends.insert(container.name(), container);
         backends.insert(vm.name(), vm);
+        backends.insert(microvm.name(), microvm);
         let (net_cfg, state_dir) = (cfg.network.clone(), cfg.state_dir.clone());
         let network = blocking(move || net::Network::start(&net_cfg, &state_dir))
             .await?
@@ -323,13 +314,6 @@ impl Edge {
     }
 
     fn backend(&self, name: &str) -> Result<Arc<dyn Backend>, ApiError> {
-        if let Some(p) = PLANNED_BACKENDS.iter().find(|p| p.name == name) {
-            return Err(ApiError::unavailable(format!(
-                "backend {name} is not available on node {}: {}; use backend=\"container\"",
-                self.cfg.name,
-                p.detail()
-            )));
-        }
         let b = self.backends.get(name).cloned().ok_or_else(|| {
             ApiError::invalid(format!(
                 "unknown backend {name:?}; this node offers: {}",
@@ -407,12 +391,13 @@ impl Edge {
         &self,
         req: &CreateSandboxRequest,
     ) -> Result<Option<registry::NetRecord>, ApiError> {
-        if req.backend == "vm" {
-            // A VM has no network device yet: it gets loopback only.
+        if req.backend == "vm" || req.backend == "microvm" {
+            // A VM has no uplink yet: loopback only (a microVM's tap leads nowhere else).
             if req.network_rules.values().any(|v| *v) {
-                return Err(ApiError::unimplemented(
-                    "network_rules are not supported for backend \"vm\" yet (its sandboxes have loopback only); use backend \"container\" for egress",
-                ));
+                return Err(ApiError::unimplemented(format!(
+                    "network_rules are not supported for backend {:?} yet (its sandboxes have no egress); use backend \"container\" for egress",
+                    req.backend
+                )));
             }
             return Ok(None);
         }
@@ -994,16 +979,7 @@ impl Edge {
         NodeStatus {
             name: self.cfg.name.clone(),
             healthy: true,
-            backends: self
-                .backends
-                .values()
-                .map(|b| b.status())
-                .chain(PLANNED_BACKENDS.iter().map(|p| BackendStatus {
-                    name: p.name.into(),
-                    available: false,
-                    detail: p.detail(),
-                }))
-                .collect(),
+            backends: self.backends.values().map(|b| b.status()).collect(),
             cgroup_mode: self.mode.as_str().into(),
             cpus: host::cpus(),
             memory_total_mb: total,

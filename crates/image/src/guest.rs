@@ -4,12 +4,14 @@
 //! ```text
 //! guest/kernel-<release>/vmlinuz                 from linux-image-<release> (the package
 //! guest/kernel-<release>/modules/<name>.ko         behind linux-image-cloud-amd64)
+//! guest/kernel-<release>/vmlinux                 the ELF kernel inside vmlinuz (Firecracker)
 //! guest/kernel-<release>/kernel.json             release, package version, sha256 of vmlinuz
 //! guest/kernel-<release>/initramfs-<hash>.cpio.gz busybox + the modules + /init
 //! guest/disks/<key>.ext4                         an image's layers + aether as a raw ext4 disk
 //! ```
 //!
-//! The initramfs `/init` loads the virtio modules, mounts `/dev/vda` (ext4) read-only under
+//! The initramfs `/init` loads the virtio modules (and, with `dsec.channel=vsock` on the
+//! command line, the vsock ones), mounts `/dev/vda` (ext4) read-only under
 //! an overlayfs whose upper layer is a tmpfs, prints `dsec-guest: root ready` and
 //! `switch_root`s into the program named by `dsec.init=` on the kernel command line
 //! (default `/.dsec/aether`), passing it the words after `--` on the command line.
@@ -52,6 +54,14 @@ pub const GUEST_MODULES: &[&str] = &[
     "overlay",
 ];
 
+/// Modules for the channel over vsock (Firecracker), loaded after [`GUEST_MODULES`] only
+/// when the command line says `dsec.channel=vsock`, so QEMU guests boot as before.
+pub const VSOCK_MODULES: &[&str] = &[
+    "vsock",
+    "vmw_vsock_virtio_transport_common",
+    "vmw_vsock_virtio_transport",
+];
+
 /// Without these the guest cannot mount its root, so a kernel package lacking them is
 /// refused rather than cached.
 const REQUIRED_MODULES: &[&str] = &[
@@ -88,6 +98,9 @@ const INITRAMFS_APPLETS: &[&str] = &[
 /// not reused.
 const INITRAMFS_FORMAT: &str = "dsec-initramfs-v1";
 const ROOT_DISK_FORMAT: &str = "dsec-root-disk-v1";
+/// Bumped whenever the set of modules taken from the kernel package changes: a cached
+/// kernel of another format is unpacked again.
+const KERNEL_FORMAT: &str = "dsec-kernel-v2";
 
 /// A guest kernel unpacked into the store.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -113,6 +126,9 @@ struct KernelJson {
     vmlinuz_sha256: String,
     /// Module names, in `insmod` order; each is `modules/<name>.ko`.
     modules: Vec<String>,
+    /// [`KERNEL_FORMAT`] when it was unpacked (absent in the first format).
+    #[serde(default)]
+    format: String,
 }
 
 fn guest_dir(store_root: &Path) -> PathBuf {
@@ -297,6 +313,9 @@ fn load_kernel(dir: &Path) -> Result<Option<Kernel>, ImageError> {
     };
     let k: KernelJson =
         serde_json::from_slice(&bytes).map_err(|e| damaged(format!("kernel.json: {e}")))?;
+    if k.format != KERNEL_FORMAT {
+        return Ok(None);
+    }
     let vmlinuz = dir.join("vmlinuz");
     let sha = sha256_file(&vmlinuz).map_err(|e| damaged(e.to_string()))?;
     if sha != k.vmlinuz_sha256 {
@@ -499,7 +518,7 @@ pub fn ensure_kernel(store_root: &Path) -> Result<Kernel, ImageError> {
     let available = find_modules(&modroot.join("kernel"))?;
     let builtin = builtin_modules(&modroot);
     let mut names = Vec::new();
-    for m in GUEST_MODULES {
+    for m in GUEST_MODULES.iter().chain(VSOCK_MODULES) {
         let key = module_key(m);
         match available.get(&key) {
             Some(src) => {
@@ -524,11 +543,20 @@ pub fn ensure_kernel(store_root: &Path) -> Result<Kernel, ImageError> {
         package_version: package_version.clone(),
         vmlinuz_sha256: sha256_file(&vmlinuz)?,
         modules: names,
+        format: KERNEL_FORMAT.into(),
     };
     let bytes = serde_json::to_vec_pretty(&json)
         .map_err(|e| build_err(format!("encoding kernel.json: {e}")))?;
     std::fs::write(out.join("kernel.json"), bytes).ctx(|| "writing kernel.json".into())?;
 
+    // A cache entry of an older format is moved aside (VMs still running from its files
+    // keep them open) and removed.
+    if dir.join("kernel.json").is_file() && load_kernel(&dir).ok().flatten().is_none() {
+        let old = parent.join(format!(".old-kernel-{release}-{}", random_hex()));
+        if std::fs::rename(&dir, &old).is_ok() {
+            let _ = remove_tree(&old);
+        }
+    }
     match std::fs::rename(&out, &dir) {
         Ok(()) => {}
         // Someone else finished the same kernel first: theirs is as good as ours.
@@ -548,6 +576,7 @@ pub fn ensure_kernel(store_root: &Path) -> Result<Kernel, ImageError> {
 /// The `/init` script of the initramfs.
 fn init_script() -> String {
     let modules = GUEST_MODULES.join(" ");
+    let vsock_modules = VSOCK_MODULES.join(" ");
     format!(
         r#"#!/bin/sh
 # OpenDsec guest init: load the virtio modules, mount the root disk read-only under an
@@ -569,6 +598,7 @@ fail() {{
 init={AETHER_GUEST_PATH}
 root=/dev/vda
 rootfstype=ext4
+channel=virtio-serial
 set -f
 read -r cmdline < /proc/cmdline
 for arg in $cmdline; do
@@ -577,6 +607,7 @@ for arg in $cmdline; do
         dsec.init=*) init="${{arg#dsec.init=}}" ;;
         dsec.root=*) root="${{arg#dsec.root=}}" ;;
         dsec.rootfstype=*) rootfstype="${{arg#dsec.rootfstype=}}" ;;
+        dsec.channel=*) channel="${{arg#dsec.channel=}}" ;;
     esac
 done
 set +f
@@ -586,6 +617,13 @@ for m in {modules}; do
         insmod /lib/modules/$m.ko || echo "dsec-guest: warning: insmod $m failed"
     fi
 done
+if [ "$channel" = vsock ]; then
+    for m in {vsock_modules}; do
+        if [ -f /lib/modules/$m.ko ]; then
+            insmod /lib/modules/$m.ko || echo "dsec-guest: warning: insmod $m failed"
+        fi
+    done
+fi
 
 i=0
 while [ ! -b "$root" ]; do
@@ -734,6 +772,33 @@ pub fn ensure_initramfs(store_root: &Path, kernel: &Kernel) -> Result<PathBuf, I
     std::fs::rename(tmp.path(), &dest).ctx(|| format!("writing {}", dest.display()))?;
     tmp.keep();
     tracing::info!("initramfs cached at {}", dest.display());
+    Ok(dest)
+}
+
+/// The uncompressed ELF kernel of `kernel` (`<kernel dir>/vmlinux`), extracted from its
+/// bzImage on first use: Firecracker boots only ELF kernels.
+pub fn ensure_vmlinux(kernel: &Kernel) -> Result<PathBuf, ImageError> {
+    let dest = kernel.dir.join("vmlinux");
+    if dest.is_file() {
+        return Ok(dest);
+    }
+    let bz =
+        std::fs::read(&kernel.vmlinuz).ctx(|| format!("reading {}", kernel.vmlinuz.display()))?;
+    let elf = crate::vmlinux::extract(&bz).map_err(|e| {
+        build_err(format!(
+            "extracting vmlinux from {}: {e}",
+            kernel.vmlinuz.display()
+        ))
+    })?;
+    let tmp = TempPath::new(kernel.dir.join(format!(".tmp-vmlinux-{}", random_hex())));
+    std::fs::write(tmp.path(), &elf).ctx(|| format!("writing {}", tmp.path().display()))?;
+    std::fs::rename(tmp.path(), &dest).ctx(|| format!("writing {}", dest.display()))?;
+    tmp.keep();
+    tracing::info!(
+        "vmlinux ({} MiB) extracted to {}",
+        elf.len() >> 20,
+        dest.display()
+    );
     Ok(dest)
 }
 

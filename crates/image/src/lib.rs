@@ -17,8 +17,11 @@ pub mod guest;
 pub mod import;
 pub mod reference;
 pub mod store;
+pub mod vmlinux;
 
-pub use guest::{DiskSource, Kernel, ensure_initramfs, ensure_kernel, ensure_root_disk};
+pub use guest::{
+    DiskSource, Kernel, ensure_initramfs, ensure_kernel, ensure_root_disk, ensure_vmlinux,
+};
 pub use reference::ImageRef;
 pub use store::{ImageStore, Manifest};
 

@@ -1,8 +1,9 @@
-//! The backend interface every engine implements (containers now; QEMU and Firecracker
-//! VMs next). Methods block (they drive external runtimes); the edge calls them off the
+//! The backend interface every engine implements: containers, QEMU VMs and Firecracker
+//! microVMs. Methods block (they drive external runtimes); the edge calls them off the
 //! async workers.
 
 pub mod container;
+pub mod microvm;
 pub mod vm;
 
 use std::path::{Path, PathBuf};

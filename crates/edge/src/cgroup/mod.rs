@@ -8,6 +8,8 @@ pub mod own;
 mod v1;
 mod v2;
 
+pub use own::{LeafLimits, create_leaf};
+
 use std::path::Path;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,142 +1,135 @@
-//! Cgroups the edge makes itself, for processes no OCI runtime starts (a VM's QEMU): the
-//! sandbox's CPU, memory and pids limits on the process that runs it.
+//! Cgroups the edge makes itself, for processes no OCI runtime starts (a VM's QEMU, a
+//! Firecracker VMM): the sandbox's CPU, memory and pids limits on the process that runs it.
 
-use std::ffi::CString;
-use std::os::unix::ffi::OsStrExt;
-use std::path::{Path, PathBuf};
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::Path;
 use std::process::Command;
 
 use super::CgroupMode;
 
-const ROOT: &str = "/sys/fs/cgroup";
-/// The CFS period the CPU quota is a share of.
-const PERIOD_US: u64 = 100_000;
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct Limits {
-    pub cpu_cores: f64,
+/// Limits for a cgroup the edge makes itself (for a process no OCI runtime starts, such
+/// as a Firecracker VMM).
+#[derive(Debug, Clone, Copy)]
+pub struct LeafLimits {
     pub memory_bytes: u64,
+    /// CPU time per 100 ms period, in microseconds (cores × 100 000).
+    pub cpu_quota_us: u64,
+    /// Most processes and threads.
     pub pids: u64,
 }
 
-fn quota_us(cores: f64) -> u64 {
-    ((cores * PERIOD_US as f64) as u64).max(1000)
-}
+const CPU_PERIOD_US: u64 = 100_000;
 
-fn write(dir: &Path, file: &str, value: &str) -> Result<(), String> {
-    std::fs::write(dir.join(file), value)
-        .map_err(|e| format!("setting {}/{file} to {value}: {e}", dir.display()))
-}
-
-fn mkdir(dir: &Path) -> Result<(), String> {
-    std::fs::create_dir_all(dir).map_err(|e| format!("creating cgroup {}: {e}", dir.display()))
-}
-
-/// Creates cgroup `rel` (e.g. `/dsec/<id>`) in every hierarchy that has a limit to set,
-/// sets the limits, and returns the `cgroup.procs` files a process joins.
-pub fn create(mode: CgroupMode, rel: &str, l: &Limits) -> Result<Vec<PathBuf>, String> {
+/// Makes the sandbox's cgroup `rel` in every hierarchy the limits need and sets them;
+/// returns the `cgroup.procs` files a process is moved into (by writing its pid, or `0`
+/// for the writer itself). On error what was made is removed again.
+pub fn create_leaf(
+    mode: CgroupMode,
+    rel: &str,
+    limits: LeafLimits,
+) -> Result<Vec<std::path::PathBuf>, String> {
+    let root = Path::new("/sys/fs/cgroup");
     let rel = rel.trim_start_matches('/');
+    let mut files: Vec<(std::path::PathBuf, Vec<(&str, String)>)> = Vec::new();
     match mode {
         CgroupMode::V2 => {
-            let root = PathBuf::from(ROOT);
-            let dir = root.join(rel);
-            // Each level down to the sandbox hands the controllers on.
-            let mut at = root.clone();
-            for part in Path::new(rel)
-                .parent()
-                .into_iter()
-                .flat_map(|p| p.components())
-            {
-                write(&at, "cgroup.subtree_control", "+cpu +memory +pids")?;
+            // Controllers must be enabled on the way down for the limits to exist.
+            let mut at = root.to_path_buf();
+            for part in Path::new(rel).parent().into_iter().flat_map(|p| p.iter()) {
+                let _ = std::fs::write(at.join("cgroup.subtree_control"), "+memory +cpu +pids");
                 at = at.join(part);
-                mkdir(&at)?;
+                let _ = std::fs::create_dir(&at);
             }
-            write(&at, "cgroup.subtree_control", "+cpu +memory +pids")?;
-            mkdir(&dir)?;
-            write(
-                &dir,
-                "cpu.max",
-                &format!("{} {PERIOD_US}", quota_us(l.cpu_cores)),
-            )?;
-            write(&dir, "memory.max", &l.memory_bytes.to_string())?;
-            write(&dir, "pids.max", &l.pids.to_string())?;
-            Ok(vec![dir.join("cgroup.procs")])
+            let _ = std::fs::write(at.join("cgroup.subtree_control"), "+memory +cpu +pids");
+            files.push((
+                root.join(rel),
+                vec![
+                    ("memory.max", limits.memory_bytes.to_string()),
+                    (
+                        "cpu.max",
+                        format!("{} {CPU_PERIOD_US}", limits.cpu_quota_us.max(1000)),
+                    ),
+                    ("pids.max", limits.pids.to_string()),
+                ],
+            ));
         }
         CgroupMode::V1 | CgroupMode::Hybrid => {
-            let mut procs = Vec::new();
-            let quota = quota_us(l.cpu_cores).to_string();
-            let mem = l.memory_bytes.to_string();
-            let pids = l.pids.to_string();
-            let period = PERIOD_US.to_string();
-            let settings: [(&str, Vec<(&str, &str)>); 4] = [
-                (
-                    "cpu",
-                    vec![("cpu.cfs_period_us", &period), ("cpu.cfs_quota_us", &quota)],
-                ),
-                ("cpuacct", vec![]),
-                ("memory", vec![("memory.limit_in_bytes", &mem)]),
-                ("pids", vec![("pids.max", &pids)]),
-            ];
-            for (controller, files) in settings {
-                let dir = PathBuf::from(ROOT).join(controller).join(rel);
-                if !PathBuf::from(ROOT).join(controller).is_dir() {
-                    if files.is_empty() {
-                        continue;
-                    }
-                    return Err(format!("the {controller} cgroup controller is not mounted"));
-                }
-                mkdir(&dir)?;
-                for (f, v) in files {
-                    write(&dir, f, v)?;
-                }
-                let p = dir.join("cgroup.procs");
-                // cpu and cpuacct may be one hierarchy under two names.
-                if !procs.iter().any(|q: &PathBuf| same_file(q, &p)) {
-                    procs.push(p);
-                }
+            files.push((
+                root.join("memory").join(rel),
+                vec![("memory.limit_in_bytes", limits.memory_bytes.to_string())],
+            ));
+            files.push((
+                root.join("cpu").join(rel),
+                vec![
+                    ("cpu.cfs_period_us", CPU_PERIOD_US.to_string()),
+                    (
+                        "cpu.cfs_quota_us",
+                        limits.cpu_quota_us.max(1000).to_string(),
+                    ),
+                ],
+            ));
+            files.push((
+                root.join("pids").join(rel),
+                vec![("pids.max", limits.pids.to_string())],
+            ));
+            // CPU time is read from cpuacct where it is a hierarchy of its own.
+            if !same_dir(&root.join("cpu"), &root.join("cpuacct")) && root.join("cpuacct").is_dir()
+            {
+                files.push((root.join("cpuacct").join(rel), Vec::new()));
             }
-            Ok(procs)
         }
     }
+    let mut procs = Vec::new();
+    for (dir, settings) in &files {
+        let made = std::fs::create_dir_all(dir)
+            .map_err(|e| format!("creating cgroup {}: {e}", dir.display()))
+            .and_then(|()| {
+                for (k, v) in settings {
+                    std::fs::write(dir.join(k), v)
+                        .map_err(|e| format!("setting {}/{k} to {v}: {e}", dir.display()))?;
+                }
+                Ok(())
+            });
+        if let Err(e) = made {
+            super::remove(mode, &format!("/{rel}"));
+            return Err(e);
+        }
+        procs.push(dir.join("cgroup.procs"));
+    }
+    Ok(procs)
 }
 
-fn same_file(a: &Path, b: &Path) -> bool {
+fn same_dir(a: &Path, b: &Path) -> bool {
     match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
         (Ok(a), Ok(b)) => a == b,
         _ => false,
     }
 }
 
-/// Makes the process `cmd` starts join `procs` before it runs anything, so all of its
-/// memory is counted from the start.
-pub fn join_before_exec(cmd: &mut Command, procs: &[PathBuf]) -> Result<(), String> {
-    let paths: Vec<CString> = procs
+/// CPU time per period for `cores`.
+pub fn quota_us(cores: f64) -> u64 {
+    ((cores.max(0.0) * CPU_PERIOD_US as f64) as u64).max(1000)
+}
+
+/// Makes the process `cmd` starts join the cgroups whose `cgroup.procs` files are `procs`
+/// before it runs anything, so all of its memory is counted from the start.
+pub fn join_before_exec(cmd: &mut Command, procs: &[std::path::PathBuf]) -> Result<(), String> {
+    let files: Vec<File> = procs
         .iter()
-        .map(|p| CString::new(p.as_os_str().as_bytes()).map_err(|e| e.to_string()))
+        .map(|p| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(p)
+                .map_err(|e| format!("opening {}: {e}", p.display()))
+        })
         .collect::<Result<_, _>>()?;
-    // SAFETY: between fork and exec only async-signal-safe calls (getpid, open, write,
-    // close) on memory prepared before the fork.
+    // SAFETY: between fork and exec only write(2) on fds opened above; writing "0" moves
+    // the writer, i.e. the child. The files stay open in the closure until it is dropped.
     unsafe {
         std::os::unix::process::CommandExt::pre_exec(cmd, move || {
-            let mut buf = [0u8; 20];
-            let mut n = libc::getpid() as u64;
-            let mut i = buf.len();
-            loop {
-                i -= 1;
-                buf[i] = b'0' + (n % 10) as u8;
-                n /= 10;
-                if n == 0 {
-                    break;
-                }
-            }
-            for p in &paths {
-                let fd = libc::open(p.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                if fd < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                let w = libc::write(fd, buf[i..].as_ptr().cast(), buf.len() - i);
-                libc::close(fd);
-                if w < 0 {
+            for f in &files {
+                if libc::write(f.as_raw_fd(), b"0".as_ptr().cast(), 1) != 1 {
                     return Err(std::io::Error::last_os_error());
                 }
             }
@@ -155,5 +148,47 @@ mod tests {
         assert_eq!(quota_us(0.5), 50_000);
         assert_eq!(quota_us(2.0), 200_000);
         assert_eq!(quota_us(0.0001), 1000);
+    }
+
+    #[test]
+    fn a_leaf_gets_its_limits_and_is_removed() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: making cgroups needs root");
+            return;
+        }
+        let mode = super::super::detect();
+        let mut r = [0u8; 4];
+        dsec_common::id::fill_random(&mut r);
+        let rel = format!("/dsec-test-{}", hex::encode(r));
+        let limits = LeafLimits {
+            memory_bytes: 256 << 20,
+            cpu_quota_us: 50_000,
+            pids: 64,
+        };
+        let procs = match create_leaf(mode, &rel, limits) {
+            Ok(p) => p,
+            Err(e) if e.contains("Read-only") || e.contains("Permission denied") => {
+                eprintln!("skipped: cgroups are not writable here: {e}");
+                return;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        assert!(
+            !procs.is_empty() && procs.iter().all(|p| p.exists()),
+            "{procs:?}"
+        );
+        let mem = match mode {
+            CgroupMode::V2 => Path::new("/sys/fs/cgroup")
+                .join(&rel[1..])
+                .join("memory.max"),
+            _ => Path::new("/sys/fs/cgroup/memory")
+                .join(&rel[1..])
+                .join("memory.limit_in_bytes"),
+        };
+        let got = std::fs::read_to_string(&mem).unwrap_or_default();
+        super::super::remove(mode, &rel);
+        assert_eq!(got.trim(), (256u64 << 20).to_string());
+        assert!(super::super::leftovers(mode, &rel).is_empty());
     }
 }

@@ -381,11 +381,11 @@ impl VmBackend {
                 Accel::Kvm => 0,
                 Accel::Tcg => TCG_CACHE_MB,
             };
-        let procs = cgroup::own::create(
+        let procs = cgroup::create_leaf(
             self.cgroups,
             &cgroup::sandbox_cgroup_path(&rec.id),
-            &cgroup::own::Limits {
-                cpu_cores: rec.limits.cpu_cores,
+            cgroup::LeafLimits {
+                cpu_quota_us: cgroup::own::quota_us(rec.limits.cpu_cores),
                 memory_bytes: (info.mem_mb + overhead) << 20,
                 pids: 1024,
             },

@@ -1,0 +1,1147 @@
+//! The `microvm` backend: a Firecracker (v1.16 line) VMM per sandbox, on hosts with
+//! hardware KVM. The guest is the one the `vm` backend boots (Debian's cloud kernel, as the
+//! ELF vmlinux Firecracker needs, the project's initramfs, the image's layers as a
+//! read-only ext4 disk under an overlay with a tmpfs writable layer, aether as init), but
+//! its channel is vsock: aether listens on a vsock port and `dsec-aether vsockproxy`
+//! carries the sandbox's `aether.sock` through Firecracker's vsock unix socket.
+//!
+//! Each VMM runs in its own network namespace (a tap of the same name and addresses in
+//! every one, see [`netns`]) and its own cgroup, with Firecracker's seccomp filters (never
+//! `--no-seccomp`). Fork snapshots the paused source (`vmstate` plus a memory file on the
+//! RAM directory) and starts each copy in a fresh process with `PUT /snapshot/load`, the
+//! memory file mapped MAP_PRIVATE (`mem_backend` File) so copies share unmodified pages,
+//! and its own vsock socket (`vsock_override`). Firecracker and the proxy run detached
+//! (pids in the sandbox directory), so a restarted edge re-adopts running VMs.
+
+pub mod api;
+pub mod netns;
+pub mod probe;
+pub mod snapshot;
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use dsec_common::ApiError;
+use dsec_common::api::BackendStatus;
+use dsec_image::{ImageStore, guest};
+
+use super::vm::Accel;
+use super::{Backend, SandboxPaths};
+use crate::cgroup::{self, CgroupMode};
+use crate::registry::SandboxRecord;
+use api::Client;
+use probe::{Capabilities, Firecracker};
+use snapshot::SavedVm;
+
+/// Files in the sandbox directory.
+const API_SOCK: &str = "fc.api";
+const VSOCK_UDS: &str = "fc.vsock";
+const FC_PID: &str = "firecracker.pid";
+const PROXY_PID: &str = "vsockproxy.pid";
+const CONSOLE: &str = "console.log";
+const INFO: &str = "microvm.json";
+
+/// The guest's vsock context id (any value ≥ 3; each VM has its own device).
+const GUEST_CID: u32 = 3;
+/// How long saving or loading a snapshot may take (a Full snapshot writes all memory).
+const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(120);
+/// Firecracker's API socket appears within milliseconds of its start.
+const API_READY: Duration = Duration::from_secs(10);
+/// Memory a VMM needs beyond its guest's, in its cgroup.
+const VMM_OVERHEAD_MB: u64 = 128;
+
+/// Where the backend's settings come from (`[edge]` keys).
+#[derive(Debug, Clone, Default)]
+pub struct MicrovmConfig {
+    /// `firecracker_binary`; `None`: `firecracker` on PATH, /usr/local/bin, /usr/bin.
+    pub binary: Option<PathBuf>,
+    /// `firecracker_diff_snapshots`: track dirty pages and take Diff snapshots on fork.
+    pub diff_snapshots: bool,
+}
+
+/// The VM's own description (`<sandbox dir>/microvm.json`).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct VmInfo {
+    disk: PathBuf,
+    mem_mb: u64,
+    cpus: u64,
+    track_dirty_pages: bool,
+}
+
+/// What a boot sends Firecracker, in order (see [`boot_calls`]).
+#[derive(Debug, Clone)]
+pub struct BootPlan {
+    pub vcpus: u64,
+    pub mem_mb: u64,
+    pub kernel: PathBuf,
+    pub initrd: PathBuf,
+    pub boot_args: String,
+    pub disk: PathBuf,
+    pub vsock_uds: PathBuf,
+    pub track_dirty_pages: bool,
+}
+
+/// Configures a fresh Firecracker process and starts the guest.
+pub fn boot_calls(c: &Client, caps: &Capabilities, p: &BootPlan) -> Result<(), api::ApiCallError> {
+    c.put(
+        "/machine-config",
+        &api::MachineConfig {
+            vcpu_count: p.vcpus,
+            mem_size_mib: p.mem_mb,
+            smt: false,
+            track_dirty_pages: p.track_dirty_pages,
+        },
+    )?;
+    c.put(
+        "/boot-source",
+        &api::BootSource {
+            kernel_image_path: p.kernel.clone(),
+            boot_args: p.boot_args.clone(),
+            initrd_path: Some(p.initrd.clone()),
+        },
+    )?;
+    // Not the root device: the initramfs mounts it (read-only, under the overlay).
+    c.put(
+        "/drives/rootfs",
+        &api::Drive {
+            drive_id: "rootfs".into(),
+            path_on_host: p.disk.clone(),
+            is_root_device: false,
+            is_read_only: true,
+        },
+    )?;
+    c.put(
+        &format!("/network-interfaces/{}", netns::IFACE_ID),
+        &api::NetworkInterface {
+            iface_id: netns::IFACE_ID.into(),
+            host_dev_name: netns::TAP.into(),
+            guest_mac: netns::GUEST_MAC.into(),
+            mtu: caps.net_mtu.then_some(1500),
+        },
+    )?;
+    c.put(
+        "/vsock",
+        &api::Vsock {
+            guest_cid: GUEST_CID,
+            uds_path: p.vsock_uds.clone(),
+        },
+    )?;
+    // Entropy from the host, so getrandom() in a fresh guest does not block.
+    if caps.entropy {
+        c.put("/entropy", &api::Entropy {})?;
+    }
+    c.put(
+        "/actions",
+        &api::Action {
+            action_type: api::ActionType::InstanceStart,
+        },
+    )?;
+    Ok(())
+}
+
+/// Loads a snapshot into a fresh Firecracker process and runs it: the memory file mapped
+/// private (copy-on-write), this VM's own vsock socket.
+pub fn load_calls(
+    c: &Client,
+    caps: &Capabilities,
+    vmstate: &Path,
+    mem: &Path,
+    vsock_uds: &Path,
+    track_dirty_pages: bool,
+) -> Result<(), api::ApiCallError> {
+    c.put(
+        "/snapshot/load",
+        &api::SnapshotLoad {
+            snapshot_path: vmstate.to_path_buf(),
+            mem_backend: api::MemBackend {
+                backend_type: api::MemBackendType::File,
+                backend_path: mem.to_path_buf(),
+            },
+            track_dirty_pages: (caps.load_track_dirty_pages && track_dirty_pages).then_some(true),
+            resume_vm: true,
+            // Same tap name in every copy's namespace: nothing to rewrite.
+            network_overrides: None,
+            vsock_override: caps.vsock_override.then(|| api::VsockOverride {
+                uds_path: vsock_uds.to_path_buf(),
+            }),
+        },
+    )
+    .map(drop)
+}
+
+pub fn pause_call(c: &Client) -> Result<(), api::ApiCallError> {
+    c.patch(
+        "/vm",
+        &api::Vm {
+            state: api::RunState::Paused,
+        },
+    )
+    .map(drop)
+}
+
+pub fn resume_call(c: &Client) -> Result<(), api::ApiCallError> {
+    c.patch(
+        "/vm",
+        &api::Vm {
+            state: api::RunState::Resumed,
+        },
+    )
+    .map(drop)
+}
+
+/// Writes a snapshot of a paused VM.
+pub fn snapshot_call(
+    c: &Client,
+    kind: api::SnapshotType,
+    vmstate: &Path,
+    mem: &Path,
+) -> Result<(), api::ApiCallError> {
+    c.put(
+        "/snapshot/create",
+        &api::SnapshotCreate {
+            snapshot_type: kind,
+            snapshot_path: vmstate.to_path_buf(),
+            mem_file_path: mem.to_path_buf(),
+        },
+    )
+    .map(drop)
+}
+
+/// vCPUs for a core limit: Firecracker takes 1 or an even count up to 32.
+fn vcpus(cores: f64) -> u64 {
+    let n = cores.ceil().max(1.0) as u64;
+    if n == 1 { 1 } else { (n + n % 2).min(32) }
+}
+
+fn read_pid(p: &Path) -> Option<i32> {
+    std::fs::read_to_string(p).ok()?.trim().parse().ok()
+}
+
+/// Whether `pid` runs (a zombie does not).
+fn alive(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists.
+    if unsafe { libc::kill(pid, 0) } != 0 {
+        return false;
+    }
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, rest)| !rest.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(false)
+}
+
+fn kill(pid_file: &Path) {
+    if let Some(pid) = read_pid(pid_file) {
+        // SAFETY: SIGKILL to the process whose pid we recorded; waitpid reaps it if it is
+        // our child (and fails harmlessly if not).
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        for _ in 0..200 {
+            unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
+            if !alive(pid) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    let _ = std::fs::remove_file(pid_file);
+}
+
+fn read_json<T: serde::de::DeserializeOwned>(p: &Path) -> Result<T, String> {
+    let b = std::fs::read(p).map_err(|e| format!("reading {}: {e}", p.display()))?;
+    serde_json::from_slice(&b).map_err(|e| format!("{}: {e}", p.display()))
+}
+
+fn write_json<T: serde::Serialize>(p: &Path, v: &T) -> Result<(), String> {
+    let b = serde_json::to_vec_pretty(v).map_err(|e| e.to_string())?;
+    std::fs::write(p, b).map_err(|e| format!("writing {}: {e}", p.display()))
+}
+
+/// `cp --sparse=always`: memory files are mostly holes.
+fn copy_sparse(from: &Path, to: &Path) -> Result<(), String> {
+    let out = Command::new("cp")
+        .arg("--sparse=always")
+        .arg(from)
+        .arg(to)
+        .output()
+        .map_err(|e| format!("running cp: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "copying {} to {}: {}",
+            from.display(),
+            to.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(())
+}
+
+/// What the host lacks for this backend, if anything.
+fn kvm_check() -> Result<(), String> {
+    match Accel::detect() {
+        Accel::Kvm => Ok(()),
+        Accel::Tcg => Err(
+            "no hardware KVM on this host: Firecracker needs /dev/kvm backed by kvm_intel or kvm_amd on a CPU with vmx/svm (a paravirtual or emulating KVM module cannot run its guests); use backend \"vm\" (QEMU, with TCG emulation here) or \"container\"".into(),
+        ),
+    }
+}
+
+pub struct MicrovmBackend {
+    fc: Result<Firecracker, String>,
+    kvm: Result<(), String>,
+    aether: Result<PathBuf, String>,
+    images: ImageStore,
+    sandboxes: PathBuf,
+    ram_dir: PathBuf,
+    mode: CgroupMode,
+    diff_snapshots: bool,
+    /// The guest vmlinux and initramfs, found (or built) on the first create.
+    boot: Mutex<Option<(PathBuf, PathBuf)>>,
+}
+
+impl MicrovmBackend {
+    pub fn new(
+        cfg: &MicrovmConfig,
+        aether: Result<PathBuf, String>,
+        images: ImageStore,
+        sandboxes: &Path,
+        ram_dir: &Path,
+        mode: CgroupMode,
+    ) -> MicrovmBackend {
+        let fc = probe::find(cfg.binary.as_deref()).and_then(|p| probe::probe(&p));
+        match &fc {
+            Ok(f) => tracing::info!(
+                "microvm backend: Firecracker {} at {} (snapshot format {})",
+                f.version,
+                f.path.display(),
+                f.snapshot_version
+            ),
+            Err(e) => tracing::debug!("microvm backend: {e}"),
+        }
+        MicrovmBackend {
+            fc,
+            kvm: kvm_check(),
+            aether,
+            images,
+            sandboxes: sandboxes.to_path_buf(),
+            ram_dir: ram_dir.to_path_buf(),
+            mode,
+            diff_snapshots: cfg.diff_snapshots,
+            boot: Mutex::new(None),
+        }
+    }
+
+    /// Firecracker, when every part this backend needs is there; else what is missing.
+    fn ready(&self) -> Result<&Firecracker, String> {
+        let mut missing = Vec::new();
+        if let Err(e) = &self.kvm {
+            missing.push(e.clone());
+        }
+        if let Err(e) = &self.fc {
+            missing.push(e.clone());
+        }
+        if let Err(e) = &self.aether {
+            missing.push(e.clone());
+        }
+        match (&self.fc, missing.is_empty()) {
+            (Ok(fc), true) => Ok(fc),
+            _ => Err(missing.join("; ")),
+        }
+    }
+
+    fn boot_files(&self) -> Result<(PathBuf, PathBuf), String> {
+        let mut b = self.boot.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(k) = b.as_ref() {
+            return Ok(k.clone());
+        }
+        let root = self.images.root();
+        let kernel = guest::ensure_kernel(root).map_err(|e| e.to_string())?;
+        let initrd = guest::ensure_initramfs(root, &kernel).map_err(|e| e.to_string())?;
+        let vmlinux = guest::ensure_vmlinux(&kernel).map_err(|e| e.to_string())?;
+        *b = Some((vmlinux.clone(), initrd.clone()));
+        Ok((vmlinux, initrd))
+    }
+
+    fn dir(&self, id: &str) -> PathBuf {
+        self.sandboxes.join(id)
+    }
+
+    fn client(&self, id: &str) -> Client {
+        Client::new(&self.dir(id).join(API_SOCK), SNAPSHOT_TIMEOUT)
+    }
+
+    /// Starts a Firecracker process for the sandbox inside its network namespace and
+    /// cgroup, with its API socket ready; no guest yet.
+    fn spawn_vmm(
+        &self,
+        fc: &Firecracker,
+        rec: &SandboxRecord,
+        paths: &SandboxPaths,
+        mem_mb: u64,
+    ) -> Result<Client, String> {
+        let dir = &paths.dir;
+        let api_sock = dir.join(API_SOCK);
+        // A stale vsock socket makes a snapshot load fail with EADDRINUSE.
+        for f in [API_SOCK, VSOCK_UDS] {
+            let _ = std::fs::remove_file(dir.join(f));
+        }
+        let ns = netns::name(&rec.id);
+        netns::create(&ns)?;
+        let ns_file = netns::open(&ns)?;
+        let limits = cgroup::LeafLimits {
+            memory_bytes: (mem_mb + VMM_OVERHEAD_MB) << 20,
+            cpu_quota_us: cgroup::own::quota_us(rec.limits.cpu_cores),
+            pids: 1024,
+        };
+        let procs: Vec<File> =
+            cgroup::create_leaf(self.mode, &cgroup::sandbox_cgroup_path(&rec.id), limits)?
+                .iter()
+                .map(|p| {
+                    std::fs::OpenOptions::new()
+                        .write(true)
+                        .open(p)
+                        .map_err(|e| format!("opening {}: {e}", p.display()))
+                })
+                .collect::<Result<_, _>>()?;
+        let console = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join(CONSOLE))
+            .map_err(|e| format!("creating {CONSOLE}: {e}"))?;
+        let console2 = console.try_clone().map_err(|e| e.to_string())?;
+        let mut cmd = Command::new(&fc.path);
+        cmd.arg("--api-sock")
+            .arg(&api_sock)
+            .arg("--id")
+            .arg(&rec.id)
+            .stdin(Stdio::null())
+            // The guest's serial console, and Firecracker's own log lines.
+            .stdout(console)
+            .stderr(console2);
+        let ns_fd = ns_file.as_raw_fd();
+        let proc_fds: Vec<i32> = procs.iter().map(|f| f.as_raw_fd()).collect();
+        // SAFETY: between fork and exec only async-signal-safe calls on fds opened above:
+        // a new session (the edge's exit must not take the VM along), the VM's network
+        // namespace, and its cgroups (writing "0" moves the writer, i.e. this process).
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                libc::setsid();
+                if libc::setns(ns_fd, libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                for fd in &proc_fds {
+                    if libc::write(*fd, b"0".as_ptr().cast(), 1) != 1 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+        let child = cmd
+            .spawn()
+            .map_err(|e| format!("starting {}: {e}", fc.path.display()))?;
+        std::fs::write(dir.join(FC_PID), child.id().to_string())
+            .map_err(|e| format!("writing {FC_PID}: {e}"))?;
+        drop((procs, ns_file));
+        let c = Client::new(&api_sock, SNAPSHOT_TIMEOUT);
+        c.wait_ready(API_READY)
+            .map_err(|e| format!("Firecracker did not come up: {e}"))?;
+        Ok(c)
+    }
+
+    /// The channel's host end, detached like Firecracker (it exits when Firecracker does).
+    fn spawn_proxy(&self, paths: &SandboxPaths) -> Result<(), String> {
+        let aether = self.aether.as_ref().map_err(Clone::clone)?;
+        let dir = &paths.dir;
+        let fc_pid = read_pid(&dir.join(FC_PID)).ok_or("Firecracker's pid is not recorded")?;
+        let log = std::fs::File::create(dir.join("vsockproxy.log"))
+            .map_err(|e| format!("creating vsockproxy.log: {e}"))?;
+        let mut cmd = Command::new(aether);
+        cmd.arg("vsockproxy")
+            .arg(&paths.channel)
+            .arg(dir.join(VSOCK_UDS))
+            .arg(dsec_common::vsock::CHANNEL_PORT.to_string())
+            .arg(fc_pid.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log);
+        // SAFETY: setsid between fork and exec, so the edge's exit does not take it along.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+                libc::setsid();
+                Ok(())
+            });
+        }
+        let child = cmd
+            .spawn()
+            .map_err(|e| format!("starting dsec-aether vsockproxy: {e}"))?;
+        std::fs::write(dir.join(PROXY_PID), child.id().to_string())
+            .map_err(|e| format!("writing {PROXY_PID}: {e}"))
+    }
+
+    fn boot(
+        &self,
+        fc: &Firecracker,
+        rec: &SandboxRecord,
+        paths: &SandboxPaths,
+    ) -> Result<(), String> {
+        let aether = self.aether.as_ref().map_err(Clone::clone)?;
+        let disk =
+            guest::ensure_root_disk(&self.images, guest::DiskSource::Layers(&rec.layers), aether)
+                .map_err(|e| e.to_string())?;
+        let (kernel, initrd) = self.boot_files()?;
+        let info = VmInfo {
+            disk,
+            // The guest's writable layer is a tmpfs inside it: its disk limit is memory.
+            mem_mb: rec.limits.memory_mb.max(128) + rec.limits.disk_mb / 4,
+            cpus: vcpus(rec.limits.cpu_cores),
+            track_dirty_pages: self.diff_snapshots,
+        };
+        write_json(&paths.dir.join(INFO), &info)?;
+        let plan = BootPlan {
+            vcpus: info.cpus,
+            mem_mb: info.mem_mb,
+            kernel,
+            initrd,
+            boot_args: format!(
+                "console=ttyS0 reboot=k panic=1 quiet i8042.noaux i8042.nomux i8042.dumbkbd random.trust_cpu=on {}=vsock dsec.rw_mb={}",
+                dsec_common::vsock::CMDLINE_KEY,
+                rec.limits.disk_mb
+            ),
+            disk: info.disk.clone(),
+            vsock_uds: paths.dir.join(VSOCK_UDS),
+            track_dirty_pages: info.track_dirty_pages,
+        };
+        let c = self.spawn_vmm(fc, rec, paths, info.mem_mb)?;
+        boot_calls(&c, &fc.caps, &plan).map_err(|e| e.to_string())?;
+        self.spawn_proxy(paths)
+    }
+
+    /// Starts a VM from a saved one (a fork copy, or itself after a pause to disk).
+    fn load(
+        &self,
+        fc: &Firecracker,
+        rec: &SandboxRecord,
+        paths: &SandboxPaths,
+        saved_dir: &Path,
+    ) -> Result<SavedVm, String> {
+        let saved = snapshot::validate(saved_dir, fc)?;
+        let info = VmInfo {
+            disk: saved.disk.clone(),
+            mem_mb: saved.mem_mb,
+            cpus: saved.cpus,
+            track_dirty_pages: saved.track_dirty_pages,
+        };
+        write_json(&paths.dir.join(INFO), &info)?;
+        let c = self.spawn_vmm(fc, rec, paths, info.mem_mb)?;
+        load_calls(
+            &c,
+            &fc.caps,
+            &saved_dir.join(snapshot::VMSTATE),
+            &saved.mem,
+            &paths.dir.join(VSOCK_UDS),
+            info.track_dirty_pages,
+        )
+        .map_err(|e| e.to_string())?;
+        self.spawn_proxy(paths)?;
+        Ok(saved)
+    }
+
+    /// Keeps a link to the memory the VM now stands on, for its next Diff snapshot.
+    fn set_base(&self, id: &str, mem: &Path) {
+        let base = snapshot::base_mem(&self.ram_dir, id);
+        let _ = std::fs::remove_file(&base);
+        // Fails across filesystems (a wake from disk): the next snapshot is then Full.
+        let _ = std::fs::hard_link(mem, &base);
+    }
+
+    /// Writes a snapshot of the paused VM `rec`: `vmstate` into `dest`, memory to `mem`.
+    /// A Diff (when dirty pages are tracked and a base exists) goes onto a copy of the
+    /// base; otherwise a Full snapshot writes all of it.
+    fn save(
+        &self,
+        fc: &Firecracker,
+        rec: &SandboxRecord,
+        dest: &Path,
+        mem: &Path,
+    ) -> Result<SavedVm, String> {
+        let info: VmInfo = read_json(&self.dir(&rec.id).join(INFO))?;
+        std::fs::create_dir_all(dest).map_err(|e| format!("creating {}: {e}", dest.display()))?;
+        let c = self.client(&rec.id);
+        let base = snapshot::base_mem(&self.ram_dir, &rec.id);
+        let vmstate = dest.join(snapshot::VMSTATE);
+        if info.track_dirty_pages && base.is_file() && mem.parent() == base.parent() {
+            copy_sparse(&base, mem)?;
+            let diff = mem.with_extension("diff");
+            let r = snapshot_call(&c, api::SnapshotType::Diff, &vmstate, &diff)
+                .map_err(|e| e.to_string())
+                .and_then(|()| snapshot::merge_diff(&diff, mem));
+            let _ = std::fs::remove_file(&diff);
+            r?;
+        } else {
+            snapshot_call(&c, api::SnapshotType::Full, &vmstate, mem).map_err(|e| e.to_string())?;
+        }
+        if info.track_dirty_pages {
+            self.set_base(&rec.id, mem);
+        }
+        let saved = SavedVm {
+            format: snapshot::FORMAT.into(),
+            firecracker: fc.version,
+            snapshot_version: fc.snapshot_version.clone(),
+            disk: info.disk,
+            mem_mb: info.mem_mb,
+            cpus: info.cpus,
+            track_dirty_pages: info.track_dirty_pages,
+            mem: mem.to_path_buf(),
+        };
+        snapshot::write_meta(dest, &saved)?;
+        Ok(saved)
+    }
+
+    fn stop_processes(&self, dir: &Path) {
+        kill(&dir.join(FC_PID));
+        kill(&dir.join(PROXY_PID));
+        for f in [API_SOCK, VSOCK_UDS] {
+            let _ = std::fs::remove_file(dir.join(f));
+        }
+        // Guest-initiated vsock connections leave `<uds>_<port>` sockets.
+        if let Ok(rd) = std::fs::read_dir(dir) {
+            for e in rd.flatten() {
+                if e.file_name().to_string_lossy().starts_with("fc.vsock_") {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+    }
+
+    fn unavailable(&self) -> Result<&Firecracker, ApiError> {
+        self.ready().map_err(|why| {
+            ApiError::unavailable(format!("backend microvm cannot run on this host: {why}"))
+        })
+    }
+
+    fn vmm_call(
+        &self,
+        rec: &SandboxRecord,
+        f: impl FnOnce(&Client) -> Result<(), api::ApiCallError>,
+    ) -> Result<(), ApiError> {
+        f(&self.client(&rec.id)).map_err(|e| match e {
+            api::ApiCallError::Connect { .. } => {
+                ApiError::unavailable(format!("the microVM's control socket: {e}"))
+            }
+            e => ApiError::internal(e.to_string()),
+        })
+    }
+}
+
+impl Backend for MicrovmBackend {
+    fn name(&self) -> &'static str {
+        "microvm"
+    }
+
+    fn status(&self) -> BackendStatus {
+        let (available, detail) = match self.ready() {
+            Ok(fc) => (
+                true,
+                format!(
+                    "Firecracker {} ({}; snapshot format {}), KVM; kernel and root disks built from Debian packages on first use",
+                    fc.version,
+                    fc.path.display(),
+                    fc.snapshot_version
+                ),
+            ),
+            Err(why) => (false, why),
+        };
+        BackendStatus {
+            name: "microvm".into(),
+            available,
+            detail,
+        }
+    }
+
+    fn fork_preserves_memory(&self) -> bool {
+        true
+    }
+
+    fn create(
+        &self,
+        rec: &SandboxRecord,
+        paths: &SandboxPaths,
+        seed: Option<&Path>,
+    ) -> Result<(), ApiError> {
+        let fc = self.unavailable()?;
+        let started = match seed {
+            Some(seed) => self.load(fc, rec, paths, seed).map(|saved| {
+                if saved.track_dirty_pages {
+                    self.set_base(&rec.id, &saved.mem);
+                }
+            }),
+            None => self.boot(fc, rec, paths),
+        };
+        started.map_err(|e| {
+            let _ = self.destroy(rec, paths);
+            ApiError::internal(format!("starting the microVM: {e}"))
+        })
+    }
+
+    fn is_alive(&self, rec: &SandboxRecord) -> bool {
+        let dir = self.dir(&rec.id);
+        if snapshot::suspended_dir(&dir).join(snapshot::META).exists() {
+            return true;
+        }
+        [dir.join(FC_PID), dir.join(PROXY_PID)]
+            .iter()
+            .all(|p| read_pid(p).is_some_and(alive))
+    }
+
+    /// Stops the vCPUs in place. Firecracker 1.16.x can hang new host-initiated vsock
+    /// connections after a bare pause/resume (fixed after 1.16.1); the proxy's handshake
+    /// timeout turns that into a closed channel rather than a hung call.
+    fn pause(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
+        self.vmm_call(rec, pause_call)
+    }
+
+    fn resume(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
+        self.vmm_call(rec, resume_call)
+    }
+
+    fn snapshot(
+        &self,
+        rec: &SandboxRecord,
+        _paths: &SandboxPaths,
+        dest: &Path,
+    ) -> Result<(), ApiError> {
+        let fc = self.unavailable()?;
+        std::fs::create_dir_all(&self.ram_dir)
+            .map_err(|e| ApiError::internal(format!("creating {}: {e}", self.ram_dir.display())))?;
+        let mem = snapshot::seed_mem(&self.ram_dir, dest);
+        self.save(fc, rec, dest, &mem).map(drop).map_err(|e| {
+            let _ = std::fs::remove_file(&mem);
+            ApiError::internal(format!("snapshotting the microVM: {e}"))
+        })
+    }
+
+    fn discard_snapshot(&self, dest: &Path) {
+        snapshot::discard(dest);
+    }
+
+    fn suspend(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError> {
+        let fc = self.unavailable()?;
+        let dest = snapshot::suspended_dir(&paths.dir);
+        let part = paths.dir.join("suspended.part");
+        let _ = std::fs::remove_dir_all(&part);
+        let r = self
+            .save(fc, rec, &part, &part.join(snapshot::MEM))
+            .and_then(|mut saved| {
+                // The memory now names its place inside `suspended/`.
+                saved.mem = dest.join(snapshot::MEM);
+                snapshot::write_meta(&part, &saved)?;
+                std::fs::rename(&part, &dest).map_err(|e| format!("moving the saved VM: {e}"))
+            });
+        if let Err(e) = r {
+            let _ = std::fs::remove_dir_all(&part);
+            return Err(ApiError::internal(format!(
+                "saving the microVM to disk: {e}"
+            )));
+        }
+        self.stop_processes(&paths.dir);
+        let _ = std::fs::remove_file(snapshot::base_mem(&self.ram_dir, &rec.id));
+        Ok(())
+    }
+
+    fn wake(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError> {
+        let fc = self.unavailable()?;
+        let dir = snapshot::suspended_dir(&paths.dir);
+        match self.load(fc, rec, paths, &dir) {
+            Ok(_) => {
+                // Firecracker maps the memory file; unlinking it keeps its pages.
+                let _ = std::fs::remove_dir_all(&dir);
+                Ok(())
+            }
+            Err(e) => {
+                // Still suspended: the saved state stays for another try.
+                self.stop_processes(&paths.dir);
+                Err(ApiError::internal(format!(
+                    "resuming the microVM from disk: {e}"
+                )))
+            }
+        }
+    }
+
+    fn destroy(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError> {
+        self.stop_processes(&paths.dir);
+        let _ = std::fs::remove_file(snapshot::base_mem(&self.ram_dir, &rec.id));
+        let _ = std::fs::remove_dir_all(snapshot::suspended_dir(&paths.dir));
+        let _ = std::fs::remove_dir_all(paths.dir.join("suspended.part"));
+        let _ = std::fs::remove_file(&paths.channel);
+        netns::remove(&netns::name(&rec.id));
+        cgroup::remove(self.mode, &cgroup::sandbox_cgroup_path(&rec.id));
+        Ok(())
+    }
+
+    fn oom_kills(&self, rec: &SandboxRecord) -> u64 {
+        cgroup::oom_kills(self.mode, &cgroup::sandbox_cgroup_path(&rec.id))
+    }
+
+    fn start_log(&self, paths: &SandboxPaths) -> Option<String> {
+        let text = std::fs::read_to_string(paths.dir.join(CONSOLE)).ok()?;
+        let lines: Vec<&str> = text.lines().rev().take(8).collect();
+        Some(lines.into_iter().rev().collect::<Vec<_>>().join(" | "))
+    }
+
+    fn start_timeout(&self) -> Duration {
+        Duration::from_secs(30)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use api::fake::{Seen, Server};
+    use probe::Version;
+    use serde_json::json;
+
+    fn call(method: &str, path: &str, body: serde_json::Value) -> Seen {
+        Seen {
+            method: method.into(),
+            path: path.into(),
+            body,
+        }
+    }
+
+    fn plan() -> BootPlan {
+        BootPlan {
+            vcpus: 2,
+            mem_mb: 640,
+            kernel: "/store/guest/kernel-6.1/vmlinux".into(),
+            initrd: "/store/guest/kernel-6.1/initramfs-ab.cpio.gz".into(),
+            boot_args: "console=ttyS0 dsec.channel=vsock".into(),
+            disk: "/store/guest/disks/k.ext4".into(),
+            vsock_uds: "/state/sandboxes/local-a/fc.vsock".into(),
+            track_dirty_pages: false,
+        }
+    }
+
+    #[test]
+    fn boot_sends_each_call_with_its_exact_body() {
+        let srv = Server::start(&[]);
+        let caps = Capabilities::of(Version::new(1, 16, 1));
+        boot_calls(&srv.client(), &caps, &plan()).unwrap();
+        assert_eq!(
+            srv.calls(),
+            vec![
+                call(
+                    "PUT",
+                    "/machine-config",
+                    json!({"vcpu_count": 2, "mem_size_mib": 640, "smt": false, "track_dirty_pages": false})
+                ),
+                call(
+                    "PUT",
+                    "/boot-source",
+                    json!({
+                        "kernel_image_path": "/store/guest/kernel-6.1/vmlinux",
+                        "boot_args": "console=ttyS0 dsec.channel=vsock",
+                        "initrd_path": "/store/guest/kernel-6.1/initramfs-ab.cpio.gz"
+                    })
+                ),
+                call(
+                    "PUT",
+                    "/drives/rootfs",
+                    json!({
+                        "drive_id": "rootfs",
+                        "path_on_host": "/store/guest/disks/k.ext4",
+                        "is_root_device": false,
+                        "is_read_only": true
+                    })
+                ),
+                call(
+                    "PUT",
+                    "/network-interfaces/eth0",
+                    json!({
+                        "iface_id": "eth0",
+                        "host_dev_name": "fctap0",
+                        "guest_mac": "06:00:ac:10:00:02",
+                        "mtu": 1500
+                    })
+                ),
+                call(
+                    "PUT",
+                    "/vsock",
+                    json!({"guest_cid": 3, "uds_path": "/state/sandboxes/local-a/fc.vsock"})
+                ),
+                call("PUT", "/entropy", json!({})),
+                call("PUT", "/actions", json!({"action_type": "InstanceStart"})),
+            ]
+        );
+    }
+
+    #[test]
+    fn fields_a_version_does_not_know_are_left_out() {
+        let srv = Server::start(&[]);
+        // 1.15 has no `mtu`, and no `vsock_override` on load.
+        let caps = Capabilities::of(Version::new(1, 15, 0));
+        boot_calls(&srv.client(), &caps, &plan()).unwrap();
+        load_calls(
+            &srv.client(),
+            &caps,
+            Path::new("/seed/vmstate"),
+            Path::new("/ram/seed.mem"),
+            Path::new("/copy/fc.vsock"),
+            true,
+        )
+        .unwrap();
+        let calls = srv.calls();
+        let net = calls
+            .iter()
+            .find(|c| c.path == "/network-interfaces/eth0")
+            .unwrap();
+        assert!(net.body.get("mtu").is_none(), "{}", net.body);
+        let load = calls.last().unwrap();
+        assert_eq!(
+            load.body,
+            json!({
+                "snapshot_path": "/seed/vmstate",
+                "mem_backend": {"backend_type": "File", "backend_path": "/ram/seed.mem"},
+                "track_dirty_pages": true,
+                "resume_vm": true
+            })
+        );
+    }
+
+    #[test]
+    fn pause_snapshot_resume_and_load_send_what_firecracker_expects() {
+        let srv = Server::start(&[]);
+        let c = srv.client();
+        let caps = Capabilities::of(Version::new(1, 16, 1));
+        pause_call(&c).unwrap();
+        snapshot_call(
+            &c,
+            api::SnapshotType::Full,
+            Path::new("/seed/vmstate"),
+            Path::new("/ram/seed.mem"),
+        )
+        .unwrap();
+        snapshot_call(
+            &c,
+            api::SnapshotType::Diff,
+            Path::new("/seed/vmstate"),
+            Path::new("/ram/seed.diff"),
+        )
+        .unwrap();
+        resume_call(&c).unwrap();
+        load_calls(
+            &c,
+            &caps,
+            Path::new("/seed/vmstate"),
+            Path::new("/ram/seed.mem"),
+            Path::new("/copy/fc.vsock"),
+            false,
+        )
+        .unwrap();
+        assert_eq!(
+            srv.calls(),
+            vec![
+                call("PATCH", "/vm", json!({"state": "Paused"})),
+                call(
+                    "PUT",
+                    "/snapshot/create",
+                    json!({"snapshot_type": "Full", "snapshot_path": "/seed/vmstate", "mem_file_path": "/ram/seed.mem"})
+                ),
+                call(
+                    "PUT",
+                    "/snapshot/create",
+                    json!({"snapshot_type": "Diff", "snapshot_path": "/seed/vmstate", "mem_file_path": "/ram/seed.diff"})
+                ),
+                call("PATCH", "/vm", json!({"state": "Resumed"})),
+                call(
+                    "PUT",
+                    "/snapshot/load",
+                    json!({
+                        "snapshot_path": "/seed/vmstate",
+                        "mem_backend": {"backend_type": "File", "backend_path": "/ram/seed.mem"},
+                        "resume_vm": true,
+                        "vsock_override": {"uds_path": "/copy/fc.vsock"}
+                    })
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_refused_call_stops_the_boot_with_firecrackers_reason() {
+        let srv = Server::start(&[(
+            "PUT /boot-source",
+            "Invalid kernel path: No such file or directory (os error 2)",
+        )]);
+        let caps = Capabilities::of(Version::new(1, 16, 1));
+        let e = boot_calls(&srv.client(), &caps, &plan()).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "Firecracker refused PUT /boot-source (400): Invalid kernel path: No such file or directory (os error 2)"
+        );
+        // Nothing after the refused call was sent.
+        assert_eq!(srv.calls().len(), 2);
+    }
+
+    #[test]
+    fn vcpu_counts_are_one_or_even() {
+        assert_eq!(vcpus(0.5), 1);
+        assert_eq!(vcpus(1.0), 1);
+        assert_eq!(vcpus(1.5), 2);
+        assert_eq!(vcpus(3.0), 4);
+        assert_eq!(vcpus(64.0), 32);
+    }
+
+    #[test]
+    fn without_firecracker_or_kvm_the_backend_says_what_the_host_needs() {
+        let d = tempfile::tempdir().unwrap();
+        let images = ImageStore::open(d.path().join("images")).unwrap();
+        let b = MicrovmBackend::new(
+            &MicrovmConfig {
+                binary: Some(d.path().join("no-firecracker")),
+                diff_snapshots: false,
+            },
+            Ok(PathBuf::from("/bin/true")),
+            images,
+            &d.path().join("sandboxes"),
+            &d.path().join("ram"),
+            CgroupMode::V1,
+        );
+        let st = b.status();
+        assert!(!st.available);
+        assert!(st.detail.contains("firecracker_binary"), "{}", st.detail);
+        if Accel::detect() == Accel::Tcg {
+            assert!(st.detail.contains("no hardware KVM"), "{}", st.detail);
+        }
+        let e = b.unavailable().unwrap_err();
+        assert_eq!(e.code, dsec_common::ErrorCode::Unavailable);
+        assert!(
+            e.message
+                .starts_with("backend microvm cannot run on this host: ")
+        );
+    }
+
+    /// A stand-in Firecracker: answers `--version`, and otherwise serves 204s on its
+    /// `--api-sock`, logging each request line and its own argv.
+    const FAKE_FIRECRACKER: &str = r#"#!/usr/bin/env python3
+import os, socket, sys
+if sys.argv[1:2] == ["--version"]:
+    print("Firecracker v1.16.1"); sys.exit(0)
+if sys.argv[1:2] == ["--snapshot-version"]:
+    print("v10.0.0"); sys.exit(0)
+here = os.path.dirname(os.path.abspath(__file__))
+open(os.path.join(here, "argv"), "w").write(" ".join(sys.argv[1:]))
+sock = sys.argv[sys.argv.index("--api-sock") + 1]
+s = socket.socket(socket.AF_UNIX); s.bind(sock); s.listen(8)
+while True:
+    c, _ = s.accept(); f = c.makefile("rb")
+    line = f.readline().decode(); n = 0
+    while True:
+        h = f.readline().decode()
+        if h in ("\r\n", ""): break
+        if h.lower().startswith("content-length:"): n = int(h.split(":")[1])
+    f.read(n)
+    with open(os.path.join(here, "calls"), "a") as log: log.write(" ".join(line.split()[:2]) + "\n")
+    if line.startswith("GET"):
+        c.sendall(b"HTTP/1.1 200 \r\nContent-Length: 2\r\n\r\n{}")
+    else:
+        c.sendall(b"HTTP/1.1 204 \r\n\r\n")
+    c.close()
+"#;
+
+    fn netns_inode(path: &Path) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(path).map(|m| m.ino()).unwrap_or(0)
+    }
+
+    #[test]
+    fn the_vmm_starts_in_its_namespace_and_cgroup_and_is_cleaned_up() {
+        use std::os::unix::fs::PermissionsExt;
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 || !Path::new("/usr/bin/python3").exists() {
+            eprintln!("skipped: needs root and python3");
+            return;
+        }
+        let d = tempfile::tempdir().unwrap();
+        let bin_dir = d.path().join("bin");
+        std::fs::create_dir_all(&bin_dir).unwrap();
+        let fake = bin_dir.join("firecracker");
+        std::fs::write(&fake, FAKE_FIRECRACKER).unwrap();
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let b = MicrovmBackend::new(
+            &MicrovmConfig {
+                binary: Some(fake.clone()),
+                diff_snapshots: false,
+            },
+            Ok(PathBuf::from("/bin/true")),
+            ImageStore::open(d.path().join("images")).unwrap(),
+            &d.path().join("sandboxes"),
+            &d.path().join("ram"),
+            crate::cgroup::detect(),
+        );
+        let fc =
+            b.fc.as_ref()
+                .expect("the stand-in passes the probe")
+                .clone();
+        let mut r = [0u8; 4];
+        dsec_common::id::fill_random(&mut r);
+        let id = format!("t-{}", hex::encode(r));
+        let rec: SandboxRecord = serde_json::from_value(json!({
+            "id": id, "edge": "t", "backend": "microvm", "image": "root/base",
+            "image_digest": "", "layers": [], "env": {}, "workdir": null,
+            "limits": {"cpu_cores": 1.0, "memory_mb": 128, "disk_mb": 64, "pids": 64},
+            "labels": {}, "state": "creating", "created_at_ms": 0, "expires_at_ms": 0,
+            "idle_timeout_seconds": null, "last_activity_ms": 0, "forked_from": null,
+            "oom_kills": 0
+        }))
+        .unwrap();
+        let dir = d.path().join("sandboxes").join(&id);
+        std::fs::create_dir_all(&dir).unwrap();
+        let paths = SandboxPaths {
+            channel: dir.join("aether.sock"),
+            dir: dir.clone(),
+        };
+        /// Destroys the sandbox however the test ends.
+        struct Cleanup<'a>(&'a MicrovmBackend, &'a SandboxRecord, &'a SandboxPaths);
+        impl Drop for Cleanup<'_> {
+            fn drop(&mut self) {
+                let _ = self.0.destroy(self.1, self.2);
+            }
+        }
+        let _cleanup = Cleanup(&b, &rec, &paths);
+
+        let c = b.spawn_vmm(&fc, &rec, &paths, 128).unwrap();
+        pause_call(&c).unwrap();
+        let pid = read_pid(&dir.join(FC_PID)).unwrap();
+        assert!(alive(pid));
+        let ns = netns::name(&id);
+        assert_eq!(
+            netns_inode(&PathBuf::from(format!("/proc/{pid}/ns/net"))),
+            netns_inode(&netns::path(&ns)),
+            "Firecracker is not in its namespace"
+        );
+        let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+        assert!(cg.contains(&format!("/dsec/{id}")), "{cg}");
+        let argv = std::fs::read_to_string(bin_dir.join("argv")).unwrap();
+        assert!(
+            argv.contains("--api-sock") && argv.contains(&format!("--id {id}")),
+            "{argv}"
+        );
+        assert!(!argv.contains("seccomp"), "{argv}");
+        let calls = std::fs::read_to_string(bin_dir.join("calls")).unwrap();
+        assert_eq!(calls, "GET /\nPATCH /vm\n");
+
+        b.destroy(&rec, &paths).unwrap();
+        assert!(!alive(pid), "Firecracker outlived destroy");
+        assert!(!netns::exists(&ns));
+        assert!(
+            crate::cgroup::leftovers(b.mode, &crate::cgroup::sandbox_cgroup_path(&id)).is_empty()
+        );
+        assert!(!dir.join(API_SOCK).exists() && !dir.join(FC_PID).exists());
+    }
+}

@@ -1,0 +1,318 @@
+//! Snapshot files of a microVM and what is recorded about them.
+//!
+//! ```text
+//! <seed dir>/vmstate, fc.json        a fork's snapshot (the edge's fork-tmp/<src>-<rand>)
+//! <ram dir>/seed-<seed name>.mem     its guest memory, on the RAM directory's tmpfs
+//! <sandbox dir>/suspended/vmstate, mem, fc.json   a VM paused to disk
+//! <ram dir>/<id>.base.mem            a hard link to the memory a VM last saved or was
+//!                                    loaded from: what a Diff snapshot is laid onto
+//! ```
+//!
+//! Copies map a memory file MAP_PRIVATE for their whole life, so a memory file is never
+//! written once anything may have loaded it: removing it (discard) only unlinks it, and a
+//! Diff goes onto a fresh copy of the base, never the base itself.
+
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use super::probe::{Firecracker, Version};
+
+/// Bumped when the layout or `fc.json` changes.
+pub const FORMAT: &str = "dsec-fc-snapshot-v1";
+pub const META: &str = "fc.json";
+pub const VMSTATE: &str = "vmstate";
+pub const MEM: &str = "mem";
+pub const SUSPENDED: &str = "suspended";
+
+/// What a saved microVM is, next to its `vmstate` as `fc.json`.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SavedVm {
+    pub format: String,
+    /// The Firecracker that wrote it: the snapshot format changes with almost every
+    /// minor release, so only the same version loads it.
+    pub firecracker: Version,
+    pub snapshot_version: String,
+    /// The read-only root disk the guest had (its page cache is in the saved memory).
+    pub disk: PathBuf,
+    pub mem_mb: u64,
+    pub cpus: u64,
+    /// Whether the VM tracked dirty pages (Diff snapshots of its copies are possible).
+    pub track_dirty_pages: bool,
+    /// The guest memory file (absolute).
+    pub mem: PathBuf,
+}
+
+/// Where a fork's memory file goes: on the RAM directory, named after the seed.
+pub fn seed_mem(ram_dir: &Path, seed: &Path) -> PathBuf {
+    let name = seed
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "seed".into());
+    ram_dir.join(format!("seed-{name}.mem"))
+}
+
+/// The hard link a VM keeps to the memory it last saved or loaded (see the module doc).
+pub fn base_mem(ram_dir: &Path, id: &str) -> PathBuf {
+    ram_dir.join(format!("{id}.base.mem"))
+}
+
+pub fn suspended_dir(sandbox_dir: &Path) -> PathBuf {
+    sandbox_dir.join(SUSPENDED)
+}
+
+pub fn write_meta(dir: &Path, saved: &SavedVm) -> Result<(), String> {
+    let b = serde_json::to_vec_pretty(saved).map_err(|e| e.to_string())?;
+    std::fs::write(dir.join(META), b)
+        .map_err(|e| format!("writing {}: {e}", dir.join(META).display()))
+}
+
+pub fn read_meta(dir: &Path) -> Result<SavedVm, String> {
+    let p = dir.join(META);
+    let b = std::fs::read(&p).map_err(|e| format!("reading {}: {e}", p.display()))?;
+    serde_json::from_slice(&b).map_err(|e| format!("{}: {e}", p.display()))
+}
+
+/// Checks that `dir` holds a snapshot `fc` can load: the same format and Firecracker, its
+/// files present, the memory file the size of the guest's memory.
+pub fn validate(dir: &Path, fc: &Firecracker) -> Result<SavedVm, String> {
+    let saved = read_meta(dir)?;
+    if saved.format != FORMAT {
+        return Err(format!(
+            "{} is a {:?} snapshot; this edge reads {FORMAT:?}",
+            dir.display(),
+            saved.format
+        ));
+    }
+    if saved.firecracker != fc.version || saved.snapshot_version != fc.snapshot_version {
+        return Err(format!(
+            "the snapshot in {} was written by Firecracker {} (snapshot format {}), and this node runs {} (format {}); snapshots load only into the same version",
+            dir.display(),
+            saved.firecracker,
+            saved.snapshot_version,
+            fc.version,
+            fc.snapshot_version
+        ));
+    }
+    for f in [dir.join(VMSTATE), saved.disk.clone()] {
+        if !f.is_file() {
+            return Err(format!("{} is missing", f.display()));
+        }
+    }
+    let len = std::fs::metadata(&saved.mem)
+        .map_err(|e| format!("the snapshot's memory {}: {e}", saved.mem.display()))?
+        .len();
+    if len != saved.mem_mb << 20 {
+        return Err(format!(
+            "the snapshot's memory {} has {len} bytes, not the guest's {} MiB",
+            saved.mem.display(),
+            saved.mem_mb
+        ));
+    }
+    Ok(saved)
+}
+
+/// Removes what a fork's snapshot keeps outside its directory (its memory file). Copies
+/// that mapped it keep their pages until they end.
+pub fn discard(seed: &Path) {
+    if let Ok(saved) = read_meta(seed)
+        && !saved.mem.starts_with(seed)
+    {
+        let _ = std::fs::remove_file(&saved.mem);
+    }
+}
+
+/// Writes every data region of the sparse file `diff` (a Diff snapshot's memory: only
+/// the pages dirtied since the base) over the same offsets of `into` (a copy of the base).
+pub fn merge_diff(diff: &Path, into: &Path) -> Result<u64, String> {
+    use std::io::{Read, Seek, SeekFrom, Write};
+    let mut src =
+        std::fs::File::open(diff).map_err(|e| format!("opening {}: {e}", diff.display()))?;
+    let mut dst = std::fs::OpenOptions::new()
+        .write(true)
+        .open(into)
+        .map_err(|e| format!("opening {}: {e}", into.display()))?;
+    let len = src.metadata().map_err(|e| e.to_string())?.len() as i64;
+    let mut at: i64 = 0;
+    let mut copied = 0u64;
+    let mut buf = vec![0u8; 1 << 20];
+    while at < len {
+        // SAFETY: lseek on an fd we own.
+        let data = unsafe { libc::lseek(src.as_raw_fd(), at, libc::SEEK_DATA) };
+        if data < 0 {
+            break; // ENXIO: only a hole is left
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(src.as_raw_fd(), data, libc::SEEK_HOLE) };
+        let end = if hole < 0 { len } else { hole };
+        src.seek(SeekFrom::Start(data as u64))
+            .and_then(|_| dst.seek(SeekFrom::Start(data as u64)))
+            .map_err(|e| format!("merging {}: {e}", diff.display()))?;
+        let mut left = (end - data) as usize;
+        while left > 0 {
+            let n = left.min(buf.len());
+            src.read_exact(&mut buf[..n])
+                .and_then(|()| dst.write_all(&buf[..n]))
+                .map_err(|e| format!("merging {} into {}: {e}", diff.display(), into.display()))?;
+            left -= n;
+            copied += n as u64;
+        }
+        at = end;
+    }
+    dst.sync_all().map_err(|e| e.to_string())?;
+    Ok(copied)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::microvm::probe::Capabilities;
+
+    fn fc(v: Version) -> Firecracker {
+        Firecracker {
+            path: "/usr/local/bin/firecracker".into(),
+            version: v,
+            snapshot_version: "v10.0.0".into(),
+            caps: Capabilities::of(v),
+        }
+    }
+
+    /// A seed as a fork leaves it: vmstate + fc.json in `seed`, memory on `ram`.
+    fn make_seed(seed: &Path, ram: &Path, disk: &Path) -> SavedVm {
+        std::fs::create_dir_all(seed).unwrap();
+        std::fs::write(seed.join(VMSTATE), b"state").unwrap();
+        let mem = seed_mem(ram, seed);
+        let f = std::fs::File::create(&mem).unwrap();
+        f.set_len(2 << 20).unwrap();
+        let saved = SavedVm {
+            format: FORMAT.into(),
+            firecracker: Version::new(1, 16, 1),
+            snapshot_version: "v10.0.0".into(),
+            disk: disk.to_path_buf(),
+            mem_mb: 2,
+            cpus: 1,
+            track_dirty_pages: false,
+            mem,
+        };
+        write_meta(seed, &saved).unwrap();
+        saved
+    }
+
+    #[test]
+    fn names_and_places() {
+        let ram = Path::new("/dev/shm/dsec-vm");
+        assert_eq!(
+            seed_mem(ram, Path::new("/x/fork-tmp/local-ab-0011")),
+            Path::new("/dev/shm/dsec-vm/seed-local-ab-0011.mem")
+        );
+        assert_eq!(
+            base_mem(ram, "local-ab"),
+            Path::new("/dev/shm/dsec-vm/local-ab.base.mem")
+        );
+        assert_eq!(
+            suspended_dir(Path::new("/s/local-ab")),
+            Path::new("/s/local-ab/suspended")
+        );
+    }
+
+    #[test]
+    fn a_saved_vm_validates_only_against_its_own_firecracker() {
+        let d = tempfile::tempdir().unwrap();
+        let (seed, ram, disk) = (
+            d.path().join("seed"),
+            d.path().join("ram"),
+            d.path().join("root.ext4"),
+        );
+        std::fs::create_dir_all(&ram).unwrap();
+        std::fs::write(&disk, b"disk").unwrap();
+        let saved = make_seed(&seed, &ram, &disk);
+        assert_eq!(validate(&seed, &fc(Version::new(1, 16, 1))).unwrap(), saved);
+
+        let e = validate(&seed, &fc(Version::new(1, 17, 0))).unwrap_err();
+        assert!(
+            e.contains("written by Firecracker v1.16.1") && e.contains("runs v1.17.0"),
+            "{e}"
+        );
+
+        // Memory of the wrong size (a truncated copy).
+        std::fs::File::options()
+            .write(true)
+            .open(&saved.mem)
+            .unwrap()
+            .set_len(4096)
+            .unwrap();
+        let e = validate(&seed, &fc(Version::new(1, 16, 1))).unwrap_err();
+        assert!(e.contains("has 4096 bytes, not the guest's 2 MiB"), "{e}");
+
+        std::fs::remove_file(seed.join(VMSTATE)).unwrap();
+        let e = validate(&seed, &fc(Version::new(1, 16, 1))).unwrap_err();
+        assert!(e.contains("vmstate is missing"), "{e}");
+
+        let mut other = saved.clone();
+        other.format = "dsec-fc-snapshot-v0".into();
+        write_meta(&seed, &other).unwrap();
+        let e = validate(&seed, &fc(Version::new(1, 16, 1))).unwrap_err();
+        assert!(e.contains("this edge reads"), "{e}");
+
+        std::fs::write(seed.join(META), b"{").unwrap();
+        assert!(validate(&seed, &fc(Version::new(1, 16, 1))).is_err());
+    }
+
+    #[test]
+    fn discard_removes_the_memory_outside_the_seed_only() {
+        let d = tempfile::tempdir().unwrap();
+        let (seed, ram, disk) = (
+            d.path().join("seed"),
+            d.path().join("ram"),
+            d.path().join("root.ext4"),
+        );
+        std::fs::create_dir_all(&ram).unwrap();
+        std::fs::write(&disk, b"disk").unwrap();
+        let saved = make_seed(&seed, &ram, &disk);
+        // A copy's base link to the same memory survives the discard.
+        let base = base_mem(&ram, "local-copy");
+        std::fs::hard_link(&saved.mem, &base).unwrap();
+        discard(&seed);
+        assert!(!saved.mem.exists());
+        assert!(base.exists() && seed.join(VMSTATE).exists() && disk.exists());
+
+        // A suspended VM's memory lives inside its directory: left for the caller.
+        let susp = suspended_dir(&d.path().join("sb"));
+        std::fs::create_dir_all(&susp).unwrap();
+        std::fs::write(susp.join(MEM), b"m").unwrap();
+        write_meta(
+            &susp,
+            &SavedVm {
+                mem: susp.join(MEM),
+                ..saved
+            },
+        )
+        .unwrap();
+        discard(&susp);
+        assert!(susp.join(MEM).exists());
+        discard(&d.path().join("no-such-seed"));
+    }
+
+    #[test]
+    fn a_diff_is_laid_over_a_copy_of_its_base() {
+        use std::io::{Seek, SeekFrom, Write};
+        let d = tempfile::tempdir().unwrap();
+        let (base, diff) = (d.path().join("base"), d.path().join("diff"));
+        std::fs::write(&base, vec![b'b'; 3 << 20]).unwrap();
+        let mut f = std::fs::File::create(&diff).unwrap();
+        f.set_len(3 << 20).unwrap();
+        f.seek(SeekFrom::Start(1 << 20)).unwrap();
+        f.write_all(&[b'd'; 4096]).unwrap();
+        f.seek(SeekFrom::Start((3 << 20) - 4096)).unwrap();
+        f.write_all(&[b'e'; 4096]).unwrap();
+        drop(f);
+        let copied = merge_diff(&diff, &base).unwrap();
+        // A filesystem without SEEK_DATA support reports the whole file as data.
+        assert!(copied == 8192 || copied == 3 << 20, "{copied}");
+        let m = std::fs::read(&base).unwrap();
+        assert_eq!(m.len(), 3 << 20);
+        assert_eq!(m[0], b'b');
+        assert_eq!(&m[1 << 20..(1 << 20) + 4096], &[b'd'; 4096][..]);
+        assert_eq!(m[(1 << 20) + 4096], if copied == 8192 { b'b' } else { 0 });
+        assert_eq!(m[(3 << 20) - 1], b'e');
+    }
+}
