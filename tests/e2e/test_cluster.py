@@ -476,6 +476,16 @@ async def test_vm_fork_and_resume_on_another_edge(cluster):
                 assert await ask(cp, f"get {10 + i}", 10 + i) == value, "a copy on the other edge lost the memory"
             assert await ask(sb, "get 2", 2) == value
 
+            # A kept snapshot restores on another edge too, and stays for later.
+            snap = await sb.snapshot()
+            assert _edge_of(snap.id) == source_edge
+            there = await c.restore_snapshot(snap.id, count=1, edge=target)
+            made += there
+            assert _edge_of(there[0].id) == target
+            assert await ask(there[0], "get 5", 5) == value, "a snapshot restored on the other edge lost the memory"
+            assert snap.id in [s.id for s in await c.list_snapshots()]
+            await c.delete_snapshot(snap.id)
+
             old = sb.id
             await sb.pause(to_disk=True)
             assert not qemu_processes(old)

@@ -172,3 +172,22 @@ async def test_restart_keeps_sandboxes_running(client):
         assert r.stdout == "kept\n1\n"
         await (await c3.get_sandbox(sb.id)).stop()
     assert leftovers(sb.id) == []
+
+
+async def test_container_snapshot_keeps_files_for_later(client):
+    sb = await client.run_sandbox(DSecRunArgs(image="root/base"))
+    restored = []
+    try:
+        await sb.run_shell("echo kept > /root/state")
+        snap = await sb.snapshot()
+        assert not snap.memory_preserved and snap.backend == "container"
+        await sb.run_shell("echo changed > /root/state")
+        restored = await client.restore_snapshot(snap.id, count=2)
+        for r in restored:
+            assert (await r.run_shell("cat /root/state")).stdout == "kept\n"
+        await client.delete_snapshot(snap.id)
+        assert snap.id not in [s.id for s in await client.list_snapshots()]
+    finally:
+        for r in restored:
+            await r.stop()
+        await sb.stop()

@@ -295,3 +295,48 @@ async def test_vm_limits_hold_for_qemu(client, need_qemu):
         await sb.stop()
     assert wait_for(lambda: not cgroup_file("memory", sb.id, "cgroup.procs").parent.exists(), timeout=10), \
         "the VM's cgroup outlived it"
+
+
+async def test_vm_snapshot_restores_later_until_deleted(client, need_qemu):
+    """A snapshot keeps a VM's memory under an id: sandboxes restored from it, even after
+    the source changed or stopped, go on from the moment it was taken; once deleted it
+    cannot be restored, and what was restored from it keeps running."""
+    from opendsec.errors import DSecError
+
+    sb = await client.run_sandbox(DSecRunArgs(image="root/py:3.11", backend="vm", memory_limit_mb=256))
+    restored = []
+    snap = None
+    try:
+        await sb.files.write("/tmp/holder.py", HOLDER.encode())
+        await sb.exec_background(["python3", "/tmp/holder.py"])
+        assert await wait_for_file(sb, "/tmp/cmd")
+        value = await ask(sb, "get 1", 1)
+        snap = await sb.snapshot()
+        assert snap.memory_preserved and snap.source == sb.id and snap.size_bytes > 0, snap
+        assert snap.id in [s.id for s in await client.list_snapshots()]
+        # The source moves on and goes; the snapshot does not.
+        assert await ask(sb, "set 2 7", 2) == 7
+        await sb.stop()
+        left = [p.name for p in Path("/dev/shm/dsec-vm").glob("*") if sb.id in p.name]
+        assert not left, f"a kept snapshot's memory stayed in the RAM directory: {left}"
+        restored = await client.restore_snapshot(snap.id, count=2, labels={"from": "snapshot"})
+        for i, r in enumerate(restored):
+            assert r.info.labels.get("from") == "snapshot"
+            assert await ask(r, f"get {10 + i}", 10 + i) == value, "a restored sandbox lost the memory"
+        print(f"\nVM snapshot: {snap.size_bytes / 2**20:.0f} MiB on disk, source paused {snap.source_paused_ms} ms",
+              flush=True)
+        await client.delete_snapshot(snap.id)
+        with pytest.raises(DSecError) as e:
+            await client.restore_snapshot(snap.id)
+        assert e.value.code == "not_found", e.value
+        snap = None
+        assert await ask(restored[0], "get 20", 20) == value
+    finally:
+        for r in restored:
+            await r.stop()
+        if snap:
+            await client.delete_snapshot(snap.id)
+        try:
+            await sb.stop()
+        except Exception:
+            pass

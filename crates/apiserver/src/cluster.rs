@@ -18,7 +18,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use dsec_common::ApiError;
 use dsec_common::api::{
-    GroupFailure, GroupRequest, GroupResponse, ListSandboxesResponse, NodeStatus,
+    GroupFailure, GroupRequest, GroupResponse, ListSandboxesResponse, ListSnapshotsResponse,
+    NodeStatus,
 };
 use dsec_common::id::SandboxId;
 use dsec_iam::{Iam, Principal, PrincipalKind, ROOT, RemoteIam};
@@ -285,6 +286,9 @@ pub fn router(c: Arc<Cluster>) -> Router {
         .route("/v1/sandboxes", post(create).get(list))
         .route("/v1/images", get(images))
         .route("/v1/groups/{verb}", post(group))
+        .route("/v1/snapshots", get(list_snapshots))
+        .route("/v1/snapshots/{sid}", any(snapshot))
+        .route("/v1/snapshots/{sid}/{*rest}", any(snapshot_rest))
         .route("/v1/sandboxes/{id}", any(sandbox))
         .route("/v1/sandboxes/{id}/{*rest}", any(sandbox_rest))
         .merge(iam_routes)
@@ -337,6 +341,62 @@ async fn sandbox_rest(
         Some(c.principal(req.headers()).await?)
     };
     c.forward(&edge, req, p.as_ref()).await
+}
+
+async fn snapshot(
+    State(c): State<Arc<Cluster>>,
+    Path(sid): Path<String>,
+    req: Request,
+) -> ApiResult<Response> {
+    let p = c.principal(req.headers()).await?;
+    let edge = owning_edge(&sid)?;
+    c.forward(&edge, req, Some(&p)).await
+}
+
+async fn snapshot_rest(
+    State(c): State<Arc<Cluster>>,
+    Path((sid, _rest)): Path<(String, String)>,
+    req: Request,
+) -> ApiResult<Response> {
+    let p = c.principal(req.headers()).await?;
+    let edge = owning_edge(&sid)?;
+    c.forward(&edge, req, Some(&p)).await
+}
+
+/// Every edge's snapshots the caller may see.
+async fn list_snapshots(State(c): State<Arc<Cluster>>, headers: HeaderMap) -> ApiResult<Response> {
+    let p = c.principal(&headers).await?;
+    let calls = c.edges.keys().map(|edge| {
+        let (c, p) = (c.clone(), p.clone());
+        async move {
+            let r = c
+                .call(edge, Method::GET, "/v1/snapshots", None, &p, CALL_TIMEOUT)
+                .await;
+            (edge.clone(), r)
+        }
+    });
+    let mut out = ListSnapshotsResponse {
+        snapshots: Vec::new(),
+    };
+    let mut missing = Vec::new();
+    for (edge, r) in futures_util::future::join_all(calls).await {
+        match r
+            .ok()
+            .filter(|(s, _)| s.is_success())
+            .and_then(|(_, b)| serde_json::from_slice::<ListSnapshotsResponse>(&b).ok())
+        {
+            Some(l) => out.snapshots.extend(l.snapshots),
+            None => missing.push(edge),
+        }
+    }
+    out.snapshots.sort_by(|a, b| a.id.cmp(&b.id));
+    let mut resp = json(StatusCode::OK, &out);
+    if !missing.is_empty()
+        && let Ok(v) = HeaderValue::from_str(&missing.join(","))
+    {
+        resp.headers_mut().insert("x-dsec-unreachable-edges", v);
+    }
+    Ok(resp)
 }
 
 async fn status(State(c): State<Arc<Cluster>>, headers: HeaderMap) -> ApiResult<Response> {

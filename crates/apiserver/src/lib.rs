@@ -26,6 +26,7 @@ pub mod cluster;
 pub mod iam;
 mod ports;
 mod runtime;
+mod snapshots;
 pub mod transfer;
 
 pub const OPENAPI: &str = include_str!("../openapi.json");
@@ -128,6 +129,7 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/v1/images", get(images))
         .merge(runtime::routes())
+        .merge(snapshots::routes())
         .merge(iam::routes().with_state(state.iam.clone()))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     public_routes()
@@ -520,6 +522,10 @@ mod tests {
             "/v1/sandboxes/{id}/resume",
             "/v1/groups/pause",
             "/v1/groups/resume",
+            "/v1/sandboxes/{id}/snapshot",
+            "/v1/snapshots",
+            "/v1/snapshots/{sid}",
+            "/v1/snapshots/{sid}/restore",
             "/v1/sandboxes/{id}/commit",
             "/v1/sandboxes/{id}/timeout",
             "/v1/sandboxes/{id}/network",

@@ -141,6 +141,9 @@ enum Command {
         after_help = "Example:\n  dsec commit local-0123456789ab root/myenv:v1\n  dsec run root/myenv:v1 -- ls /root\n\nAn existing IMAGE_REF is replaced only with --overwrite. A container sandbox is frozen\nwhile its changes are copied; a vm sandbox keeps running (write nothing during it)."
     )]
     Commit(cmd::commit::CommitArgs),
+    /// Keep a sandbox's state under an id and start sandboxes from it later
+    #[command(subcommand)]
+    Snapshot(cmd::snapshot::SnapshotCommand),
     /// Build, list, inspect and remove images
     #[command(subcommand)]
     Image(cmd::image::ImageCommand),
@@ -187,6 +190,7 @@ fn main() {
             Command::Ps(a) => cmd::runtime::ps(a).await,
             Command::Trajectory(a) => cmd::runtime::trajectory(a).await,
             Command::Commit(a) => cmd::commit::commit(a).await,
+            Command::Snapshot(c) => cmd::snapshot::run(c).await,
             Command::Image(c) => cmd::image::run(c).await,
             Command::Iam(c) => cmd::iam::run(c).await,
             Command::Certs(c) => cmd::certs::run(c),

@@ -268,6 +268,34 @@ pub struct ForkRequest {
     pub edge: Option<String>,
 }
 
+/// A sandbox's state kept under an id (`POST /v1/sandboxes/{id}/snapshot`), to start new
+/// sandboxes from (`POST /v1/snapshots/{id}/restore`) until it is deleted.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SnapshotInfo {
+    /// `<edge>-<12 characters>`, like a sandbox id: the edge that keeps it.
+    pub id: String,
+    pub edge: String,
+    /// The sandbox it was taken of.
+    pub source: String,
+    pub backend: String,
+    pub image: String,
+    pub project: String,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    pub created_at_ms: u64,
+    /// Whether sandboxes restored from it carry its process memory (VM backends).
+    pub memory_preserved: bool,
+    /// Bytes it takes on disk.
+    pub size_bytes: u64,
+    /// How long the source was paused while it was taken.
+    pub source_paused_ms: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ListSnapshotsResponse {
+    pub snapshots: Vec<SnapshotInfo>,
+}
+
 /// `POST /v1/sandboxes/{id}/resume`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

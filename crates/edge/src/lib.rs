@@ -11,6 +11,7 @@ pub mod host;
 pub mod net;
 pub mod registry;
 pub mod runtime;
+mod snapshots;
 pub mod trajectory;
 pub mod transfer;
 mod validate;
@@ -81,6 +82,7 @@ pub struct Edge {
     offers: transfer::Offers,
     /// The other edges of the cluster; unset on a single machine.
     peers: std::sync::OnceLock<Arc<dyn transfer::Peers>>,
+    snapshot_locks: snapshots::Locks,
 }
 
 /// Runs an operation that changes a sandbox as a task of its own, so it ends in a
@@ -205,6 +207,7 @@ impl Edge {
             dns,
             offers: transfer::Offers::default(),
             peers: std::sync::OnceLock::new(),
+            snapshot_locks: snapshots::Locks::default(),
         });
         let e2 = edge.clone();
         blocking(move || e2.adopt()).await?;
@@ -235,6 +238,7 @@ impl Edge {
     }
 
     fn adopt(&self) {
+        self.sweep_snapshots();
         for r in self.registry.load_all() {
             match r {
                 Ok(rec) => {
@@ -647,30 +651,7 @@ impl Edge {
             None => None,
         };
         let seed = self.fork_tmp.join(format!("{}-{}", src.id, random_hex(8)));
-        let paused_ms;
-        {
-            let _g = e.op.lock().await;
-            if e.snapshot().state != SandboxState::Running {
-                return Err(ApiError::precondition(format!(
-                    "sandbox {id} is not running; only a running sandbox can be forked"
-                )));
-            }
-            self.touch(&e);
-            let (b2, r2, p2, s2) = (backend.clone(), src.clone(), self.paths(id), seed.clone());
-            let t0 = Instant::now();
-            let copied = blocking(move || {
-                b2.pause(&r2)?;
-                let r = b2.snapshot(&r2, &p2, &s2);
-                let resumed = b2.resume(&r2);
-                r.and(resumed)
-            })
-            .await?;
-            paused_ms = t0.elapsed().as_millis() as u64;
-            if let Err(err) = copied {
-                self.discard_seed(&backend, &seed).await;
-                return Err(err);
-            }
-        }
+        let paused_ms = self.save_running(&e, &backend, &seed, "forked").await?;
         let made = match (remote, peers) {
             (Some(target), Some(peers)) => {
                 // The copies are made there, from this snapshot, which goes when they run.
@@ -695,11 +676,46 @@ impl Edge {
                 return Ok(r);
             }
             _ => {
-                self.copies(&backend, &src, &seed, count, &req.labels)
+                self.copies(&backend, &src, &seed, count, &req.labels, false)
                     .await?
             }
         };
         Ok(fork_response(&backend, made, paused_ms))
+    }
+
+    /// Saves a running sandbox's state into `dest` (paused meanwhile; returns for how
+    /// long, in ms). `what` says what only a running sandbox can be.
+    pub(crate) async fn save_running(
+        &self,
+        e: &Arc<Entry>,
+        backend: &Arc<dyn Backend>,
+        dest: &Path,
+        what: &str,
+    ) -> Result<u64, ApiError> {
+        let _g = e.op.lock().await;
+        let src = e.snapshot();
+        if src.state != SandboxState::Running {
+            return Err(ApiError::precondition(format!(
+                "sandbox {} is {:?}; only a running sandbox can be {what}",
+                src.id, src.state
+            )));
+        }
+        self.touch(e);
+        let (b2, p2, s2) = (backend.clone(), self.paths(&src.id), dest.to_path_buf());
+        let t0 = Instant::now();
+        let copied = blocking(move || {
+            b2.pause(&src)?;
+            let r = b2.snapshot(&src, &p2, &s2);
+            let resumed = b2.resume(&src);
+            r.and(resumed)
+        })
+        .await?;
+        let paused_ms = t0.elapsed().as_millis() as u64;
+        if let Err(err) = copied {
+            self.discard_seed(backend, dest).await;
+            return Err(err);
+        }
+        Ok(paused_ms)
     }
 
     /// Removes a fork's snapshot.
@@ -716,7 +732,7 @@ impl Edge {
     }
 
     /// `count` copies of `src` started from the snapshot `seed` (which is removed
-    /// afterwards); all or none.
+    /// afterwards unless `keep_seed`); all or none.
     async fn copies(
         self: &Arc<Self>,
         backend: &Arc<dyn Backend>,
@@ -724,6 +740,7 @@ impl Edge {
         seed: &Path,
         count: u64,
         extra_labels: &BTreeMap<String, String>,
+        keep_seed: bool,
     ) -> Result<Vec<SandboxInfo>, ApiError> {
         let now = now_ms();
         let mut tasks = Vec::new();
@@ -775,7 +792,9 @@ impl Edge {
                 }
             }
         }
-        self.discard_seed(backend, seed).await;
+        if !keep_seed {
+            self.discard_seed(backend, seed).await;
+        }
         if let Some(err) = first_err {
             for info in &made {
                 let _ = self.stop(&info.id).await;

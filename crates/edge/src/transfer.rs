@@ -374,7 +374,7 @@ impl Edge {
                     match adopted {
                         Ok(()) => {
                             let made = self
-                                .copies(&backend, &req.record, &staged, count, &labels)
+                                .copies(&backend, &req.record, &staged, count, &labels, false)
                                 .await;
                             made.and_then(|m| to_value(&fork_response(&backend, m, 0)))
                         }

@@ -3,6 +3,7 @@
 
 from .client import (
     CommitResult,
+    SnapshotInfo,
     DSecClient,
     DSecRunArgs,
     ExecResult,
@@ -30,6 +31,7 @@ from .errors import (
 
 __all__ = [
     "CommitResult",
+    "SnapshotInfo",
     "DSecClient",
     "DSecRunArgs",
     "ExecResult",

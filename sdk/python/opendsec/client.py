@@ -146,6 +146,29 @@ class CommitResult:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
+@dataclass
+class SnapshotInfo:
+    """A sandbox's state kept under an id (``Sandbox.snapshot``), to start new sandboxes
+    from (``DSecClient.restore_snapshot``) until it is deleted."""
+
+    id: str
+    edge: str
+    source: str
+    backend: str
+    image: str
+    project: str
+    created_at_ms: int
+    # Whether restored sandboxes carry its process memory (VM backends).
+    memory_preserved: bool = False
+    size_bytes: int = 0
+    source_paused_ms: int = 0
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "SnapshotInfo":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
 class DSecClient:
     """Async client for the OpenDsec API.
 
@@ -232,6 +255,31 @@ class DSecClient:
 
     async def status(self) -> dict[str, Any]:
         return await self._request("GET", "/v1/status")
+
+    async def list_snapshots(self) -> list[SnapshotInfo]:
+        r = await self._request("GET", "/v1/snapshots")
+        return [SnapshotInfo.from_json(s) for s in r["snapshots"]]
+
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        return SnapshotInfo.from_json(await self._request("GET", f"/v1/snapshots/{snapshot_id}"))
+
+    async def restore_snapshot(self, snapshot_id: str, count: int = 1, labels: dict[str, str] | None = None,
+                               edge: str | None = None) -> list["Sandbox"]:
+        """Starts ``count`` sandboxes from a snapshot; a VM snapshot's carry its memory.
+
+        ``edge`` (a cluster) starts them on that edge, which pulls the snapshot. The snapshot
+        stays until :meth:`delete_snapshot`.
+        """
+        body: dict[str, Any] = {"count": count}
+        if labels:
+            body["labels"] = labels
+        if edge:
+            body["edge"] = edge
+        r = await self._request("POST", f"/v1/snapshots/{snapshot_id}/restore", json=body, timeout=900.0)
+        return [Sandbox(self, SandboxInfo.from_json(s)) for s in r["sandboxes"]]
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await self._request("DELETE", f"/v1/snapshots/{snapshot_id}")
 
     async def pause_group(self, labels: dict[str, str], to_disk: bool = False) -> dict[str, Any]:
         """Pauses every sandbox of yours that carries all ``labels`` (e.g. a preempted
@@ -575,6 +623,13 @@ class Sandbox:
         if with_token and self.info.port_token:
             url += ("&" if "?" in url else "?") + f"dsec_token={self.info.port_token}"
         return url
+
+    async def snapshot(self) -> SnapshotInfo:
+        """Keeps this sandbox's state under a new id (it pauses briefly): a VM's memory and
+        devices, a container's files. Start sandboxes from it with
+        ``DSecClient.restore_snapshot``; it stays until ``delete_snapshot``."""
+        r = await self._client._request("POST", f"{self._base}/snapshot", timeout=900.0)
+        return SnapshotInfo.from_json(r)
 
     async def pause(self, to_disk: bool = False) -> SandboxInfo:
         """Pauses the sandbox: its processes stop where they are and its TTL stops running.

@@ -6,6 +6,7 @@ pub mod pause;
 pub mod role;
 pub mod runtime;
 pub mod sandbox;
+pub mod snapshot;
 pub mod up;
 
 use anyhow::Result;

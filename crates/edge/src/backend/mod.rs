@@ -66,6 +66,11 @@ pub trait Backend: Send + Sync {
         paths: &SandboxPaths,
         dest: &Path,
     ) -> Result<(), ApiError>;
+    /// Moves what [`Backend::snapshot`] kept outside `dest` into it, for a snapshot kept
+    /// for later (not only for the copies of one fork).
+    fn keep_snapshot(&self, _dest: &Path) -> Result<(), ApiError> {
+        Ok(())
+    }
     /// Frees what [`Backend::snapshot`] kept outside `dest` (the caller removes `dest`).
     fn discard_snapshot(&self, _dest: &Path) {}
     /// Writes a paused sandbox to disk and ends its processes, freeing its memory.

@@ -642,15 +642,34 @@ impl Backend for VmBackend {
         _paths: &SandboxPaths,
         dest: &Path,
     ) -> Result<(), ApiError> {
-        let name = dest
-            .file_name()
-            .map(|n| n.to_string_lossy().to_string())
-            .unwrap_or_else(|| rec.id.clone());
-        let ram = self.ram_dir.join(format!("seed-{name}.ram"));
+        let mut r = [0u8; 8];
+        dsec_common::id::fill_random(&mut r);
+        let ram = self.ram_dir.join(format!(
+            "seed-{}-{}.ram",
+            rec.id,
+            r.iter().map(|b| format!("{b:02x}")).collect::<String>()
+        ));
         self.save(rec, dest, &ram).map_err(|e| {
             let _ = std::fs::remove_file(&ram);
             ApiError::internal(format!("snapshotting the VM: {e}"))
         })
+    }
+
+    /// The memory file comes into the snapshot's directory (on disk, out of the RAM
+    /// directory's tmpfs); copies map it from there.
+    fn keep_snapshot(&self, dest: &Path) -> Result<(), ApiError> {
+        let fail = |e: String| ApiError::internal(format!("keeping the VM snapshot: {e}"));
+        let mut saved: SavedVm = read_json(&dest.join("vm.json")).map_err(fail)?;
+        if let Some(ram) = saved.ram.clone()
+            && !ram.starts_with(dest)
+        {
+            copy_sparse(&ram, &dest.join("ram")).map_err(fail)?;
+            // `ram` next to the state, wherever the directory is moved to.
+            saved.ram = None;
+            write_json(&dest.join("vm.json"), &saved).map_err(fail)?;
+            let _ = std::fs::remove_file(&ram);
+        }
+        Ok(())
     }
 
     fn discard_snapshot(&self, dest: &Path) {
@@ -684,7 +703,11 @@ impl Backend for VmBackend {
                 path,
             });
         }
-        if let Some(ram) = vm.ram {
+        let ram = vm
+            .ram
+            .clone()
+            .or_else(|| (vm.kind == "shared").then(|| saved.join("ram")));
+        if let Some(ram) = ram {
             out.push(SavedFile {
                 name: "ram".into(),
                 size: size(&ram)?,
