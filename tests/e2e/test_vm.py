@@ -340,3 +340,50 @@ async def test_vm_snapshot_restores_later_until_deleted(client, need_qemu):
             await sb.stop()
         except Exception:
             pass
+
+
+async def test_vm_on_a_full_pc_machine(need_qemu):
+    """[edge.vm] machine = "q35": the same guest on a full PC (PCI Express virtio devices,
+    ACPI, firmware) answers, and forks with its memory. A second server of its own, so the
+    session's keeps its microvm default."""
+    import json
+    import subprocess
+
+    from conftest import DATA, DSEC
+
+    data = Path("/var/tmp/dsec-test-q35")
+    listen = "127.0.0.1:7621"
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "config.toml").write_text(
+        '[edge]\nname = "pcvm"\n[edge.network]\nenabled = false\n[edge.vm]\nmachine = "q35"\n')
+    env = dict(os.environ, DSEC_CONFIG=str(data / "client.toml"))
+    up = [DSEC, "up", "--data-dir", str(data), "--listen", listen, "--image-store", str(DATA / "images")]
+    subprocess.run([DSEC, "down", "--data-dir", str(data)], capture_output=True, env=env)
+    subprocess.run(up, check=True, capture_output=True, env=env, timeout=120)
+    try:
+        cfg = dict(l.split(" = ", 1) for l in (data / "client.toml").read_text().splitlines() if " = " in l)
+        async with DSecClient(api_url=json.loads(cfg["api_url"]), api_key=json.loads(cfg["api_key"])) as c:
+            st = await c.status()
+            vm = next(b for n in (st.get("nodes") or [st]) for b in n["backends"] if b["name"] == "vm")
+            assert vm["available"] and "q35" in vm["detail"], vm
+            sb = await c.run_sandbox(DSecRunArgs(image="root/py:3.11", backend="vm", memory_limit_mb=256))
+            try:
+                qemu = [p for p in qemu_processes(sb.id) if b"qemu-system" in Path(f"/proc/{p}/cmdline").read_bytes()]
+                cmd = Path(f"/proc/{qemu[0]}/cmdline").read_bytes()
+                assert b"q35," in cmd and b"virtio-serial-pci" in cmd, cmd
+                r = await sb.exec(["sh", "-c", "ls /sys/bus/pci/devices | wc -l; python3 -c 'print(6*7)'"])
+                pci, answer = r.stdout.split()
+                assert int(pci) > 1 and answer == "42", r
+                await sb.files.write("/tmp/holder.py", HOLDER.encode())
+                await sb.exec_background(["python3", "/tmp/holder.py"])
+                assert await wait_for_file(sb, "/tmp/cmd")
+                value = await ask(sb, "get 1", 1)
+                [copy] = await sb.fork(count=1)
+                assert await ask(copy, "get 2", 2) == value
+                print(f"\nq35 machine (TCG): {pci} PCI devices in the guest; fork kept the memory", flush=True)
+                await copy.stop()
+            finally:
+                await sb.stop()
+    finally:
+        subprocess.run([DSEC, "down", "--data-dir", str(data)], capture_output=True, env=env, timeout=180)
+        shutil.rmtree(data, ignore_errors=True)

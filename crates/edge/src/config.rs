@@ -39,6 +39,8 @@ pub struct EdgeConfig {
     /// Where VM memory files live: a tmpfs, so a VM's memory is RAM and fork copies can
     /// map a snapshot of it copy-on-write.
     pub vm_ram_dir: PathBuf,
+    /// Full-VM options of the `vm` backend (`[edge.vm]`).
+    pub vm: VmOptions,
     /// The Firecracker binary for the `microvm` backend (v1.16 or a later v1 release);
     /// empty: `firecracker` on PATH, in /usr/local/bin or /usr/bin. Its version is probed
     /// at start; without it (or without hardware KVM) the backend reports unavailable.
@@ -48,6 +50,30 @@ pub struct EdgeConfig {
     /// or load (Diff, laid over a copy of that memory). Firecracker calls Diff snapshots a
     /// developer preview.
     pub firecracker_diff_snapshots: bool,
+}
+
+/// `[edge.vm]`: how the `vm` backend builds its VMs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct VmOptions {
+    /// `microvm` (default: QEMU's minimal machine, virtio-mmio, fastest to boot) or `q35`
+    /// (a full PC: PCI Express, ACPI, firmware; what PCI passthrough needs).
+    pub machine: String,
+    /// More `-device` arguments for every VM, e.g. `vfio-pci,host=0000:65:00.0` to pass a
+    /// host PCI device through (`q35` only; the device must be bound to vfio-pci, and a
+    /// device can be in one VM at a time, so give it to an edge that runs one VM). Not
+    /// tested by the project: its test hosts have no IOMMU. A VM with a passed-through
+    /// device cannot be forked, snapshotted or paused to disk (QEMU cannot save it).
+    pub devices: Vec<String>,
+}
+
+impl Default for VmOptions {
+    fn default() -> Self {
+        VmOptions {
+            machine: "microvm".into(),
+            devices: Vec::new(),
+        }
+    }
 }
 
 /// Each sandbox gets a network namespace with a veth to the node, an address from `pool`,
@@ -123,6 +149,7 @@ impl Default for EdgeConfig {
             default_exec_timeout_seconds: 600.0,
             network: NetworkConfig::default(),
             vm_ram_dir: PathBuf::from("/dev/shm/dsec-vm"),
+            vm: VmOptions::default(),
             firecracker_binary: None,
             firecracker_diff_snapshots: false,
         }

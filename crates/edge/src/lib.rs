@@ -163,6 +163,7 @@ impl Edge {
             &cfg.state_dir.join("sandboxes"),
             &cfg.vm_ram_dir,
             mode,
+            cfg.vm.clone(),
         ));
         let microvm: Arc<dyn Backend> = Arc::new(backend::microvm::MicrovmBackend::new(
             &backend::microvm::MicrovmConfig {

@@ -72,6 +72,37 @@ pub struct VmBackend {
     boot: std::sync::Mutex<Option<(guest::Kernel, PathBuf)>>,
     /// QEMU runs in the sandbox's cgroup (CPU quota, memory, pids).
     cgroups: CgroupMode,
+    /// The machine type and extra devices (`[edge.vm]`); `machine` checked in `new`.
+    options: Result<crate::config::VmOptions, String>,
+}
+
+/// Machine types the backend knows how to wire: the `-M` value and the virtio transport
+/// suffix of its devices.
+fn machine(name: &str) -> Option<(&'static str, &'static str)> {
+    match name {
+        "microvm" => Some(("microvm", "device")),
+        "q35" => Some(("q35", "pci")),
+        _ => None,
+    }
+}
+
+fn check_options(o: crate::config::VmOptions) -> Result<crate::config::VmOptions, String> {
+    if machine(&o.machine).is_none() {
+        return Err(format!(
+            "[edge.vm] machine = {:?} is not supported: use \"microvm\" or \"q35\"",
+            o.machine
+        ));
+    }
+    if let Some(d) = o
+        .devices
+        .iter()
+        .find(|d| d.is_empty() || d.chars().any(|c| c.is_whitespace() || c.is_control()))
+    {
+        return Err(format!(
+            "[edge.vm] devices entry {d:?} is not a QEMU -device argument"
+        ));
+    }
+    Ok(o)
 }
 
 /// What QEMU itself needs beyond the guest's memory (device emulation, and under TCG the
@@ -164,6 +195,8 @@ struct SavedVm {
     /// The guest kernel's release: a restore needs the same kernel.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     kernel: Option<String>,
+    #[serde(default = "default_machine")]
+    machine: String,
 }
 
 /// The files a saved VM is made of, as another edge receives them.
@@ -177,6 +210,13 @@ struct VmInfo {
     cpus: u64,
     /// Whether its memory is its own shared file (else a private mapping of a template).
     shared_ram: bool,
+    /// QEMU's machine type (a restore needs the same one).
+    #[serde(default = "default_machine")]
+    machine: String,
+}
+
+fn default_machine() -> String {
+    "microvm".into()
 }
 
 fn read_json<T: serde::de::DeserializeOwned>(p: &Path) -> Result<T, String> {
@@ -219,6 +259,7 @@ impl VmBackend {
         sandboxes: &Path,
         ram_dir: &Path,
         cgroups: CgroupMode,
+        options: crate::config::VmOptions,
     ) -> VmBackend {
         VmBackend {
             qemu: find_qemu(),
@@ -229,6 +270,7 @@ impl VmBackend {
             ram_dir: ram_dir.to_path_buf(),
             boot: std::sync::Mutex::new(None),
             cgroups,
+            options: check_options(options),
         }
     }
 
@@ -298,6 +340,9 @@ impl VmBackend {
             tsc_khz(),
             rec.limits.disk_mb
         );
+        let opts = self.options.as_ref().map_err(Clone::clone)?;
+        let (machine_type, bus) = machine(&info.machine)
+            .ok_or_else(|| format!("machine type {:?} is not supported", info.machine))?;
         let mut cmd = Command::new(qemu);
         let accel = match self.accel {
             Accel::Kvm => "kvm".to_string(),
@@ -305,7 +350,7 @@ impl VmBackend {
         };
         cmd.args([
             "-M",
-            "microvm,memory-backend=mem",
+            &format!("{machine_type},memory-backend=mem"),
             "-accel",
             &accel,
             "-cpu",
@@ -348,12 +393,12 @@ impl VmBackend {
             "id=root,file={},format=raw,if=none,readonly=on",
             info.disk.display()
         ))
-        .args(["-device", "virtio-blk-device,drive=root"])
+        .args(["-device", &format!("virtio-blk-{bus},drive=root")])
         // Entropy from the host: without it the guest's CRNG can take minutes to initialise
         // under TCG, and getrandom() (Python's start-up) blocks until then.
         .args(["-object", "rng-random,id=rng,filename=/dev/urandom"])
-        .args(["-device", "virtio-rng-device,rng=rng"])
-        .args(["-device", "virtio-serial-device"])
+        .args(["-device", &format!("virtio-rng-{bus},rng=rng")])
+        .args(["-device", &format!("virtio-serial-{bus}")])
         .arg("-chardev")
         .arg(format!(
             "socket,id=ch,path={},server=on,wait=off",
@@ -372,6 +417,7 @@ impl VmBackend {
         ))
         .arg("-qmp")
         .arg(format!("unix:{},server=on,wait=off", qmp.display()))
+        .args(opts.devices.iter().flat_map(|d| ["-device", d.as_str()]))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
@@ -452,6 +498,7 @@ impl VmBackend {
             mem_mb: rec.limits.memory_mb.max(128) + rec.limits.disk_mb / 4,
             cpus: rec.limits.cpu_cores.ceil().max(1.0) as u64,
             shared_ram: true,
+            machine: self.options.as_ref().map_err(Clone::clone)?.machine.clone(),
         };
         self.start(rec, paths, &info, Mem::Own { fill: None }, None)
     }
@@ -472,6 +519,7 @@ impl VmBackend {
                     mem_mb: saved.mem_mb,
                     cpus: saved.cpus,
                     shared_ram: false,
+                    machine: saved.machine,
                 };
                 self.start(
                     rec,
@@ -487,6 +535,7 @@ impl VmBackend {
                     mem_mb: saved.mem_mb,
                     cpus: saved.cpus,
                     shared_ram: true,
+                    machine: saved.machine,
                 };
                 self.start(
                     rec,
@@ -520,6 +569,7 @@ impl VmBackend {
                 kind: "shared".into(),
                 ram: Some(ram_to.to_path_buf()),
                 kernel,
+                machine: info.machine,
             }
         } else {
             q.save(&dest.join("full"), SAVE_TIMEOUT)?;
@@ -530,6 +580,7 @@ impl VmBackend {
                 kind: "full".into(),
                 ram: None,
                 kernel,
+                machine: info.machine,
             }
         };
         write_json(&dest.join("vm.json"), &saved)
@@ -574,11 +625,12 @@ impl Backend for VmBackend {
     }
 
     fn status(&self) -> BackendStatus {
-        let (available, detail) = match (&self.qemu, &self.aether) {
-            (Ok(q), Ok(_)) => (
+        let (available, detail) = match (&self.qemu, &self.aether, &self.options) {
+            (Ok(q), Ok(_), Ok(o)) => (
                 true,
                 format!(
-                    "QEMU microvm ({}; {}), kernel and root disks built from Debian packages on first use",
+                    "QEMU {} ({}; {}), kernel and root disks built from Debian packages on first use",
+                    o.machine,
                     q.display(),
                     match self.accel {
                         Accel::Kvm => "KVM",
@@ -586,7 +638,7 @@ impl Backend for VmBackend {
                     }
                 ),
             ),
-            (Err(e), _) | (_, Err(e)) => (false, e.clone()),
+            (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => (false, e.clone()),
         };
         BackendStatus {
             name: "vm".into(),
@@ -772,6 +824,9 @@ impl Backend for VmBackend {
         if !staged.join(state).is_file() {
             return Err(bad(format!("{state} is missing")));
         }
+        if machine(&vm.machine).is_none() {
+            return Err(bad(format!("unknown machine type {:?}", vm.machine)));
+        }
         if vm.mem_mb == 0 || vm.mem_mb > 1 << 20 || vm.cpus == 0 || vm.cpus > 256 {
             return Err(bad(format!(
                 "{} MiB and {} cpus is not a VM",
@@ -841,6 +896,7 @@ impl Backend for VmBackend {
                 mem_mb: saved.mem_mb,
                 cpus: saved.cpus,
                 shared_ram: true,
+                machine: saved.machine.clone(),
             };
             match saved.ram.as_deref() {
                 Some(ram) => self.start(
@@ -902,5 +958,29 @@ impl Backend for VmBackend {
             Accel::Kvm => Duration::from_secs(30),
             Accel::Tcg => Duration::from_secs(120),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::VmOptions;
+
+    #[test]
+    fn vm_options_are_checked() {
+        let ok = |m: &str, d: &[&str]| {
+            check_options(VmOptions {
+                machine: m.into(),
+                devices: d.iter().map(|s| s.to_string()).collect(),
+            })
+        };
+        assert!(ok("microvm", &[]).is_ok());
+        assert!(ok("q35", &["vfio-pci,host=0000:65:00.0"]).is_ok());
+        let e = ok("pc-i440fx", &[]).unwrap_err();
+        assert!(e.contains("microvm") && e.contains("q35"), "{e}");
+        assert!(ok("q35", &["vfio-pci,host=1 -monitor stdio"]).is_err());
+        assert!(ok("q35", &[""]).is_err());
+        assert_eq!(machine("q35"), Some(("q35", "pci")));
+        assert_eq!(machine("microvm"), Some(("microvm", "device")));
     }
 }
