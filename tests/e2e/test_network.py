@@ -311,6 +311,40 @@ async def test_allow_by_name_and_nothing_else(lab: Netlab, node: DSecClient):
     assert not any(name == "other.test" for name, _ in asked), "the proxy forwarded a name no rule allows"
 
 
+async def test_vm_sandboxes_follow_the_same_rules(lab: Netlab, node: DSecClient):
+    """A vm sandbox's guest sits behind a namespace of its own that translates its address
+    (the same in every VM) to the sandbox's: it reaches what its rules name, by name
+    through the proxy, and nothing else; a fork copy has its own namespace and rules."""
+    import shutil
+
+    if not shutil.which("qemu-system-x86_64"):
+        pytest.skip("skipped: qemu-system-x86_64 is not installed")
+    sb = await node.run_sandbox(DSecRunArgs(image="root/py:3.11", backend="vm", memory_limit_mb=256,
+                                            ttl_seconds=900, network_rules={"pypi": True}))
+    got = await probe_named(sb, 'vm, rules {"pypi": true}', {
+        "GET http://pypi.test:8000 (allowed by name)": ("http", PYPI_URL),
+        "GET http://other.test:8000": ("http", OTHER_URL),
+        f"{OTHER_IP}:{HTTP_PORT} by address": ("connect", OTHER_IP, HTTP_PORT),
+        f"node uplink {NODE_IP}:{HOST_PORT}": ("connect", NODE_IP, HOST_PORT),
+        f"metadata {METADATA_IP}:80": ("connect", METADATA_IP, 80),
+        f"DNS other.test to {FOREIGN_DNS_IP} (UDP)": ("dns", FOREIGN_DNS_IP, "other.test", "udp"),
+        "/etc/resolv.conf": ("read", "/etc/resolv.conf"),
+    })
+    assert got.pop("GET http://pypi.test:8000 (allowed by name)") == "pypi"
+    assert "nameserver 172.16.0.1" in got.pop("/etc/resolv.conf")
+    for label, v in got.items():
+        if label.startswith("DNS"):
+            assert refused_or_silent(v), f"{label}: {v}"
+        else:
+            assert blocked(v), f"vm: {label} got through: {v}"
+    [copy] = await sb.fork(count=1)
+    assert copy.info.network["address"] != sb.info.network["address"]
+    allowed, other = await probe(copy, ("http", PYPI_URL), ("connect", OTHER_IP, HTTP_PORT))
+    assert allowed == "pypi" and blocked(other), (allowed, other)
+    assert lab.foreign_queries() == [], "a VM's DNS query reached the foreign resolver"
+    assert lab.host_connections() == [], "a VM reached the node's own service"
+
+
 # ---- 2. rules changed at runtime ---------------------------------------------------------
 
 

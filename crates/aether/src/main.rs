@@ -10,6 +10,7 @@ mod chronus;
 mod exec;
 mod files;
 mod forward;
+mod guestnet;
 mod process;
 mod session;
 mod user;

@@ -115,6 +115,16 @@ fn decode_hex(s: &str) -> Result<Vec<u8>, String> {
 pub fn guest_main(serve: impl Fn(UnixStream) + Send + Sync + Clone + 'static) -> ! {
     prepare_guest();
     let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
+    // The VM keeps running without a network if this fails; its commands see why.
+    match crate::guestnet::from_cmdline(&cmdline) {
+        Some(Ok(spec)) => {
+            if let Err(e) = crate::guestnet::configure(&spec) {
+                eprintln!("dsec-aether: configuring the network: {e}");
+            }
+        }
+        Some(Err(e)) => eprintln!("dsec-aether: {e}"),
+        None => {}
+    }
     if dsec_common::vsock::channel_from_cmdline(&cmdline) == dsec_common::vsock::GuestChannel::Vsock
     {
         crate::vsock::guest_main(serve);

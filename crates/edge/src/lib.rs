@@ -391,13 +391,35 @@ impl Edge {
         finish(async move { edge.launch(backend, rec, None).await }).await
     }
 
+    /// Gives a sandbox whose record asks for a network its slot, namespace and rules,
+    /// saving the record as it goes (so a crash leaves nothing unaccounted for).
+    pub(crate) async fn attach_network(&self, rec: &mut SandboxRecord) -> Result<(), ApiError> {
+        let (Some(n), Some(rules)) = (&self.net, rec.network.as_ref().map(|r| r.rules.clone()))
+        else {
+            return Ok(());
+        };
+        let policy = n.policy(&rules)?;
+        let slot = n.allocate()?;
+        if let Some(nr) = &mut rec.network {
+            nr.slot = Some(slot);
+        }
+        self.registry.save(rec)?;
+        let (n2, id2) = (n.clone(), rec.id.clone());
+        let s = blocking(move || n2.attach(&id2, slot, policy)).await??;
+        if let Some(nr) = &mut rec.network {
+            nr.ip = Some(s.ip.to_string());
+            nr.gateway = Some(s.gateway.to_string());
+        }
+        self.registry.save(rec)
+    }
+
     /// The network a create asks for, its rules checked (400 names what is wrong).
     fn network_for(
         &self,
         req: &CreateSandboxRequest,
     ) -> Result<Option<registry::NetRecord>, ApiError> {
-        if req.backend == "vm" || req.backend == "microvm" {
-            // A VM has no uplink yet: loopback only (a microVM's tap leads nowhere else).
+        if req.backend == "microvm" {
+            // A microVM's tap leads nowhere else yet: loopback only.
             if req.network_rules.values().any(|v| *v) {
                 return Err(ApiError::unimplemented(format!(
                     "network_rules are not supported for backend {:?} yet (its sandboxes have no egress); use backend \"container\" for egress",
@@ -504,23 +526,7 @@ impl Edge {
                 q.reserve(&rec)?;
             }
             self.registry.save(&rec)?;
-            if let (Some(n), Some(rules)) =
-                (&self.net, rec.network.as_ref().map(|r| r.rules.clone()))
-            {
-                let policy = n.policy(&rules)?;
-                let slot = n.allocate()?;
-                if let Some(nr) = &mut rec.network {
-                    nr.slot = Some(slot);
-                }
-                self.registry.save(&rec)?;
-                let (n2, id2) = (n.clone(), rec.id.clone());
-                let s = blocking(move || n2.attach(&id2, slot, policy)).await??;
-                if let Some(nr) = &mut rec.network {
-                    nr.ip = Some(s.ip.to_string());
-                    nr.gateway = Some(s.gateway.to_string());
-                }
-                self.registry.save(&rec)?;
-            }
+            self.attach_network(&mut rec).await?;
             let paths = self.paths(&rec.id);
             let channel = paths.channel.clone();
             let (b2, r2) = (backend.clone(), rec.clone());

@@ -401,7 +401,7 @@ impl Edge {
         have: BTreeMap<String, PathBuf>,
     ) -> Result<SandboxInfo, ApiError> {
         let now = now_ms();
-        let rec = SandboxRecord {
+        let mut rec = SandboxRecord {
             id: SandboxId::generate(&self.cfg.name).to_string(),
             edge: self.cfg.name.clone(),
             state: SandboxState::Paused,
@@ -409,8 +409,13 @@ impl Edge {
             paused_at_ms: old.paused_at_ms.or(Some(now)),
             moved_from: Some(old.id.clone()),
             port_token: port_token(),
-            // A VM's network device is its own (none yet); nothing to carry over.
-            network: None,
+            // Its rules come along; its place in this node's network is new.
+            network: old.network.as_ref().map(|n| crate::registry::NetRecord {
+                slot: None,
+                ip: None,
+                gateway: None,
+                rules: n.rules.clone(),
+            }),
             last_activity_ms: now,
             ..old
         };
@@ -422,6 +427,7 @@ impl Edge {
         let home = paths.dir.join(SUSPENDED_DIR);
         let placed = async {
             self.registry.save(&rec)?;
+            self.attach_network(&mut rec).await?;
             let (b2, st, h2) = (backend.clone(), staged.to_path_buf(), home.clone());
             blocking(move || b2.adopt_saved(&st, &h2, &manifest.files, &have)).await??;
             std::fs::rename(staged, &home)
@@ -429,6 +435,10 @@ impl Edge {
         }
         .await;
         if let Err(e) = placed {
+            if let (Some(n), Some(nr)) = (self.net.clone(), rec.network.clone()) {
+                let id = rec.id.clone();
+                let _ = blocking(move || n.detach(&id, nr.slot)).await;
+            }
             let _ = std::fs::remove_dir_all(&paths.dir);
             if let Some(q) = &self.quotas {
                 q.release(&rec.id);

@@ -3,6 +3,7 @@
 //! async workers.
 
 pub mod container;
+pub(crate) mod detached;
 pub mod microvm;
 pub mod vm;
 

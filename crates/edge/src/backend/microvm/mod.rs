@@ -18,7 +18,6 @@ pub mod netns;
 pub mod probe;
 pub mod snapshot;
 
-use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -29,6 +28,7 @@ use dsec_common::ApiError;
 use dsec_common::api::BackendStatus;
 use dsec_image::{ImageStore, guest};
 
+use super::detached::{alive, copy_sparse, kill, read_json, read_pid, write_json};
 use super::vm::Accel;
 use super::{Backend, SandboxPaths};
 use crate::cgroup::{self, CgroupMode};
@@ -217,70 +217,6 @@ fn vcpus(cores: f64) -> u64 {
     if n == 1 { 1 } else { (n + n % 2).min(32) }
 }
 
-fn read_pid(p: &Path) -> Option<i32> {
-    std::fs::read_to_string(p).ok()?.trim().parse().ok()
-}
-
-/// Whether `pid` runs (a zombie does not).
-fn alive(pid: i32) -> bool {
-    // SAFETY: signal 0 only checks that the process exists.
-    if unsafe { libc::kill(pid, 0) } != 0 {
-        return false;
-    }
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            s.rsplit_once(')')
-                .map(|(_, rest)| !rest.trim_start().starts_with('Z'))
-        })
-        .unwrap_or(false)
-}
-
-fn kill(pid_file: &Path) {
-    if let Some(pid) = read_pid(pid_file) {
-        // SAFETY: SIGKILL to the process whose pid we recorded; waitpid reaps it if it is
-        // our child (and fails harmlessly if not).
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-        for _ in 0..200 {
-            unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
-            if !alive(pid) {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-    let _ = std::fs::remove_file(pid_file);
-}
-
-fn read_json<T: serde::de::DeserializeOwned>(p: &Path) -> Result<T, String> {
-    let b = std::fs::read(p).map_err(|e| format!("reading {}: {e}", p.display()))?;
-    serde_json::from_slice(&b).map_err(|e| format!("{}: {e}", p.display()))
-}
-
-fn write_json<T: serde::Serialize>(p: &Path, v: &T) -> Result<(), String> {
-    let b = serde_json::to_vec_pretty(v).map_err(|e| e.to_string())?;
-    std::fs::write(p, b).map_err(|e| format!("writing {}: {e}", p.display()))
-}
-
-/// `cp --sparse=always`: memory files are mostly holes.
-fn copy_sparse(from: &Path, to: &Path) -> Result<(), String> {
-    let out = Command::new("cp")
-        .arg("--sparse=always")
-        .arg(from)
-        .arg(to)
-        .output()
-        .map_err(|e| format!("running cp: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "copying {} to {}: {}",
-            from.display(),
-            to.display(),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
-    }
-    Ok(())
-}
-
 /// What the host lacks for this backend, if anything.
 fn kvm_check() -> Result<(), String> {
     match Accel::detect() {
@@ -398,16 +334,7 @@ impl MicrovmBackend {
             cpu_quota_us: cgroup::own::quota_us(rec.limits.cpu_cores),
             pids: 1024,
         };
-        let procs: Vec<File> =
-            cgroup::create_leaf(self.mode, &cgroup::sandbox_cgroup_path(&rec.id), limits)?
-                .iter()
-                .map(|p| {
-                    std::fs::OpenOptions::new()
-                        .write(true)
-                        .open(p)
-                        .map_err(|e| format!("opening {}: {e}", p.display()))
-                })
-                .collect::<Result<_, _>>()?;
+        let procs = cgroup::create_leaf(self.mode, &cgroup::sandbox_cgroup_path(&rec.id), limits)?;
         let console = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -424,30 +351,25 @@ impl MicrovmBackend {
             .stdout(console)
             .stderr(console2);
         let ns_fd = ns_file.as_raw_fd();
-        let proc_fds: Vec<i32> = procs.iter().map(|f| f.as_raw_fd()).collect();
-        // SAFETY: between fork and exec only async-signal-safe calls on fds opened above:
-        // a new session (the edge's exit must not take the VM along), the VM's network
-        // namespace, and its cgroups (writing "0" moves the writer, i.e. this process).
+        // SAFETY: between fork and exec only async-signal-safe calls on an fd opened
+        // above: a new session (the edge's exit must not take the VM along) and the VM's
+        // network namespace.
         unsafe {
             std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
                 libc::setsid();
                 if libc::setns(ns_fd, libc::CLONE_NEWNET) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
-                for fd in &proc_fds {
-                    if libc::write(*fd, b"0".as_ptr().cast(), 1) != 1 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
                 Ok(())
             });
         }
+        cgroup::own::join_before_exec(&mut cmd, &procs)?;
         let child = cmd
             .spawn()
             .map_err(|e| format!("starting {}: {e}", fc.path.display()))?;
         std::fs::write(dir.join(FC_PID), child.id().to_string())
             .map_err(|e| format!("writing {FC_PID}: {e}"))?;
-        drop((procs, ns_file));
+        drop(ns_file);
         let c = Client::new(&api_sock, SNAPSHOT_TIMEOUT);
         c.wait_ready(API_READY)
             .map_err(|e| format!("Firecracker did not come up: {e}"))?;
@@ -606,7 +528,7 @@ impl MicrovmBackend {
     fn stop_processes(&self, dir: &Path) {
         kill(&dir.join(FC_PID));
         kill(&dir.join(PROXY_PID));
-        for f in [API_SOCK, VSOCK_UDS] {
+        for f in [API_SOCK, VSOCK_UDS, FC_PID, PROXY_PID] {
             let _ = std::fs::remove_file(dir.join(f));
         }
         // Guest-initiated vsock connections leave `<uds>_<port>` sockets.

@@ -16,10 +16,12 @@ use dsec_common::api::BackendStatus;
 use dsec_image::ImageStore;
 use dsec_image::guest;
 
+mod net;
 mod qmp;
 
 use qmp::Qmp;
 
+use super::detached::{alive, copy_sparse, kill, read_json, read_pid, write_json};
 use super::{Backend, SandboxPaths, SavedFile};
 use crate::cgroup::{self, CgroupMode};
 use crate::registry::SandboxRecord;
@@ -133,41 +135,6 @@ fn tsc_khz() -> u64 {
         .unwrap_or(2_000_000)
 }
 
-fn read_pid(p: &Path) -> Option<i32> {
-    std::fs::read_to_string(p).ok()?.trim().parse().ok()
-}
-
-/// Whether `pid` runs (a zombie does not: QEMU and vmux can be the edge's children, or
-/// those of a subreaper, until reaped).
-fn alive(pid: i32) -> bool {
-    // SAFETY: signal 0 only checks that the process exists.
-    if unsafe { libc::kill(pid, 0) } != 0 {
-        return false;
-    }
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            s.rsplit_once(')')
-                .map(|(_, rest)| !rest.trim_start().starts_with('Z'))
-        })
-        .unwrap_or(false)
-}
-
-fn kill(pid_file: &Path) {
-    if let Some(pid) = read_pid(pid_file) {
-        // SAFETY: SIGKILL to the process whose pid we recorded; waitpid reaps it if it
-        // is our child (and fails harmlessly if not).
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-        for _ in 0..200 {
-            unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
-            if !alive(pid) {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-}
-
 /// Where a VM's memory comes from when QEMU starts.
 enum Mem<'a> {
     /// Its own file in the RAM directory, mapped shared (what a snapshot can leave out
@@ -197,6 +164,8 @@ struct SavedVm {
     kernel: Option<String>,
     #[serde(default = "default_machine")]
     machine: String,
+    #[serde(default)]
+    net: bool,
 }
 
 /// The files a saved VM is made of, as another edge receives them.
@@ -213,39 +182,13 @@ struct VmInfo {
     /// QEMU's machine type (a restore needs the same one).
     #[serde(default = "default_machine")]
     machine: String,
+    /// Whether it has a network device (in the sandbox's namespace).
+    #[serde(default)]
+    net: bool,
 }
 
 fn default_machine() -> String {
     "microvm".into()
-}
-
-fn read_json<T: serde::de::DeserializeOwned>(p: &Path) -> Result<T, String> {
-    let b = std::fs::read(p).map_err(|e| format!("reading {}: {e}", p.display()))?;
-    serde_json::from_slice(&b).map_err(|e| format!("{}: {e}", p.display()))
-}
-
-fn write_json<T: serde::Serialize>(p: &Path, v: &T) -> Result<(), String> {
-    let b = serde_json::to_vec_pretty(v).map_err(|e| e.to_string())?;
-    std::fs::write(p, b).map_err(|e| format!("writing {}: {e}", p.display()))
-}
-
-/// `cp --sparse=always`: memory files are mostly holes.
-fn copy_sparse(from: &Path, to: &Path) -> Result<(), String> {
-    let out = Command::new("cp")
-        .arg("--sparse=always")
-        .arg(from)
-        .arg(to)
-        .output()
-        .map_err(|e| format!("running cp: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "copying {} to {}: {}",
-            from.display(),
-            to.display(),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
-    }
-    Ok(())
 }
 
 /// How long saving or loading a VM's state may take (the memory goes through it when the
@@ -335,11 +278,15 @@ impl VmBackend {
             Mem::Template(t) => (t.to_path_buf(), "off"),
         };
         write_json(&dir.join("vm.json"), info)?;
-        let append = format!(
+        let mut append = format!(
             "console=ttyS0 quiet panic=-1 tsc_early_khz={} tsc=reliable random.trust_cpu=on dsec.rw_mb={}",
             tsc_khz(),
             rec.limits.disk_mb
         );
+        if info.net {
+            append.push(' ');
+            append.push_str(&net::cmdline());
+        }
         let opts = self.options.as_ref().map_err(Clone::clone)?;
         let (machine_type, bus) = machine(&info.machine)
             .ok_or_else(|| format!("machine type {:?} is not supported", info.machine))?;
@@ -437,6 +384,32 @@ impl VmBackend {
             },
         )?;
         cgroup::own::join_before_exec(&mut cmd, &procs)?;
+        // With a network, QEMU runs in the sandbox's namespace, next to its tap.
+        let _netns = if info.net {
+            let node_side = rec
+                .network
+                .as_ref()
+                .and_then(|n| n.gateway.clone())
+                .ok_or("the VM has a network device, so it needs a network (it was saved with one; not network \"none\")")?;
+            net::setup(&crate::net::link::netns_name(&rec.id), &node_side)?;
+            let f = std::fs::File::open(crate::net::link::netns_path(&rec.id))
+                .map_err(|e| format!("opening the sandbox's network namespace: {e}"))?;
+            let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
+            // SAFETY: setns(2) between fork and exec on a descriptor that stays open
+            // until the command has run.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                    if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+            cmd.args(net::qemu_args(bus));
+            Some(f)
+        } else {
+            None
+        };
         // Never run the guest before the channel's host end is connected: output the
         // guest writes to an unconnected port stalls the port for good (QEMU throttles
         // it and has no socket to wait on), so QEMU starts stopped.
@@ -499,6 +472,7 @@ impl VmBackend {
             cpus: rec.limits.cpu_cores.ceil().max(1.0) as u64,
             shared_ram: true,
             machine: self.options.as_ref().map_err(Clone::clone)?.machine.clone(),
+            net: rec.network.as_ref().is_some_and(|n| n.gateway.is_some()),
         };
         self.start(rec, paths, &info, Mem::Own { fill: None }, None)
     }
@@ -520,6 +494,7 @@ impl VmBackend {
                     cpus: saved.cpus,
                     shared_ram: false,
                     machine: saved.machine,
+                    net: saved.net,
                 };
                 self.start(
                     rec,
@@ -536,6 +511,7 @@ impl VmBackend {
                     cpus: saved.cpus,
                     shared_ram: true,
                     machine: saved.machine,
+                    net: saved.net,
                 };
                 self.start(
                     rec,
@@ -570,6 +546,7 @@ impl VmBackend {
                 ram: Some(ram_to.to_path_buf()),
                 kernel,
                 machine: info.machine,
+                net: info.net,
             }
         } else {
             q.save(&dest.join("full"), SAVE_TIMEOUT)?;
@@ -581,6 +558,7 @@ impl VmBackend {
                 ram: None,
                 kernel,
                 machine: info.machine,
+                net: info.net,
             }
         };
         write_json(&dest.join("vm.json"), &saved)
@@ -897,6 +875,7 @@ impl Backend for VmBackend {
                 cpus: saved.cpus,
                 shared_ram: true,
                 machine: saved.machine.clone(),
+                net: saved.net,
             };
             match saved.ram.as_deref() {
                 Some(ram) => self.start(
