@@ -11,8 +11,10 @@ use std::process::Command;
 pub const GUEST_CIDR: &str = "172.16.0.2/30";
 pub const TAP_ADDR: &str = "172.16.0.1";
 pub const TAP: &str = "tap0";
-/// One MAC for every guest (each is alone on its tap).
+/// One MAC for every guest and one for every tap (each VM is alone on its tap): a fork
+/// copy's guest still has the tap's MAC in its ARP cache from the source's.
 pub const GUEST_MAC: &str = "52:54:00:d5:ec:02";
+pub const TAP_MAC: &str = "52:54:00:d5:ec:01";
 
 /// The kernel command line's `dsec.net=` value.
 pub fn cmdline() -> String {
@@ -84,6 +86,7 @@ pub fn setup(ns: &str, node_side: &str) -> Result<(), String> {
             &["ip", "tuntap", "add", "dev", TAP, "mode", "tap"],
             None,
         )?;
+        run(ns, &["ip", "link", "set", TAP, "address", TAP_MAC], None)?;
         run(
             ns,
             &["ip", "addr", "add", &format!("{TAP_ADDR}/30"), "dev", TAP],
