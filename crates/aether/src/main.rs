@@ -34,6 +34,10 @@ use process::{Attachment, Chunk};
 
 /// A request line longer than this is refused (the edge never sends one).
 const MAX_REQUEST_BYTES: u64 = 64 << 20;
+/// What a commit of a VM's changes leaves out: aether's own directory and the resolver
+/// file it writes for the guest's network (a container's is a bind mount, never in its
+/// writable layer either).
+const EXPORT_SKIP: &[&str] = &[".dsec", "etc/resolv.conf"];
 
 struct Ctx {
     table: Arc<children::Table>,
@@ -287,7 +291,7 @@ fn serve(stream: UnixStream, ctx: &Ctx) {
                         return;
                     }
                     // The sandbox's own mount points are not part of its changes.
-                    let end = match dsec_common::tree::export(&p, &[".dsec"], &mut w) {
+                    let end = match dsec_common::tree::export(&p, EXPORT_SKIP, &mut w) {
                         Ok(s) => Response::Exported {
                             entries: s.entries,
                             bytes: s.bytes,

@@ -242,8 +242,8 @@ pub enum ExportError {
 }
 
 /// Sends the tree under `root` (its contents, not `root` itself) as [`TreeEntry`] frames
-/// to `out`, leaving out the top-level names in `skip` and sockets (which cannot be
-/// copied). Entries that vanish while it runs are left out; a tree that changes while it
+/// to `out`, leaving out the paths in `skip` (relative to `root`, e.g. `.dsec` or
+/// `etc/resolv.conf`) and sockets (which cannot be copied). Entries that vanish while it runs are left out; a tree that changes while it
 /// is read gives a mix of before and after, as a copy of a live directory does.
 pub fn export(
     root: &Path,
@@ -269,6 +269,9 @@ pub fn export(
             continue;
         };
         let rel = dir.join(&name);
+        if skip.iter().any(|s| Path::new(s) == rel) {
+            continue;
+        }
         let abs = root.join(&rel);
         let md = match std::fs::symlink_metadata(&abs) {
             Ok(m) => m,
@@ -486,9 +489,10 @@ mod tests {
         std::fs::hard_link(r.join("a/b/f"), r.join("a/g")).unwrap();
         std::os::unix::fs::symlink("/etc/passwd", r.join("l")).unwrap();
         std::fs::create_dir(r.join(".dsec")).unwrap();
+        std::fs::write(r.join("a/b/skipped"), b"runtime-made").unwrap();
         let _sock = std::os::unix::net::UnixListener::bind(r.join("sock")).unwrap();
         let mut out = Vec::new();
-        let stats = export(r, &[".dsec"], &mut out).unwrap();
+        let stats = export(r, &[".dsec", "a/b/skipped"], &mut out).unwrap();
         assert_eq!(
             stats,
             ExportStats {
