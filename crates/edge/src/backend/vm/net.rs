@@ -72,34 +72,23 @@ table ip dsecvm {{
     )
 }
 
-/// Makes the tap and the translation in namespace `ns` (idempotent: a VM resumed from
-/// disk finds them there). `node_side` is the gateway address of the sandbox's veth.
+/// Makes the tap and the translation in namespace `ns`, in one process there (a fork of
+/// many copies does this for each). Idempotent: a VM resumed from disk finds them there.
+/// `node_side` is the gateway address of the sandbox's veth.
 pub fn setup(ns: &str, node_side: &str) -> Result<(), String> {
-    let have_tap = Command::new("ip")
-        .args(["-n", ns, "link", "show", TAP])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if !have_tap {
-        run(
-            ns,
-            &["ip", "tuntap", "add", "dev", TAP, "mode", "tap"],
-            None,
-        )?;
-        run(ns, &["ip", "link", "set", TAP, "address", TAP_MAC], None)?;
-        run(
-            ns,
-            &["ip", "addr", "add", &format!("{TAP_ADDR}/30"), "dev", TAP],
-            None,
-        )?;
-        run(ns, &["ip", "link", "set", TAP, "up"], None)?;
-    }
-    run(
-        ns,
-        &["sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"],
-        None,
-    )?;
-    run(ns, &["nft", "-f", "-"], Some(&nat_script(node_side)))
+    let script = format!(
+        "set -e
+if ! ip link show {TAP} >/dev/null 2>&1; then
+  ip tuntap add dev {TAP} mode tap
+  ip link set {TAP} address {TAP_MAC}
+  ip addr add {TAP_ADDR}/30 dev {TAP}
+  ip link set {TAP} up
+fi
+echo 1 > /proc/sys/net/ipv4/ip_forward
+nft -f -
+"
+    );
+    run(ns, &["sh", "-c", &script], Some(&nat_script(node_side)))
 }
 
 /// QEMU's arguments for the guest's network device (`bus`: `device` or `pci`).
