@@ -3,7 +3,6 @@
 //! peers with. Only a peer presenting an edge certificate of the cluster gets in.
 
 use std::collections::BTreeMap;
-use std::io::{Seek, SeekFrom, Write};
 use std::path::Path as FsPath;
 use std::time::Duration;
 
@@ -14,10 +13,10 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use dsec_common::{ApiError, ErrorCode};
-use dsec_edge::transfer::{ImportRequest, PeerFuture, Peers};
+use dsec_edge::transfer::{EXTENT_HEADER, ExtentWriter, ImportRequest, PeerFuture, Peers};
 use dsec_mtls::{Identity, Role};
 use http_body_util::BodyExt;
-use tokio::io::AsyncReadExt;
+use tokio::io::{AsyncReadExt, AsyncSeekExt};
 
 use crate::{ApiResult, AppState, body, json};
 
@@ -71,34 +70,56 @@ async fn file(
 ) -> ApiResult<Response> {
     from_edge(peer)?;
     let path = st.edge.offers().file(&token, &name)?;
-    let f = tokio::fs::File::open(&path)
-        .await
-        .map_err(|e| ApiError::internal(format!("opening {}: {e}", path.display())))?;
-    let len = f
-        .metadata()
-        .await
-        .map_err(|e| ApiError::internal(format!("{}: {e}", path.display())))?
-        .len();
-    let chunks = futures_util::stream::unfold(Some(f), |f| async move {
-        let mut f = f?;
-        let mut buf = vec![0u8; 1 << 20];
-        match f.read(&mut buf).await {
-            Ok(0) => None,
-            Ok(n) => {
-                buf.truncate(n);
-                Some((Ok::<_, std::io::Error>(Bytes::from(buf)), Some(f)))
+    let open = |p: &std::path::Path| -> Result<(std::fs::File, u64), ApiError> {
+        let f = std::fs::File::open(p)
+            .map_err(|e| ApiError::internal(format!("opening {}: {e}", p.display())))?;
+        let len = f
+            .metadata()
+            .map_err(|e| ApiError::internal(format!("{}: {e}", p.display())))?
+            .len();
+        Ok((f, len))
+    };
+    let (f, len) = open(&path)?;
+    let extents = extents_of(&f, len);
+    let wire_len: u64 = extents.iter().map(|(_, l)| EXTENT_HEADER as u64 + l).sum();
+    let f = tokio::fs::File::from_std(f);
+    // State: the file, the extents still to send, and the bytes left of the current one.
+    let chunks =
+        futures_util::stream::unfold(Some((f, extents.into_iter(), 0u64)), |state| async move {
+            let (mut f, mut rest, left) = state?;
+            if left == 0 {
+                let (off, len) = rest.next()?;
+                if let Err(e) = f.seek(std::io::SeekFrom::Start(off)).await {
+                    return Some((Err(e), None));
+                }
+                let mut h = off.to_be_bytes().to_vec();
+                h.extend_from_slice(&len.to_be_bytes());
+                return Some((Ok(Bytes::from(h)), Some((f, rest, len))));
             }
-            Err(e) => Some((Err(e), None)),
-        }
-    });
+            let mut buf = vec![0u8; left.min(1 << 20) as usize];
+            match f.read_exact(&mut buf).await {
+                Ok(_) => {
+                    let n = buf.len() as u64;
+                    Some((
+                        Ok::<_, std::io::Error>(Bytes::from(buf)),
+                        Some((f, rest, left - n)),
+                    ))
+                }
+                Err(e) => Some((Err(e), None)),
+            }
+        });
     Ok((
         [
             (header::CONTENT_TYPE, "application/octet-stream".to_string()),
-            (header::CONTENT_LENGTH, len.to_string()),
+            (header::CONTENT_LENGTH, wire_len.to_string()),
         ],
         Body::from_stream(chunks),
     )
         .into_response())
+}
+
+fn extents_of(f: &std::fs::File, len: u64) -> Vec<(u64, u64)> {
+    dsec_edge::transfer::data_extents(f, len)
 }
 
 /// The other edges, by name, over mutual TLS with this edge's certificate.
@@ -166,21 +187,6 @@ async fn read_all(
     Ok(got.to_bytes().to_vec())
 }
 
-/// Writes `data` at the file's position, leaving whole zero blocks as holes.
-fn write_sparse(f: &mut std::fs::File, data: &[u8]) -> std::io::Result<()> {
-    const BLOCK: usize = 4096;
-    static ZERO: [u8; BLOCK] = [0; BLOCK];
-    for chunk in data.chunks(BLOCK) {
-        // A slice comparison is a memcmp, fast in any build.
-        if chunk == ZERO {
-            f.seek(SeekFrom::Current(BLOCK as i64))?;
-        } else {
-            f.write_all(chunk)?;
-        }
-    }
-    Ok(())
-}
-
 impl Peers for MtlsPeers {
     fn post(
         &self,
@@ -209,22 +215,21 @@ impl Peers for MtlsPeers {
         })
     }
 
-    fn download(&self, edge: &str, path: &str, dest: &FsPath) -> PeerFuture<'_, u64> {
+    fn download(&self, edge: &str, path: &str, dest: &FsPath, size: u64) -> PeerFuture<'_, u64> {
         let (edge, url, dest) = (edge.to_string(), self.url(edge, path), dest.to_path_buf());
         Box::pin(async move {
             let req = hyper::Request::get(url?)
                 .body(Body::empty())
                 .map_err(|e| ApiError::internal(e.to_string()))?;
             let resp = self.send(&edge, req, CALL_TIMEOUT).await?;
-            let local =
-                |e: std::io::Error| ApiError::internal(format!("writing {}: {e}", dest.display()));
-            let mut f = std::fs::OpenOptions::new()
+            let local = |e: String| ApiError::internal(format!("writing {}: {e}", dest.display()));
+            let f = std::fs::OpenOptions::new()
                 .write(true)
                 .create_new(true)
                 .open(&dest)
-                .map_err(local)?;
+                .map_err(|e| local(e.to_string()))?;
+            let mut w = ExtentWriter::new(f, size);
             let mut body = resp.into_body();
-            let mut total = 0u64;
             loop {
                 let frame = tokio::time::timeout(STALL, body.frame())
                     .await
@@ -240,35 +245,12 @@ impl Peers for MtlsPeers {
                 })?;
                 if let Some(data) = frame.data_ref() {
                     // Small writes to a local file: not worth a blocking-pool hop each.
-                    write_sparse(&mut f, data).map_err(local)?;
-                    total += data.len() as u64;
+                    w.feed(data).map_err(|e| {
+                        ApiError::unavailable(format!("edge {edge} sent {}: {e}", dest.display()))
+                    })?;
                 }
             }
-            f.set_len(total).map_err(local)?;
-            Ok(total)
+            w.finish().map_err(local)
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sparse_writes_keep_the_bytes_and_leave_holes() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("f");
-        let mut f = std::fs::File::create(&p).unwrap();
-        let mut data = vec![0u8; 64 * 4096];
-        data[5] = 7;
-        data[40 * 4096 + 1] = 9;
-        write_sparse(&mut f, &data[..100]).unwrap();
-        write_sparse(&mut f, &data[100..]).unwrap();
-        f.set_len(data.len() as u64).unwrap();
-        drop(f);
-        assert_eq!(std::fs::read(&p).unwrap(), data);
-        use std::os::unix::fs::MetadataExt;
-        let blocks = std::fs::metadata(&p).unwrap().blocks();
-        assert!(blocks * 512 < data.len() as u64 / 2, "{blocks} blocks");
     }
 }

@@ -37,9 +37,9 @@ pub trait Peers: Send + Sync {
     ) -> PeerFuture<'_, Vec<u8>>;
     /// `GET`s `path` on `edge` (a small JSON answer).
     fn get(&self, edge: &str, path: &str) -> PeerFuture<'_, Vec<u8>>;
-    /// `GET`s `path` on `edge` into the new file `dest` (runs of zeros left as holes);
-    /// returns the bytes received.
-    fn download(&self, edge: &str, path: &str, dest: &Path) -> PeerFuture<'_, u64>;
+    /// `GET`s the file at `path` on `edge` (sent as its data extents, see
+    /// [`ExtentWriter`]) into the new file `dest`, `size` bytes long; returns its size.
+    fn download(&self, edge: &str, path: &str, dest: &Path, size: u64) -> PeerFuture<'_, u64>;
 }
 
 /// What is asked of the edge that receives a state.
@@ -71,6 +71,111 @@ pub struct ImportRequest {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ExportManifest {
     pub files: Vec<SavedFile>,
+}
+
+/// Bytes before each extent of a file on the wire: its offset and length, big-endian.
+pub const EXTENT_HEADER: usize = 16;
+
+/// The data extents (offset, length) of an open file of `len` bytes, from
+/// `SEEK_DATA`/`SEEK_HOLE`: a VM's memory file is mostly holes, which need not travel.
+/// The whole file where the filesystem cannot tell.
+pub fn data_extents(f: &std::fs::File, len: u64) -> Vec<(u64, u64)> {
+    use std::os::fd::AsRawFd;
+    let fd = f.as_raw_fd();
+    let mut out = Vec::new();
+    let mut pos: i64 = 0;
+    while (pos as u64) < len {
+        // SAFETY: lseek on a descriptor this function borrows.
+        let data = unsafe { libc::lseek(fd, pos, libc::SEEK_DATA) };
+        if data < 0 {
+            if std::io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO) {
+                break; // only a hole is left
+            }
+            return vec![(0, len)];
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+        let hole = if hole < 0 {
+            len as i64
+        } else {
+            hole.min(len as i64)
+        };
+        if hole > data {
+            out.push((data as u64, (hole - data) as u64));
+        }
+        pos = hole.max(data + 1);
+    }
+    out
+}
+
+/// Writes a file received as extents (each a [`EXTENT_HEADER`] and its bytes, in order,
+/// inside the file's size), leaving what no extent covers as holes.
+pub struct ExtentWriter {
+    f: std::fs::File,
+    size: u64,
+    header: Vec<u8>,
+    /// Bytes of the current extent still to come.
+    left: u64,
+    /// Where the last extent ended (extents come in order, without overlap).
+    end: u64,
+}
+
+impl ExtentWriter {
+    pub fn new(f: std::fs::File, size: u64) -> ExtentWriter {
+        ExtentWriter {
+            f,
+            size,
+            header: Vec::with_capacity(EXTENT_HEADER),
+            left: 0,
+            end: 0,
+        }
+    }
+
+    pub fn feed(&mut self, mut data: &[u8]) -> Result<(), String> {
+        use std::io::{Seek, SeekFrom, Write};
+        while !data.is_empty() {
+            if self.left == 0 {
+                let take = (EXTENT_HEADER - self.header.len()).min(data.len());
+                self.header.extend_from_slice(&data[..take]);
+                data = &data[take..];
+                if self.header.len() < EXTENT_HEADER {
+                    continue;
+                }
+                let mut b = [0u8; 8];
+                b.copy_from_slice(&self.header[..8]);
+                let off = u64::from_be_bytes(b);
+                b.copy_from_slice(&self.header[8..]);
+                let len = u64::from_be_bytes(b);
+                self.header.clear();
+                if off < self.end || off.checked_add(len).is_none_or(|e| e > self.size) {
+                    return Err(format!(
+                        "an extent at {off} of {len} bytes is out of order or outside the file's {} bytes",
+                        self.size
+                    ));
+                }
+                self.f
+                    .seek(SeekFrom::Start(off))
+                    .map_err(|e| e.to_string())?;
+                self.left = len;
+                self.end = off + len;
+            } else {
+                let take = (self.left.min(data.len() as u64)) as usize;
+                self.f.write_all(&data[..take]).map_err(|e| e.to_string())?;
+                self.left -= take as u64;
+                data = &data[take..];
+            }
+        }
+        Ok(())
+    }
+
+    /// The file, `size` bytes long; an error if the stream stopped inside an extent.
+    pub fn finish(self) -> Result<u64, String> {
+        if self.left != 0 || !self.header.is_empty() {
+            return Err("the file stopped in the middle of an extent".into());
+        }
+        self.f.set_len(self.size).map_err(|e| e.to_string())?;
+        Ok(self.size)
+    }
 }
 
 /// How long an offer stays open (the whole transfer must start within it).
@@ -204,6 +309,7 @@ pub async fn fetch(
                 from,
                 &format!("/v1/exports/{token}/files/{}", f.name),
                 &staged.join(&f.name),
+                f.size,
             )
             .await?;
         if got != f.size {
@@ -497,6 +603,57 @@ mod tests {
                 "{bad:?}"
             );
         }
+    }
+
+    #[test]
+    fn files_travel_as_extents_and_keep_their_holes() {
+        use std::io::{Read, Seek, SeekFrom, Write};
+        let d = tempfile::tempdir().unwrap();
+        let src = d.path().join("src");
+        let mut f = std::fs::File::create(&src).unwrap();
+        let size = 64u64 << 20;
+        f.set_len(size).unwrap();
+        for (off, byte) in [(4096u64, 1u8), (40 << 20, 2), (size - 4096, 3)] {
+            f.seek(SeekFrom::Start(off)).unwrap();
+            f.write_all(&vec![byte; 8192.min((size - off) as usize)])
+                .unwrap();
+        }
+        drop(f);
+        let f = std::fs::File::open(&src).unwrap();
+        let ext = data_extents(&f, size);
+        let carried: u64 = ext.iter().map(|e| e.1).sum();
+        assert!(carried < 4 << 20, "{ext:?}");
+        // The wire: each extent's header and bytes, fed in awkward pieces.
+        let mut wire = Vec::new();
+        let mut r = f;
+        for (off, len) in &ext {
+            wire.extend_from_slice(&off.to_be_bytes());
+            wire.extend_from_slice(&len.to_be_bytes());
+            let mut buf = vec![0u8; *len as usize];
+            r.seek(SeekFrom::Start(*off)).unwrap();
+            r.read_exact(&mut buf).unwrap();
+            wire.extend_from_slice(&buf);
+        }
+        let dst = d.path().join("dst");
+        let mut w = ExtentWriter::new(std::fs::File::create(&dst).unwrap(), size);
+        for piece in wire.chunks(7777) {
+            w.feed(piece).unwrap();
+        }
+        assert_eq!(w.finish().unwrap(), size);
+        assert!(std::fs::read(&src).unwrap() == std::fs::read(&dst).unwrap());
+        use std::os::unix::fs::MetadataExt;
+        assert!(std::fs::metadata(&dst).unwrap().blocks() * 512 < 4 << 20);
+        // Out of the file, out of order, or cut short: refused.
+        let mut w = ExtentWriter::new(std::fs::File::create(&dst).unwrap(), 100);
+        let mut bad = 90u64.to_be_bytes().to_vec();
+        bad.extend_from_slice(&20u64.to_be_bytes());
+        assert!(w.feed(&bad).is_err());
+        let mut w = ExtentWriter::new(std::fs::File::create(&dst).unwrap(), 100);
+        let mut cut = 0u64.to_be_bytes().to_vec();
+        cut.extend_from_slice(&10u64.to_be_bytes());
+        cut.extend_from_slice(b"abc");
+        w.feed(&cut).unwrap();
+        assert!(w.finish().is_err());
     }
 
     #[test]
