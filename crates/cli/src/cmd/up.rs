@@ -30,7 +30,7 @@ pub struct UpArgs {
     #[arg(long)]
     pub oci_runtime: Option<String>,
     /// Node name (part of every sandbox id)
-    #[arg(long)]
+    #[arg(long, env = "DSEC_NODE_NAME")]
     pub node_name: Option<String>,
     /// Image store directory (default: <data-dir>/images; a shared filesystem in a cluster)
     #[arg(long, env = "DSEC_IMAGE_STORE")]
