@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from conftest import DATA
+from conftest import DATA, dsec
 
 # The SDK release these tests pin (deploy/deps.sh installs the same).
 E2B_VERSION = "2.63.0"
@@ -96,6 +96,20 @@ def test_background_stdin_and_kill(sandbox, e2b):
         h.wait()
     assert ei.value.exit_code == -1
     assert sandbox.commands.kill(999999) is False
+    # a client that goes away does not end the process; another attaches to it
+    h = sandbox.commands.run("sleep 1; echo late", background=True)
+    h.disconnect()
+    assert sandbox.commands.connect(h.pid).wait().stdout == "late\n"
+    h = sandbox.commands.run("cat", background=True, stdin=True)
+    sandbox.commands.stream_input(h.pid, iter([b"a", b"b\n"]))
+    sandbox.commands.close_stdin(h.pid)
+    assert h.wait().stdout == "ab\n"
+    out = []
+    pty = sandbox.pty.create(e2b.PtySize(rows=24, cols=80))
+    sandbox.pty.resize(pty.pid, e2b.PtySize(rows=30, cols=100))
+    sandbox.pty.send_stdin(pty.pid, b"stty size; exit\n")
+    assert pty.wait(on_pty=out.append).exit_code == 0
+    assert b"30 100" in b"".join(out)
 
 
 def test_files_and_filesystem(sandbox, e2b):
@@ -225,3 +239,27 @@ def test_envd_requires_the_sandbox_token(sandbox):
     # ports other than envd's
     r = httpx.get(f"{url}/health", headers={**h, "E2b-Sandbox-Port": "49999"})
     assert r.status_code == 502 and "port is not open" in r.json()["message"]
+
+
+def test_quota_and_projects(e2b):
+    """Control-plane calls use the caller's key: its project's quota and visibility apply."""
+    import json
+
+    tag = uuid.uuid4().hex[:8]
+    keys = {}
+    for p in ("qa", "qb"):
+        dsec("iam", "project-create", f"root/e2b{p}{tag}", "--sandboxes", "1")
+        out = dsec("iam", "key-create", "--project", f"root/e2b{p}{tag}", "--name", f"k{p}", "--json").stdout
+        keys[p] = json.loads(out)["key"]
+    a = e2b.Sandbox.create(api_key=keys["qa"])
+    try:
+        with pytest.raises(e2b.RateLimitException, match="quota"):
+            e2b.Sandbox.create(api_key=keys["qa"])
+        # another project's key sees nothing of it
+        assert e2b.Sandbox.list(api_key=keys["qb"]).next_items() == []
+        with pytest.raises(e2b.SandboxNotFoundException):
+            e2b.Sandbox.connect(a.sandbox_id, api_key=keys["qb"])
+        assert e2b.Sandbox.kill(a.sandbox_id, api_key=keys["qb"]) is False
+        assert a.commands.run("echo mine").stdout == "mine\n"
+    finally:
+        assert e2b.Sandbox.kill(a.sandbox_id, api_key=keys["qa"]) is True
