@@ -38,7 +38,7 @@ pub struct UpArgs {
     /// Stay in the foreground (what the systemd unit does)
     #[arg(long)]
     pub foreground: bool,
-    /// Address of the E2B-compatible gateway (default: the API's port + 1)
+    /// Address of the E2B-compatible gateway (default: the API's address, port + 10000)
     #[arg(long)]
     pub e2b_listen: Option<SocketAddr>,
 }
@@ -431,6 +431,8 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
 
 /// What `dsec up` writes for programs that use the E2B SDK.
 const E2B_ENV: &str = "e2b.env";
+/// The gateway's default port: the API's plus this.
+const GATEWAY_PORT_OFFSET: u16 = 10000;
 
 /// Binds the E2B gateway (unless `[gateway] enabled = false`) and writes `e2b.env` with the
 /// three variables the E2B SDK needs. Its access-token secret is kept in
@@ -453,18 +455,33 @@ async fn bind_gateway(
     if !table.enabled {
         return Ok(None);
     }
-    let addr = match flag.or(table.listen) {
-        Some(a) => a,
-        None => SocketAddr::new(
-            api.ip(),
-            api.port()
-                .checked_add(1)
-                .context("API port 65535 leaves no port for the E2B gateway; use --e2b-listen")?,
-        ),
+    // An address that was asked for must be had; the default is given up with a warning
+    // (test and benchmark servers use neighbouring ports, hence the distant default).
+    let (addr, explicit) = match flag.or(table.listen) {
+        Some(a) => (a, true),
+        None => match api.port().checked_add(GATEWAY_PORT_OFFSET) {
+            Some(p) => (SocketAddr::new(api.ip(), p), false),
+            None => {
+                tracing::warn!(
+                    "no E2B gateway: API port {} + {GATEWAY_PORT_OFFSET} is not a port; use --e2b-listen",
+                    api.port()
+                );
+                return Ok(None);
+            }
+        },
     };
-    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| {
-        format!("cannot listen on {addr} for the E2B gateway (use --e2b-listen, or [gateway] enabled = false in config.toml)")
-    })?;
+    let listener = match tokio::net::TcpListener::bind(addr).await {
+        Ok(l) => l,
+        Err(e) if !explicit => {
+            tracing::warn!("no E2B gateway: cannot listen on {addr} ({e}); use --e2b-listen");
+            return Ok(None);
+        }
+        Err(e) => {
+            return Err(e).with_context(|| {
+                format!("cannot listen on {addr} for the E2B gateway (use another --e2b-listen, or [gateway] enabled = false in config.toml)")
+            });
+        }
+    };
     let secret_path = dir.join("gateway-secret");
     let secret = match std::fs::read_to_string(&secret_path) {
         Ok(s) if !s.trim().is_empty() => s.trim().to_string(),
