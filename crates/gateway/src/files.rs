@@ -17,6 +17,8 @@ use crate::envd::{RpcErr, RpcResult, Target, target};
 use crate::upstream::{UpErr, enc, full};
 use crate::{Gw, e2b_error, header_str};
 
+/// The largest upload body (one request; files are kept in memory while written).
+const MAX_UPLOAD: usize = 64 << 20;
 /// The longest path the gateway passes on.
 const MAX_PATH: usize = 4096;
 
@@ -89,11 +91,17 @@ pub(crate) async fn write(
     State(gw): State<Gw>,
     h: HeaderMap,
     RawQuery(q): RawQuery,
-    body: Bytes,
+    body: Body,
 ) -> Response {
     let t = match target(&gw, &h, query(&q, "username")).await {
         Ok(t) => t,
         Err(r) => return r,
+    };
+    let Ok(body) = axum::body::to_bytes(body, MAX_UPLOAD).await else {
+        return e2b_error(
+            413,
+            &format!("an upload is at most {} MiB", MAX_UPLOAD >> 20),
+        );
     };
     match write_inner(&gw, &t, &h, &q, body).await {
         Ok(v) => axum::Json(v).into_response(),
@@ -180,9 +188,16 @@ async fn write_inner(
 fn gunzip(b: &[u8]) -> Result<Bytes, UpErr> {
     let mut out = Vec::new();
     flate2::read::GzDecoder::new(b)
-        .take(64 << 20)
+        .take(MAX_UPLOAD as u64 + 1)
         .read_to_end(&mut out)
         .map_err(|e| UpErr::new(400, "invalid_argument", format!("gzip body: {e}")))?;
+    if out.len() > MAX_UPLOAD {
+        return Err(UpErr::new(
+            413,
+            "resource_exhausted",
+            "the unpacked upload is over 64 MiB",
+        ));
+    }
     Ok(out.into())
 }
 

@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::Router;
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use sha2::{Digest, Sha256};
 
@@ -74,7 +74,9 @@ pub fn router(cfg: Config) -> Router {
     control::routes()
         .merge(envd::routes())
         .fallback(|| async { e2b_error(404, "no such endpoint on the OpenDsec E2B gateway") })
-        .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
+        .layer(axum::extract::DefaultBodyLimit::max(
+            connect::MAX_MESSAGE * 2,
+        ))
         .with_state(gw)
 }
 
