@@ -154,6 +154,27 @@ def test_files_and_filesystem(sandbox, e2b):
         sandbox.files.list("/tmp/e2b/b.bin")
 
 
+def test_watch_dir(sandbox, e2b):
+    import time
+
+    sandbox.files.make_dir("/tmp/w/sub")
+    w = sandbox.files.watch_dir("/tmp/w", recursive=True)
+    sandbox.files.write("/tmp/w/a.txt", "1")
+    sandbox.commands.run("echo x > /tmp/w/sub/inner.txt; rm /tmp/w/a.txt")
+    seen = []
+    for _ in range(50):
+        seen += [(e.name, e.type) for e in w.get_new_events()]
+        if ("a.txt", e2b.FilesystemEventType.REMOVE) in seen:
+            break
+        time.sleep(0.1)
+    assert ("a.txt", e2b.FilesystemEventType.CREATE) in seen
+    assert ("sub/inner.txt", e2b.FilesystemEventType.CREATE) in seen
+    assert ("a.txt", e2b.FilesystemEventType.REMOVE) in seen
+    w.stop()
+    with pytest.raises(e2b.FileNotFoundException):
+        sandbox.files.watch_dir("/tmp/w/missing")
+
+
 def test_list_connect_timeout_and_kill(e2b):
     tag = uuid.uuid4().hex[:8]
     a = e2b.Sandbox.create(metadata={"run": tag, "role": "a"})
@@ -233,9 +254,12 @@ def test_envd_requires_the_sandbox_token(sandbox):
     r = httpx.post(f"{url}/filesystem.Filesystem/Stat", headers={**h, "Content-Type": "application/json"},
                    content=b'{"path": "a\\u0000b"}')
     assert r.status_code == 400
-    r = httpx.post(f"{url}/filesystem.Filesystem/WatchDir", headers={**h, "Content-Type": "application/json"},
+    r = httpx.post(f"{url}/filesystem.Filesystem/Nope", headers={**h, "Content-Type": "application/json"},
                    content=b"{}")
-    assert r.json()["code"] == "unimplemented"
+    assert r.status_code == 501 and r.json()["code"] == "unimplemented"
+    r = httpx.post(f"{url}/filesystem.Filesystem/GetWatcherEvents", headers={**h, "Content-Type": "application/json"},
+                   content=b'{"watcherId": "w1-nope"}')
+    assert r.status_code == 404 and r.json()["code"] == "not_found"
     # ports other than envd's
     r = httpx.get(f"{url}/health", headers={**h, "E2b-Sandbox-Port": "49999"})
     assert r.status_code == 502 and "port is not open" in r.json()["message"]
@@ -263,3 +287,28 @@ def test_quota_and_projects(e2b):
         assert a.commands.run("echo mine").stdout == "mine\n"
     finally:
         assert e2b.Sandbox.kill(a.sandbox_id, api_key=keys["qa"]) is True
+
+
+async def test_async_sdk(e2b):
+    """The async client: its own transport, and the streaming `WatchDir`."""
+    import asyncio
+
+    s = await e2b.AsyncSandbox.create()
+    try:
+        assert (await s.commands.run("echo async")).stdout == "async\n"
+        await s.files.make_dir("/tmp/aw")
+        events = []
+        h = await s.files.watch_dir("/tmp/aw", on_event=lambda e: events.append((e.name, e.type)),
+                                    recursive=True)
+        await s.files.write("/tmp/aw/x.txt", "1")
+        await s.commands.run("mkdir -p /tmp/aw/d && touch /tmp/aw/d/y")
+        for _ in range(50):
+            if ("d/y", e2b.FilesystemEventType.CREATE) in events:
+                break
+            await asyncio.sleep(0.1)
+        await h.stop()
+        assert ("x.txt", e2b.FilesystemEventType.CREATE) in events
+        assert ("d/y", e2b.FilesystemEventType.CREATE) in events
+        assert await s.files.read("/tmp/aw/x.txt") == "1"
+    finally:
+        await s.kill()

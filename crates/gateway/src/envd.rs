@@ -289,7 +289,21 @@ async fn filesystem_rpc(
         Ok(t) => t,
         Err(r) => return r,
     };
+    if method == "WatchDir" {
+        return match connect::single(&body) {
+            Ok(msg) => crate::watch::watch_dir(&gw, &t, &h, msg).await,
+            Err((c, m)) => stream_error(&c, &m),
+        };
+    }
     let r = match unary_body(&h, &body) {
+        Ok(msg)
+            if matches!(
+                method.as_str(),
+                "CreateWatcher" | "GetWatcherEvents" | "RemoveWatcher"
+            ) =>
+        {
+            crate::watch::rpc(&gw, &t, &method, msg).await
+        }
         Ok(msg) => crate::files::rpc(&gw, &t, &method, msg).await,
         Err(e) => Err(e),
     };

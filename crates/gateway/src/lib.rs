@@ -24,6 +24,7 @@ mod envd;
 mod files;
 mod process;
 pub mod upstream;
+mod watch;
 
 use upstream::{UpErr, Upstream};
 
@@ -60,6 +61,7 @@ pub fn default_templates() -> BTreeMap<String, String> {
 pub(crate) struct Gw {
     cfg: Arc<Config>,
     up: Upstream,
+    watchers: Arc<std::sync::Mutex<watch::Watchers>>,
 }
 
 /// One router serves both sides: their paths do not overlap (`/sandboxes`, `/v2/…` for
@@ -70,6 +72,7 @@ pub fn router(cfg: Config) -> Router {
     let gw = Gw {
         up: Upstream::new(&cfg.api_url),
         cfg: Arc::new(cfg),
+        watchers: Default::default(),
     };
     control::routes()
         .merge(envd::routes())
