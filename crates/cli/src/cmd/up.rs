@@ -499,7 +499,7 @@ async fn bind_gateway(
         secret: secret.into_bytes(),
         templates,
     });
-    let url = format!("http://{addr}");
+    let url = format!("http://{}", listener.local_addr().unwrap_or(addr));
     write_private(
         &env_path,
         &format!("E2B_API_URL={url}\nE2B_SANDBOX_URL={url}\nE2B_API_KEY={key}\n"),
@@ -616,4 +616,55 @@ pub async fn status(a: StatusArgs) -> Result<i32> {
         output::table(&["node", "backend", "available", "detail"], rows)
     );
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gateway_table_parses_and_rejects_unknown_keys() {
+        let c: ServerConfig = toml::from_str(
+            "[gateway]\nlisten = \"127.0.0.1:9\"\n[gateway.templates]\nmine = \"root/x:1\"\n",
+        )
+        .unwrap();
+        let g = c.gateway.unwrap();
+        assert!(g.enabled);
+        assert_eq!(g.listen, Some("127.0.0.1:9".parse().unwrap()));
+        assert_eq!(g.templates["mine"], "root/x:1");
+        assert!(toml::from_str::<ServerConfig>("[gateway]\nport = 1\n").is_err());
+    }
+
+    #[tokio::test]
+    async fn the_gateway_writes_e2b_env_unless_disabled() {
+        let d = tempfile::tempdir().unwrap();
+        let api: SocketAddr = "127.0.0.1:7600".parse().unwrap();
+        let g = bind_gateway(
+            d.path(),
+            None,
+            Some("127.0.0.1:0".parse().unwrap()),
+            api,
+            "http://127.0.0.1:7600",
+            "dsk.k",
+        )
+        .await
+        .unwrap();
+        let port = g.unwrap().0.local_addr().unwrap().port();
+        let env = std::fs::read_to_string(d.path().join(E2B_ENV)).unwrap();
+        assert!(env.contains(&format!("E2B_API_URL=http://127.0.0.1:{port}\n")));
+        assert!(env.contains(&format!("E2B_SANDBOX_URL=http://127.0.0.1:{port}\n")));
+        assert!(env.contains("E2B_API_KEY=dsk.k\n"));
+        let secret = std::fs::read_to_string(d.path().join("gateway-secret")).unwrap();
+        assert!(!secret.trim().is_empty());
+        let off = GatewayToml {
+            enabled: false,
+            listen: None,
+            templates: Default::default(),
+        };
+        let g = bind_gateway(d.path(), Some(off), None, api, "http://x", "dsk.k")
+            .await
+            .unwrap();
+        assert!(g.is_none());
+        assert!(!d.path().join(E2B_ENV).exists());
+    }
 }
