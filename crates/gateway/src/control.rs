@@ -262,7 +262,7 @@ async fn connect(State(gw): State<Gw>, h: HeaderMap, Path(id): Path<String>, bod
             .await?;
     }
     if let Some(t) = req.timeout
-        && now_ms() + t * 1000 > info.expires_at_ms
+        && now_ms().saturating_add(t.saturating_mul(1000)) > info.expires_at_ms
     {
         let _: Value = gw
             .up

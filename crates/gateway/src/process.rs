@@ -76,8 +76,8 @@ fn exec_request(t: &Target, h: &HeaderMap, msg: &Value) -> Result<(Value, bool),
     if let Some(tag) = msg["tag"].as_str() {
         req["tag"] = json!(tag);
     }
-    // Connect-Timeout-Ms is the process's lifetime; none means no limit (the edge's
-    // default then applies).
+    // Connect-Timeout-Ms is the process's lifetime; without it a streamed process runs
+    // until it ends (`timeout=0` in the SDK).
     if let Some(ms) = header_str(h, "connect-timeout-ms").and_then(|v| v.parse::<u64>().ok())
         && ms > 0
     {
