@@ -125,6 +125,14 @@ def test_files_and_filesystem(sandbox, e2b):
     ])
     assert sorted(w.path for w in written) == ["/tmp/e2b/multi/one.txt", "/tmp/e2b/multi/two.txt"]
     assert sandbox.commands.run("cat /tmp/e2b/multi/one.txt /tmp/e2b/multi/two.txt").stdout == "12"
+    # a file object goes as a raw (octet-stream) body, streamed: no size limit
+    import hashlib
+    import io
+
+    big = os.urandom(1 << 20) * 80
+    sandbox.files.write("/tmp/e2b/big.bin", io.BytesIO(big))
+    r = sandbox.commands.run("sha256sum /tmp/e2b/big.bin; rm /tmp/e2b/big.bin")
+    assert r.stdout.split()[0] == hashlib.sha256(big).hexdigest()
     # gzip uploads (octet-stream) are unpacked before they are written
     sandbox.files.write("/tmp/e2b/gz.txt", "zipped", gzip=True)
     assert sandbox.files.read("/tmp/e2b/gz.txt") == "zipped"

@@ -97,6 +97,15 @@ pub(crate) async fn write(
         Ok(t) => t,
         Err(r) => return r,
     };
+    let ct = header_str(&h, "content-type").unwrap_or("");
+    let plain = matches!(header_str(&h, "content-encoding"), None | Some("identity"));
+    if !ct.starts_with("multipart/form-data") && plain {
+        // A raw upload (file objects, iterables) streams through, whatever its size.
+        return match write_stream(&gw, &t, &q, body).await {
+            Ok(v) => axum::Json(v).into_response(),
+            Err(e) => e.into_response(),
+        };
+    }
     let Ok(body) = axum::body::to_bytes(body, MAX_UPLOAD).await else {
         return e2b_error(
             413,
@@ -107,6 +116,38 @@ pub(crate) async fn write(
         Ok(v) => axum::Json(v).into_response(),
         Err(e) => e.into_response(),
     }
+}
+
+async fn write_stream(gw: &Gw, t: &Target, q: &Option<String>, body: Body) -> Result<Value, UpErr> {
+    let p = query(q, "path")
+        .ok_or_else(|| UpErr::new(400, "invalid_argument", "path is required for a raw upload"))?;
+    let path = sandbox_path(t, &p)?;
+    let body = body.map_err(std::io::Error::other).boxed_unsync();
+    let r = gw
+        .up
+        .open(
+            Method::PUT,
+            &t.path(&format!("/files?path={}", enc(&path))),
+            &gw.cfg.service_key,
+            Some("application/octet-stream"),
+            body,
+        )
+        .await?;
+    Ok(Value::Array(vec![written(r, &path).await]))
+}
+
+/// The `WriteInfo` of a file the API wrote (its answer names the absolute path).
+async fn written(r: hyper::Response<hyper::body::Incoming>, path: &str) -> Value {
+    let b = r
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    let v: Value = serde_json::from_slice(&b).unwrap_or_default();
+    let abs = v["path"].as_str().unwrap_or(path).to_string();
+    let name = abs.rsplit('/').next().unwrap_or("").to_string();
+    json!({"name": name, "type": "file", "path": abs})
 }
 
 async fn write_inner(
@@ -171,16 +212,7 @@ async fn write_inner(
                 full(data),
             )
             .await?;
-        let b = r
-            .into_body()
-            .collect()
-            .await
-            .map(|b| b.to_bytes())
-            .unwrap_or_default();
-        let v: Value = serde_json::from_slice(&b).unwrap_or_default();
-        let abs = v["path"].as_str().unwrap_or(&path).to_string();
-        let name = abs.rsplit('/').next().unwrap_or("").to_string();
-        out.push(json!({"name": name, "type": "file", "path": abs}));
+        out.push(written(r, &path).await);
     }
     Ok(Value::Array(out))
 }

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::combinators::BoxBody;
+use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
@@ -13,10 +13,12 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde::de::DeserializeOwned;
 
-pub type Body = BoxBody<Bytes, std::io::Error>;
+pub type Body = UnsyncBoxBody<Bytes, std::io::Error>;
 
 pub fn full(b: impl Into<Bytes>) -> Body {
-    Full::new(b.into()).map_err(|never| match never {}).boxed()
+    Full::new(b.into())
+        .map_err(|never| match never {})
+        .boxed_unsync()
 }
 
 /// An error the API answered (or the gateway's own, as one): HTTP status, code, message.
