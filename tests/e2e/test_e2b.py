@@ -320,3 +320,19 @@ async def test_async_sdk(e2b):
         assert await s.files.read("/tmp/aw/x.txt") == "1"
     finally:
         await s.kill()
+
+
+def test_pause_and_connect_resumes(sandbox, e2b):
+    from e2b import SandboxQuery, SandboxState
+
+    sandbox.commands.run("echo kept > /tmp/p")
+    assert sandbox.pause() is True
+    assert sandbox.get_info().state == SandboxState.PAUSED
+    assert not sandbox.is_running()
+    paused = e2b.Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()
+    assert sandbox.sandbox_id in [s.sandbox_id for s in paused]
+    assert sandbox.pause() is False  # already paused
+    c = e2b.Sandbox.connect(sandbox.sandbox_id)
+    assert c.get_info().state == SandboxState.RUNNING
+    assert c.commands.run("cat /tmp/p").stdout == "kept\n"
+    assert sandbox.get_metrics() == []
