@@ -17,5 +17,5 @@ if ! command -v cargo >/dev/null; then
   echo "error: Rust (cargo >= 1.90) is needed to build OpenDsec; install it with rustup (https://rustup.rs)" >&2
   exit 1
 fi
-python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore httpx pytest pytest-asyncio 2>/dev/null \
-  || python3 -m pip install -q --disable-pip-version-check --break-system-packages httpx pytest pytest-asyncio
+python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore httpx pytest pytest-asyncio e2b==2.63.0 2>/dev/null \
+  || python3 -m pip install -q --disable-pip-version-check --break-system-packages httpx pytest pytest-asyncio e2b==2.63.0

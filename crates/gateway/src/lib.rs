@@ -1,3 +1,149 @@
-//! The E2B-compatible gateway: E2B's control-plane REST API and in-sandbox Connect-RPC
-//! protocol mapped onto the OpenDsec runtime API. Not built yet: this crate reserves the
-//! component's place in the workspace.
+//! The E2B-compatible gateway: E2B's control-plane REST API and its in-sandbox protocol
+//! (envd: `/health`, `/files` and the Connect-RPC `process` and `filesystem` services,
+//! JSON codec) mapped onto the OpenDsec REST API, so programs written for the `e2b` SDKs
+//! run unchanged with `E2B_API_URL`, `E2B_SANDBOX_URL` (both this gateway's URL) and
+//! `E2B_API_KEY` (an OpenDsec API key).
+//!
+//! Control-plane calls are made with the caller's key, so IAM, projects and quotas apply
+//! as for any OpenDsec call. In-sandbox calls carry no API key, only the sandbox's
+//! `envdAccessToken`: an HMAC of the sandbox id under the gateway's secret, handed out by
+//! create/connect/get to callers who may see the sandbox; with it the gateway acts on
+//! that one sandbox with its own service key.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use sha2::{Digest, Sha256};
+
+pub mod connect;
+mod control;
+mod envd;
+mod files;
+mod process;
+pub mod upstream;
+mod watch;
+
+use upstream::{UpErr, Upstream};
+
+/// The `envdVersion` the gateway reports: the SDK turns features on by it (octet-stream
+/// and gzip uploads from 0.5.7; file metadata and watch options, which need more, stay
+/// refused client-side).
+pub const ENVD_VERSION: &str = "0.5.7";
+/// The port envd listens on in an E2B sandbox; the SDK names it in `E2b-Sandbox-Port`.
+pub const ENVD_PORT: u16 = 49983;
+/// The label that keeps a sandbox's E2B template id.
+pub const TEMPLATE_LABEL: &str = "e2b.template";
+/// Sandbox lifetime when create names none (E2B's default).
+pub const DEFAULT_TIMEOUT_S: u64 = 300;
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// The OpenDsec API the gateway calls, e.g. `http://127.0.0.1:7600`.
+    pub api_url: String,
+    /// The key for in-sandbox calls (an admin key of the deployment).
+    pub service_key: String,
+    /// Signs sandbox access tokens; keep it across restarts so tokens stay valid.
+    pub secret: Vec<u8>,
+    /// E2B template id → OpenDsec image. An id not in the map that looks like an image
+    /// reference (it has a `/`) is used as one.
+    pub templates: BTreeMap<String, String>,
+}
+
+/// The template map `dsec up` starts with.
+pub fn default_templates() -> BTreeMap<String, String> {
+    BTreeMap::from([("base".to_string(), "root/py:3.11".to_string())])
+}
+
+#[derive(Clone)]
+pub(crate) struct Gw {
+    cfg: Arc<Config>,
+    up: Upstream,
+    watchers: Arc<std::sync::Mutex<watch::Watchers>>,
+}
+
+/// One router serves both sides: their paths do not overlap (`/sandboxes`, `/v2/…` for
+/// the control plane; `/health`, `/files`, `/process.Process/…`,
+/// `/filesystem.Filesystem/…` for envd), so `E2B_API_URL` and `E2B_SANDBOX_URL` can be
+/// the same URL.
+pub fn router(cfg: Config) -> Router {
+    let gw = Gw {
+        up: Upstream::new(&cfg.api_url),
+        cfg: Arc::new(cfg),
+        watchers: Default::default(),
+    };
+    control::routes()
+        .merge(envd::routes())
+        .fallback(|| async { e2b_error(404, "no such endpoint on the OpenDsec E2B gateway") })
+        .layer(axum::extract::DefaultBodyLimit::max(
+            connect::MAX_MESSAGE * 2,
+        ))
+        .with_state(gw)
+}
+
+/// The sandbox's `envdAccessToken`: HMAC-SHA256(secret, id), hex.
+pub fn access_token(secret: &[u8], id: &str) -> String {
+    const B: usize = 64;
+    let mut key = [0u8; B];
+    if secret.len() > B {
+        key[..32].copy_from_slice(&Sha256::digest(secret));
+    } else {
+        key[..secret.len()].copy_from_slice(secret);
+    }
+    let mut inner = Sha256::new();
+    inner.update(key.map(|b| b ^ 0x36));
+    inner.update(id.as_bytes());
+    let mut outer = Sha256::new();
+    outer.update(key.map(|b| b ^ 0x5c));
+    outer.update(inner.finalize());
+    hex(&outer.finalize())
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Compares without stopping at the first difference.
+pub(crate) fn same(a: &str, b: &str) -> bool {
+    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+/// A control-plane (and envd plain-HTTP) error: `{"code": <status>, "message"}`, the only
+/// error body the SDK parses.
+pub(crate) fn e2b_error(status: u16, message: &str) -> Response {
+    let s = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    (
+        s,
+        axum::Json(serde_json::json!({"code": status, "message": message})),
+    )
+        .into_response()
+}
+
+impl IntoResponse for UpErr {
+    fn into_response(self) -> Response {
+        e2b_error(self.status, &self.message)
+    }
+}
+
+pub(crate) fn header_str<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    h.get(name).and_then(|v| v.to_str().ok()).map(str::trim)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hmac_matches_rfc4231_case_2() {
+        // RFC 4231 test case 2: key "Jefe", data "what do ya want for nothing?".
+        assert_eq!(
+            access_token(b"Jefe", "what do ya want for nothing?"),
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+        );
+        assert!(same("abc", "abc"));
+        assert!(!same("abc", "abd"));
+        assert!(!same("abc", "ab"));
+    }
+}

@@ -30,7 +30,7 @@ pub struct UpArgs {
     #[arg(long)]
     pub oci_runtime: Option<String>,
     /// Node name (part of every sandbox id)
-    #[arg(long)]
+    #[arg(long, env = "DSEC_NODE_NAME")]
     pub node_name: Option<String>,
     /// Image store directory (default: <data-dir>/images; a shared filesystem in a cluster)
     #[arg(long, env = "DSEC_IMAGE_STORE")]
@@ -38,6 +38,9 @@ pub struct UpArgs {
     /// Stay in the foreground (what the systemd unit does)
     #[arg(long)]
     pub foreground: bool,
+    /// Address of the E2B-compatible gateway (default: the API's address, port + 10000)
+    #[arg(long)]
+    pub e2b_listen: Option<SocketAddr>,
 }
 
 #[derive(clap::Args)]
@@ -63,6 +66,23 @@ pub struct StatusArgs {
 struct ServerConfig {
     listen: Option<SocketAddr>,
     edge: Option<EdgeConfig>,
+    gateway: Option<GatewayToml>,
+}
+
+/// The `[gateway]` table: the E2B-compatible gateway.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GatewayToml {
+    #[serde(default = "yes")]
+    enabled: bool,
+    listen: Option<SocketAddr>,
+    /// E2B template id → image, added to (or replacing) the defaults (`base`).
+    #[serde(default)]
+    templates: std::collections::BTreeMap<String, String>,
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn pid_file(d: &Path) -> PathBuf {
@@ -123,6 +143,9 @@ pub async fn up(a: UpArgs) -> Result<i32> {
     if let Some(s) = &a.image_store {
         cmd.arg("--image-store").arg(s);
     }
+    if let Some(g) = &a.e2b_listen {
+        cmd.arg("--e2b-listen").arg(g.to_string());
+    }
     cmd.stdin(std::process::Stdio::null())
         .stdout(logf.try_clone()?)
         .stderr(logf);
@@ -171,6 +194,13 @@ fn print_client(dir: &Path, copy: bool) -> Result<i32> {
     println!("API URL:  {}", c.api_url);
     println!("API key:  {}", c.api_key);
     println!("Client config: {}", path.display());
+    let e2b = dir.join(E2B_ENV);
+    if let Ok(text) = std::fs::read_to_string(&e2b) {
+        println!("E2B SDK ({}):", e2b.display());
+        for line in text.lines() {
+            println!("  export {line}");
+        }
+    }
     if copy && let Some(def) = client_config::default_path() {
         if let Some(parent) = def.parent() {
             std::fs::create_dir_all(parent)?;
@@ -330,6 +360,7 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
         .with_context(|| {
             format!("cannot listen on {listen} (is another dsec running? use --listen)")
         })?;
+    let gateway = bind_gateway(&dir, server_cfg.gateway, a.e2b_listen, listen, &url, &key).await?;
     let (edge, reaper) = start_edge(edge_cfg, iam.clone()).await?;
     // The replica routes (guarded by the cluster secret) let more IAM replicas join.
     let app = dsec_apiserver::router(dsec_apiserver::AppState {
@@ -365,6 +396,19 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
         };
         let _ = stop_tx.send(Some(stop_sandboxes));
     });
+    if let Some((gl, gapp)) = gateway {
+        let mut rx3 = stop_rx.clone();
+        tokio::spawn(async move {
+            let r = axum::serve(gl, gapp)
+                .with_graceful_shutdown(async move {
+                    let _ = rx3.wait_for(|v| v.is_some()).await;
+                })
+                .await;
+            if let Err(e) = r {
+                tracing::error!("E2B gateway: {e}");
+            }
+        });
+    }
     let mut rx2 = stop_rx.clone();
     axum::serve(listener, app)
         .with_graceful_shutdown(async move {
@@ -381,7 +425,87 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
         tracing::info!("leaving sandboxes running for the next start");
     }
     let _ = std::fs::remove_file(pid_file(&dir));
+    let _ = std::fs::remove_file(dir.join(E2B_ENV));
     Ok(0)
+}
+
+/// What `dsec up` writes for programs that use the E2B SDK.
+const E2B_ENV: &str = "e2b.env";
+/// The gateway's default port: the API's plus this.
+const GATEWAY_PORT_OFFSET: u16 = 10000;
+
+/// Binds the E2B gateway (unless `[gateway] enabled = false`) and writes `e2b.env` with the
+/// three variables the E2B SDK needs. Its access-token secret is kept in
+/// `<data-dir>/gateway-secret`, so tokens survive restarts.
+async fn bind_gateway(
+    dir: &Path,
+    table: Option<GatewayToml>,
+    flag: Option<SocketAddr>,
+    api: SocketAddr,
+    api_url: &str,
+    key: &str,
+) -> Result<Option<(tokio::net::TcpListener, axum::Router)>> {
+    let env_path = dir.join(E2B_ENV);
+    let _ = std::fs::remove_file(&env_path);
+    let table = table.unwrap_or(GatewayToml {
+        enabled: true,
+        listen: None,
+        templates: Default::default(),
+    });
+    if !table.enabled {
+        return Ok(None);
+    }
+    // An address that was asked for must be had; the default is given up with a warning
+    // (test and benchmark servers use neighbouring ports, hence the distant default).
+    let (addr, explicit) = match flag.or(table.listen) {
+        Some(a) => (a, true),
+        None => match api.port().checked_add(GATEWAY_PORT_OFFSET) {
+            Some(p) => (SocketAddr::new(api.ip(), p), false),
+            None => {
+                tracing::warn!(
+                    "no E2B gateway: API port {} + {GATEWAY_PORT_OFFSET} is not a port; use --e2b-listen",
+                    api.port()
+                );
+                return Ok(None);
+            }
+        },
+    };
+    let listener = match tokio::net::TcpListener::bind(addr).await {
+        Ok(l) => l,
+        Err(e) if !explicit => {
+            tracing::warn!("no E2B gateway: cannot listen on {addr} ({e}); use --e2b-listen");
+            return Ok(None);
+        }
+        Err(e) => {
+            return Err(e).with_context(|| {
+                format!("cannot listen on {addr} for the E2B gateway (use another --e2b-listen, or [gateway] enabled = false in config.toml)")
+            });
+        }
+    };
+    let secret_path = dir.join("gateway-secret");
+    let secret = match std::fs::read_to_string(&secret_path) {
+        Ok(s) if !s.trim().is_empty() => s.trim().to_string(),
+        _ => {
+            let s = dsec_iam::generate_key();
+            write_private(&secret_path, &s)?;
+            s
+        }
+    };
+    let mut templates = dsec_gateway::default_templates();
+    templates.extend(table.templates);
+    let app = dsec_gateway::router(dsec_gateway::Config {
+        api_url: api_url.to_string(),
+        service_key: key.to_string(),
+        secret: secret.into_bytes(),
+        templates,
+    });
+    let url = format!("http://{}", listener.local_addr().unwrap_or(addr));
+    write_private(
+        &env_path,
+        &format!("E2B_API_URL={url}\nE2B_SANDBOX_URL={url}\nE2B_API_KEY={key}\n"),
+    )?;
+    tracing::info!("E2B gateway listening on {url}");
+    Ok(Some((listener, app)))
 }
 
 pub async fn down(a: DownArgs) -> Result<i32> {
@@ -492,4 +616,55 @@ pub async fn status(a: StatusArgs) -> Result<i32> {
         output::table(&["node", "backend", "available", "detail"], rows)
     );
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gateway_table_parses_and_rejects_unknown_keys() {
+        let c: ServerConfig = toml::from_str(
+            "[gateway]\nlisten = \"127.0.0.1:9\"\n[gateway.templates]\nmine = \"root/x:1\"\n",
+        )
+        .unwrap();
+        let g = c.gateway.unwrap();
+        assert!(g.enabled);
+        assert_eq!(g.listen, Some("127.0.0.1:9".parse().unwrap()));
+        assert_eq!(g.templates["mine"], "root/x:1");
+        assert!(toml::from_str::<ServerConfig>("[gateway]\nport = 1\n").is_err());
+    }
+
+    #[tokio::test]
+    async fn the_gateway_writes_e2b_env_unless_disabled() {
+        let d = tempfile::tempdir().unwrap();
+        let api: SocketAddr = "127.0.0.1:7600".parse().unwrap();
+        let g = bind_gateway(
+            d.path(),
+            None,
+            Some("127.0.0.1:0".parse().unwrap()),
+            api,
+            "http://127.0.0.1:7600",
+            "dsk.k",
+        )
+        .await
+        .unwrap();
+        let port = g.unwrap().0.local_addr().unwrap().port();
+        let env = std::fs::read_to_string(d.path().join(E2B_ENV)).unwrap();
+        assert!(env.contains(&format!("E2B_API_URL=http://127.0.0.1:{port}\n")));
+        assert!(env.contains(&format!("E2B_SANDBOX_URL=http://127.0.0.1:{port}\n")));
+        assert!(env.contains("E2B_API_KEY=dsk.k\n"));
+        let secret = std::fs::read_to_string(d.path().join("gateway-secret")).unwrap();
+        assert!(!secret.trim().is_empty());
+        let off = GatewayToml {
+            enabled: false,
+            listen: None,
+            templates: Default::default(),
+        };
+        let g = bind_gateway(d.path(), Some(off), None, api, "http://x", "dsk.k")
+            .await
+            .unwrap();
+        assert!(g.is_none());
+        assert!(!d.path().join(E2B_ENV).exists());
+    }
 }

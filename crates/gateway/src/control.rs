@@ -1,0 +1,477 @@
+//! The E2B control plane (`/v2/sandboxes`, `/sandboxes/{id}/…`) on the OpenDsec sandbox
+//! API, called with the caller's own key (`X-API-KEY`).
+
+use std::collections::BTreeMap;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use dsec_common::api::{SandboxInfo, SandboxState};
+use dsec_common::id::SandboxId;
+use hyper::Method;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::upstream::{UpErr, enc};
+use crate::{DEFAULT_TIMEOUT_S, ENVD_VERSION, Gw, TEMPLATE_LABEL, access_token, header_str};
+
+pub(crate) fn routes() -> Router<Gw> {
+    Router::new()
+        .route("/v2/sandboxes", post(create).get(list))
+        .route("/sandboxes", post(create).get(list))
+        .route("/v2/sandboxes/{id}/connect", post(connect))
+        .route("/sandboxes/{id}/connect", post(connect))
+        .route("/sandboxes/{id}/resume", post(connect))
+        .route("/sandboxes/{id}", get(detail).delete(kill))
+        .route("/sandboxes/{id}/timeout", post(set_timeout))
+        .route("/sandboxes/{id}/metrics", get(metrics))
+        .route("/sandboxes/{id}/pause", post(pause))
+}
+
+type Res = Result<Response, UpErr>;
+
+/// The caller's OpenDsec key: `X-API-KEY` (what the SDK sends) or a bearer token.
+fn key(h: &HeaderMap) -> Result<String, UpErr> {
+    let k = header_str(h, "x-api-key")
+        .or_else(|| header_str(h, "authorization").and_then(|v| v.strip_prefix("Bearer ")))
+        .filter(|k| !k.is_empty())
+        .ok_or_else(|| {
+            UpErr::new(
+                401,
+                "unauthenticated",
+                "missing API key: set E2B_API_KEY to an OpenDsec key (dsk.…)",
+            )
+        })?;
+    Ok(k.trim().to_string())
+}
+
+/// An id from a path: a well-formed sandbox id, or not found (never passed on raw).
+fn sandbox_id(id: &str) -> Result<String, UpErr> {
+    SandboxId::parse(id)
+        .map(|p| p.to_string())
+        .map_err(|_| not_found(id))
+}
+
+fn not_found(id: &str) -> UpErr {
+    UpErr::new(404, "not_found", format!("sandbox {id} not found"))
+}
+
+/// Whether E2B may see the sandbox, and as what: stopping ones are already gone.
+fn e2b_state(s: SandboxState) -> Option<&'static str> {
+    match s {
+        SandboxState::Creating | SandboxState::Running => Some("running"),
+        SandboxState::Paused => Some("paused"),
+        SandboxState::Stopping | SandboxState::Stopped => None,
+    }
+}
+
+fn template_of(info: &SandboxInfo) -> String {
+    info.labels
+        .get(TEMPLATE_LABEL)
+        .cloned()
+        .unwrap_or_else(|| info.image.clone())
+}
+
+fn metadata_of(info: &SandboxInfo) -> BTreeMap<&str, &str> {
+    info.labels
+        .iter()
+        .filter(|(k, _)| k.as_str() != TEMPLATE_LABEL)
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect()
+}
+
+/// `Sandbox` (create and connect).
+fn sandbox_json(gw: &Gw, info: &SandboxInfo) -> Value {
+    json!({
+        "templateID": template_of(info),
+        "sandboxID": info.id,
+        "clientID": info.edge,
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": access_token(&gw.cfg.secret, &info.id),
+        "domain": null,
+    })
+}
+
+/// `SandboxDetail` and `ListedSandbox` (one shape serves both).
+fn detail_json(gw: &Gw, info: &SandboxInfo, state: &str) -> Value {
+    let mut v = sandbox_json(gw, info);
+    let extra = json!({
+        "alias": template_of(info),
+        "startedAt": rfc3339(info.created_at_ms),
+        "endAt": rfc3339(info.expires_at_ms),
+        "cpuCount": (info.limits.cpu_cores.ceil() as u64).max(1),
+        "memoryMB": info.limits.memory_mb,
+        "diskSizeMB": info.limits.disk_mb,
+        "state": state,
+        "metadata": metadata_of(info),
+        "allowInternetAccess": info.network.mode != "none",
+    });
+    if let (Some(o), Value::Object(e)) = (v.as_object_mut(), extra) {
+        o.extend(e);
+    }
+    v
+}
+
+/// Unix milliseconds as RFC 3339 UTC.
+pub(crate) fn rfc3339(ms: u64) -> String {
+    let secs = ms / 1000;
+    let (days, rem) = ((secs / 86400) as i64, secs % 86400);
+    // Howard Hinnant's civil-from-days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        ms % 1000
+    )
+}
+
+fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes, what: &str) -> Result<T, UpErr> {
+    let b: &[u8] = if body.is_empty() { b"{}" } else { body };
+    serde_json::from_slice(b).map_err(|e| {
+        UpErr::new(
+            400,
+            "invalid_argument",
+            format!("the {what} body is not valid: {e}"),
+        )
+    })
+}
+
+#[derive(Deserialize)]
+struct NewSandbox {
+    #[serde(rename = "templateID")]
+    template_id: String,
+    timeout: Option<u64>,
+    #[serde(default)]
+    metadata: Option<BTreeMap<String, String>>,
+    #[serde(default, rename = "envVars")]
+    env_vars: Option<BTreeMap<String, String>>,
+    allow_internet_access: Option<bool>,
+}
+
+/// The image a template id stands for.
+fn image_for(gw: &Gw, template: &str) -> Result<String, UpErr> {
+    if let Some(img) = gw.cfg.templates.get(template) {
+        return Ok(img.clone());
+    }
+    if template.contains('/') {
+        return Ok(template.to_string());
+    }
+    Err(UpErr::new(
+        404,
+        "not_found",
+        format!(
+            "template {template:?} not found: the gateway maps {} to images; an OpenDsec image reference (owner/name:tag) also works",
+            gw.cfg
+                .templates
+                .keys()
+                .map(|k| format!("{k:?}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    ))
+}
+
+async fn create(State(gw): State<Gw>, h: HeaderMap, body: Bytes) -> Response {
+    match create_inner(&gw, &h, &body).await {
+        Ok(r) => r,
+        Err(e) => {
+            // A failed create is not retried by the SDK: it may have done work.
+            let mut r = e.into_response();
+            r.headers_mut().insert(
+                "should-retry",
+                hyper::header::HeaderValue::from_static("false"),
+            );
+            r
+        }
+    }
+}
+
+async fn create_inner(gw: &Gw, h: &HeaderMap, body: &Bytes) -> Res {
+    let k = key(h)?;
+    let req: NewSandbox = parse(body, "create sandbox")?;
+    let image = image_for(gw, &req.template_id)?;
+    let mut labels = req.metadata.unwrap_or_default();
+    labels.insert(TEMPLATE_LABEL.to_string(), req.template_id.clone());
+    let mut create = json!({
+        "image": image,
+        "ttl_seconds": req.timeout.unwrap_or(DEFAULT_TIMEOUT_S),
+        "labels": labels,
+        "env": req.env_vars.unwrap_or_default(),
+    });
+    if req.allow_internet_access == Some(false) {
+        create["network"] = json!("none");
+    }
+    let info: SandboxInfo = gw
+        .up
+        .call(Method::POST, "/v1/sandboxes", &k, Some(create))
+        .await?;
+    Ok((StatusCode::CREATED, axum::Json(sandbox_json(gw, &info))).into_response())
+}
+
+async fn get_info(gw: &Gw, k: &str, id: &str) -> Result<(SandboxInfo, &'static str), UpErr> {
+    let id = sandbox_id(id)?;
+    let info: SandboxInfo = gw
+        .up
+        .call(Method::GET, &format!("/v1/sandboxes/{id}"), k, None)
+        .await?;
+    let state = e2b_state(info.state).ok_or_else(|| not_found(&id))?;
+    Ok((info, state))
+}
+
+async fn detail(State(gw): State<Gw>, h: HeaderMap, Path(id): Path<String>) -> Res {
+    let k = key(&h)?;
+    let (info, state) = get_info(&gw, &k, &id).await?;
+    Ok(axum::Json(detail_json(&gw, &info, state)).into_response())
+}
+
+#[derive(Deserialize)]
+struct ConnectBody {
+    timeout: Option<u64>,
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Connect (and the old resume): resumes a paused sandbox; `timeout` only extends.
+async fn connect(State(gw): State<Gw>, h: HeaderMap, Path(id): Path<String>, body: Bytes) -> Res {
+    let k = key(&h)?;
+    let req: ConnectBody = parse(&body, "connect")?;
+    let (mut info, state) = get_info(&gw, &k, &id).await?;
+    let path = format!("/v1/sandboxes/{}", info.id);
+    if state == "paused" {
+        info = gw
+            .up
+            .call(Method::POST, &format!("{path}/resume"), &k, Some(json!({})))
+            .await?;
+    }
+    if let Some(t) = req.timeout
+        && now_ms().saturating_add(t.saturating_mul(1000)) > info.expires_at_ms
+    {
+        let _: Value = gw
+            .up
+            .call(
+                Method::POST,
+                &format!("{path}/timeout"),
+                &k,
+                Some(json!({"ttl_seconds": t})),
+            )
+            .await?;
+    }
+    Ok(axum::Json(sandbox_json(&gw, &info)).into_response())
+}
+
+async fn kill(State(gw): State<Gw>, h: HeaderMap, Path(id): Path<String>) -> Res {
+    let k = key(&h)?;
+    let id = sandbox_id(&id)?;
+    let _: Value = gw
+        .up
+        .call(Method::DELETE, &format!("/v1/sandboxes/{id}"), &k, None)
+        .await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+#[derive(Deserialize)]
+struct TimeoutBody {
+    timeout: u64,
+}
+
+async fn set_timeout(
+    State(gw): State<Gw>,
+    h: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Res {
+    let k = key(&h)?;
+    let id = sandbox_id(&id)?;
+    let req: TimeoutBody = parse(&body, "set timeout")?;
+    let _: Value = gw
+        .up
+        .call(
+            Method::POST,
+            &format!("/v1/sandboxes/{id}/timeout"),
+            &k,
+            Some(json!({"ttl_seconds": req.timeout})),
+        )
+        .await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// No metrics yet: an empty series (which the SDK accepts), for a sandbox that exists.
+async fn metrics(State(gw): State<Gw>, h: HeaderMap, Path(id): Path<String>) -> Res {
+    let k = key(&h)?;
+    get_info(&gw, &k, &id).await?;
+    Ok(axum::Json(json!([])).into_response())
+}
+
+async fn pause(State(gw): State<Gw>, h: HeaderMap, Path(id): Path<String>) -> Res {
+    let k = key(&h)?;
+    let (info, state) = get_info(&gw, &k, &id).await?;
+    if state == "paused" {
+        return Err(UpErr::new(
+            409,
+            "already_exists",
+            "sandbox is already paused",
+        ));
+    }
+    let _: Value = gw
+        .up
+        .call(
+            Method::POST,
+            &format!("/v1/sandboxes/{}/pause", info.id),
+            &k,
+            Some(json!({})),
+        )
+        .await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// Decodes one percent-encoded component (`+` as a space when `form`).
+pub(crate) fn pct(s: &str, form: bool) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'+' if form => out.push(b' '),
+            b'%' if i + 2 < b.len() => {
+                match std::str::from_utf8(&b[i + 1..i + 3])
+                    .ok()
+                    .and_then(|h| u8::from_str_radix(h, 16).ok())
+                {
+                    Some(v) => {
+                        out.push(v);
+                        i += 2;
+                    }
+                    None => out.push(b'%'),
+                }
+            }
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// A query string as decoded `(name, value)` pairs.
+pub(crate) fn query_pairs(q: &str) -> Vec<(String, String)> {
+    q.split('&')
+        .filter(|s| !s.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (pct(k, true), pct(v, true))
+        })
+        .collect()
+}
+
+/// The `metadata` list filter: one query value holding a form string whose keys and
+/// values are percent-encoded once more.
+fn metadata_filter(v: &str) -> BTreeMap<String, String> {
+    query_pairs(v)
+        .into_iter()
+        .map(|(k, v)| (pct(&k, false), pct(&v, false)))
+        .collect()
+}
+
+async fn list(State(gw): State<Gw>, h: HeaderMap, RawQuery(q): RawQuery) -> Res {
+    let k = key(&h)?;
+    let mut labels = BTreeMap::new();
+    let mut states: Option<Vec<String>> = None;
+    let mut limit = 100usize;
+    let mut offset = 0usize;
+    for (name, v) in query_pairs(q.as_deref().unwrap_or("")) {
+        match name.as_str() {
+            "metadata" => labels.extend(metadata_filter(&v)),
+            "state" => states = Some(v.split(',').map(|s| s.trim().to_string()).collect()),
+            "limit" => {
+                limit = v
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=1000).contains(n))
+                    .ok_or_else(|| UpErr::new(400, "invalid_argument", "limit must be 1 to 1000"))?
+            }
+            "nextToken" => {
+                offset = v.parse().map_err(|_| {
+                    UpErr::new(
+                        400,
+                        "invalid_argument",
+                        "nextToken is not one this gateway gave",
+                    )
+                })?
+            }
+            _ => {}
+        }
+    }
+    let query: Vec<String> = labels
+        .iter()
+        .map(|(k, v)| format!("label={}", enc(&format!("{k}={v}"))))
+        .collect();
+    let path = if query.is_empty() {
+        "/v1/sandboxes".to_string()
+    } else {
+        format!("/v1/sandboxes?{}", query.join("&"))
+    };
+    let resp: dsec_common::api::ListSandboxesResponse =
+        gw.up.call(Method::GET, &path, &k, None).await?;
+    let mut all: Vec<(SandboxInfo, &str)> = resp
+        .sandboxes
+        .into_iter()
+        .filter_map(|s| e2b_state(s.state).map(|st| (s, st)))
+        .filter(|(_, st)| states.as_ref().is_none_or(|w| w.iter().any(|x| x == st)))
+        .collect();
+    all.sort_by(|a, b| (a.0.created_at_ms, &a.0.id).cmp(&(b.0.created_at_ms, &b.0.id)));
+    let page: Vec<Value> = all
+        .iter()
+        .skip(offset)
+        .take(limit)
+        .map(|(s, st)| detail_json(&gw, s, st))
+        .collect();
+    let mut r = axum::Json(Value::Array(page)).into_response();
+    if offset + limit < all.len()
+        && let Ok(v) = (offset + limit).to_string().parse()
+    {
+        r.headers_mut().insert("x-next-token", v);
+    }
+    Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_are_rfc3339() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339(1_735_689_600_123), "2025-01-01T00:00:00.123Z");
+        assert_eq!(rfc3339(951_782_400_000), "2000-02-29T00:00:00.000Z");
+    }
+
+    #[test]
+    fn metadata_filter_decodes_three_levels() {
+        // {"a b":"c&d=e","k":"v"} as the SDK sends it.
+        let q = "metadata=a%252520b%3Dc%252526d%25253De%26k%3Dv";
+        let pairs = query_pairs(q);
+        assert_eq!(pairs[0].0, "metadata");
+        let m = metadata_filter(&pairs[0].1);
+        assert_eq!(m.get("a b").map(String::as_str), Some("c&d=e"));
+        assert_eq!(m.get("k").map(String::as_str), Some("v"));
+        assert_eq!(pct("%zz%4", false), "%zz%4");
+        assert_eq!(pct("%", false), "%");
+    }
+}

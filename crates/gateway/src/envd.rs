@@ -1,0 +1,329 @@
+//! The in-sandbox side (E2B's envd): which sandbox a request is for, its access token,
+//! `/health`, and the Connect-RPC plumbing shared by the `process` and `filesystem`
+//! services.
+
+use std::convert::Infallible;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use dsec_common::api::{SandboxInfo, SandboxState};
+use dsec_common::id::SandboxId;
+use hyper::Method;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use crate::connect::{self, STREAM_CT};
+use crate::upstream::UpErr;
+use crate::{ENVD_PORT, Gw, access_token, e2b_error, header_str, same};
+
+pub(crate) fn routes() -> Router<Gw> {
+    Router::new()
+        .route("/health", get(health))
+        .route("/files", get(crate::files::read).post(crate::files::write))
+        .route("/process.Process/{method}", post(process_rpc))
+        .route("/filesystem.Filesystem/{method}", post(filesystem_rpc))
+}
+
+/// The sandbox an in-sandbox request is for, checked: its id, the caller's user.
+pub(crate) struct Target {
+    pub id: String,
+    /// The user the caller named (`Authorization: Basic` on RPC, `username` on files);
+    /// None for the default user (root; E2B's default `user` maps to it too).
+    pub user: Option<String>,
+}
+
+impl Target {
+    pub fn path(&self, rest: &str) -> String {
+        format!("/v1/sandboxes/{}{rest}", self.id)
+    }
+
+    /// The user's home, for `~` (root's unless another user was named).
+    pub fn home(&self) -> String {
+        match self.user.as_deref() {
+            None | Some("root") => "/root".to_string(),
+            Some(u) => format!("/home/{u}"),
+        }
+    }
+}
+
+fn gone() -> Response {
+    e2b_error(502, "The sandbox was not found")
+}
+
+/// Finds the sandbox (`E2b-Sandbox-Id`/`E2b-Sandbox-Port`, else a `{port}-{id}.{domain}`
+/// host), checks the access token, and that the sandbox runs.
+pub(crate) async fn target(
+    gw: &Gw,
+    h: &HeaderMap,
+    user: Option<String>,
+) -> Result<Target, Response> {
+    let (id, port) = match header_str(h, "e2b-sandbox-id") {
+        Some(id) => (
+            id.to_string(),
+            header_str(h, "e2b-sandbox-port").map(str::to_string),
+        ),
+        None => {
+            let host = header_str(h, "host").unwrap_or("");
+            let first = host.split('.').next().unwrap_or("");
+            match first.split_once('-') {
+                Some((p, id)) if host.contains('.') => (id.to_string(), Some(p.to_string())),
+                _ => {
+                    return Err(e2b_error(
+                        400,
+                        "no sandbox named: send E2b-Sandbox-Id (set E2B_SANDBOX_URL to this gateway)",
+                    ));
+                }
+            }
+        }
+    };
+    let Ok(id) = SandboxId::parse(&id).map(|p| p.to_string()) else {
+        return Err(gone());
+    };
+    if let Some(p) = port
+        && p.parse::<u16>().ok() != Some(ENVD_PORT)
+    {
+        return Err(e2b_error(
+            502,
+            &format!(
+                "The sandbox is running but port is not open: the gateway serves only envd ({ENVD_PORT})"
+            ),
+        ));
+    }
+    let want = access_token(&gw.cfg.secret, &id);
+    match header_str(h, "x-access-token") {
+        Some(t) if same(t, &want) => {}
+        _ => {
+            return Err(e2b_error(
+                401,
+                "invalid or missing X-Access-Token for this sandbox",
+            ));
+        }
+    }
+    let info: Result<SandboxInfo, UpErr> = gw
+        .up
+        .call(
+            Method::GET,
+            &format!("/v1/sandboxes/{id}"),
+            &gw.cfg.service_key,
+            None,
+        )
+        .await;
+    match info {
+        Ok(i) if matches!(i.state, SandboxState::Running | SandboxState::Creating) => {}
+        Ok(_) => return Err(gone()),
+        Err(e) if e.status == 404 || e.status == 400 => return Err(gone()),
+        Err(e) => return Err(e2b_error(e.status, &e.message)),
+    }
+    let user = user.filter(|u| u != "user" && !u.is_empty());
+    if let Some(u) = &user
+        && !valid_user(u)
+    {
+        return Err(e2b_error(
+            401,
+            &format!("user {u:?} is not a valid user name"),
+        ));
+    }
+    Ok(Target { id, user })
+}
+
+/// User names as in /etc/passwd (or a numeric uid): nothing that changes a path.
+pub(crate) fn valid_user(u: &str) -> bool {
+    u.len() <= 32
+        && !u.starts_with('-')
+        && !u.starts_with('.')
+        && u.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+}
+
+async fn health(State(gw): State<Gw>, h: HeaderMap) -> Response {
+    match target(&gw, &h, None).await {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(r) => r,
+    }
+}
+
+/// The user of an RPC: `Authorization: Basic base64("user:")`.
+fn basic_user(h: &HeaderMap) -> Option<String> {
+    use base64::Engine;
+    let v = header_str(h, "authorization")?.strip_prefix("Basic ")?;
+    let raw = base64::engine::general_purpose::STANDARD
+        .decode(v.trim())
+        .ok()?;
+    let s = String::from_utf8(raw).ok()?;
+    Some(s.split(':').next().unwrap_or("").to_string())
+}
+
+/// A Connect error, for unary calls: status by code, `{"code","message"}`.
+pub(crate) fn unary_error(code: &str, msg: &str) -> Response {
+    let code = connect::connect_code(code);
+    let s = StatusCode::from_u16(connect::http_status(code))
+        .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    (
+        s,
+        [(header::CONTENT_TYPE, "application/json")],
+        json!({"code": code, "message": msg}).to_string(),
+    )
+        .into_response()
+}
+
+pub(crate) fn unary_ok(v: Value) -> Response {
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/json")],
+        v.to_string(),
+    )
+        .into_response()
+}
+
+impl From<UpErr> for RpcErr {
+    fn from(e: UpErr) -> Self {
+        RpcErr(e.code, e.message)
+    }
+}
+
+/// An RPC's error: a Connect code and message.
+pub(crate) struct RpcErr(pub String, pub String);
+
+impl RpcErr {
+    pub fn new(code: &str, msg: impl Into<String>) -> Self {
+        RpcErr(code.to_string(), msg.into())
+    }
+}
+
+pub(crate) type RpcResult = Result<Value, RpcErr>;
+
+/// A unary request's JSON message.
+fn unary_body(h: &HeaderMap, body: &Bytes) -> Result<Value, RpcErr> {
+    let ct = header_str(h, "content-type").unwrap_or("application/json");
+    if !ct.starts_with("application/json") {
+        return Err(RpcErr::new(
+            "unimplemented",
+            format!("content type {ct:?}: the gateway speaks the Connect JSON codec only"),
+        ));
+    }
+    if body.len() > connect::MAX_MESSAGE {
+        return Err(RpcErr::new(
+            "resource_exhausted",
+            "request message too large",
+        ));
+    }
+    if body.is_empty() {
+        return Ok(json!({}));
+    }
+    serde_json::from_slice(body)
+        .map_err(|e| RpcErr::new("invalid_argument", format!("request is not JSON: {e}")))
+}
+
+/// A server stream's response: the frames sent on `rx`, as they come.
+pub(crate) fn stream_response(rx: mpsc::Receiver<Vec<u8>>) -> Response {
+    let s = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, Infallible>(Bytes::from(b)), rx))
+    });
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, STREAM_CT)],
+        Body::from_stream(s),
+    )
+        .into_response()
+}
+
+/// A stream that fails before its first message: HTTP 200, the error in the end frame.
+pub(crate) fn stream_error(code: &str, msg: &str) -> Response {
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, STREAM_CT)],
+        connect::end(Some((code, msg))),
+    )
+        .into_response()
+}
+
+async fn process_rpc(State(gw): State<Gw>, Path(method): Path<String>, req: Request) -> Response {
+    let h = req.headers().clone();
+    let t = match target(&gw, &h, basic_user(&h)).await {
+        Ok(t) => t,
+        Err(r) => return r,
+    };
+    match method.as_str() {
+        "Start" | "Connect" => {
+            let body = match axum::body::to_bytes(req.into_body(), 2 * connect::MAX_MESSAGE).await {
+                Ok(b) => b,
+                Err(e) => return stream_error("invalid_argument", &e.to_string()),
+            };
+            let msg = match connect::single(&body) {
+                Ok(m) => m,
+                Err((c, m)) => return stream_error(&c, &m),
+            };
+            crate::process::stream(&gw, &t, &h, &method, msg).await
+        }
+        "StreamInput" => crate::process::stream_input(&gw, &t, req.into_body()).await,
+        _ => {
+            let body = match axum::body::to_bytes(req.into_body(), 2 * connect::MAX_MESSAGE).await {
+                Ok(b) => b,
+                Err(e) => return unary_error("invalid_argument", &e.to_string()),
+            };
+            let r = match unary_body(&h, &body) {
+                Ok(msg) => crate::process::unary(&gw, &t, &method, msg).await,
+                Err(e) => Err(e),
+            };
+            match r {
+                Ok(v) => unary_ok(v),
+                Err(RpcErr(c, m)) => unary_error(&c, &m),
+            }
+        }
+    }
+}
+
+async fn filesystem_rpc(
+    State(gw): State<Gw>,
+    Path(method): Path<String>,
+    h: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let t = match target(&gw, &h, basic_user(&h)).await {
+        Ok(t) => t,
+        Err(r) => return r,
+    };
+    if method == "WatchDir" {
+        return match connect::single(&body) {
+            Ok(msg) => crate::watch::watch_dir(&gw, &t, &h, msg).await,
+            Err((c, m)) => stream_error(&c, &m),
+        };
+    }
+    let r = match unary_body(&h, &body) {
+        Ok(msg)
+            if matches!(
+                method.as_str(),
+                "CreateWatcher" | "GetWatcherEvents" | "RemoveWatcher"
+            ) =>
+        {
+            crate::watch::rpc(&gw, &t, &method, msg).await
+        }
+        Ok(msg) => crate::files::rpc(&gw, &t, &method, msg).await,
+        Err(e) => Err(e),
+    };
+    match r {
+        Ok(v) => unary_ok(v),
+        Err(RpcErr(c, m)) => unary_error(&c, &m),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn user_names_are_checked() {
+        assert!(valid_user("root"));
+        assert!(valid_user("bob_1"));
+        assert!(!valid_user("../etc"));
+        assert!(!valid_user("a/b"));
+        assert!(!valid_user(".."));
+        assert!(!valid_user(&"a".repeat(40)));
+    }
+}

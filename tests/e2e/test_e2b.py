@@ -1,0 +1,338 @@
+# SPDX-License-Identifier: AGPL-3.0-only
+"""The E2B-compatible gateway: the released `e2b` Python SDK, unmodified, against the gateway
+`dsec up` starts, configured only by the three variables it writes to <data-dir>/e2b.env."""
+
+import importlib
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from conftest import DATA, dsec
+
+# The SDK release these tests pin (deploy/deps.sh installs the same).
+E2B_VERSION = "2.63.0"
+
+
+def e2b_env() -> dict[str, str]:
+    env = {}
+    for line in (DATA / "e2b.env").read_text().splitlines():
+        k, _, v = line.partition("=")
+        if k:
+            env[k] = v
+    return env
+
+
+@pytest.fixture(scope="module")
+def e2b():
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("e2b")
+    except PackageNotFoundError:
+        installed = None
+    if installed != E2B_VERSION:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                        f"e2b=={E2B_VERSION}"], check=True, timeout=600)
+        importlib.invalidate_caches()
+    import e2b as mod
+
+    assert version("e2b") == E2B_VERSION, f"tests pin e2b {E2B_VERSION}, found {version('e2b')}"
+    env = e2b_env()
+    assert set(env) == {"E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY"}
+    assert env["E2B_API_KEY"].startswith("dsk.")
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield mod
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture
+def sandbox(e2b):
+    sb = e2b.Sandbox.create(timeout=120)
+    yield sb
+    sb.kill()
+
+
+def test_create_run_and_exit_codes(e2b):
+    sb = e2b.Sandbox.create(metadata={"suite": "e2b"}, envs={"FROM_CREATE": "c1"})
+    try:
+        assert sb.is_running()
+        r = sb.commands.run("echo hi")
+        assert (r.stdout, r.stderr, r.exit_code) == ("hi\n", "", 0)
+        r = sb.commands.run("echo $FROM_CREATE $PER_CMD; echo oops >&2; pwd",
+                            envs={"PER_CMD": "p2"}, cwd="/tmp")
+        assert r.stdout == "c1 p2\n/tmp\n" and r.stderr == "oops\n"
+        with pytest.raises(e2b.CommandExitException) as ei:
+            sb.commands.run("echo partial; exit 3")
+        assert ei.value.exit_code == 3 and ei.value.stdout == "partial\n"
+        # stdin is closed unless asked for: `cat` returns at once
+        assert sb.commands.run("cat", timeout=10).stdout == ""
+        seen = []
+        sb.commands.run("for i in 1 2 3; do echo $i; done", on_stdout=seen.append)
+        assert "".join(seen) == "1\n2\n3\n"
+        # a command over its timeout ends with the SDK's timeout exception
+        with pytest.raises(e2b.TimeoutException):
+            sb.commands.run("sleep 30", timeout=1)
+    finally:
+        assert sb.kill() is True
+
+
+def test_background_stdin_and_kill(sandbox, e2b):
+    h = sandbox.commands.run("read line; echo got $line", background=True, stdin=True)
+    assert h.pid > 0
+    sandbox.commands.send_stdin(h.pid, "abc\n")
+    assert h.wait().stdout == "got abc\n"
+    h = sandbox.commands.run("sleep 1000", background=True, timeout=0)
+    assert h.pid in [p.pid for p in sandbox.commands.list()]
+    assert sandbox.commands.kill(h.pid) is True
+    with pytest.raises(e2b.CommandExitException) as ei:
+        h.wait()
+    assert ei.value.exit_code == -1
+    assert sandbox.commands.kill(999999) is False
+    # a client that goes away does not end the process; another attaches to it
+    h = sandbox.commands.run("sleep 1; echo late", background=True)
+    h.disconnect()
+    assert sandbox.commands.connect(h.pid).wait().stdout == "late\n"
+    h = sandbox.commands.run("cat", background=True, stdin=True)
+    sandbox.commands.stream_input(h.pid, iter([b"a", b"b\n"]))
+    sandbox.commands.close_stdin(h.pid)
+    assert h.wait().stdout == "ab\n"
+    out = []
+    pty = sandbox.pty.create(e2b.PtySize(rows=24, cols=80))
+    sandbox.pty.resize(pty.pid, e2b.PtySize(rows=30, cols=100))
+    sandbox.pty.send_stdin(pty.pid, b"stty size; exit\n")
+    assert pty.wait(on_pty=out.append).exit_code == 0
+    assert b"30 100" in b"".join(out)
+
+
+def test_files_and_filesystem(sandbox, e2b):
+    info = sandbox.files.write("/tmp/e2b/a.txt", "hello file")
+    assert info.path == "/tmp/e2b/a.txt" and info.name == "a.txt"
+    assert sandbox.files.read("/tmp/e2b/a.txt") == "hello file"
+    data = bytes(range(256)) * 1000
+    sandbox.files.write("/tmp/e2b/b.bin", data)
+    assert bytes(sandbox.files.read("/tmp/e2b/b.bin", format="bytes")) == data
+    written = sandbox.files.write_files([
+        {"path": "/tmp/e2b/multi/one.txt", "data": "1"},
+        {"path": "/tmp/e2b/multi/two.txt", "data": b"2"},
+    ])
+    assert sorted(w.path for w in written) == ["/tmp/e2b/multi/one.txt", "/tmp/e2b/multi/two.txt"]
+    assert sandbox.commands.run("cat /tmp/e2b/multi/one.txt /tmp/e2b/multi/two.txt").stdout == "12"
+    # a file object goes as a raw (octet-stream) body, streamed: no size limit
+    import hashlib
+    import io
+
+    big = os.urandom(1 << 20) * 80
+    sandbox.files.write("/tmp/e2b/big.bin", io.BytesIO(big))
+    r = sandbox.commands.run("sha256sum /tmp/e2b/big.bin; rm /tmp/e2b/big.bin")
+    assert r.stdout.split()[0] == hashlib.sha256(big).hexdigest()
+    # gzip uploads (octet-stream) are unpacked before they are written
+    sandbox.files.write("/tmp/e2b/gz.txt", "zipped", gzip=True)
+    assert sandbox.files.read("/tmp/e2b/gz.txt") == "zipped"
+
+    assert sandbox.files.exists("/tmp/e2b/a.txt")
+    assert not sandbox.files.exists("/tmp/e2b/missing")
+    st = sandbox.files.get_info("/tmp/e2b/a.txt")
+    assert st.type == e2b.FileType.FILE and st.size == 10 and st.path == "/tmp/e2b/a.txt"
+    names = sorted(e.name for e in sandbox.files.list("/tmp/e2b"))
+    assert names == ["a.txt", "b.bin", "gz.txt", "multi"]
+    deep = sorted(e.path for e in sandbox.files.list("/tmp/e2b", depth=2))
+    assert "/tmp/e2b/multi/one.txt" in deep
+    assert sandbox.files.make_dir("/tmp/e2b/newdir") is True
+    assert sandbox.files.make_dir("/tmp/e2b/newdir") is False
+    moved = sandbox.files.rename("/tmp/e2b/a.txt", "/tmp/e2b/newdir/c.txt")
+    assert moved.path == "/tmp/e2b/newdir/c.txt"
+    assert sandbox.files.read("/tmp/e2b/newdir/c.txt") == "hello file"
+    sandbox.files.remove("/tmp/e2b/newdir")
+    assert not sandbox.files.exists("/tmp/e2b/newdir")
+    sandbox.files.remove("/tmp/e2b/never-there")  # removing a missing path succeeds
+
+    with pytest.raises(e2b.FileNotFoundException):
+        sandbox.files.read("/tmp/e2b/missing")
+    with pytest.raises(e2b.FileNotFoundException):
+        sandbox.files.get_info("/tmp/e2b/missing")
+    with pytest.raises(e2b.InvalidArgumentException):
+        sandbox.files.list("/tmp/e2b/b.bin")
+
+
+def test_watch_dir(sandbox, e2b):
+    import time
+
+    sandbox.files.make_dir("/tmp/w/sub")
+    w = sandbox.files.watch_dir("/tmp/w", recursive=True)
+    sandbox.files.write("/tmp/w/a.txt", "1")
+    sandbox.commands.run("echo x > /tmp/w/sub/inner.txt; rm /tmp/w/a.txt")
+    seen = []
+    for _ in range(50):
+        seen += [(e.name, e.type) for e in w.get_new_events()]
+        if ("a.txt", e2b.FilesystemEventType.REMOVE) in seen:
+            break
+        time.sleep(0.1)
+    assert ("a.txt", e2b.FilesystemEventType.CREATE) in seen
+    assert ("sub/inner.txt", e2b.FilesystemEventType.CREATE) in seen
+    assert ("a.txt", e2b.FilesystemEventType.REMOVE) in seen
+    w.stop()
+    with pytest.raises(e2b.FileNotFoundException):
+        sandbox.files.watch_dir("/tmp/w/missing")
+
+
+def test_list_connect_timeout_and_kill(e2b):
+    tag = uuid.uuid4().hex[:8]
+    a = e2b.Sandbox.create(metadata={"run": tag, "role": "a"})
+    b = e2b.Sandbox.create(metadata={"run": tag, "role": "b"})
+    try:
+        from e2b import SandboxQuery
+
+        ids = {s.sandbox_id for s in e2b.Sandbox.list(query=SandboxQuery(metadata={"run": tag})).next_items()}
+        assert ids == {a.sandbox_id, b.sandbox_id}
+        only = e2b.Sandbox.list(query=SandboxQuery(metadata={"run": tag, "role": "b"})).next_items()
+        assert [s.sandbox_id for s in only] == [b.sandbox_id]
+        assert only[0].metadata == {"run": tag, "role": "b"} and only[0].template_id == "base"
+        pager = e2b.Sandbox.list(query=SandboxQuery(metadata={"run": tag}), limit=1)
+        first = pager.next_items()
+        assert len(first) == 1 and pager.has_next
+        assert len(pager.next_items()) == 1
+
+        c = e2b.Sandbox.connect(a.sandbox_id)
+        assert c.sandbox_id == a.sandbox_id
+        assert c.commands.run("echo via connect").stdout == "via connect\n"
+
+        before = a.get_info().end_at
+        a.set_timeout(600)
+        after = a.get_info().end_at
+        assert (after - before).total_seconds() > 300
+        a.set_timeout(30)
+        assert (a.get_info().end_at - before).total_seconds() < 0
+
+        assert e2b.Sandbox.kill(b.sandbox_id) is True
+        assert e2b.Sandbox.kill(b.sandbox_id) is False
+        assert not b.is_running()
+        with pytest.raises(e2b.SandboxNotFoundException):
+            e2b.Sandbox.connect(b.sandbox_id)
+        with pytest.raises(e2b.NotFoundException):
+            e2b.Sandbox.get_info(b.sandbox_id)
+        ids = {s.sandbox_id for s in e2b.Sandbox.list(query=SandboxQuery(metadata={"run": tag})).next_items()}
+        assert ids == {a.sandbox_id}
+    finally:
+        a.kill()
+        b.kill()
+
+
+def test_errors_map_to_sdk_exceptions(e2b):
+    with pytest.raises(e2b.AuthenticationException):
+        e2b.Sandbox.create(api_key="dsk.not-a-real-key")
+    with pytest.raises(e2b.AuthenticationException):
+        e2b.Sandbox.list(api_key="dsk.not-a-real-key").next_items()
+    with pytest.raises(e2b.SandboxException, match="404: template"):
+        e2b.Sandbox.create("no-such-template")
+    with pytest.raises(e2b.SandboxNotFoundException):
+        e2b.Sandbox.connect("e2btest-doesnotexist1")
+    with pytest.raises(e2b.SandboxNotFoundException):
+        e2b.Sandbox.connect("../../v1/status")
+
+
+def test_envd_requires_the_sandbox_token(sandbox):
+    import httpx
+
+    url = e2b_env()["E2B_SANDBOX_URL"]
+    h = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "49983"}
+    assert httpx.get(f"{url}/health", headers=h).status_code == 401
+    h["X-Access-Token"] = "0" * 64
+    assert httpx.get(f"{url}/health", headers=h).status_code == 401
+    h["X-Access-Token"] = sandbox._envd_access_token
+    assert httpx.get(f"{url}/health", headers=h).status_code == 204
+    # another sandbox's token does not open this one
+    other = dict(h, **{"E2b-Sandbox-Id": sandbox.sandbox_id[:-1] + ("a" if sandbox.sandbox_id[-1] != "a" else "b")})
+    assert httpx.get(f"{url}/health", headers=other).status_code in (401, 502)
+    # malformed Connect frames are errors, never a dropped connection
+    ct = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1"}
+    for body in [b"\x00\x00\x00", b"\x00\xff\xff\xff\xff{}", b"\x01\x00\x00\x00\x02{}", b"\x00\x00\x00\x00\x03abc"]:
+        r = httpx.post(f"{url}/process.Process/Start", headers={**h, **ct}, content=body)
+        assert r.status_code == 200 and r.content[0] == 2 and b'"error"' in r.content, r.content
+    r = httpx.post(f"{url}/filesystem.Filesystem/Stat", headers={**h, "Content-Type": "application/json"},
+                   content=b"{not json")
+    assert r.status_code == 400 and r.json()["code"] == "invalid_argument"
+    r = httpx.post(f"{url}/filesystem.Filesystem/Stat", headers={**h, "Content-Type": "application/json"},
+                   content=b'{"path": "a\\u0000b"}')
+    assert r.status_code == 400
+    r = httpx.post(f"{url}/filesystem.Filesystem/Nope", headers={**h, "Content-Type": "application/json"},
+                   content=b"{}")
+    assert r.status_code == 501 and r.json()["code"] == "unimplemented"
+    r = httpx.post(f"{url}/filesystem.Filesystem/GetWatcherEvents", headers={**h, "Content-Type": "application/json"},
+                   content=b'{"watcherId": "w1-nope"}')
+    assert r.status_code == 404 and r.json()["code"] == "not_found"
+    # ports other than envd's
+    r = httpx.get(f"{url}/health", headers={**h, "E2b-Sandbox-Port": "49999"})
+    assert r.status_code == 502 and "port is not open" in r.json()["message"]
+
+
+def test_quota_and_projects(e2b):
+    """Control-plane calls use the caller's key: its project's quota and visibility apply."""
+    import json
+
+    tag = uuid.uuid4().hex[:8]
+    keys = {}
+    for p in ("qa", "qb"):
+        dsec("iam", "project-create", f"root/e2b{p}{tag}", "--sandboxes", "1")
+        out = dsec("iam", "key-create", "--project", f"root/e2b{p}{tag}", "--name", f"k{p}", "--json").stdout
+        keys[p] = json.loads(out)["key"]
+    a = e2b.Sandbox.create(api_key=keys["qa"])
+    try:
+        with pytest.raises(e2b.RateLimitException, match="quota"):
+            e2b.Sandbox.create(api_key=keys["qa"])
+        # another project's key sees nothing of it
+        assert e2b.Sandbox.list(api_key=keys["qb"]).next_items() == []
+        with pytest.raises(e2b.SandboxNotFoundException):
+            e2b.Sandbox.connect(a.sandbox_id, api_key=keys["qb"])
+        assert e2b.Sandbox.kill(a.sandbox_id, api_key=keys["qb"]) is False
+        assert a.commands.run("echo mine").stdout == "mine\n"
+    finally:
+        assert e2b.Sandbox.kill(a.sandbox_id, api_key=keys["qa"]) is True
+
+
+async def test_async_sdk(e2b):
+    """The async client: its own transport, and the streaming `WatchDir`."""
+    import asyncio
+
+    s = await e2b.AsyncSandbox.create()
+    try:
+        assert (await s.commands.run("echo async")).stdout == "async\n"
+        await s.files.make_dir("/tmp/aw")
+        events = []
+        h = await s.files.watch_dir("/tmp/aw", on_event=lambda e: events.append((e.name, e.type)),
+                                    recursive=True)
+        await s.files.write("/tmp/aw/x.txt", "1")
+        await s.commands.run("mkdir -p /tmp/aw/d && touch /tmp/aw/d/y")
+        for _ in range(50):
+            if ("d/y", e2b.FilesystemEventType.CREATE) in events:
+                break
+            await asyncio.sleep(0.1)
+        await h.stop()
+        assert ("x.txt", e2b.FilesystemEventType.CREATE) in events
+        assert ("d/y", e2b.FilesystemEventType.CREATE) in events
+        assert await s.files.read("/tmp/aw/x.txt") == "1"
+    finally:
+        await s.kill()
+
+
+def test_pause_and_connect_resumes(sandbox, e2b):
+    from e2b import SandboxQuery, SandboxState
+
+    sandbox.commands.run("echo kept > /tmp/p")
+    assert sandbox.pause() is True
+    assert sandbox.get_info().state == SandboxState.PAUSED
+    assert not sandbox.is_running()
+    paused = e2b.Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()
+    assert sandbox.sandbox_id in [s.sandbox_id for s in paused]
+    assert sandbox.pause() is False  # already paused
+    c = e2b.Sandbox.connect(sandbox.sandbox_id)
+    assert c.get_info().state == SandboxState.RUNNING
+    assert c.commands.run("cat /tmp/p").stdout == "kept\n"
+    assert sandbox.get_metrics() == []
