@@ -5,7 +5,7 @@ AETHER_TARGET := x86_64-unknown-linux-gnu
 AETHER := target/$(AETHER_TARGET)/release/dsec-aether
 CARGO_PROFILE_FLAG := $(if $(filter release,$(PROFILE)),--release,)
 
-.PHONY: build aether dsec test test-rust test-e2e lint images bench bench-runtime bench-cluster bench-network bench-vm clean-test
+.PHONY: build aether dsec test test-rust test-e2e lint images bench bench-runtime bench-cluster bench-network bench-vm bench-gateway clean-test
 
 build: dsec aether
 
@@ -38,6 +38,9 @@ bench-runtime: build
 
 bench-cluster: build
 	DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec DSEC_AETHER=$(CURDIR)/$(AETHER) python3 bench/cluster_path.py $(BENCH_ARGS)
+
+bench-gateway: build
+	DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec DSEC_AETHER=$(CURDIR)/$(AETHER) python3 bench/gateway_latency.py $(BENCH_ARGS)
 
 bench-vm: build
 	DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec DSEC_AETHER=$(CURDIR)/$(AETHER) python3 bench/vm_lifecycle.py $(BENCH_ARGS)

@@ -50,6 +50,8 @@ impl Upstream {
     pub fn new(base: &str) -> Upstream {
         let mut conn = HttpConnector::new();
         conn.set_connect_timeout(Some(Duration::from_secs(5)));
+        // Streams of small frames: no waiting for delayed ACKs.
+        conn.set_nodelay(true);
         Upstream {
             base: base.trim_end_matches('/').to_string(),
             http: Client::builder(TokioExecutor::new()).build(conn),

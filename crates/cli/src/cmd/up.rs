@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use axum::serve::ListenerExt;
 use dsec_common::api::ClusterStatus;
 use dsec_common::client_config::{self, ClientConfig};
 use dsec_edge::{Edge, EdgeConfig};
@@ -399,7 +400,7 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
     if let Some((gl, gapp)) = gateway {
         let mut rx3 = stop_rx.clone();
         tokio::spawn(async move {
-            let r = axum::serve(gl, gapp)
+            let r = axum::serve(gl.tap_io(no_delay), gapp)
                 .with_graceful_shutdown(async move {
                     let _ = rx3.wait_for(|v| v.is_some()).await;
                 })
@@ -410,7 +411,7 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
         });
     }
     let mut rx2 = stop_rx.clone();
-    axum::serve(listener, app)
+    axum::serve(listener.tap_io(no_delay), app)
         .with_graceful_shutdown(async move {
             let _ = rx2.wait_for(|v| v.is_some()).await;
         })
@@ -616,6 +617,12 @@ pub async fn status(a: StatusArgs) -> Result<i32> {
         output::table(&["node", "backend", "available", "detail"], rows)
     );
     Ok(0)
+}
+
+/// Streamed answers (exec output, the gateway's Connect streams) are many small writes:
+/// without TCP_NODELAY each can wait for the peer's delayed ACK (40 ms).
+fn no_delay(tcp: &mut tokio::net::TcpStream) {
+    let _ = tcp.set_nodelay(true);
 }
 
 #[cfg(test)]

@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: AGPL-3.0-only
+"""What the E2B-compatible gateway adds per command: `commands.run("true")` through the
+released `e2b` SDK (sync, as most E2B programs call it) against the gateway, next to the
+same command through the native `opendsec` SDK (`sb.exec`) and the native REST API called
+synchronously with httpx, all on one server in the same run.
+
+    python3 bench/gateway_latency.py -n 200
+Starts its own server (like the other benches; --attach uses one already running, with
+its e2b.env in --data-dir), prints p50/p90/p99 per path and the gateway's added latency,
+and writes JSON to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "sdk/python"))
+from opendsec import DSecClient, DSecRunArgs  # noqa: E402
+
+DSEC = os.environ.get("DSEC_BIN", str(ROOT / "target/debug/dsec"))
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    k = (len(xs) - 1) * p / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summary(lat_s: list[float]) -> dict:
+    return {
+        "count": len(lat_s),
+        "p50_ms": round(pct(lat_s, 50) * 1000, 3),
+        "p90_ms": round(pct(lat_s, 90) * 1000, 3),
+        "p99_ms": round(pct(lat_s, 99) * 1000, 3),
+        "mean_ms": round(statistics.mean(lat_s) * 1000, 3),
+    }
+
+
+def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, **kw)
+
+
+def read_env(path: Path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        k, _, v = line.partition("=")
+        if k and not k.startswith("#"):
+            out[k] = v
+    return out
+
+
+def bench_e2b(n: int, image: str) -> dict:
+    import e2b
+
+    sb = e2b.Sandbox.create(template=image, timeout=600)
+    try:
+        for _ in range(10):
+            sb.commands.run("true")
+        lat = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            r = sb.commands.run("true")
+            lat.append(time.perf_counter() - t0)
+            assert r.exit_code == 0
+        return summary(lat)
+    finally:
+        sb.kill()
+
+
+async def bench_native(url: str, key: str, n: int, image: str) -> tuple[dict, dict]:
+    import httpx
+
+    async with DSecClient(api_url=url, api_key=key) as c:
+        sb = await c.run_sandbox(DSecRunArgs(image=image))
+        try:
+            for _ in range(10):
+                await sb.exec(["sh", "-c", "true"])
+            lat = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                r = await sb.exec(["sh", "-c", "true"])
+                lat.append(time.perf_counter() - t0)
+                assert r.exit_code == 0
+            # The REST call itself, synchronously, as the e2b SDK's client makes its calls.
+            rest = []
+            with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as h:
+                for _ in range(n):
+                    t0 = time.perf_counter()
+                    h.post(f"/v1/sandboxes/{sb.id}/exec", json={"cmd": "true"}).raise_for_status()
+                    rest.append(time.perf_counter() - t0)
+            return summary(lat), summary(rest)
+        finally:
+            await sb.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", type=int, default=200, help="commands to time per path")
+    ap.add_argument("--image", default="root/py:3.11", help="image (the e2b path names it as its template)")
+    ap.add_argument("--data-dir", default="/var/tmp/dsec-bench")
+    ap.add_argument("--image-store", default=None, help="default: <data-dir>/images (built if missing)")
+    ap.add_argument("--listen", default="127.0.0.1:7615")
+    ap.add_argument("--attach", action="store_true", help="use the server already running in --data-dir")
+    a = ap.parse_args()
+    data = Path(a.data_dir)
+    started = False
+    try:
+        if not a.attach:
+            store = Path(a.image_store) if a.image_store else data / "images"
+            for spec in ("images/base.toml", "images/py-3.11.toml"):
+                run([DSEC, "image", "build", str(ROOT / spec), "--if-missing", "--store", str(store)])
+            subprocess.run([DSEC, "down", "--data-dir", str(data)], capture_output=True)
+            run([DSEC, "up", "--data-dir", str(data), "--listen", a.listen, "--image-store", str(store)])
+            started = True
+        cfg = dict(l.split(" = ", 1) for l in (data / "client.toml").read_text().splitlines() if " = " in l)
+        url, key = json.loads(cfg["api_url"]), json.loads(cfg["api_key"])
+        os.environ.update(read_env(data / "e2b.env"))
+        print(f"e2b SDK through the gateway ({os.environ['E2B_API_URL']}): commands.run('true') x {a.n}", flush=True)
+        gw = bench_e2b(a.n, a.image)
+        print(f"native: opendsec sb.exec and the REST call x {a.n} ({url})", flush=True)
+        native, rest = asyncio.run(bench_native(url, key, a.n, a.image))
+    finally:
+        if started:
+            run([DSEC, "down", "--data-dir", str(data)])
+
+    print(f"\n{'command round trip':36} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'mean ms':>9}")
+    for name, r in (("e2b commands.run via the gateway", gw), ("opendsec sb.exec (native SDK)", native),
+                    ("REST POST /exec (sync httpx)", rest)):
+        print(f"{name:36} {r['p50_ms']:9.2f} {r['p90_ms']:9.2f} {r['p99_ms']:9.2f} {r['mean_ms']:9.2f}")
+    added = gw["p50_ms"] - native["p50_ms"]
+    print(f"\nthe gateway adds {added:.2f} ms at p50 over the native SDK "
+          f"({gw['p50_ms'] - rest['p50_ms']:.2f} ms over the bare REST call)")
+    out = {"bench": "gateway_latency", "image": a.image, "n": a.n, "host_cpus": os.cpu_count(),
+           "e2b_via_gateway": gw, "opendsec_native_sdk": native, "rest_exec_sync": rest,
+           "added_p50_ms": round(added, 3), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    res = ROOT / "bench/results"
+    res.mkdir(parents=True, exist_ok=True)
+    path = res / f"gateway_latency-{int(time.time())}.json"
+    path.write_text(json.dumps(out, indent=2))
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
