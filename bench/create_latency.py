@@ -23,18 +23,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "sdk/python"))
+from benchlib import DSEC, pct, run, server_down, server_up, store_of, write_result  # noqa: E402 (puts the SDK on the path)
 from opendsec import DSecClient, DSecRunArgs  # noqa: E402
-
-DSEC = os.environ.get("DSEC_BIN", str(ROOT / "target/debug/dsec"))
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    k = (len(xs) - 1) * p / 100
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def summary(lat_s: list[float], wall_s: float, failures: int) -> dict:
@@ -48,10 +38,6 @@ def summary(lat_s: list[float], wall_s: float, failures: int) -> dict:
         "per_second": round(len(lat_s) / wall_s, 1),
         "wall_s": round(wall_s, 2),
     }
-
-
-def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, check=True, capture_output=True, text=True, **kw)
 
 
 async def bench_dsec(api_url: str, api_key: str, image: str, n: int, c: int) -> dict:
@@ -154,15 +140,9 @@ def main() -> None:
     a = ap.parse_args()
 
     data = Path(a.data_dir)
-    store = Path(a.image_store) if a.image_store else data / "images"
-    for spec in ("images/base.toml", "images/py-3.11.toml"):
-        run([DSEC, "image", "build", str(ROOT / spec), "--if-missing", "--store", str(store)])
-    subprocess.run([DSEC, "down", "--data-dir", str(data)], capture_output=True)
-    run([DSEC, "up", "--data-dir", str(data), "--listen", a.listen, "--oci-runtime", a.runtime,
-         "--image-store", str(store)])
+    store = store_of(data, a.image_store)
+    url, key = server_up(data, a.listen, store, "--oci-runtime", a.runtime)
     try:
-        cfg = dict(l.split(" = ", 1) for l in (data / "client.toml").read_text().splitlines() if " = " in l)
-        url, key = json.loads(cfg["api_url"]), json.loads(cfg["api_key"])
         manifest = json.loads(run([DSEC, "image", "inspect", a.image, "--store", str(store)]).stdout)["manifest"]
         layers = [store / "layers" / l for l in manifest["layers"]]
         hybrid = Path("/sys/fs/cgroup/unified/cgroup.controllers").exists() and a.runtime.endswith("crun")
@@ -171,18 +151,14 @@ def main() -> None:
         print(f"plain `{a.runtime} run /bin/true` on an overlay of the same layers (floor)")
         o = bench_oci(a.runtime, layers, a.n, a.c, hybrid)
     finally:
-        run([DSEC, "down", "--data-dir", str(data)])
+        server_down(data)
     rows = [("opendsec", d), (f"{a.runtime} run (floor)", o)]
     print(f"\n{'':22} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'per s':>7} {'fail':>5}")
     for name, r in rows:
         print(f"{name:22} {r['p50_ms']:8.1f} {r['p90_ms']:8.1f} {r['p99_ms']:8.1f} {r['per_second']:7.1f} {r['failures']:5d}")
     out = {"bench": "create_latency", "image": a.image, "n": a.n, "concurrency": a.c, "runtime": a.runtime,
-           "host_cpus": os.cpu_count(), "opendsec": d, "oci_floor": o, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    res = ROOT / "bench/results"
-    res.mkdir(parents=True, exist_ok=True)
-    path = res / f"create_latency-{int(time.time())}.json"
-    path.write_text(json.dumps(out, indent=2))
-    print(f"\nwrote {path}")
+           "host_cpus": os.cpu_count(), "opendsec": d, "oci_floor": o}
+    write_result("create_latency", out)
 
 
 if __name__ == "__main__":

@@ -15,40 +15,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "sdk/python"))
+from benchlib import credentials, lat_summary, server_down, server_up, store_of, write_result  # noqa: E402 (puts the SDK on the path)
 from opendsec import DSecClient, DSecRunArgs  # noqa: E402
-
-DSEC = os.environ.get("DSEC_BIN", str(ROOT / "target/debug/dsec"))
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    k = (len(xs) - 1) * p / 100
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def summary(lat_s: list[float]) -> dict:
-    return {
-        "count": len(lat_s),
-        "p50_ms": round(pct(lat_s, 50) * 1000, 3),
-        "p90_ms": round(pct(lat_s, 90) * 1000, 3),
-        "p99_ms": round(pct(lat_s, 99) * 1000, 3),
-        "mean_ms": round(statistics.mean(lat_s) * 1000, 3),
-    }
-
-
-def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, check=True, capture_output=True, text=True, **kw)
 
 
 def read_env(path: Path) -> dict[str, str]:
@@ -73,7 +45,7 @@ def bench_e2b(n: int, image: str) -> dict:
             r = sb.commands.run("true")
             lat.append(time.perf_counter() - t0)
             assert r.exit_code == 0
-        return summary(lat)
+        return lat_summary(lat)
     finally:
         sb.kill()
 
@@ -99,7 +71,7 @@ async def bench_native(url: str, key: str, n: int, image: str) -> tuple[dict, di
                     t0 = time.perf_counter()
                     h.post(f"/v1/sandboxes/{sb.id}/exec", json={"cmd": "true"}).raise_for_status()
                     rest.append(time.perf_counter() - t0)
-            return summary(lat), summary(rest)
+            return lat_summary(lat), lat_summary(rest)
         finally:
             await sb.stop()
 
@@ -117,14 +89,9 @@ def main() -> None:
     started = False
     try:
         if not a.attach:
-            store = Path(a.image_store) if a.image_store else data / "images"
-            for spec in ("images/base.toml", "images/py-3.11.toml"):
-                run([DSEC, "image", "build", str(ROOT / spec), "--if-missing", "--store", str(store)])
-            subprocess.run([DSEC, "down", "--data-dir", str(data)], capture_output=True)
-            run([DSEC, "up", "--data-dir", str(data), "--listen", a.listen, "--image-store", str(store)])
+            server_up(data, a.listen, store_of(data, a.image_store))
             started = True
-        cfg = dict(l.split(" = ", 1) for l in (data / "client.toml").read_text().splitlines() if " = " in l)
-        url, key = json.loads(cfg["api_url"]), json.loads(cfg["api_key"])
+        url, key = credentials(data)
         os.environ.update(read_env(data / "e2b.env"))
         print(f"e2b SDK through the gateway ({os.environ['E2B_API_URL']}): commands.run('true') x {a.n}", flush=True)
         gw = bench_e2b(a.n, a.image)
@@ -132,7 +99,7 @@ def main() -> None:
         native, rest = asyncio.run(bench_native(url, key, a.n, a.image))
     finally:
         if started:
-            run([DSEC, "down", "--data-dir", str(data)])
+            server_down(data)
 
     print(f"\n{'command round trip':36} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'mean ms':>9}")
     for name, r in (("e2b commands.run via the gateway", gw), ("opendsec sb.exec (native SDK)", native),
@@ -143,12 +110,8 @@ def main() -> None:
           f"({gw['p50_ms'] - rest['p50_ms']:.2f} ms over the bare REST call)")
     out = {"bench": "gateway_latency", "image": a.image, "n": a.n, "host_cpus": os.cpu_count(),
            "e2b_via_gateway": gw, "opendsec_native_sdk": native, "rest_exec_sync": rest,
-           "added_p50_ms": round(added, 3), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    res = ROOT / "bench/results"
-    res.mkdir(parents=True, exist_ok=True)
-    path = res / f"gateway_latency-{int(time.time())}.json"
-    path.write_text(json.dumps(out, indent=2))
-    print(f"\nwrote {path}")
+           "added_p50_ms": round(added, 3)}
+    write_result("gateway_latency", out)
 
 
 if __name__ == "__main__":

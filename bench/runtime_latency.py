@@ -16,48 +16,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import json
 import os
 import shutil
-import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "sdk/python"))
+from benchlib import DSEC, lat_summary, run, server_down, server_up, store_of, write_result  # noqa: E402 (puts the SDK on the path)
 from opendsec import DSecClient, DSecRunArgs  # noqa: E402
-
-DSEC = os.environ.get("DSEC_BIN", str(ROOT / "target/debug/dsec"))
 MiB = 1 << 20
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    k = (len(xs) - 1) * p / 100
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def lat_summary(lat_s: list[float]) -> dict:
-    return {
-        "count": len(lat_s),
-        "p50_ms": round(pct(lat_s, 50) * 1000, 3),
-        "p90_ms": round(pct(lat_s, 90) * 1000, 3),
-        "p99_ms": round(pct(lat_s, 99) * 1000, 3),
-        "mean_ms": round(statistics.mean(lat_s) * 1000, 3),
-        "max_ms": round(max(lat_s) * 1000, 3),
-    }
 
 
 def rate(nbytes: int, seconds: float) -> dict:
     return {"bytes": nbytes, "seconds": round(seconds, 3), "mb_per_s": round(nbytes / 1e6 / seconds, 1)}
-
-
-def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, check=True, capture_output=True, text=True, **kw)
 
 
 def make_file(path: Path, size: int) -> str:
@@ -174,14 +146,8 @@ def main() -> None:
     url = key = None
     try:
         if not a.attach:
-            store = Path(a.image_store) if a.image_store else data / "images"
-            for spec in ("images/base.toml", "images/py-3.11.toml"):
-                run([DSEC, "image", "build", str(ROOT / spec), "--if-missing", "--store", str(store)])
-            subprocess.run([DSEC, "down", "--data-dir", str(data)], capture_output=True)
-            run([DSEC, "up", "--data-dir", str(data), "--listen", a.listen, "--image-store", str(store)])
+            url, key = server_up(data, a.listen, store_of(data, a.image_store))
             started = True
-            cfg = dict(l.split(" = ", 1) for l in (data / "client.toml").read_text().splitlines() if " = " in l)
-            url, key = json.loads(cfg["api_url"]), json.loads(cfg["api_key"])
         src = tmp / "source"
         print(f"writing a {a.size_mb} MiB test file in {tmp}")
         want = make_file(src, size)
@@ -193,7 +159,7 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if started:
-            run([DSEC, "down", "--data-dir", str(data)])
+            server_down(data)
 
     print(f"\n{'exec round trip':28} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'mean ms':>9}")
     for name, r in (("opendsec exec", d["exec"]), ("opendsec exec_stream", d["exec_stream"]),
@@ -207,13 +173,8 @@ def main() -> None:
         print(f"{name:28} {r['mb_per_s']:9.1f} {r['seconds']:9.2f}")
 
     out = {"bench": "runtime_latency", "image": a.image, "n": a.n, "size_mib": a.size_mb,
-           "host_cpus": os.cpu_count(), "opendsec": d, "host_floor": {"exec": h_exec, "file_copy": h_copy},
-           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    res = ROOT / "bench/results"
-    res.mkdir(parents=True, exist_ok=True)
-    path = res / f"runtime_latency-{int(time.time())}.json"
-    path.write_text(json.dumps(out, indent=2))
-    print(f"\nwrote {path}")
+           "host_cpus": os.cpu_count(), "opendsec": d, "host_floor": {"exec": h_exec, "file_copy": h_copy}}
+    write_result("runtime_latency", out)
 
 
 if __name__ == "__main__":

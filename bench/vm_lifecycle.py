@@ -23,26 +23,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "sdk/python"))
+from benchlib import server_down, server_up, store_of, write_result  # noqa: E402 (puts the SDK on the path)
 from opendsec import DSecClient, DSecRunArgs  # noqa: E402
-
-DSEC = os.environ.get("DSEC_BIN", str(ROOT / "target/debug/dsec"))
 VM_BACKENDS = ("vm", "microvm")
 # A process that holds memory worth sharing (64 MiB, touched), as a warmed environment does.
 HOLDER = "import time; b = bytearray(range(256)) * (256 * 1024); time.sleep(1e9)"
-
-
-def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, check=True, capture_output=True, text=True, **kw)
 
 
 def summary(xs_s: list[float]) -> dict:
@@ -199,19 +189,13 @@ def main() -> None:
     url = key = None
     try:
         if not a.attach:
-            store = Path(a.image_store) if a.image_store else data / "images"
-            for spec in ("images/base.toml", "images/py-3.11.toml"):
-                run([DSEC, "image", "build", str(ROOT / spec), "--if-missing", "--store", str(store)])
-            subprocess.run([DSEC, "down", "--data-dir", str(data)], capture_output=True)
-            run([DSEC, "up", "--data-dir", str(data), "--listen", a.listen, "--image-store", str(store)])
+            url, key = server_up(data, a.listen, store_of(data, a.image_store))
             started = True
-            cfg = dict(l.split(" = ", 1) for l in (data / "client.toml").read_text().splitlines() if " = " in l)
-            url, key = json.loads(cfg["api_url"]), json.loads(cfg["api_key"])
         r = asyncio.run(bench(url, key, a.image, a.memory, a.repeat, counts,
                               data if (data / "edge/sandboxes").is_dir() else None, a.backend))
     finally:
         if started:
-            run([DSEC, "down", "--data-dir", str(data)])
+            server_down(data)
 
     print(f"\n{'':34} {'median ms':>10} {'min ms':>9} {'max ms':>9}")
     ref = r["container_cold_start_to_first_exec"]
@@ -232,13 +216,8 @@ def main() -> None:
         print(f"\n{name}: skipped: {why}")
 
     out = {"bench": "vm_lifecycle", "image": a.image, "memory_mib": a.memory, "repeat": a.repeat,
-           "counts": counts, "host_cpus": os.cpu_count(), **r,
-           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    res = ROOT / "bench/results"
-    res.mkdir(parents=True, exist_ok=True)
-    path = res / f"vm_lifecycle-{int(time.time())}.json"
-    path.write_text(json.dumps(out, indent=2))
-    print(f"\nwrote {path}")
+           "counts": counts, "host_cpus": os.cpu_count(), **r}
+    write_result("vm_lifecycle", out)
 
 
 if __name__ == "__main__":

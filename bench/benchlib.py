@@ -1,0 +1,74 @@
+# SPDX-License-Identifier: AGPL-3.0-only
+"""What the single-server benches share: the `dsec` binary, percentiles, a server of their
+own (`dsec up` on a data dir, images built if missing) and where results go."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "sdk/python"))
+DSEC = os.environ.get("DSEC_BIN", str(ROOT / "target/debug/dsec"))
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    k = (len(xs) - 1) * p / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def lat_summary(lat_s: list[float]) -> dict:
+    return {
+        "count": len(lat_s),
+        "p50_ms": round(pct(lat_s, 50) * 1000, 3),
+        "p90_ms": round(pct(lat_s, 90) * 1000, 3),
+        "p99_ms": round(pct(lat_s, 99) * 1000, 3),
+        "mean_ms": round(statistics.mean(lat_s) * 1000, 3),
+        "max_ms": round(max(lat_s) * 1000, 3),
+    }
+
+
+def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, **kw)
+
+
+def store_of(data: Path, image_store: str | None) -> Path:
+    return Path(image_store) if image_store else data / "images"
+
+
+def server_up(data: Path, listen: str, store: Path, *extra: str) -> tuple[str, str]:
+    """Builds the images if missing, (re)starts `dsec up` on `data` and returns its API URL
+    and key."""
+    for spec in ("images/base.toml", "images/py-3.11.toml"):
+        run([DSEC, "image", "build", str(ROOT / spec), "--if-missing", "--store", str(store)])
+    subprocess.run([DSEC, "down", "--data-dir", str(data)], capture_output=True)
+    run([DSEC, "up", "--data-dir", str(data), "--listen", listen, *extra, "--image-store", str(store)])
+    return credentials(data)
+
+
+def credentials(data: Path) -> tuple[str, str]:
+    """The API URL and key `dsec up` wrote to `<data>/client.toml`."""
+    cfg = dict(l.split(" = ", 1) for l in (data / "client.toml").read_text().splitlines() if " = " in l)
+    return json.loads(cfg["api_url"]), json.loads(cfg["api_key"])
+
+
+def server_down(data: Path) -> None:
+    run([DSEC, "down", "--data-dir", str(data)])
+
+
+def write_result(bench: str, out: dict) -> Path:
+    """Writes `out` (with the time added) to bench/results/<bench>-<unix time>.json."""
+    out["time"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    res = ROOT / "bench/results"
+    res.mkdir(parents=True, exist_ok=True)
+    path = res / f"{bench}-{int(time.time())}.json"
+    path.write_text(json.dumps(out, indent=2))
+    print(f"\nwrote {path}")
+    return path
