@@ -13,7 +13,9 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use dsec_common::{ApiError, ErrorCode};
-use dsec_edge::transfer::{EXTENT_HEADER, ExtentWriter, ImportRequest, PeerFuture, Peers};
+use dsec_edge::transfer::{
+    EXTENT_HEADER, ExtentWriter, ImportRequest, PeerFuture, Peers, data_extents,
+};
 use dsec_mtls::{Identity, Role};
 use http_body_util::BodyExt;
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
@@ -80,7 +82,7 @@ async fn file(
         Ok((f, len))
     };
     let (f, len) = open(&path)?;
-    let extents = extents_of(&f, len);
+    let extents = data_extents(&f, len);
     let wire_len: u64 = extents.iter().map(|(_, l)| EXTENT_HEADER as u64 + l).sum();
     let f = tokio::fs::File::from_std(f);
     // State: the file, the extents still to send, and the bytes left of the current one.
@@ -116,10 +118,6 @@ async fn file(
         Body::from_stream(chunks),
     )
         .into_response())
-}
-
-fn extents_of(f: &std::fs::File, len: u64) -> Vec<(u64, u64)> {
-    dsec_edge::transfer::data_extents(f, len)
 }
 
 /// The other edges, by name, over mutual TLS with this edge's certificate.

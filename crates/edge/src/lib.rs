@@ -97,12 +97,10 @@ async fn finish<T: Send + 'static>(
 
 /// After a VM's memory was restored (fork copy, resume): its clock, RNG and id.
 async fn tell_restored(channel: &Path, id: &str, within: Duration) -> Result<(), ApiError> {
-    let mut entropy = [0u8; 64];
-    dsec_common::id::fill_random(&mut entropy);
     let req = Request::Restored {
         sandbox_id: id.to_string(),
         unix_ms: now_ms(),
-        entropy: entropy.iter().map(|b| format!("{b:02x}")).collect(),
+        entropy: random_hex(64),
     };
     match channel::call(channel, &req, within).await? {
         Response::Ok => Ok(()),
@@ -1120,16 +1118,15 @@ fn fork_response(
     }
 }
 
-fn random_hex(n: usize) -> String {
+/// `n` random bytes from the kernel's CSPRNG, in hex.
+pub(crate) fn random_hex(n: usize) -> String {
     let mut b = vec![0u8; n];
     dsec_common::id::fill_random(&mut b);
     hex::encode(b)
 }
 
 fn port_token() -> String {
-    let mut b = [0u8; 24];
-    dsec_common::id::fill_random(&mut b);
-    hex::encode(b)
+    random_hex(24)
 }
 
 /// The agent holds its listening socket for as long as it lives: a refused connect means

@@ -202,9 +202,7 @@ impl Offers {
 
     /// Offers `files` under a new token.
     pub fn open(&self, files: Vec<SavedFile>) -> String {
-        let mut b = [0u8; 16];
-        dsec_common::id::fill_random(&mut b);
-        let token = hex::encode(b);
+        let token = random_hex(16);
         let mut m = self.lock();
         m.retain(|_, o| o.at.elapsed() < OFFER_TTL);
         m.insert(

@@ -672,13 +672,9 @@ impl Backend for VmBackend {
         _paths: &SandboxPaths,
         dest: &Path,
     ) -> Result<(), ApiError> {
-        let mut r = [0u8; 8];
-        dsec_common::id::fill_random(&mut r);
-        let ram = self.ram_dir.join(format!(
-            "seed-{}-{}.ram",
-            rec.id,
-            r.iter().map(|b| format!("{b:02x}")).collect::<String>()
-        ));
+        let ram = self
+            .ram_dir
+            .join(format!("seed-{}-{}.ram", rec.id, crate::random_hex(8)));
         self.save(rec, dest, &ram).map_err(|e| {
             let _ = std::fs::remove_file(&ram);
             ApiError::internal(format!("snapshotting the VM: {e}"))
