@@ -336,3 +336,106 @@ def test_pause_and_connect_resumes(sandbox, e2b):
     assert c.get_info().state == SandboxState.RUNNING
     assert c.commands.run("cat /tmp/p").stdout == "kept\n"
     assert sandbox.get_metrics() == []
+
+
+# A server run inside the sandbox: GET echoes what reached it, POST answers the body's
+# sha256, and an `Upgrade: echo` request switches to a line echo in upper case.
+PORT_SERVER = r'''
+import hashlib, http.server
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def reply(self, text):
+        b = text.encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(b)))
+        self.end_headers()
+        self.wfile.write(b)
+    def do_GET(self):
+        if self.headers.get("Upgrade") == "echo":
+            self.send_response(101)
+            self.send_header("Upgrade", "echo")
+            self.send_header("Connection", "Upgrade")
+            self.end_headers()
+            self.wfile.flush()
+            for line in self.rfile:
+                self.wfile.write(line.upper())
+                self.wfile.flush()
+            self.close_connection = True
+            return
+        self.reply(f"{self.path} host={self.headers.get('Host')} auth={self.headers.get('Authorization')}")
+    def do_POST(self):
+        h = hashlib.sha256()
+        left = int(self.headers["Content-Length"])
+        while left:
+            chunk = self.rfile.read(min(left, 1 << 20))
+            h.update(chunk)
+            left -= len(chunk)
+        self.reply(h.hexdigest())
+http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
+'''
+
+
+def test_sandbox_ports_through_the_host_url(e2b):
+    """`get_host(port)` names the gateway; requests for it reach the server in the sandbox."""
+    import hashlib
+    import socket
+    import time
+
+    import httpx
+
+    url = e2b_env()["E2B_SANDBOX_URL"]
+    gw_host, gw_port = url.removeprefix("http://").split(":")
+    sb = e2b.Sandbox.create(timeout=120)
+    private = e2b.Sandbox.create(timeout=120, network={"allow_public_traffic": False})
+    try:
+        host = sb.get_host(8000)
+        assert host == f"8000-{sb.sandbox_id}.localhost:{gw_port}"
+        # nothing listens yet: E2B's 502
+        r = httpx.get(f"{url}/", headers={"Host": host})
+        assert r.status_code == 502 and r.json()["message"] == "The sandbox is running but port is not open"
+        for s in (sb, private):
+            s.files.write("/tmp/srv.py", PORT_SERVER)
+            s.commands.run("python3 /tmp/srv.py", background=True, timeout=0)
+        for _ in range(100):
+            r = httpx.get(f"{url}/a/b?c=1", headers={"Host": host, "Authorization": "Basic dTo="})
+            if r.status_code == 200:
+                break
+            time.sleep(0.1)
+        # path, query, host and the client's own Authorization arrive unchanged
+        assert r.text == f"/a/b?c=1 host={host} auth=Basic dTo="
+        body = os.urandom(8 << 20)
+        r = httpx.post(f"{url}/up", headers={"Host": host}, content=body, timeout=60)
+        assert r.text == hashlib.sha256(body).hexdigest()
+        # an upgraded connection is a byte stream both ways
+        with socket.create_connection((gw_host, int(gw_port)), timeout=10) as c:
+            c.sendall(f"GET /ws HTTP/1.1\r\nHost: {host}\r\nUpgrade: echo\r\nConnection: Upgrade\r\n\r\n".encode())
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += c.recv(4096)
+            assert head.startswith(b"HTTP/1.1 101"), head
+            c.sendall(b"hello\n")
+            got = head.split(b"\r\n\r\n", 1)[1]
+            while not got.endswith(b"\n"):
+                got += c.recv(4096)
+            assert got == b"HELLO\n"
+        # E2b-Sandbox-Port routes the same way with one sandbox URL
+        r = httpx.get(f"{url}/x", headers={"E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "8000"})
+        assert r.status_code == 200 and r.text.startswith("/x ")
+        # a private sandbox's ports want its traffic token
+        phost = private.get_host(8000)
+        assert private.traffic_access_token
+        for _ in range(100):
+            r = httpx.get(f"{url}/p", headers={"Host": phost,
+                                               "E2B-Traffic-Access-Token": private.traffic_access_token})
+            if r.status_code == 200:
+                break
+            time.sleep(0.1)
+        assert r.text.startswith("/p ")
+        assert httpx.get(f"{url}/p", headers={"Host": phost}).status_code == 403
+        assert httpx.get(f"{url}/p", headers={"Host": phost, "E2B-Traffic-Access-Token": "x"}).status_code == 403
+    finally:
+        sb.kill()
+        private.kill()
+    # a sandbox that is gone
+    r = httpx.get(f"{url}/", headers={"Host": host})
+    assert r.status_code == 502 and "was not found" in r.json()["message"]

@@ -25,16 +25,31 @@ async fn proxy_root(
     st: State<AppState>,
     Path((id, port)): Path<(String, String)>,
     req: Request,
-) -> ApiResult<Response> {
-    proxy(st, id, port, String::new(), req).await
+) -> Response {
+    marked(proxy(st, id, port, String::new(), req).await)
 }
 
 async fn proxy_path(
     st: State<AppState>,
     Path((id, port, rest)): Path<(String, String, String)>,
     req: Request,
-) -> ApiResult<Response> {
-    proxy(st, id, port, rest, req).await
+) -> Response {
+    marked(proxy(st, id, port, rest, req).await)
+}
+
+/// The header on the proxy's own errors (as against the sandbox server's answers, which
+/// pass unchanged), so a client can tell them apart; its value is the error code.
+pub const PORT_ERROR_HEADER: &str = "dsec-port-error";
+
+fn marked(r: ApiResult<Response>) -> Response {
+    r.unwrap_or_else(|Failure(e)| {
+        let code = HeaderValue::from_str(e.code.as_str()).ok();
+        let mut resp = Failure(e).into_response();
+        if let Some(code) = code {
+            resp.headers_mut().insert(PORT_ERROR_HEADER, code);
+        }
+        resp
+    })
 }
 
 /// The query string without our own `dsec_token` parameter, and that token.
@@ -78,8 +93,11 @@ async fn proxy(
         .get("x-dsec-token")
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
-    let principal = crate::forwarded_principal(&st, req.headers())
-        .or_else(|| api_key(req.headers()).and_then(|k| st.iam.authenticate(k)));
+    // The API key's headers are ours and are not passed on; with the port token, the
+    // client's own `Authorization` (for the server in the sandbox) is.
+    let by_key = api_key(req.headers()).and_then(|k| st.iam.authenticate(k));
+    let strip_key = by_key.is_some();
+    let principal = crate::forwarded_principal(&st, req.headers()).or(by_key);
     if let Some(p) = &principal {
         crate::visible(&st, p, &id)?;
     } else {
@@ -106,8 +124,10 @@ async fn proxy(
     *req.uri_mut() = Uri::try_from(path_and_query)
         .map_err(|e| ApiError::invalid(format!("bad path for the sandbox: {e}")))?;
     let headers = req.headers_mut();
-    headers.remove(header::AUTHORIZATION);
-    headers.remove("x-api-key");
+    if strip_key {
+        headers.remove(header::AUTHORIZATION);
+        headers.remove("x-api-key");
+    }
     headers.remove("x-dsec-token");
     headers.remove(crate::PRINCIPAL_HEADER);
     if !headers.contains_key(header::HOST) {

@@ -16,7 +16,10 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::upstream::{UpErr, enc};
-use crate::{DEFAULT_TIMEOUT_S, ENVD_VERSION, Gw, TEMPLATE_LABEL, access_token, header_str};
+use crate::{
+    DEFAULT_TIMEOUT_S, ENVD_VERSION, Gw, LABEL_PREFIX, PRIVATE_LABEL, TEMPLATE_LABEL, Template,
+    access_token, header_str,
+};
 
 pub(crate) fn routes() -> Router<Gw> {
     Router::new()
@@ -78,21 +81,25 @@ fn template_of(info: &SandboxInfo) -> String {
 fn metadata_of(info: &SandboxInfo) -> BTreeMap<&str, &str> {
     info.labels
         .iter()
-        .filter(|(k, _)| k.as_str() != TEMPLATE_LABEL)
+        .filter(|(k, _)| !k.starts_with(LABEL_PREFIX))
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect()
 }
 
 /// `Sandbox` (create and connect).
 fn sandbox_json(gw: &Gw, info: &SandboxInfo) -> Value {
-    json!({
+    let mut v = json!({
         "templateID": template_of(info),
         "sandboxID": info.id,
         "clientID": info.edge,
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": access_token(&gw.cfg.secret, &info.id),
-        "domain": null,
-    })
+        "domain": gw.cfg.domain,
+    });
+    if info.labels.get(PRIVATE_LABEL).map(String::as_str) == Some("true") {
+        v["trafficAccessToken"] = json!(crate::ports::traffic_token(&gw.cfg.secret, &info.id));
+    }
+    v
 }
 
 /// `SandboxDetail` and `ListedSandbox` (one shape serves both).
@@ -159,15 +166,29 @@ struct NewSandbox {
     #[serde(default, rename = "envVars")]
     env_vars: Option<BTreeMap<String, String>>,
     allow_internet_access: Option<bool>,
+    #[serde(default)]
+    network: Option<NetworkOpts>,
 }
 
-/// The image a template id stands for.
-fn image_for(gw: &Gw, template: &str) -> Result<String, UpErr> {
-    if let Some(img) = gw.cfg.templates.get(template) {
-        return Ok(img.clone());
+/// The create body's `network`: who may reach the sandbox's ports, and egress rules
+/// (domains and CIDRs, as OpenDsec's `network_rules`; egress is closed unless allowed).
+#[derive(Deserialize)]
+struct NetworkOpts {
+    #[serde(rename = "allowPublicTraffic")]
+    allow_public_traffic: Option<bool>,
+    #[serde(default, rename = "allowOut")]
+    allow_out: Vec<String>,
+    #[serde(default, rename = "denyOut")]
+    deny_out: Vec<String>,
+}
+
+/// What a template id stands for.
+fn template_for(gw: &Gw, template: &str) -> Result<Template, UpErr> {
+    if let Some(t) = gw.cfg.templates.get(template) {
+        return Ok(t.clone());
     }
     if template.contains('/') {
-        return Ok(template.to_string());
+        return Ok(Template::Image(template.to_string()));
     }
     Err(UpErr::new(
         404,
@@ -202,17 +223,40 @@ async fn create(State(gw): State<Gw>, h: HeaderMap, body: Bytes) -> Response {
 async fn create_inner(gw: &Gw, h: &HeaderMap, body: &Bytes) -> Res {
     let k = key(h)?;
     let req: NewSandbox = parse(body, "create sandbox")?;
-    let image = image_for(gw, &req.template_id)?;
+    let template = template_for(gw, &req.template_id)?;
     let mut labels = req.metadata.unwrap_or_default();
+    if let Some(k) = labels.keys().find(|k| k.starts_with(LABEL_PREFIX)) {
+        return Err(UpErr::new(
+            400,
+            "invalid_argument",
+            format!(
+                "metadata key {k:?}: keys starting with {LABEL_PREFIX:?} are the gateway's own"
+            ),
+        ));
+    }
     labels.insert(TEMPLATE_LABEL.to_string(), req.template_id.clone());
+    let mut rules = BTreeMap::new();
+    if let Some(n) = req.network {
+        if n.allow_public_traffic == Some(false) {
+            labels.insert(PRIVATE_LABEL.to_string(), "true".to_string());
+        }
+        rules.extend(n.deny_out.into_iter().map(|d| (d, false)));
+        // allowed entries win over denied ones, as in E2B
+        rules.extend(n.allow_out.into_iter().map(|d| (d, true)));
+    }
     let mut create = json!({
-        "image": image,
+        "image": template.image(),
         "ttl_seconds": req.timeout.unwrap_or(DEFAULT_TIMEOUT_S),
         "labels": labels,
         "env": req.env_vars.unwrap_or_default(),
     });
     if req.allow_internet_access == Some(false) {
         create["network"] = json!("none");
+    } else if !rules.is_empty() {
+        create["network_rules"] = json!(rules);
+    }
+    if let Some(b) = template.backend() {
+        create["backend"] = json!(b);
     }
     let info: SandboxInfo = gw
         .up

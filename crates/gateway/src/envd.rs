@@ -61,24 +61,11 @@ pub(crate) async fn target(
     h: &HeaderMap,
     user: Option<String>,
 ) -> Result<Target, Response> {
-    let (id, port) = match header_str(h, "e2b-sandbox-id") {
-        Some(id) => (
-            id.to_string(),
-            header_str(h, "e2b-sandbox-port").map(str::to_string),
-        ),
-        None => {
-            let host = header_str(h, "host").unwrap_or("");
-            let first = host.split('.').next().unwrap_or("");
-            match first.split_once('-') {
-                Some((p, id)) if host.contains('.') => (id.to_string(), Some(p.to_string())),
-                _ => {
-                    return Err(e2b_error(
-                        400,
-                        "no sandbox named: send E2b-Sandbox-Id (set E2B_SANDBOX_URL to this gateway)",
-                    ));
-                }
-            }
-        }
+    let Some((id, port)) = crate::ports::addressed(h) else {
+        return Err(e2b_error(
+            400,
+            "no sandbox named: send E2b-Sandbox-Id (set E2B_SANDBOX_URL to this gateway)",
+        ));
     };
     let Ok(id) = SandboxId::parse(&id).map(|p| p.to_string()) else {
         return Err(gone());

@@ -22,6 +22,7 @@ pub mod connect;
 mod control;
 mod envd;
 mod files;
+mod ports;
 mod process;
 pub mod upstream;
 mod watch;
@@ -36,6 +37,10 @@ pub const ENVD_VERSION: &str = "0.5.7";
 pub const ENVD_PORT: u16 = 49983;
 /// The label that keeps a sandbox's E2B template id.
 pub const TEMPLATE_LABEL: &str = "e2b.template";
+/// The label of a sandbox whose ports want the traffic token (`allowPublicTraffic: false`).
+pub const PRIVATE_LABEL: &str = "e2b.private_traffic";
+/// Labels the gateway keeps for itself start so; they are not shown as metadata.
+pub const LABEL_PREFIX: &str = "e2b.";
 /// Sandbox lifetime when create names none (E2B's default).
 pub const DEFAULT_TIMEOUT_S: u64 = 300;
 
@@ -47,14 +52,55 @@ pub struct Config {
     pub service_key: String,
     /// Signs sandbox access tokens; keep it across restarts so tokens stay valid.
     pub secret: Vec<u8>,
-    /// E2B template id → OpenDsec image. An id not in the map that looks like an image
+    /// E2B template id → what it runs. An id not in the map that looks like an image
     /// reference (it has a `/`) is used as one.
-    pub templates: BTreeMap<String, String>,
+    pub templates: BTreeMap<String, Template>,
+    /// The sandbox domain create returns, so `get_host(port)` is `{port}-{id}.{domain}`
+    /// (a name that resolves to the gateway; `localhost:<port>` works in browsers).
+    pub domain: Option<String>,
 }
 
-/// The template map `dsec up` starts with.
-pub fn default_templates() -> BTreeMap<String, String> {
-    BTreeMap::from([("base".to_string(), "root/py:3.11".to_string())])
+/// What an E2B template stands for: an OpenDsec image, and the backend to run it on
+/// (the deployment's default when None).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(untagged)]
+pub enum Template {
+    Image(String),
+    Spec {
+        image: String,
+        #[serde(default)]
+        backend: Option<String>,
+    },
+}
+
+impl Template {
+    pub fn image(&self) -> &str {
+        match self {
+            Template::Image(i) | Template::Spec { image: i, .. } => i,
+        }
+    }
+
+    pub fn backend(&self) -> Option<&str> {
+        match self {
+            Template::Image(_) => None,
+            Template::Spec { backend, .. } => backend.as_deref(),
+        }
+    }
+}
+
+/// The template map `dsec up` starts with: `base` (E2B's default) as a container, and
+/// `base-vm`, the same image as a virtual machine.
+pub fn default_templates() -> BTreeMap<String, Template> {
+    BTreeMap::from([
+        ("base".to_string(), Template::Image("root/py:3.11".into())),
+        (
+            "base-vm".to_string(),
+            Template::Spec {
+                image: "root/py:3.11".into(),
+                backend: Some("vm".into()),
+            },
+        ),
+    ])
 }
 
 #[derive(Clone)]
@@ -79,6 +125,10 @@ pub fn router(cfg: Config) -> Router {
         .fallback(|| async { e2b_error(404, "no such endpoint on the OpenDsec E2B gateway") })
         .layer(axum::extract::DefaultBodyLimit::max(
             connect::MAX_MESSAGE * 2,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            gw.clone(),
+            ports::dispatch,
         ))
         .with_state(gw)
 }

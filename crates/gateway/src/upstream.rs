@@ -58,6 +58,23 @@ impl Upstream {
         }
     }
 
+    /// The URL of an API path.
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path)
+    }
+
+    /// Sends a request as it is; any answer comes back (only a failure to reach the API
+    /// is an error).
+    pub async fn send(&self, req: Request<Body>) -> Result<Response<Incoming>, UpErr> {
+        self.http.request(req).await.map_err(|e| {
+            UpErr::new(
+                503,
+                "unavailable",
+                format!("the OpenDsec API does not answer: {e}"),
+            )
+        })
+    }
+
     /// Sends a request; a success comes back with its body unread.
     pub async fn open(
         &self,
@@ -69,7 +86,7 @@ impl Upstream {
     ) -> Result<Response<Incoming>, UpErr> {
         let mut b = Request::builder()
             .method(method)
-            .uri(format!("{}{}", self.base, path))
+            .uri(self.url(path))
             .header("authorization", format!("Bearer {key}"));
         if let Some(ct) = content_type {
             b = b.header("content-type", ct);
@@ -77,13 +94,7 @@ impl Upstream {
         let req = b
             .body(body)
             .map_err(|e| UpErr::new(400, "invalid_argument", e.to_string()))?;
-        let resp = self.http.request(req).await.map_err(|e| {
-            UpErr::new(
-                503,
-                "unavailable",
-                format!("the OpenDsec API does not answer: {e}"),
-            )
-        })?;
+        let resp = self.send(req).await?;
         if resp.status().is_success() {
             return Ok(resp);
         }

@@ -25,6 +25,7 @@ fn info(id: &str) -> Value {
         "limits": {"cpu_cores": 1.0, "memory_mb": 512, "disk_mb": 1024, "pids": 100},
         "created_at_ms": 1_700_000_000_000u64, "expires_at_ms": 1_700_000_300_000u64,
         "labels": {"e2b.template": "base", "k": "v"},
+        "port_token": "pt-stub",
     })
 }
 
@@ -35,8 +36,51 @@ async fn serve(app: Router) -> SocketAddr {
     a
 }
 
+/// The API's port proxy: port 8080 has nothing listening (the proxy's own error, marked);
+/// any other port echoes what reached it.
+async fn port_proxy(
+    Path((id, port, rest)): Path<(String, u16, String)>,
+    req: axum::extract::Request,
+) -> axum::response::Response {
+    if port == 8080 {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            [("dsec-port-error", "unavailable")],
+            axum::Json(json!({"code": "unavailable", "message": "connection refused"})),
+        )
+            .into_response();
+    }
+    let hs = req.headers().clone();
+    let h = |n: &str| {
+        hs.get(n)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("-")
+            .to_string()
+    };
+    let line = format!(
+        "{} {id} {port} /{rest}?{} auth={} token={} e2b={}",
+        req.method(),
+        req.uri().query().unwrap_or(""),
+        h("authorization"),
+        h("x-dsec-token"),
+        h("e2b-sandbox-id"),
+    );
+    let body = axum::body::to_bytes(req.into_body(), 1 << 20)
+        .await
+        .unwrap();
+    (
+        StatusCode::IM_A_TEAPOT,
+        format!("{line} body={}", String::from_utf8_lossy(&body)),
+    )
+        .into_response()
+}
+
 async fn setup() -> (SocketAddr, String) {
     let api = Router::new()
+        .route(
+            "/v1/sandboxes/{id}/ports/{port}/{*rest}",
+            axum::routing::any(port_proxy),
+        )
         .route(
             "/v1/sandboxes/{id}",
             get(|Path(id): Path<String>| async move {
@@ -66,6 +110,7 @@ async fn setup() -> (SocketAddr, String) {
         service_key: "dsk.service".into(),
         secret,
         templates: BTreeMap::new(),
+        domain: Some("sb.test".into()),
     });
     (serve(gw).await, token)
 }
@@ -185,6 +230,26 @@ async fn sandboxes_tokens_and_ports_are_checked() {
     let (s, b) = send(gw, "/process.Process/List", &h, b"{}".to_vec()).await;
     assert_eq!(s, StatusCode::BAD_GATEWAY);
     assert!(String::from_utf8_lossy(&b).contains("port is not open"));
+    // an open port: the request goes there as it is (the sandbox server's answer too),
+    // with the port token and without the E2B routing headers
+    let host = format!("8081-{ID}.sb.test");
+    let h = [("host", host.as_str()), ("authorization", "Basic YTpi")];
+    let (s, b) = send(gw, "/some/where?q=1", &h, b"payload".to_vec()).await;
+    assert_eq!(s, StatusCode::IM_A_TEAPOT);
+    assert_eq!(
+        String::from_utf8_lossy(&b),
+        format!("POST {ID} 8081 /some/where?q=1 auth=Basic YTpi token=pt-stub e2b=- body=payload")
+    );
+    // a host naming an unknown sandbox
+    let (s, b) = send(
+        gw,
+        "/",
+        &[("host", "8081-stub-zzzzzzzzzzzz.sb.test")],
+        vec![],
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_GATEWAY);
+    assert!(String::from_utf8_lossy(&b).contains("was not found"));
     // bad unary bodies and codecs
     let h = [base[0], base[1], ("x-access-token", token.as_str())];
     let (s, b) = send(gw, "/filesystem.Filesystem/Stat", &h, b"{nope".to_vec()).await;

@@ -77,9 +77,13 @@ struct GatewayToml {
     #[serde(default = "yes")]
     enabled: bool,
     listen: Option<SocketAddr>,
-    /// E2B template id → image, added to (or replacing) the defaults (`base`).
+    /// The sandbox domain: `get_host(port)` is `{port}-{id}.{domain}`, which must resolve
+    /// to the gateway (default `localhost:<gateway port>`, which browsers resolve).
+    domain: Option<String>,
+    /// E2B template id → image (`"owner/name:tag"`) or `{ image = "…", backend = "vm" }`,
+    /// added to (or replacing) the defaults (`base`, `base-vm`).
     #[serde(default)]
-    templates: std::collections::BTreeMap<String, String>,
+    templates: std::collections::BTreeMap<String, dsec_gateway::Template>,
 }
 
 fn yes() -> bool {
@@ -451,6 +455,7 @@ async fn bind_gateway(
     let table = table.unwrap_or(GatewayToml {
         enabled: true,
         listen: None,
+        domain: None,
         templates: Default::default(),
     });
     if !table.enabled {
@@ -494,13 +499,19 @@ async fn bind_gateway(
     };
     let mut templates = dsec_gateway::default_templates();
     templates.extend(table.templates);
+    let bound = listener.local_addr().unwrap_or(addr);
     let app = dsec_gateway::router(dsec_gateway::Config {
         api_url: api_url.to_string(),
         service_key: key.to_string(),
         secret: secret.into_bytes(),
         templates,
+        domain: Some(
+            table
+                .domain
+                .unwrap_or_else(|| format!("localhost:{}", bound.port())),
+        ),
     });
-    let url = format!("http://{}", listener.local_addr().unwrap_or(addr));
+    let url = format!("http://{bound}");
     write_private(
         &env_path,
         &format!("E2B_API_URL={url}\nE2B_SANDBOX_URL={url}\nE2B_API_KEY={key}\n"),
@@ -632,13 +643,17 @@ mod tests {
     #[test]
     fn the_gateway_table_parses_and_rejects_unknown_keys() {
         let c: ServerConfig = toml::from_str(
-            "[gateway]\nlisten = \"127.0.0.1:9\"\n[gateway.templates]\nmine = \"root/x:1\"\n",
+            "[gateway]\nlisten = \"127.0.0.1:9\"\ndomain = \"sb.example.com\"\n[gateway.templates]\nmine = \"root/x:1\"\nvm = { image = \"root/y:2\", backend = \"vm\" }\n",
         )
         .unwrap();
         let g = c.gateway.unwrap();
         assert!(g.enabled);
         assert_eq!(g.listen, Some("127.0.0.1:9".parse().unwrap()));
-        assert_eq!(g.templates["mine"], "root/x:1");
+        assert_eq!(g.domain.as_deref(), Some("sb.example.com"));
+        assert_eq!(g.templates["mine"].image(), "root/x:1");
+        assert_eq!(g.templates["mine"].backend(), None);
+        assert_eq!(g.templates["vm"].image(), "root/y:2");
+        assert_eq!(g.templates["vm"].backend(), Some("vm"));
         assert!(toml::from_str::<ServerConfig>("[gateway]\nport = 1\n").is_err());
     }
 
@@ -666,6 +681,7 @@ mod tests {
         let off = GatewayToml {
             enabled: false,
             listen: None,
+            domain: None,
             templates: Default::default(),
         };
         let g = bind_gateway(d.path(), Some(off), None, api, "http://x", "dsk.k")

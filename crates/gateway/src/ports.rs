@@ -1,0 +1,211 @@
+//! Sandbox ports through the gateway: a request for `{port}-{id}.{domain}` (what
+//! `get_host(port)` returns), or one with `E2b-Sandbox-Port` naming a port other than
+//! envd's, goes to that port in the sandbox over OpenDsec's port proxy, as it is
+//! (method, path, headers, streamed body; WebSocket and other upgrades pass through).
+//!
+//! As in E2B, ports are open to anyone with the URL unless the sandbox was created with
+//! `network.allowPublicTraffic = false`; then the `E2B-Traffic-Access-Token` header that
+//! create returned is required.
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use dsec_common::api::{SandboxInfo, SandboxState};
+use dsec_common::id::SandboxId;
+use http_body_util::BodyExt;
+use hyper::Method;
+use hyper_util::rt::TokioIo;
+
+use crate::upstream::UpErr;
+use crate::{ENVD_PORT, Gw, PRIVATE_LABEL, access_token, e2b_error, header_str, same};
+
+/// The sandbox (raw id) and port a sandbox-side request names: `E2b-Sandbox-Id` and
+/// `E2b-Sandbox-Port` (with `E2B_SANDBOX_URL`), else a `{port}-{id}.{domain}` host.
+/// None when it names neither.
+pub(crate) fn addressed(h: &HeaderMap) -> Option<(String, Option<String>)> {
+    if let Some(id) = header_str(h, "e2b-sandbox-id") {
+        return Some((
+            id.to_string(),
+            header_str(h, "e2b-sandbox-port").map(str::to_string),
+        ));
+    }
+    let host = header_str(h, "host")?;
+    let (first, _domain) = host.split_once('.')?;
+    let (port, id) = first.split_once('-')?;
+    Some((id.to_string(), Some(port.to_string())))
+}
+
+/// A request for a port other than envd's: the sandbox id and the port.
+fn for_port(h: &HeaderMap) -> Option<(String, u16)> {
+    let (id, port) = addressed(h)?;
+    let port: u16 = port?.parse().ok()?;
+    (port != ENVD_PORT && port != 0).then_some((id, port))
+}
+
+/// The gateway's front: port traffic is proxied, everything else goes to the routes.
+pub(crate) async fn dispatch(State(gw): State<Gw>, req: Request, next: Next) -> Response {
+    match for_port(req.headers()) {
+        Some((id, port)) => proxy(&gw, &id, port, req).await,
+        None => next.run(req).await,
+    }
+}
+
+/// Marks the OpenDsec port proxy's own errors (its value is the error code).
+const PORT_ERROR_HEADER: &str = "dsec-port-error";
+
+/// The token a private sandbox's ports want (`trafficAccessToken`).
+pub(crate) fn traffic_token(secret: &[u8], id: &str) -> String {
+    access_token(secret, &format!("traffic:{id}"))
+}
+
+fn gone() -> Response {
+    e2b_error(502, "The sandbox was not found")
+}
+
+async fn proxy(gw: &Gw, id: &str, port: u16, mut req: Request) -> Response {
+    let Ok(id) = SandboxId::parse(id).map(|p| p.to_string()) else {
+        return gone();
+    };
+    let info: Result<SandboxInfo, UpErr> = gw
+        .up
+        .call(
+            Method::GET,
+            &format!("/v1/sandboxes/{id}"),
+            &gw.cfg.service_key,
+            None,
+        )
+        .await;
+    let info = match info {
+        Ok(i) if matches!(i.state, SandboxState::Running | SandboxState::Creating) => i,
+        Ok(_) => return gone(),
+        Err(e) if e.status == 404 || e.status == 400 => return gone(),
+        Err(e) => return e2b_error(e.status, &e.message),
+    };
+    if info.labels.get(PRIVATE_LABEL).map(String::as_str) == Some("true") {
+        let want = traffic_token(&gw.cfg.secret, &id);
+        if !header_str(req.headers(), "e2b-traffic-access-token").is_some_and(|t| same(t, &want)) {
+            return e2b_error(
+                403,
+                "this sandbox's ports are private: send the E2B-Traffic-Access-Token header that create returned",
+            );
+        }
+    }
+    let path_and_query = req
+        .uri()
+        .path_and_query()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "/".to_string());
+    let mut b = hyper::Request::builder().method(req.method().clone()).uri(
+        gw.up
+            .url(&format!("/v1/sandboxes/{id}/ports/{port}{path_and_query}")),
+    );
+    if let Some(hs) = b.headers_mut() {
+        for (k, v) in req.headers() {
+            let n = k.as_str();
+            if !n.starts_with("e2b-") && n != "x-dsec-token" {
+                hs.append(k.clone(), v.clone());
+            }
+        }
+        match HeaderValue::from_str(&info.port_token) {
+            Ok(t) => hs.insert("x-dsec-token", t),
+            Err(_) => return e2b_error(500, "the sandbox's port token is not a header value"),
+        };
+    }
+    let client_upgrade = req
+        .headers()
+        .contains_key(header::UPGRADE)
+        .then(|| hyper::upgrade::on(&mut req));
+    let body = req
+        .into_body()
+        .map_err(std::io::Error::other)
+        .boxed_unsync();
+    let up_req = match b.body(body) {
+        Ok(r) => r,
+        Err(e) => return e2b_error(400, &format!("cannot forward this request: {e}")),
+    };
+    let mut resp = match gw.up.send(up_req).await {
+        Ok(r) => r,
+        Err(e) => return e2b_error(502, &e.message),
+    };
+    if let Some(code) = resp.headers().get(PORT_ERROR_HEADER) {
+        // the proxy's own failure, not the sandbox server's answer
+        return match code.as_bytes() {
+            b"not_found" => gone(),
+            b"unavailable" => (
+                StatusCode::BAD_GATEWAY,
+                axum::Json(serde_json::json!({
+                    "code": 502,
+                    "message": "The sandbox is running but port is not open",
+                    "sandboxId": id,
+                    "port": port,
+                })),
+            )
+                .into_response(),
+            _ => {
+                let status = resp.status().as_u16();
+                let body = resp.into_body().collect().await.map(|b| b.to_bytes());
+                let v: serde_json::Value = body
+                    .ok()
+                    .and_then(|b| serde_json::from_slice(&b).ok())
+                    .unwrap_or_default();
+                e2b_error(status, v["message"].as_str().unwrap_or("port proxy error"))
+            }
+        };
+    }
+    if resp.status() == StatusCode::SWITCHING_PROTOCOLS
+        && let Some(client_upgrade) = client_upgrade
+    {
+        let sandbox_upgrade = hyper::upgrade::on(&mut resp);
+        tokio::spawn(async move {
+            if let (Ok(a), Ok(b)) = (client_upgrade.await, sandbox_upgrade.await) {
+                let _ =
+                    tokio::io::copy_bidirectional(&mut TokioIo::new(a), &mut TokioIo::new(b)).await;
+            }
+        });
+    }
+    resp.map(Body::new).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut m = HeaderMap::new();
+        for (k, v) in pairs {
+            m.insert(*k, HeaderValue::from_str(v).unwrap());
+        }
+        m
+    }
+
+    #[test]
+    fn requests_are_routed_by_header_or_host() {
+        let id = "local-0123456789ab";
+        assert_eq!(
+            for_port(&h(&[("host", &format!("8000-{id}.localhost:17611"))])),
+            Some((id.to_string(), 8000))
+        );
+        // envd's own port, the API's host and headers without a port are not port traffic
+        assert_eq!(
+            for_port(&h(&[("host", &format!("49983-{id}.sb.example.com"))])),
+            None
+        );
+        assert_eq!(for_port(&h(&[("host", "127.0.0.1:17611")])), None);
+        assert_eq!(for_port(&h(&[("e2b-sandbox-id", id)])), None);
+        assert_eq!(
+            for_port(&h(&[
+                ("e2b-sandbox-id", id),
+                ("e2b-sandbox-port", "49999"),
+                ("host", "8000-other-000000000000.x")
+            ])),
+            Some((id.to_string(), 49999))
+        );
+        assert_eq!(
+            for_port(&h(&[("host", &format!("99999-{id}.localhost"))])),
+            None
+        );
+        assert_ne!(traffic_token(b"s", id), access_token(b"s", id));
+    }
+}
