@@ -53,15 +53,25 @@ def e2b():
             os.environ[k] = v
 
 
+# The same scenarios on both backends: `base` runs as a container, `base-vm` (the same
+# image) as a virtual machine; both are in the gateway's default template map.
+BACKENDS = [pytest.param("base", id="container"), pytest.param("base-vm", id="vm")]
+
+
+@pytest.fixture(params=BACKENDS)
+def template(request):
+    return request.param
+
+
 @pytest.fixture
-def sandbox(e2b):
-    sb = e2b.Sandbox.create(timeout=120)
+def sandbox(e2b, template):
+    sb = e2b.Sandbox.create(template, timeout=120)
     yield sb
     sb.kill()
 
 
-def test_create_run_and_exit_codes(e2b):
-    sb = e2b.Sandbox.create(metadata={"suite": "e2b"}, envs={"FROM_CREATE": "c1"})
+def test_create_run_and_exit_codes(e2b, template):
+    sb = e2b.Sandbox.create(template, metadata={"suite": "e2b"}, envs={"FROM_CREATE": "c1"})
     try:
         assert sb.is_running()
         r = sb.commands.run("echo hi")
@@ -183,10 +193,10 @@ def test_watch_dir(sandbox, e2b):
         sandbox.files.watch_dir("/tmp/w/missing")
 
 
-def test_list_connect_timeout_and_kill(e2b):
+def test_list_connect_timeout_and_kill(e2b, template):
     tag = uuid.uuid4().hex[:8]
-    a = e2b.Sandbox.create(metadata={"run": tag, "role": "a"})
-    b = e2b.Sandbox.create(metadata={"run": tag, "role": "b"})
+    a = e2b.Sandbox.create(template, metadata={"run": tag, "role": "a"})
+    b = e2b.Sandbox.create(template, metadata={"run": tag, "role": "b"})
     try:
         from e2b import SandboxQuery
 
@@ -194,7 +204,7 @@ def test_list_connect_timeout_and_kill(e2b):
         assert ids == {a.sandbox_id, b.sandbox_id}
         only = e2b.Sandbox.list(query=SandboxQuery(metadata={"run": tag, "role": "b"})).next_items()
         assert [s.sandbox_id for s in only] == [b.sandbox_id]
-        assert only[0].metadata == {"run": tag, "role": "b"} and only[0].template_id == "base"
+        assert only[0].metadata == {"run": tag, "role": "b"} and only[0].template_id == template
         pager = e2b.Sandbox.list(query=SandboxQuery(metadata={"run": tag}), limit=1)
         first = pager.next_items()
         assert len(first) == 1 and pager.has_next
@@ -220,6 +230,17 @@ def test_list_connect_timeout_and_kill(e2b):
             e2b.Sandbox.get_info(b.sandbox_id)
         ids = {s.sandbox_id for s in e2b.Sandbox.list(query=SandboxQuery(metadata={"run": tag})).next_items()}
         assert ids == {a.sandbox_id}
+        # expiry: a sandbox past its timeout is gone
+        import time
+
+        a.set_timeout(1)
+        for _ in range(150):
+            if not a.is_running():
+                break
+            time.sleep(0.1)
+        assert not a.is_running()
+        with pytest.raises(e2b.SandboxNotFoundException):
+            e2b.Sandbox.connect(a.sandbox_id)
     finally:
         a.kill()
         b.kill()
@@ -238,6 +259,7 @@ def test_errors_map_to_sdk_exceptions(e2b):
         e2b.Sandbox.connect("../../v1/status")
 
 
+@pytest.mark.parametrize("template", ["base"])
 def test_envd_requires_the_sandbox_token(sandbox):
     import httpx
 
@@ -297,11 +319,11 @@ def test_quota_and_projects(e2b):
         assert e2b.Sandbox.kill(a.sandbox_id, api_key=keys["qa"]) is True
 
 
-async def test_async_sdk(e2b):
+async def test_async_sdk(e2b, template):
     """The async client: its own transport, and the streaming `WatchDir`."""
     import asyncio
 
-    s = await e2b.AsyncSandbox.create()
+    s = await e2b.AsyncSandbox.create(template)
     try:
         assert (await s.commands.run("echo async")).stdout == "async\n"
         await s.files.make_dir("/tmp/aw")
@@ -375,7 +397,7 @@ http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
 '''
 
 
-def test_sandbox_ports_through_the_host_url(e2b):
+def test_sandbox_ports_through_the_host_url(e2b, template):
     """`get_host(port)` names the gateway; requests for it reach the server in the sandbox."""
     import hashlib
     import socket
@@ -385,8 +407,8 @@ def test_sandbox_ports_through_the_host_url(e2b):
 
     url = e2b_env()["E2B_SANDBOX_URL"]
     gw_host, gw_port = url.removeprefix("http://").split(":")
-    sb = e2b.Sandbox.create(timeout=120)
-    private = e2b.Sandbox.create(timeout=120, network={"allow_public_traffic": False})
+    sb = e2b.Sandbox.create(template, timeout=120)
+    private = e2b.Sandbox.create(template, timeout=120, network={"allow_public_traffic": False})
     try:
         host = sb.get_host(8000)
         assert host == f"8000-{sb.sandbox_id}.localhost:{gw_port}"

@@ -182,6 +182,23 @@ fn serve(stream: UnixStream, ctx: &Ctx) {
             }
             Err(e) => err((ErrorCode::Internal, e)),
         },
+        Request::Environment { env, workdir } => {
+            let mut base = exec::Env::new();
+            base.insert(
+                "PATH".into(),
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+            );
+            base.insert("HOME".into(), "/root".into());
+            base.extend(env);
+            *ctx.base_env.write().unwrap_or_else(|p| p.into_inner()) = base;
+            match workdir.filter(|w| !w.is_empty()) {
+                Some(w) => match std::env::set_current_dir(&w) {
+                    Ok(()) => Response::Ok,
+                    Err(e) => invalid(format!("working directory {w}: {e}")),
+                },
+                None => Response::Ok,
+            }
+        }
         Request::Ping => Response::Pong {
             version: PROTOCOL_VERSION,
             pid: std::process::id(),

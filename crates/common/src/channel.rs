@@ -142,6 +142,14 @@ pub enum Request {
         unix_ms: u64,
         entropy: String,
     },
+    /// Sent once after a fresh start: the environment (image's, then the sandbox's) and
+    /// working directory every command starts from. A container's agent was started with
+    /// them already; a VM's init was not.
+    Environment {
+        env: BTreeMap<String, String>,
+        #[serde(default)]
+        workdir: Option<String>,
+    },
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

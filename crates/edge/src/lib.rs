@@ -108,6 +108,25 @@ async fn tell_restored(channel: &Path, id: &str, within: Duration) -> Result<(),
     }
 }
 
+/// After a fresh start: the environment and working directory commands start from (a
+/// VM's init has neither; a container's agent is told the same it was started with).
+async fn tell_environment(
+    channel: &Path,
+    rec: &SandboxRecord,
+    within: Duration,
+) -> Result<(), ApiError> {
+    let mut env = rec.env.clone();
+    env.insert("DSEC_SANDBOX_ID".into(), rec.id.clone());
+    let req = Request::Environment {
+        env,
+        workdir: rec.workdir.clone(),
+    };
+    match channel::call(channel, &req, within).await? {
+        Response::Ok => Ok(()),
+        other => Err(channel::unexpected(&other)),
+    }
+}
+
 pub(crate) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, ApiError> {
@@ -534,6 +553,8 @@ impl Edge {
                 channel::wait_ready(&channel, backend.start_timeout()).await?;
                 if restored {
                     tell_restored(&channel, &rec.id, backend.start_timeout()).await?;
+                } else {
+                    tell_environment(&channel, &rec, backend.start_timeout()).await?;
                 }
                 Ok::<(), ApiError>(())
             };
