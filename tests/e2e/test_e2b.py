@@ -143,6 +143,12 @@ def test_files_and_filesystem(sandbox, e2b):
     sandbox.files.write("/tmp/e2b/big.bin", io.BytesIO(big))
     r = sandbox.commands.run("sha256sum /tmp/e2b/big.bin; rm /tmp/e2b/big.bin")
     assert r.stdout.split()[0] == hashlib.sha256(big).hexdigest()
+    # bytes go as multipart/form-data, which streams through too: a 100 MiB upload
+    big = os.urandom(1 << 20) * 100
+    sandbox.files.write("/tmp/e2b/big.bin", big, use_octet_stream=False)
+    r = sandbox.commands.run("sha256sum /tmp/e2b/big.bin; rm /tmp/e2b/big.bin")
+    assert r.stdout.split()[0] == hashlib.sha256(big).hexdigest()
+    del big
     # gzip uploads (octet-stream) are unpacked before they are written
     sandbox.files.write("/tmp/e2b/gz.txt", "zipped", gzip=True)
     assert sandbox.files.read("/tmp/e2b/gz.txt") == "zipped"
@@ -170,6 +176,35 @@ def test_files_and_filesystem(sandbox, e2b):
         sandbox.files.get_info("/tmp/e2b/missing")
     with pytest.raises(e2b.InvalidArgumentException):
         sandbox.files.list("/tmp/e2b/b.bin")
+
+
+def test_signed_file_urls(sandbox):
+    """`download_url()`/`upload_url()` work without any header (as from a browser): the
+    signature opens them, for one path and operation, until it expires."""
+    import time
+
+    import httpx
+
+    sandbox.files.write("/tmp/s/a.txt", "signed")
+    url = sandbox.download_url("/tmp/s/a.txt")
+    assert "signature=v1_" in url
+    assert httpx.get(url).text == "signed"
+    # the signature covers path and operation
+    assert httpx.get(url.replace("a.txt", "b.txt")).status_code == 401
+    up = sandbox.upload_url("/tmp/s/up.bin")
+    r = httpx.post(up, files={"file": ("up.bin", b"\x00uploaded")})
+    assert r.status_code == 200, r.text
+    assert sandbox.commands.run("cat /tmp/s/up.bin").stdout == "\x00uploaded"
+    assert httpx.post(url, files={"file": ("a.txt", b"x")}).status_code == 401  # a read URL
+    # an expired signature
+    old = sandbox.download_url("/tmp/s/a.txt", use_signature_expiration=1)
+    time.sleep(2.1)
+    assert httpx.get(old).status_code == 401
+    fresh = sandbox.download_url("/tmp/s/a.txt", use_signature_expiration=60)
+    assert httpx.get(fresh).text == "signed"
+    # a wrong header token is refused even with a valid signature
+    assert httpx.get(url, headers={"X-Access-Token": "0" * 64,
+                                   "E2b-Sandbox-Id": sandbox.sandbox_id}).status_code == 401
 
 
 def test_watch_dir(sandbox, e2b):

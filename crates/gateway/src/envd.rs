@@ -18,6 +18,8 @@ use tokio::sync::mpsc;
 
 use crate::connect::{self, STREAM_CT};
 use crate::upstream::UpErr;
+use sha2::{Digest, Sha256};
+
 use crate::{ENVD_PORT, Gw, access_token, e2b_error, header_str, same};
 
 pub(crate) fn routes() -> Router<Gw> {
@@ -29,6 +31,7 @@ pub(crate) fn routes() -> Router<Gw> {
 }
 
 /// The sandbox an in-sandbox request is for, checked: its id, the caller's user.
+#[derive(Clone)]
 pub(crate) struct Target {
     pub id: String,
     /// The user the caller named (`Authorization: Basic` on RPC, `username` on files);
@@ -50,7 +53,7 @@ impl Target {
     }
 }
 
-fn gone() -> Response {
+pub(crate) fn gone() -> Response {
     e2b_error(502, "The sandbox was not found")
 }
 
@@ -61,50 +64,79 @@ pub(crate) async fn target(
     h: &HeaderMap,
     user: Option<String>,
 ) -> Result<Target, Response> {
-    let Some((id, port)) = crate::ports::addressed(h) else {
-        return Err(e2b_error(
-            400,
-            "no sandbox named: send E2b-Sandbox-Id (set E2B_SANDBOX_URL to this gateway)",
-        ));
+    target_signed(gw, h, user, None).await
+}
+
+/// What a signed file URL (`download_url()`, `upload_url()`) carries in its query.
+pub(crate) struct Signed {
+    /// The `path` query value as sent (before `~` or relative resolution).
+    pub path: String,
+    /// `read` or `write`.
+    pub op: &'static str,
+    pub signature: String,
+    /// Unix seconds.
+    pub expiration: Option<u64>,
+}
+
+/// The SDK's file URL signature: `v1_` + base64(sha256("path:op:user:token[:exp]")).
+pub(crate) fn file_signature(
+    path: &str,
+    op: &str,
+    user: &str,
+    token: &str,
+    expiration: Option<u64>,
+) -> String {
+    use base64::Engine;
+    let raw = match expiration {
+        Some(e) => format!("{path}:{op}:{user}:{token}:{e}"),
+        None => format!("{path}:{op}:{user}:{token}"),
     };
-    let Ok(id) = SandboxId::parse(&id).map(|p| p.to_string()) else {
-        return Err(gone());
-    };
-    if let Some(p) = port
-        && p.parse::<u16>().ok() != Some(ENVD_PORT)
-    {
-        return Err(e2b_error(
-            502,
-            &format!(
-                "The sandbox is running but port is not open: the gateway serves only envd ({ENVD_PORT})"
-            ),
-        ));
-    }
-    let want = access_token(&gw.cfg.secret, &id);
-    match header_str(h, "x-access-token") {
-        Some(t) if same(t, &want) => {}
-        _ => {
-            return Err(e2b_error(
-                401,
-                "invalid or missing X-Access-Token for this sandbox",
-            ));
+    format!(
+        "v1_{}",
+        base64::engine::general_purpose::STANDARD_NO_PAD.encode(Sha256::digest(raw))
+    )
+}
+
+/// As [`target`], for `/files`, where a signed URL stands in for the header token. A
+/// signed URL made with `E2B_SANDBOX_URL` names no sandbox (a browser sends no
+/// `E2b-Sandbox-Id`): it is for the running sandbox whose token made the signature.
+pub(crate) async fn target_signed(
+    gw: &Gw,
+    h: &HeaderMap,
+    user: Option<String>,
+    signed: Option<Signed>,
+) -> Result<Target, Response> {
+    let addressed = crate::ports::addressed(h);
+    let id = match (header_str(h, "x-access-token"), signed) {
+        (None, Some(sig)) => signed_id(gw, addressed, user.as_deref().unwrap_or(""), &sig).await?,
+        (token, _) => {
+            let Some((id, port)) = addressed else {
+                return Err(e2b_error(
+                    400,
+                    "no sandbox named: send E2b-Sandbox-Id (set E2B_SANDBOX_URL to this gateway)",
+                ));
+            };
+            let Ok(id) = SandboxId::parse(&id).map(|p| p.to_string()) else {
+                return Err(gone());
+            };
+            if let Some(p) = port
+                && p.parse::<u16>().ok() != Some(ENVD_PORT)
+            {
+                return Err(e2b_error(
+                    502,
+                    &format!("The sandbox is running but port {p} is not open"),
+                ));
+            }
+            if !token.is_some_and(|t| same(t, &access_token(&gw.cfg.secret, &id))) {
+                return Err(e2b_error(
+                    401,
+                    "invalid or missing X-Access-Token for this sandbox",
+                ));
+            }
+            id
         }
-    }
-    let info: Result<SandboxInfo, UpErr> = gw
-        .up
-        .call(
-            Method::GET,
-            &format!("/v1/sandboxes/{id}"),
-            &gw.cfg.service_key,
-            None,
-        )
-        .await;
-    match info {
-        Ok(i) if matches!(i.state, SandboxState::Running | SandboxState::Creating) => {}
-        Ok(_) => return Err(gone()),
-        Err(e) if e.status == 404 || e.status == 400 => return Err(gone()),
-        Err(e) => return Err(e2b_error(e.status, &e.message)),
-    }
+    };
+    running(gw, &id).await?;
     let user = user.filter(|u| u != "user" && !u.is_empty());
     if let Some(u) = &user
         && !valid_user(u)
@@ -115,6 +147,66 @@ pub(crate) async fn target(
         ));
     }
     Ok(Target { id, user })
+}
+
+/// The sandbox a signed URL is for, its signature and expiry checked.
+async fn signed_id(
+    gw: &Gw,
+    addressed: Option<(String, Option<String>)>,
+    user: &str,
+    sig: &Signed,
+) -> Result<String, Response> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    if sig.expiration.is_some_and(|e| e < now) {
+        return Err(e2b_error(401, "this signed URL has expired"));
+    }
+    let signs = |id: &str| {
+        let token = access_token(&gw.cfg.secret, id);
+        same(
+            &file_signature(&sig.path, sig.op, user, &token, sig.expiration),
+            &sig.signature,
+        )
+    };
+    let bad = || e2b_error(401, "invalid signature for this file URL");
+    if let Some((id, _)) = addressed {
+        let Ok(id) = SandboxId::parse(&id).map(|p| p.to_string()) else {
+            return Err(gone());
+        };
+        return if signs(&id) { Ok(id) } else { Err(bad()) };
+    }
+    let all: Result<dsec_common::api::ListSandboxesResponse, UpErr> = gw
+        .up
+        .call(Method::GET, "/v1/sandboxes", &gw.cfg.service_key, None)
+        .await;
+    let all = all.map_err(|e| e2b_error(e.status, &e.message))?;
+    all.sandboxes
+        .into_iter()
+        .filter(|s| matches!(s.state, SandboxState::Running | SandboxState::Creating))
+        .map(|s| s.id)
+        .find(|id| signs(id))
+        .ok_or_else(bad)
+}
+
+/// The sandbox's record if it runs; E2B's 502 "not found" if it does not.
+pub(crate) async fn running(gw: &Gw, id: &str) -> Result<SandboxInfo, Response> {
+    let info: Result<SandboxInfo, UpErr> = gw
+        .up
+        .call(
+            Method::GET,
+            &format!("/v1/sandboxes/{id}"),
+            &gw.cfg.service_key,
+            None,
+        )
+        .await;
+    match info {
+        Ok(i) if matches!(i.state, SandboxState::Running | SandboxState::Creating) => Ok(i),
+        Ok(_) => Err(gone()),
+        Err(e) if e.status == 404 || e.status == 400 => Err(gone()),
+        Err(e) => Err(e2b_error(e.status, &e.message)),
+    }
 }
 
 /// User names as in /etc/passwd (or a numeric uid): nothing that changes a path.
@@ -303,6 +395,19 @@ async fn filesystem_rpc(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn file_signatures_match_the_sdk() {
+        // values from the e2b SDK's get_signature()
+        assert_eq!(
+            file_signature("/tmp/a.txt", "read", "", "tok", None),
+            "v1_tRlsooM2hvGDgtWWsmSPYkbHGF1tnIIlZnLHK/9lpTk"
+        );
+        assert_eq!(
+            file_signature("~/x y", "write", "bob", "tok2", Some(1_796_332_219)),
+            "v1_RcaCu/tx6MvGL2XcF19gfi4MdOG5030MEtsEtbljCMM"
+        );
+    }
 
     #[test]
     fn user_names_are_checked() {

@@ -13,12 +13,16 @@ use hyper::Method;
 use serde_json::{Value, json};
 
 use crate::control::{query_pairs, rfc3339};
-use crate::envd::{RpcErr, RpcResult, Target, target};
+use crate::envd::{RpcErr, RpcResult, Signed, Target, target_signed};
+use crate::multipart::Multipart;
 use crate::upstream::{UpErr, enc, full};
 use crate::{Gw, e2b_error, header_str};
 
-/// The largest upload body (one request; files are kept in memory while written).
+/// The largest gzip upload, packed and unpacked (it is unpacked in memory; plain uploads
+/// stream through whatever their size).
 const MAX_UPLOAD: usize = 64 << 20;
+/// The most files one multipart upload may write.
+const MAX_FILES: usize = 10_000;
 /// The longest path the gateway passes on.
 const MAX_PATH: usize = 4096;
 
@@ -48,9 +52,20 @@ fn query(q: &Option<String>, name: &str) -> Option<String> {
         .map(|(_, v)| v)
 }
 
-/// `GET /files?path=&username=`: the file's bytes, streamed.
+/// The signature of a signed file URL, if the query has one.
+fn signed(q: &Option<String>, op: &'static str) -> Option<Signed> {
+    Some(Signed {
+        path: query(q, "path").unwrap_or_default(),
+        op,
+        signature: query(q, "signature")?,
+        expiration: query(q, "signature_expiration").and_then(|e| e.parse().ok()),
+    })
+}
+
+/// `GET /files?path=&username=[&signature=&signature_expiration=]`: the file's bytes,
+/// streamed.
 pub(crate) async fn read(State(gw): State<Gw>, h: HeaderMap, RawQuery(q): RawQuery) -> Response {
-    let t = match target(&gw, &h, query(&q, "username")).await {
+    let t = match target_signed(&gw, &h, query(&q, "username"), signed(&q, "read")).await {
         Ok(t) => t,
         Err(r) => return r,
     };
@@ -82,37 +97,49 @@ pub(crate) async fn read(State(gw): State<Gw>, h: HeaderMap, RawQuery(q): RawQue
     }
 }
 
-/// One file of an upload: its path as sent, and its bytes.
-type Upload = (String, Bytes);
-
-/// `POST /files`: multipart (one part per file, the filename the full path) or a raw
-/// body (`path` required; `Content-Encoding: gzip` unpacked).
+/// `POST /files`: multipart (one part per file, the filename the full path; a `path`
+/// query names the first file's) or a raw body (`path` required), streamed through in
+/// bounded memory whatever the size; `Content-Encoding: gzip` bodies are unpacked (up to
+/// 64 MiB).
 pub(crate) async fn write(
     State(gw): State<Gw>,
     h: HeaderMap,
     RawQuery(q): RawQuery,
     body: Body,
 ) -> Response {
-    let t = match target(&gw, &h, query(&q, "username")).await {
+    let t = match target_signed(&gw, &h, query(&q, "username"), signed(&q, "write")).await {
         Ok(t) => t,
         Err(r) => return r,
     };
     let ct = header_str(&h, "content-type").unwrap_or("");
-    let plain = matches!(header_str(&h, "content-encoding"), None | Some("identity"));
-    if !ct.starts_with("multipart/form-data") && plain {
-        // A raw upload (file objects, iterables) streams through, whatever its size.
-        return match write_stream(&gw, &t, &q, body).await {
-            Ok(v) => axum::Json(v).into_response(),
-            Err(e) => e.into_response(),
-        };
-    }
-    let Ok(body) = axum::body::to_bytes(body, MAX_UPLOAD).await else {
-        return e2b_error(
-            413,
-            &format!("an upload is at most {} MiB", MAX_UPLOAD >> 20),
-        );
+    let multi = ct.starts_with("multipart/form-data");
+    let r = match header_str(&h, "content-encoding") {
+        None | Some("identity") if multi => {
+            write_multipart(&gw, &t, ct, &q, body.into_data_stream()).await
+        }
+        None | Some("identity") => write_stream(&gw, &t, &q, body).await,
+        Some("gzip") => match axum::body::to_bytes(body, MAX_UPLOAD).await {
+            Err(_) => Err(UpErr::new(
+                413,
+                "resource_exhausted",
+                format!("a gzip upload is at most {} MiB", MAX_UPLOAD >> 20),
+            )),
+            Ok(b) => match gunzip(&b) {
+                Err(e) => Err(e),
+                Ok(data) if multi => {
+                    let one = futures_util::stream::iter([Ok::<_, std::convert::Infallible>(data)]);
+                    write_multipart(&gw, &t, ct, &q, one).await
+                }
+                Ok(data) => write_stream(&gw, &t, &q, Body::from(data)).await,
+            },
+        },
+        Some(other) => Err(UpErr::new(
+            400,
+            "invalid_argument",
+            format!("content encoding {other:?} is not supported"),
+        )),
     };
-    match write_inner(&gw, &t, &h, &q, body).await {
+    match r {
         Ok(v) => axum::Json(v).into_response(),
         Err(e) => e.into_response(),
     }
@@ -123,6 +150,16 @@ async fn write_stream(gw: &Gw, t: &Target, q: &Option<String>, body: Body) -> Re
         .ok_or_else(|| UpErr::new(400, "invalid_argument", "path is required for a raw upload"))?;
     let path = sandbox_path(t, &p)?;
     let body = body.map_err(std::io::Error::other).boxed_unsync();
+    Ok(Value::Array(vec![put(gw, t, path, body).await?]))
+}
+
+/// Writes one file from a streamed body; its `WriteInfo`.
+async fn put(
+    gw: &Gw,
+    t: &Target,
+    path: String,
+    body: crate::upstream::Body,
+) -> Result<Value, UpErr> {
     let r = gw
         .up
         .open(
@@ -133,7 +170,7 @@ async fn write_stream(gw: &Gw, t: &Target, q: &Option<String>, body: Body) -> Re
             body,
         )
         .await?;
-    Ok(Value::Array(vec![written(r, &path).await]))
+    Ok(written(r, &path).await)
 }
 
 /// The `WriteInfo` of a file the API wrote (its answer names the absolute path).
@@ -150,50 +187,36 @@ async fn written(r: hyper::Response<hyper::body::Incoming>, path: &str) -> Value
     json!({"name": name, "type": "file", "path": abs})
 }
 
-async fn write_inner(
+/// Each `file` part of a multipart body is written as it arrives, one after another.
+async fn write_multipart<S, E>(
     gw: &Gw,
     t: &Target,
-    h: &HeaderMap,
+    ct: &str,
     q: &Option<String>,
-    body: Bytes,
-) -> Result<Value, UpErr> {
-    let ct = header_str(h, "content-type").unwrap_or("");
-    let body = match header_str(h, "content-encoding") {
-        None | Some("identity") => body,
-        Some("gzip") => gunzip(&body)?,
-        Some(other) => {
-            return Err(UpErr::new(
-                400,
-                "invalid_argument",
-                format!("content encoding {other:?} is not supported"),
-            ));
-        }
-    };
-    let path_param = query(q, "path");
-    let uploads: Vec<Upload> = if ct.starts_with("multipart/form-data") {
-        let parts = multipart(ct, &body)?;
-        if parts.len() == 1
-            && let Some(p) = &path_param
-        {
-            vec![(
-                p.clone(),
-                parts.into_iter().next().map(|x| x.1).unwrap_or_default(),
-            )]
-        } else {
-            parts
-        }
-    } else {
-        let p = path_param.ok_or_else(|| {
-            UpErr::new(400, "invalid_argument", "path is required for a raw upload")
-        })?;
-        vec![(p, body)]
-    };
-    if uploads.is_empty() {
-        return Err(UpErr::new(400, "invalid_argument", "no file in the upload"));
-    }
+    body: S,
+) -> Result<Value, UpErr>
+where
+    S: futures_util::Stream<Item = Result<Bytes, E>> + Unpin,
+    E: std::fmt::Display,
+{
+    let mut m = Multipart::new(ct, body)?;
+    let mut path_param = query(q, "path");
     let mut seen = std::collections::BTreeSet::new();
     let mut out = Vec::new();
-    for (p, data) in uploads {
+    while let Some(head) = m.next_part().await? {
+        if head.name.as_deref() != Some("file") {
+            continue;
+        }
+        let p = match path_param.take().or(head.filename) {
+            Some(p) => p,
+            None => {
+                return Err(UpErr::new(
+                    400,
+                    "invalid_argument",
+                    "multipart body: a file part has no filename",
+                ));
+            }
+        };
         let path = sandbox_path(t, &p)?;
         if !seen.insert(path.clone()) {
             return Err(UpErr::new(
@@ -202,17 +225,43 @@ async fn write_inner(
                 format!("{path} is written twice in one upload"),
             ));
         }
-        let r = gw
-            .up
-            .open(
-                Method::PUT,
-                &t.path(&format!("/files?path={}", enc(&path))),
-                &gw.cfg.service_key,
-                Some("application/octet-stream"),
-                full(data),
-            )
-            .await?;
-        out.push(written(r, &path).await);
+        if out.len() >= MAX_FILES {
+            return Err(UpErr::new(
+                400,
+                "invalid_argument",
+                format!("more than {MAX_FILES} files in one upload"),
+            ));
+        }
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(4);
+        let data = futures_util::stream::unfold(rx, |mut rx| async move {
+            rx.recv()
+                .await
+                .map(|c| (c.map(hyper::body::Frame::data), rx))
+        });
+        let body = http_body_util::StreamBody::new(data).boxed_unsync();
+        let (gw2, t2) = (gw.clone(), t.clone());
+        let writing = tokio::spawn(async move { put(&gw2, &t2, path, body).await });
+        let fed = async {
+            while let Some(c) = m.chunk().await? {
+                if tx.send(Ok(c)).await.is_err() {
+                    break; // the write failed; its error is below
+                }
+            }
+            Ok::<(), UpErr>(())
+        }
+        .await;
+        if let Err(e) = &fed {
+            let _ = tx.send(Err(std::io::Error::other(e.message.clone()))).await;
+        }
+        drop(tx);
+        let w = writing
+            .await
+            .map_err(|e| UpErr::new(500, "internal", format!("writing the file: {e}")));
+        fed?;
+        out.push(w??);
+    }
+    if out.is_empty() {
+        return Err(UpErr::new(400, "invalid_argument", "no file in the upload"));
     }
     Ok(Value::Array(out))
 }
@@ -231,102 +280,6 @@ fn gunzip(b: &[u8]) -> Result<Bytes, UpErr> {
         ));
     }
     Ok(out.into())
-}
-
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
-}
-
-/// The `file` parts of a multipart body: (filename, bytes). The filename is the full path
-/// (taken as written, never reduced to its last component).
-pub(crate) fn multipart(ct: &str, body: &Bytes) -> Result<Vec<Upload>, UpErr> {
-    let bad = |m: &str| UpErr::new(400, "invalid_argument", format!("multipart body: {m}"));
-    let boundary = ct
-        .split(';')
-        .filter_map(|p| p.trim().strip_prefix("boundary="))
-        .next()
-        .map(|b| b.trim_matches('"'))
-        .filter(|b| !b.is_empty() && b.len() <= 200)
-        .ok_or_else(|| bad("no boundary"))?;
-    let delim = format!("--{boundary}");
-    let mut rest: &[u8] = body;
-    let start = find(rest, delim.as_bytes()).ok_or_else(|| bad("no first boundary"))?;
-    rest = &rest[start + delim.len()..];
-    let sep = format!("\r\n--{boundary}");
-    let mut out = Vec::new();
-    loop {
-        if rest.starts_with(b"--") {
-            return Ok(out);
-        }
-        rest = rest
-            .strip_prefix(b"\r\n")
-            .ok_or_else(|| bad("boundary not followed by CRLF"))?;
-        let hend = find(rest, b"\r\n\r\n").ok_or_else(|| bad("part headers not terminated"))?;
-        let headers =
-            std::str::from_utf8(&rest[..hend]).map_err(|_| bad("part headers not UTF-8"))?;
-        let content = &rest[hend + 4..];
-        let end = find(content, sep.as_bytes()).ok_or_else(|| bad("part not terminated"))?;
-        let data = body.slice_ref(&content[..end]);
-        rest = &content[end + sep.len()..];
-        let mut name = None;
-        let mut filename = None;
-        for line in headers.split("\r\n") {
-            let Some((k, v)) = line.split_once(':') else {
-                continue;
-            };
-            if !k.trim().eq_ignore_ascii_case("content-disposition") {
-                continue;
-            }
-            name = disposition_param(v, "name");
-            filename = disposition_param(v, "filename");
-        }
-        if name.as_deref() != Some("file") {
-            continue;
-        }
-        out.push((
-            filename.ok_or_else(|| bad("a file part has no filename"))?,
-            data,
-        ));
-        if out.len() > 10_000 {
-            return Err(bad("more than 10000 files"));
-        }
-    }
-}
-
-/// A parameter of a `Content-Disposition` value (quoted, with `\"` escapes, or bare).
-fn disposition_param(v: &str, key: &str) -> Option<String> {
-    let mut s = v;
-    while let Some(i) = s.find(';') {
-        s = s[i + 1..].trim_start();
-        let Some(after) = s
-            .strip_prefix(key)
-            .and_then(|a| a.trim_start().strip_prefix('='))
-        else {
-            continue;
-        };
-        let after = after.trim_start();
-        if let Some(q) = after.strip_prefix('"') {
-            let mut out = String::new();
-            let mut chars = q.chars();
-            while let Some(c) = chars.next() {
-                match c {
-                    '\\' => out.push(chars.next()?),
-                    '"' => return Some(pct_quotes(&out)),
-                    c => out.push(c),
-                }
-            }
-            return None;
-        }
-        return Some(after.split(';').next().unwrap_or("").trim().to_string());
-    }
-    None
-}
-
-/// Browsers' and the SDK's escapes for quotes and line breaks in a filename.
-fn pct_quotes(s: &str) -> String {
-    s.replace("%22", "\"")
-        .replace("%0D", "\r")
-        .replace("%0A", "\n")
 }
 
 /// `EntryInfo` for a stat.
@@ -494,34 +447,6 @@ pub(crate) async fn rpc(gw: &Gw, t: &Target, method: &str, msg: Value) -> RpcRes
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn multipart_keeps_full_paths() {
-        let body = Bytes::from_static(
-            b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"/home/user/d/a.txt\"\r\nContent-Type: text/plain\r\n\r\nhello\r\n--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"rel/b\\\"q.bin\"\r\n\r\n\x00\x01\r\n--XyZ--\r\n",
-        );
-        let parts = multipart("multipart/form-data; boundary=XyZ", &body).unwrap();
-        assert_eq!(parts.len(), 2);
-        assert_eq!(parts[0].0, "/home/user/d/a.txt");
-        assert_eq!(&parts[0].1[..], b"hello");
-        assert_eq!(parts[1].0, "rel/b\"q.bin");
-        assert_eq!(&parts[1].1[..], b"\x00\x01");
-    }
-
-    #[test]
-    fn malformed_multipart_is_an_error() {
-        let ct = "multipart/form-data; boundary=B";
-        for b in [
-            &b""[..],
-            b"--B\r\nContent-Disposition: form-data; name=\"file\"",
-            b"--B\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\nx\r\n--B--",
-            b"--B\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a\"\r\n\r\nunterminated",
-            b"--Bgarbage",
-        ] {
-            assert!(multipart(ct, &Bytes::copy_from_slice(b)).is_err(), "{b:?}");
-        }
-        assert!(multipart("multipart/form-data", &Bytes::new()).is_err());
-    }
 
     #[test]
     fn paths_are_checked_and_tilde_expanded() {

@@ -22,6 +22,7 @@ pub mod connect;
 mod control;
 mod envd;
 mod files;
+mod multipart;
 mod ports;
 mod process;
 pub mod upstream;

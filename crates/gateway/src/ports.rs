@@ -12,13 +12,10 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use dsec_common::api::{SandboxInfo, SandboxState};
 use dsec_common::id::SandboxId;
 use http_body_util::BodyExt;
-use hyper::Method;
 use hyper_util::rt::TokioIo;
 
-use crate::upstream::UpErr;
 use crate::{ENVD_PORT, Gw, PRIVATE_LABEL, access_token, e2b_error, header_str, same};
 
 /// The sandbox (raw id) and port a sandbox-side request names: `E2b-Sandbox-Id` and
@@ -60,28 +57,13 @@ pub(crate) fn traffic_token(secret: &[u8], id: &str) -> String {
     access_token(secret, &format!("traffic:{id}"))
 }
 
-fn gone() -> Response {
-    e2b_error(502, "The sandbox was not found")
-}
-
 async fn proxy(gw: &Gw, id: &str, port: u16, mut req: Request) -> Response {
     let Ok(id) = SandboxId::parse(id).map(|p| p.to_string()) else {
-        return gone();
+        return crate::envd::gone();
     };
-    let info: Result<SandboxInfo, UpErr> = gw
-        .up
-        .call(
-            Method::GET,
-            &format!("/v1/sandboxes/{id}"),
-            &gw.cfg.service_key,
-            None,
-        )
-        .await;
-    let info = match info {
-        Ok(i) if matches!(i.state, SandboxState::Running | SandboxState::Creating) => i,
-        Ok(_) => return gone(),
-        Err(e) if e.status == 404 || e.status == 400 => return gone(),
-        Err(e) => return e2b_error(e.status, &e.message),
+    let info = match crate::envd::running(gw, &id).await {
+        Ok(i) => i,
+        Err(r) => return r,
     };
     if info.labels.get(PRIVATE_LABEL).map(String::as_str) == Some("true") {
         let want = traffic_token(&gw.cfg.secret, &id);
@@ -132,7 +114,7 @@ async fn proxy(gw: &Gw, id: &str, port: u16, mut req: Request) -> Response {
     if let Some(code) = resp.headers().get(PORT_ERROR_HEADER) {
         // the proxy's own failure, not the sandbox server's answer
         return match code.as_bytes() {
-            b"not_found" => gone(),
+            b"not_found" => crate::envd::gone(),
             b"unavailable" => (
                 StatusCode::BAD_GATEWAY,
                 axum::Json(serde_json::json!({
