@@ -19,3 +19,12 @@ if ! command -v cargo >/dev/null; then
 fi
 python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore httpx pytest pytest-asyncio e2b==2.63.0 2>/dev/null \
   || python3 -m pip install -q --disable-pip-version-check --break-system-packages httpx pytest pytest-asyncio e2b==2.63.0
+# The gateway's JavaScript tests run the e2b npm package, which wants Node >= 20.18.
+if ! command -v npm >/dev/null; then
+  echo "==> apt-get install nodejs npm"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null || true
+fi
+node_major=$(node -p 'process.versions.node.split(".")[0]' 2>/dev/null || echo 0)
+if ((node_major < 20)); then
+  echo "warning: Node >= 20.18 is needed for tests/e2e/test_e2b_js.py (found: $(node --version 2>/dev/null || echo none))" >&2
+fi

@@ -1,0 +1,216 @@
+// SPDX-License-Identifier: AGPL-3.0-only
+// The released `e2b` npm package, unmodified, against the OpenDsec E2B gateway. Configured
+// only by E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY (from <data-dir>/e2b.env).
+// Usage: node scenarios.mjs <template>   (prints "ok <scenario>" per scenario; exits 1 on
+// the first failure, with the error)
+import assert from 'node:assert/strict'
+import { createHash, randomBytes } from 'node:crypto'
+import net from 'node:net'
+
+import {
+  CommandExitError,
+  FileType,
+  FilesystemEventType,
+  NotFoundError,
+  Sandbox,
+  SandboxNotFoundError,
+  TimeoutError,
+  AuthenticationError,
+} from 'e2b'
+
+const template = process.argv[2] ?? 'base'
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms))
+const sha256 = (b) => createHash('sha256').update(b).digest('hex')
+
+async function until(pred, ms = 10_000) {
+  const end = Date.now() + ms
+  while (Date.now() < end) {
+    if (await pred()) return true
+    await sleep(100)
+  }
+  return false
+}
+
+const scenarios = {
+  async commands() {
+    const sb = await Sandbox.create(template, { timeoutMs: 120_000, envs: { FROM_CREATE: 'c1' } })
+    try {
+      assert.equal(await sb.isRunning(), true)
+      let r = await sb.commands.run('echo hi')
+      assert.deepEqual([r.stdout, r.stderr, r.exitCode], ['hi\n', '', 0])
+      r = await sb.commands.run('echo $FROM_CREATE $PER_CMD; echo oops >&2; pwd', {
+        envs: { PER_CMD: 'p2' },
+        cwd: '/tmp',
+      })
+      assert.equal(r.stdout, 'c1 p2\n/tmp\n')
+      assert.equal(r.stderr, 'oops\n')
+      await assert.rejects(sb.commands.run('echo partial; exit 3'), (e) => {
+        assert.ok(e instanceof CommandExitError)
+        assert.equal(e.exitCode, 3)
+        assert.equal(e.stdout, 'partial\n')
+        return true
+      })
+      const seen = []
+      await sb.commands.run('for i in 1 2 3; do echo $i; done', { onStdout: (d) => seen.push(d) })
+      assert.equal(seen.join(''), '1\n2\n3\n')
+      assert.equal((await sb.commands.run('whoami', { user: 'root' })).stdout, 'root\n')
+      await assert.rejects(sb.commands.run('sleep 30', { timeoutMs: 1000 }), TimeoutError)
+      // background, stdin, kill
+      let h = await sb.commands.run('read line; echo got $line', { background: true, stdin: true })
+      await sb.commands.sendStdin(h.pid, 'abc\n')
+      assert.equal((await h.wait()).stdout, 'got abc\n')
+      h = await sb.commands.run('sleep 1000', { background: true, timeoutMs: 0 })
+      assert.ok((await sb.commands.list()).some((p) => p.pid === h.pid))
+      assert.equal(await sb.commands.kill(h.pid), true)
+      await assert.rejects(h.wait(), CommandExitError)
+      assert.equal(await sb.commands.kill(999999), false)
+      h = await sb.commands.run('cat', { background: true, stdin: true })
+      await sb.commands.sendStdin(h.pid, 'ab\n')
+      await sb.commands.closeStdin(h.pid)
+      assert.equal((await h.wait()).stdout, 'ab\n')
+      // PTY
+      const out = []
+      const pty = await sb.pty.create({ cols: 80, rows: 24, onData: (d) => out.push(Buffer.from(d)) })
+      await sb.pty.resize(pty.pid, { cols: 100, rows: 30 })
+      await sb.pty.sendInput(pty.pid, new TextEncoder().encode('stty size; exit\n'))
+      assert.equal((await pty.wait()).exitCode, 0)
+      assert.ok(Buffer.concat(out).toString().includes('30 100'))
+    } finally {
+      await sb.kill()
+    }
+  },
+
+  async files() {
+    const sb = await Sandbox.create(template, { timeoutMs: 120_000 })
+    try {
+      const info = await sb.files.write('/tmp/js/a.txt', 'hello file')
+      assert.equal(info.path, '/tmp/js/a.txt')
+      assert.equal(await sb.files.read('/tmp/js/a.txt'), 'hello file')
+      const written = await sb.files.write([
+        { path: '/tmp/js/multi/one.txt', data: '1' },
+        { path: '/tmp/js/multi/two.txt', data: new Uint8Array([50]) },
+      ])
+      assert.deepEqual(written.map((w) => w.path).sort(), ['/tmp/js/multi/one.txt', '/tmp/js/multi/two.txt'])
+      assert.equal((await sb.commands.run('cat /tmp/js/multi/one.txt /tmp/js/multi/two.txt')).stdout, '12')
+      // 100 MiB as multipart/form-data
+      const big = Buffer.concat(Array.from({ length: 100 }, () => randomBytes(1 << 20)))
+      await sb.files.write('/tmp/js/big.bin', new Blob([big]), { requestTimeoutMs: 300_000 })
+      const r = await sb.commands.run('sha256sum /tmp/js/big.bin; rm /tmp/js/big.bin')
+      assert.equal(r.stdout.split(' ')[0], sha256(big))
+      const bytes = await sb.files.read('/tmp/js/a.txt', { format: 'bytes' })
+      assert.equal(Buffer.from(bytes).toString(), 'hello file')
+      assert.equal(await sb.files.exists('/tmp/js/a.txt'), true)
+      assert.equal(await sb.files.exists('/tmp/js/missing'), false)
+      const st = await sb.files.getInfo('/tmp/js/a.txt')
+      assert.equal(st.type, FileType.FILE)
+      assert.equal(st.size, 10)
+      assert.deepEqual((await sb.files.list('/tmp/js')).map((e) => e.name).sort(), ['a.txt', 'multi'])
+      assert.equal(await sb.files.makeDir('/tmp/js/newdir'), true)
+      assert.equal(await sb.files.makeDir('/tmp/js/newdir'), false)
+      const moved = await sb.files.rename('/tmp/js/a.txt', '/tmp/js/newdir/c.txt')
+      assert.equal(moved.path, '/tmp/js/newdir/c.txt')
+      await sb.files.remove('/tmp/js/newdir')
+      assert.equal(await sb.files.exists('/tmp/js/newdir'), false)
+      await assert.rejects(sb.files.read('/tmp/js/missing'), NotFoundError)
+      // signed URLs, used with no headers at all
+      await sb.files.write('/tmp/js/s.txt', 'signed')
+      const url = await sb.downloadUrl('/tmp/js/s.txt')
+      assert.equal(await (await fetch(url)).text(), 'signed')
+      const form = new FormData()
+      form.append('file', new Blob(['up!']), 'up.txt')
+      const up = await fetch(await sb.uploadUrl('/tmp/js/up.txt'), { method: 'POST', body: form })
+      assert.equal(up.status, 200)
+      assert.equal(await sb.files.read('/tmp/js/up.txt'), 'up!')
+      // watching a directory
+      await sb.files.makeDir('/tmp/jw')
+      const events = []
+      const w = await sb.files.watchDir('/tmp/jw', (e) => events.push([e.name, e.type]), { recursive: true })
+      await sb.files.write('/tmp/jw/x.txt', '1')
+      await sb.commands.run('mkdir -p /tmp/jw/d && touch /tmp/jw/d/y && rm /tmp/jw/x.txt')
+      assert.ok(await until(() => events.some(([n, t]) => n === 'x.txt' && t === FilesystemEventType.REMOVE)))
+      await w.stop()
+      assert.ok(events.some(([n, t]) => n === 'x.txt' && t === FilesystemEventType.CREATE))
+      assert.ok(events.some(([n, t]) => n === 'd/y' && t === FilesystemEventType.CREATE))
+    } finally {
+      await sb.kill()
+    }
+  },
+
+  async lifecycle() {
+    const tag = randomBytes(4).toString('hex')
+    const a = await Sandbox.create(template, { metadata: { run: tag, role: 'a' } })
+    const b = await Sandbox.create(template, { metadata: { run: tag, role: 'b' } })
+    try {
+      const all = await Sandbox.list({ query: { metadata: { run: tag } } }).nextItems()
+      assert.deepEqual(all.map((s) => s.sandboxId).sort(), [a.sandboxId, b.sandboxId].sort())
+      const only = await Sandbox.list({ query: { metadata: { run: tag, role: 'b' } } }).nextItems()
+      assert.deepEqual(only.map((s) => s.sandboxId), [b.sandboxId])
+      assert.deepEqual(only[0].metadata, { run: tag, role: 'b' })
+      const pager = Sandbox.list({ query: { metadata: { run: tag } }, limit: 1 })
+      assert.equal((await pager.nextItems()).length, 1)
+      assert.equal(pager.hasNext, true)
+      const c = await Sandbox.connect(a.sandboxId)
+      assert.equal((await c.commands.run('echo via connect')).stdout, 'via connect\n')
+      const before = (await a.getInfo()).endAt
+      await a.setTimeout(600_000)
+      assert.ok((await a.getInfo()).endAt - before > 300_000)
+      // pause, and connect resumes
+      await a.commands.run('echo kept > /tmp/p')
+      assert.equal(await a.pause(), true)
+      assert.equal((await a.getInfo()).state, 'paused')
+      const r = await Sandbox.connect(a.sandboxId)
+      assert.equal((await r.getInfo()).state, 'running')
+      assert.equal((await r.commands.run('cat /tmp/p')).stdout, 'kept\n')
+      // kill, and expiry
+      assert.equal(await Sandbox.kill(b.sandboxId), true)
+      assert.equal(await Sandbox.kill(b.sandboxId), false)
+      await assert.rejects(Sandbox.connect(b.sandboxId), SandboxNotFoundError)
+      await a.setTimeout(1000)
+      assert.ok(await until(async () => !(await a.isRunning()), 15_000))
+      await assert.rejects(Sandbox.connect(a.sandboxId), SandboxNotFoundError)
+      await assert.rejects(Sandbox.create(template, { apiKey: 'dsk.not-a-real-key' }), AuthenticationError)
+    } finally {
+      await Sandbox.kill(a.sandboxId)
+      await Sandbox.kill(b.sandboxId)
+    }
+  },
+
+  async ports() {
+    const sb = await Sandbox.create(template, { timeoutMs: 120_000 })
+    try {
+      await sb.files.write('/tmp/srv.py', process.env.PORT_SERVER)
+      await sb.commands.run('python3 /tmp/srv.py', { background: true, timeoutMs: 0 })
+      const host = sb.getHost(8000)
+      const gw = new URL(process.env.E2B_SANDBOX_URL)
+      assert.equal(host, `8000-${sb.sandboxId}.localhost:${gw.port}`)
+      // as a browser would: a connection to the gateway, with the sandbox host's name
+      const get = (path) =>
+        new Promise((resolve, reject) => {
+          const c = net.connect(Number(gw.port), gw.hostname, () =>
+            c.write(`GET ${path} HTTP/1.1\r\nHost: ${host}\r\nConnection: close\r\n\r\n`))
+          let data = ''
+          c.on('data', (d) => (data += d))
+          c.on('end', () => resolve(data))
+          c.on('error', reject)
+        })
+      let resp = ''
+      assert.ok(await until(async () => (resp = await get('/from/js')).startsWith('HTTP/1.1 200')))
+      assert.ok(resp.endsWith(`/from/js host=${host} auth=None`), resp)
+    } finally {
+      await sb.kill()
+    }
+  },
+}
+
+const only = process.argv.slice(3)
+for (const [name, run] of Object.entries(scenarios)) {
+  if (only.length && !only.includes(name)) continue
+  const t0 = Date.now()
+  try {
+    await run()
+  } catch (e) {
+    console.log(`FAILED ${name}: ${e?.stack ?? e}`)
+    process.exit(1)
+  }
+  console.log(`ok ${name} ${Date.now() - t0} ms`)
+}
