@@ -392,7 +392,24 @@ def test_pause_and_connect_resumes(sandbox, e2b):
     c = e2b.Sandbox.connect(sandbox.sandbox_id)
     assert c.get_info().state == SandboxState.RUNNING
     assert c.commands.run("cat /tmp/p").stdout == "kept\n"
-    assert sandbox.get_metrics() == []
+
+
+def test_metrics(sandbox):
+    """get_metrics(): CPU over a short window, memory and disk, from the sandbox's cgroup and
+    its writable filesystem."""
+    idle = sandbox.get_metrics()
+    assert len(idle) == 1
+    m = idle[0]
+    assert m.cpu_count >= 1 and 0 <= m.cpu_used_pct < 50
+    assert 0 < m.mem_used < m.mem_total == sandbox.get_info().memory_mb << 20
+    assert 0 <= m.disk_used < m.disk_total
+    sandbox.commands.run("head -c 20000000 /dev/urandom > /tmp/fill.bin")
+    sandbox.commands.run("timeout 5 sh -c 'while :; do :; done'", background=True)
+    busy = sandbox.get_metrics()[0]
+    print(f"metrics idle cpu {m.cpu_used_pct}% mem {m.mem_used >> 20} MiB disk {m.disk_used >> 20} MiB; "
+          f"busy cpu {busy.cpu_used_pct}% disk {busy.disk_used >> 20} MiB")
+    assert busy.cpu_used_pct > 50
+    assert busy.disk_used >= m.disk_used + 19_000_000
 
 
 # A server run inside the sandbox: GET echoes what reached it, POST answers the body's

@@ -142,6 +142,18 @@ fn err((code, message): (ErrorCode, String)) -> Response {
     Response::Error { code, message }
 }
 
+/// (used, total) bytes of the filesystem at `/`.
+fn disk_usage() -> std::io::Result<(u64, u64)> {
+    // SAFETY: statvfs fills the zeroed struct for a NUL-terminated path.
+    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c"/".as_ptr(), &mut s) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let unit = s.f_frsize as u64;
+    let total = s.f_blocks as u64 * unit;
+    Ok((total.saturating_sub(s.f_bfree as u64 * unit), total))
+}
+
 fn invalid(message: String) -> Response {
     Response::error(ErrorCode::InvalidArgument, message)
 }
@@ -199,6 +211,13 @@ fn serve(stream: UnixStream, ctx: &Ctx) {
                 None => Response::Ok,
             }
         }
+        Request::DiskUsage => match disk_usage() {
+            Ok((used_bytes, total_bytes)) => Response::DiskUsage {
+                used_bytes,
+                total_bytes,
+            },
+            Err(e) => err((ErrorCode::Internal, format!("statvfs /: {e}"))),
+        },
         Request::Ping => Response::Pong {
             version: PROTOCOL_VERSION,
             pid: std::process::id(),

@@ -115,6 +115,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/status", get(status))
         .route("/v1/sandboxes", post(create).get(list))
         .route("/v1/sandboxes/{id}", get(get_one).delete(stop))
+        .route("/v1/sandboxes/{id}/metrics", get(metrics))
         .route("/v1/sandboxes/{id}/exec", post(exec))
         .route("/v1/sandboxes/{id}/commit", post(commit))
         .route("/v1/sandboxes/{id}/fork", post(fork))
@@ -342,6 +343,11 @@ async fn get_one(State(st): State<AppState>, Path(id): Path<String>) -> ApiResul
     Ok(json(StatusCode::OK, &st.edge.get(&id)?))
 }
 
+async fn metrics(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
+    route(&st, &id)?;
+    Ok(json(StatusCode::OK, &st.edge.metrics(&id).await?))
+}
+
 async fn stop(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
     route(&st, &id)?;
     st.edge.stop(&id).await?;
@@ -527,6 +533,7 @@ mod tests {
             "/v1/snapshots/{sid}",
             "/v1/snapshots/{sid}/restore",
             "/v1/sandboxes/{id}/commit",
+            "/v1/sandboxes/{id}/metrics",
             "/v1/sandboxes/{id}/timeout",
             "/v1/sandboxes/{id}/network",
             "/v1/status",

@@ -47,6 +47,22 @@ pub struct CreateSandboxRequest {
     pub network_rules: BTreeMap<String, bool>,
 }
 
+/// `GET /v1/sandboxes/{id}/metrics`: what a running sandbox uses now. CPU time is a
+/// running total (a rate needs two readings).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxMetrics {
+    pub timestamp_ms: u64,
+    pub cpu_cores: f64,
+    pub cpu_used_ns: u64,
+    /// Memory in use, without page cache the kernel can drop.
+    pub memory_used_bytes: u64,
+    pub memory_cache_bytes: u64,
+    pub memory_limit_bytes: u64,
+    /// The writable filesystem (`disk_limit_mb`).
+    pub disk_used_bytes: u64,
+    pub disk_total_bytes: u64,
+}
+
 /// A sandbox's network as the API shows it.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct NetworkInfo {

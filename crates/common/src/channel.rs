@@ -150,6 +150,9 @@ pub enum Request {
         #[serde(default)]
         workdir: Option<String>,
     },
+    /// The writable filesystem's use (`statvfs("/")`: for an overlay root, its upper
+    /// layer's filesystem).
+    DiskUsage,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -194,6 +197,7 @@ pub struct PtySize {
 #[serde(tag = "reply", rename_all = "snake_case")]
 pub enum Response {
     Pong { version: u32, pid: u32 },
+    DiskUsage { used_bytes: u64, total_bytes: u64 },
     Exec(ExecResult),
     Ok,
     Error { code: ErrorCode, message: String },

@@ -8,11 +8,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use dsec_common::ApiError;
-use dsec_common::api::SandboxState;
 use dsec_common::api::{
     ExecRequest, ExecResult, ProcessInfo, SessionCreateRequest, SessionInfo, SessionResult,
     SessionRunRequest,
 };
+use dsec_common::api::{SandboxMetrics, SandboxState};
 use dsec_common::channel::{
     FRAME_DATA, FRAME_JSON, FRAME_STDERR, FRAME_STDOUT, FsEvent, PtySize, Request, Response,
     StartSpec,
@@ -649,6 +649,40 @@ impl Edge {
     /// A connection to `port` inside the sandbox: after this returns, the stream carries
     /// that TCP connection's bytes. The reply is read without buffering, so no byte of
     /// the forwarded stream is held back.
+    /// What a running sandbox uses now: CPU time and memory from its cgroup (a VM's
+    /// QEMU included), its writable filesystem as its agent sees `/`.
+    pub async fn metrics(&self, id: &str) -> Result<SandboxMetrics, ApiError> {
+        let (e, sock) = self.running(id)?;
+        let limits = e.snapshot().limits;
+        let (disk_used_bytes, disk_total_bytes) =
+            match channel::call(&sock, &Request::DiskUsage, CALL_TIMEOUT).await? {
+                Response::DiskUsage {
+                    used_bytes,
+                    total_bytes,
+                } => (used_bytes, total_bytes),
+                other => return Err(unexpected(&other)),
+            };
+        let rel = crate::cgroup::sandbox_cgroup_path(id);
+        let (mode, rel2) = (self.mode, rel.clone());
+        let ((memory_used_bytes, memory_cache_bytes), cpu_used_ns) = blocking(move || {
+            (
+                crate::cgroup::memory(mode, &rel2),
+                crate::cgroup::cpu_usage_ns(mode, &rel2),
+            )
+        })
+        .await?;
+        Ok(SandboxMetrics {
+            timestamp_ms: crate::registry::now_ms(),
+            cpu_cores: limits.cpu_cores,
+            cpu_used_ns,
+            memory_used_bytes,
+            memory_cache_bytes,
+            memory_limit_bytes: limits.memory_mb << 20,
+            disk_used_bytes,
+            disk_total_bytes,
+        })
+    }
+
     pub async fn connect_port(&self, id: &str, port: u16) -> Result<UnixStream, ApiError> {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let (_, sock) = self.running(id)?;

@@ -9,7 +9,7 @@ use axum::extract::{Path, RawQuery, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use dsec_common::api::{SandboxInfo, SandboxState};
+use dsec_common::api::{SandboxInfo, SandboxMetrics, SandboxState};
 use dsec_common::id::SandboxId;
 use hyper::Method;
 use serde::Deserialize;
@@ -357,11 +357,38 @@ async fn set_timeout(
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
-/// No metrics yet: an empty series (which the SDK accepts), for a sandbox that exists.
+/// How far apart the two readings are that give a CPU rate.
+const CPU_WINDOW: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// One `SandboxMetric`, now: CPU use over a short window, memory and disk. A paused
+/// sandbox has none (an empty series, as in E2B).
 async fn metrics(State(gw): State<Gw>, h: HeaderMap, Path(id): Path<String>) -> Res {
     let k = key(&h)?;
-    get_info(&gw, &k, &id).await?;
-    Ok(axum::Json(json!([])).into_response())
+    let (info, state) = get_info(&gw, &k, &id).await?;
+    if state != "running" {
+        return Ok(axum::Json(json!([])).into_response());
+    }
+    let path = format!("/v1/sandboxes/{}/metrics", info.id);
+    let a: SandboxMetrics = gw.up.call(Method::GET, &path, &k, None).await?;
+    let t0 = std::time::Instant::now();
+    tokio::time::sleep(CPU_WINDOW).await;
+    let b: SandboxMetrics = gw.up.call(Method::GET, &path, &k, None).await?;
+    let wall_ns = t0.elapsed().as_nanos().max(1) as f64;
+    let cpus = b.cpu_cores.ceil().max(1.0);
+    let used = b.cpu_used_ns.saturating_sub(a.cpu_used_ns) as f64;
+    let pct = (used / (wall_ns * cpus) * 100.0).clamp(0.0, 100.0);
+    Ok(axum::Json(json!([{
+        "timestamp": rfc3339(b.timestamp_ms),
+        "timestampUnix": b.timestamp_ms / 1000,
+        "cpuCount": cpus as u64,
+        "cpuUsedPct": (pct * 100.0).round() / 100.0,
+        "memUsed": b.memory_used_bytes,
+        "memTotal": b.memory_limit_bytes,
+        "memCache": b.memory_cache_bytes,
+        "diskUsed": b.disk_used_bytes,
+        "diskTotal": b.disk_total_bytes,
+    }]))
+    .into_response())
 }
 
 async fn pause(State(gw): State<Gw>, h: HeaderMap, Path(id): Path<String>) -> Res {

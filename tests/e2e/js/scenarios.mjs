@@ -151,6 +151,8 @@ const scenarios = {
       assert.equal(pager.hasNext, true)
       const c = await Sandbox.connect(a.sandboxId)
       assert.equal((await c.commands.run('echo via connect')).stdout, 'via connect\n')
+      const [m] = await c.getMetrics()
+      assert.ok(m.cpuCount >= 1 && m.memUsed > 0 && m.memUsed < m.memTotal && m.diskTotal > 0, JSON.stringify(m))
       const before = (await a.getInfo()).endAt
       await a.setTimeout(600_000)
       assert.ok((await a.getInfo()).endAt - before > 300_000)

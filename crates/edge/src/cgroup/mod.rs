@@ -85,6 +85,14 @@ pub fn cpu_usage_ns(mode: CgroupMode, rel: &str) -> u64 {
     }
 }
 
+/// (used, page cache) bytes of the sandbox's memory cgroup.
+pub fn memory(mode: CgroupMode, rel: &str) -> (u64, u64) {
+    match mode {
+        CgroupMode::V2 => v2::memory(rel),
+        _ => v1::memory(rel),
+    }
+}
+
 /// Directories of this sandbox's cgroups that still exist (nothing should, after stop).
 pub fn leftovers(mode: CgroupMode, rel: &str) -> Vec<std::path::PathBuf> {
     let mut out = match mode {

@@ -47,6 +47,21 @@ pub fn cpu_usage_ns(rel: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// (used, page cache) bytes: use without the inactive file cache that can be dropped.
+pub fn memory(rel: &str) -> (u64, u64) {
+    let d = dir("memory", rel);
+    let usage: u64 = std::fs::read_to_string(d.join("memory.usage_in_bytes"))
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+        .unwrap_or(0);
+    let stat = std::fs::read_to_string(d.join("memory.stat")).unwrap_or_default();
+    let inactive = super::v2::parse_key(&stat, "total_inactive_file");
+    (
+        usage.saturating_sub(inactive),
+        super::v2::parse_key(&stat, "total_cache"),
+    )
+}
+
 pub fn dirs(rel: &str) -> Vec<PathBuf> {
     let mut out: Vec<PathBuf> = CONTROLLERS.iter().map(|c| dir(c, rel)).collect();
     // Co-mounted controllers (e.g. cpu,cpuacct) live under a combined name.

@@ -29,6 +29,19 @@ pub fn cpu_usage_ns(rel: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// (used, page cache) bytes: use without the inactive file cache that can be dropped.
+pub fn memory(rel: &str) -> (u64, u64) {
+    let usage: u64 = std::fs::read_to_string(dir(rel).join("memory.current"))
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+        .unwrap_or(0);
+    let stat = std::fs::read_to_string(dir(rel).join("memory.stat")).unwrap_or_default();
+    (
+        usage.saturating_sub(parse_key(&stat, "inactive_file")),
+        parse_key(&stat, "file"),
+    )
+}
+
 pub fn dirs(rel: &str) -> Vec<PathBuf> {
     vec![dir(rel)]
 }
