@@ -24,6 +24,7 @@ python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore 
 echo "==> building images (first time: about a minute, downloads Debian packages)"
 dsec image build images/base.toml --if-missing --data-dir "$DATA_DIR"
 dsec image build images/py-3.11.toml --if-missing --data-dir "$DATA_DIR"
+dsec image build images/code-interpreter.toml --if-missing --data-dir "$DATA_DIR"
 
 if [ -e /dev/kvm ] && command -v firecracker >/dev/null; then
   echo "note: this host has /dev/kvm and firecracker, but the microvm backend is not part of this build yet; using containers"

@@ -75,7 +75,7 @@ def aether_processes() -> list[int]:
 
 
 def build_images() -> None:
-    for spec in ("images/base.toml", "images/py-3.11.toml"):
+    for spec in ("images/base.toml", "images/py-3.11.toml", "images/code-interpreter.toml"):
         dsec("image", "build", str(ROOT / spec), "--if-missing", "--data-dir", str(DATA), timeout=1800)
 
 

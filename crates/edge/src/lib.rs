@@ -27,7 +27,7 @@ use dsec_common::api::{
     CreateSandboxRequest, ExecRequest, ExecResult, ForkRequest, ForkResponse, NodeStatus,
     SandboxInfo, SandboxState,
 };
-use dsec_common::channel::{Request, Response};
+use dsec_common::channel::{ExecSpec, Request, Response, StartSpec};
 use dsec_common::id::SandboxId;
 use dsec_image::{ImageRef, ImageStore};
 
@@ -124,6 +124,56 @@ async fn tell_environment(
     match channel::call(channel, &req, within).await? {
         Response::Ok => Ok(()),
         other => Err(channel::unexpected(&other)),
+    }
+}
+
+/// How long an image's start command may take to become ready, unless it says.
+const START_READY_TIMEOUT_S: u64 = 60;
+
+/// Starts the image's start command in the background (tagged `start`) and waits until
+/// its `ready` command succeeds.
+async fn start_command(channel: &Path, s: &dsec_image::store::StartCmd) -> Result<(), ApiError> {
+    let sh = |cmd: &str, timeout_ms: Option<u64>| ExecSpec {
+        argv: vec!["/bin/sh".into(), "-c".into(), cmd.into()],
+        timeout_ms,
+        max_output_bytes: 4096,
+        ..Default::default()
+    };
+    let req = Request::Start(StartSpec {
+        exec: sh(&s.run, None),
+        tag: Some("start".into()),
+        ..Default::default()
+    });
+    match channel::call(channel, &req, Duration::from_secs(10)).await? {
+        Response::Started { .. } => {}
+        other => return Err(channel::unexpected(&other)),
+    }
+    let Some(ready) = &s.ready else {
+        return Ok(());
+    };
+    let within = Duration::from_secs(s.ready_timeout_seconds.unwrap_or(START_READY_TIMEOUT_S));
+    let t0 = std::time::Instant::now();
+    loop {
+        let last = match channel::call(
+            channel,
+            &Request::Exec(sh(ready, Some(5000))),
+            Duration::from_secs(10),
+        )
+        .await?
+        {
+            Response::Exec(r) if r.exit_code == 0 && !r.timed_out => return Ok(()),
+            Response::Exec(r) => format!("{}{}", r.stdout, r.stderr),
+            other => return Err(channel::unexpected(&other)),
+        };
+        if t0.elapsed() > within {
+            return Err(ApiError::precondition(format!(
+                "the image's start command ({}) was not ready within {} s: `{ready}` last said: {:?}",
+                s.run,
+                within.as_secs(),
+                last.trim()
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -384,6 +434,7 @@ impl Edge {
             layers: manifest.layers.clone(),
             env,
             workdir: manifest.workdir.clone(),
+            start: manifest.start.clone(),
             limits: v.limits,
             labels: req.labels.clone(),
             project: req
@@ -555,6 +606,9 @@ impl Edge {
                     tell_restored(&channel, &rec.id, backend.start_timeout()).await?;
                 } else {
                     tell_environment(&channel, &rec, backend.start_timeout()).await?;
+                    if let Some(s) = &rec.start {
+                        start_command(&channel, s).await?;
+                    }
                 }
                 Ok::<(), ApiError>(())
             };

@@ -20,6 +20,9 @@ pub struct SandboxRecord {
     pub layers: Vec<String>,
     pub env: BTreeMap<String, String>,
     pub workdir: Option<String>,
+    /// The image's start command, run after every fresh start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start: Option<dsec_image::store::StartCmd>,
     pub limits: Limits,
     pub labels: BTreeMap<String, String>,
     pub state: SandboxState,

@@ -89,19 +89,25 @@ impl Template {
     }
 }
 
-/// The template map `dsec up` starts with: `base` (E2B's default) as a container, and
-/// `base-vm`, the same image as a virtual machine.
+/// The template map `dsec up` starts with: `base` (E2B's default) and
+/// `code-interpreter-v1` (`e2b-code-interpreter`'s default) as containers, and the same
+/// images as virtual machines (`base-vm`, `code-interpreter-v1-vm`).
 pub fn default_templates() -> BTreeMap<String, Template> {
-    BTreeMap::from([
-        ("base".to_string(), Template::Image("root/py:3.11".into())),
-        (
-            "base-vm".to_string(),
+    let mut m = BTreeMap::new();
+    for (name, image) in [
+        ("base", "root/py:3.11"),
+        ("code-interpreter-v1", "root/code-interpreter:latest"),
+    ] {
+        m.insert(name.to_string(), Template::Image(image.into()));
+        m.insert(
+            format!("{name}-vm"),
             Template::Spec {
-                image: "root/py:3.11".into(),
+                image: image.into(),
                 backend: Some("vm".into()),
             },
-        ),
-    ])
+        );
+    }
+    m
 }
 
 #[derive(Clone)]

@@ -20,7 +20,7 @@ use std::process::{Command, Stdio};
 
 use serde::Deserialize;
 
-use crate::store::{Manifest, now_ms, remove_tree};
+use crate::store::{Manifest, StartCmd, now_ms, remove_tree};
 use crate::{ImageError, ImageRef, ImageStore, IoContext};
 
 #[derive(Debug, Clone, Deserialize)]
@@ -37,6 +37,10 @@ pub struct BuildSpec {
     pub env: BTreeMap<String, String>,
     #[serde(default)]
     pub workdir: Option<String>,
+    /// `[start] run = "…", ready = "…"`: started in every new sandbox (inherited from
+    /// `from` unless set).
+    #[serde(default)]
+    pub start: Option<StartCmd>,
     #[serde(default, rename = "step")]
     pub steps: Vec<Step>,
 }
@@ -70,6 +74,10 @@ pub struct Step {
     pub file: Option<String>,
     #[serde(default)]
     pub content: Option<String>,
+    /// The file's content from a file next to the spec (a relative path below the spec's
+    /// directory); [`BuildSpec::load`] reads it into `content`.
+    #[serde(default)]
+    pub src: Option<String>,
     /// Octal, e.g. "0755".
     #[serde(default)]
     pub mode: Option<String>,
@@ -102,6 +110,31 @@ fn image_path(p: &str) -> Result<std::path::PathBuf, ImageError> {
 }
 
 impl BuildSpec {
+    /// Reads a spec file; `src` of file steps is read relative to its directory.
+    pub fn load(path: &Path) -> Result<BuildSpec, ImageError> {
+        let text = std::fs::read_to_string(path).ctx(|| format!("reading {}", path.display()))?;
+        let mut spec = BuildSpec::parse(&text)?;
+        let dir = path.parent().unwrap_or(Path::new("."));
+        for (i, s) in spec.steps.iter_mut().enumerate() {
+            let Some(src) = s.src.take() else { continue };
+            let rel = Path::new(&src);
+            if rel.is_absolute()
+                || rel
+                    .components()
+                    .any(|c| !matches!(c, std::path::Component::Normal(_)))
+            {
+                return Err(ImageError::Build(format!(
+                    "step {}: src {src:?} must be a relative path below the spec's directory",
+                    i + 1
+                )));
+            }
+            let file = dir.join(rel);
+            s.content =
+                Some(std::fs::read_to_string(&file).ctx(|| format!("reading {}", file.display()))?);
+        }
+        Ok(spec)
+    }
+
     pub fn parse(text: &str) -> Result<BuildSpec, ImageError> {
         let spec: BuildSpec = toml::from_str(text)
             .map_err(|e| ImageError::Build(format!("image spec is not valid: {e}")))?;
@@ -153,6 +186,13 @@ impl BuildSpec {
                 ));
             }
         }
+        if let Some(s) = &self.start
+            && (s.run.trim().is_empty() || s.ready.as_ref().is_some_and(|r| r.trim().is_empty()))
+        {
+            return Err(ImageError::Build(
+                "[start] needs a non-empty `run` (and `ready`, if given)".into(),
+            ));
+        }
         for (i, s) in self.steps.iter().enumerate() {
             let kinds = [s.run.is_some(), s.file.is_some(), s.env.is_some()]
                 .iter()
@@ -161,6 +201,12 @@ impl BuildSpec {
             if kinds != 1 {
                 return Err(ImageError::Build(format!(
                     "step {} must have exactly one of `run`, `file` or `env`",
+                    i + 1
+                )));
+            }
+            if s.src.is_some() && (s.file.is_none() || s.content.is_some()) {
+                return Err(ImageError::Build(format!(
+                    "step {}: `src` goes with `file`, instead of `content`",
                     i + 1
                 )));
             }
@@ -185,7 +231,7 @@ pub fn build(
 ) -> Result<String, ImageError> {
     spec.validate()?;
     let name = ImageRef::parse(&spec.name)?;
-    let (mut layers, mut env, mut workdir, mut size, mut source) = match &spec.from {
+    let (mut layers, mut env, mut workdir, mut start, mut size, mut source) = match &spec.from {
         Some(f) => {
             let r = ImageRef::parse(f)?;
             let (_, m) = store.resolve(&r)?;
@@ -193,12 +239,16 @@ pub fn build(
                 m.layers,
                 m.env,
                 m.workdir,
+                m.start,
                 m.size_bytes,
                 format!("from {r}"),
             )
         }
-        None => (Vec::new(), BTreeMap::new(), None, 0, String::new()),
+        None => (Vec::new(), BTreeMap::new(), None, None, 0, String::new()),
     };
+    if spec.start.is_some() {
+        start = spec.start.clone();
+    }
     if let Some(d) = &spec.debian {
         progress(&format!(
             "mmdebstrap {} ({}) with {}",
@@ -272,6 +322,7 @@ pub fn build(
         layers,
         env,
         workdir,
+        start,
         created_ms: now_ms(),
         size_bytes: size,
         source,
@@ -431,6 +482,39 @@ mod tests {
     use super::*;
 
     #[test]
+    fn start_commands_and_file_sources() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir(d.path().join("srv")).unwrap();
+        std::fs::write(d.path().join("srv/s.py"), "print(1)\n").unwrap();
+        let spec = d.path().join("i.toml");
+        std::fs::write(
+            &spec,
+            "name = \"root/x:1\"\nfrom = \"root/b:1\"\n[start]\nrun = \"python3 /s.py\"\nready = \"true\"\n[[step]]\nfile = \"/s.py\"\nsrc = \"srv/s.py\"\n",
+        )
+        .unwrap();
+        let s = BuildSpec::load(&spec).unwrap();
+        assert_eq!(s.steps[0].content.as_deref(), Some("print(1)\n"));
+        assert_eq!(s.start.unwrap().ready.as_deref(), Some("true"));
+        for bad in ["../s.py", "/etc/passwd", "srv/../../x"] {
+            std::fs::write(
+                &spec,
+                format!("name = \"root/x:1\"\nfrom = \"root/b:1\"\n[[step]]\nfile = \"/s\"\nsrc = \"{bad}\"\n"),
+            )
+            .unwrap();
+            let e = BuildSpec::load(&spec).unwrap_err().to_string();
+            assert!(e.contains("below the spec's directory"), "{bad}: {e}");
+        }
+        let err = |t: &str| BuildSpec::parse(t).unwrap_err().to_string();
+        assert!(
+            err("name = \"root/x\"\nfrom = \"root/b\"\n[start]\nrun = \" \"\n").contains("[start]")
+        );
+        assert!(
+            err("name = \"root/x\"\nfrom = \"root/b\"\n[[step]]\nrun = \"a\"\nsrc = \"b\"\n")
+                .contains("`src` goes with `file`")
+        );
+    }
+
+    #[test]
     fn spec_validation_says_what_is_wrong() {
         let ok = BuildSpec::parse(
             "name = \"root/py:3.11\"\n[debian]\npackages = [\"python3\"]\n[[step]]\nfile = \"/etc/motd\"\ncontent = \"hi\"\n",
@@ -464,6 +548,7 @@ mod tests {
             layers: vec![l.clone()],
             env: BTreeMap::new(),
             workdir: None,
+            start: None,
             created_ms: 0,
             size_bytes: 0,
             source: String::new(),

@@ -18,11 +18,27 @@ pub struct Manifest {
     pub env: BTreeMap<String, String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workdir: Option<String>,
+    /// What every new sandbox of the image starts (E2B's start command).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start: Option<StartCmd>,
     pub created_ms: u64,
     /// Sum of the layers' tar sizes.
     pub size_bytes: u64,
     /// How the image was made, for `dsec image inspect`.
     pub source: String,
+}
+
+/// A command every new sandbox of an image runs in the background once it is up (a
+/// server, say), and a command that succeeds once it is ready; create waits for that.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StartCmd {
+    pub run: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready: Option<String>,
+    /// How long `ready` may take to succeed (default 60 s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_timeout_seconds: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -191,6 +207,7 @@ impl ImageStore {
             layers,
             env: base.env.clone(),
             workdir: base.workdir.clone(),
+            start: base.start.clone(),
             created_ms: now_ms(),
             size_bytes: base.size_bytes + size,
             source,
@@ -370,6 +387,7 @@ mod tests {
             layers: vec![a.clone(), b.clone()],
             env: BTreeMap::new(),
             workdir: None,
+            start: None,
             created_ms: 1,
             size_bytes: 2,
             source: "test".into(),
@@ -396,6 +414,7 @@ mod tests {
             layers: vec![base_layer.clone()],
             env: BTreeMap::from([("K".to_string(), "v".to_string())]),
             workdir: Some("/w".into()),
+            start: None,
             created_ms: 1,
             size_bytes: 10,
             source: "base".into(),
@@ -453,6 +472,7 @@ mod tests {
             layers,
             env: BTreeMap::new(),
             workdir: None,
+            start: None,
             created_ms: 0,
             size_bytes: 0,
             source: String::new(),

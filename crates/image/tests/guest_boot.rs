@@ -55,6 +55,7 @@ fn make_image(store: &ImageStore, marker: &str) -> ImageRef {
         layers: vec![layer],
         env: Default::default(),
         workdir: None,
+        start: None,
         created_ms: 0,
         size_bytes: size,
         source: "guest boot test".into(),

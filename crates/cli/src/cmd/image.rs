@@ -4,7 +4,7 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use dsec_image::build::BuildSpec;
 use dsec_image::{ImageRef, ImageStore};
 
@@ -123,9 +123,7 @@ fn run_blocking(c: ImageCommand) -> Result<i32> {
             Ok(0)
         }
         ImageCommand::Build(a) => {
-            let text = std::fs::read_to_string(&a.spec)
-                .with_context(|| format!("reading {}", a.spec.display()))?;
-            let spec = BuildSpec::parse(&text)?;
+            let spec = BuildSpec::load(&a.spec)?;
             let store = open(&a.store)?;
             let name = ImageRef::parse(&spec.name)?;
             if a.if_missing && store.resolve(&name).is_ok() {
