@@ -513,3 +513,52 @@ def test_sandbox_ports_through_the_host_url(e2b, template):
     # a sandbox that is gone
     r = httpx.get(f"{url}/", headers={"Host": host})
     assert r.status_code == 502 and "was not found" in r.json()["message"]
+
+
+def test_template_build(e2b):
+    """`Template.build()` (and `from_dockerfile`) become OpenDsec image builds; sandboxes of
+    the new template have its files, env, workdir and running start command."""
+    import time
+
+    import httpx
+    from e2b import Template
+
+    tag = uuid.uuid4().hex[:8]
+    ready = "python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", 8000))'"
+    t = (Template().from_template("base")
+         .run_cmd("echo built > /built.txt")
+         .set_envs({"FROM_TEMPLATE": "yes"})
+         .set_workdir("/srv")
+         .run_cmd("echo here > in-workdir.txt")
+         .set_start_cmd("python3 -m http.server 8000", ready))
+    logs = []
+    t0 = time.monotonic()
+    info = Template.build(t, f"t{tag}", on_build_logs=logs.append)
+    print(f"template build {time.monotonic() - t0:.1f} s, {len(logs)} log lines")
+    assert info.template_id == f"t{tag}"
+    assert any(f"root/e2b-t{tag}:latest" in e.message for e in logs)
+    sb = e2b.Sandbox.create(f"t{tag}")
+    try:
+        r = sb.commands.run("cat /built.txt; echo $FROM_TEMPLATE; pwd; cat in-workdir.txt")
+        assert r.stdout == "built\nyes\n/srv\nhere\n"
+        # the start command was running (and ready) when create returned
+        url = e2b_env()["E2B_SANDBOX_URL"]
+        assert httpx.get(f"{url}/in-workdir.txt", headers={"Host": sb.get_host(8000)}).text == "here\n"
+    finally:
+        sb.kill()
+    # from a Dockerfile, on an OpenDsec image
+    t2 = Template().from_dockerfile("FROM root/py:3.11\nRUN echo df > /df.txt\nENV X=1\n")
+    Template.build(t2, f"d{tag}:v1")
+    sb = e2b.Sandbox.create(f"d{tag}:v1")
+    try:
+        # (the SDK ends a Dockerfile with E2B's `USER user` and `WORKDIR /home/user`)
+        assert sb.commands.run("cat /df.txt; echo $X; pwd").stdout == "df\n1\n/home/user\n"
+    finally:
+        sb.kill()
+    # what cannot be built says why
+    with pytest.raises(e2b.BuildException, match="no registry|cannot be pulled"):
+        Template.build(Template().from_image("python:3.11"), f"x{tag}")
+    with pytest.raises(e2b.BuildException, match="exit|status|failed"):
+        Template.build(Template().from_template("base").run_cmd("echo to-the-log; exit 7"), f"f{tag}")
+    with pytest.raises(e2b.FileUploadException, match="COPY is not supported"):
+        Template.build(Template().from_template("base").copy("conftest.py", "/x"), f"c{tag}")

@@ -42,6 +42,8 @@ const EXPORT_SKIP: &[&str] = &[".dsec", "etc/resolv.conf"];
 struct Ctx {
     table: Arc<children::Table>,
     base_env: std::sync::RwLock<exec::Env>,
+    /// Where commands run unless they say (the image's working directory).
+    workdir: std::sync::RwLock<Option<String>>,
     procs: process::Procs,
     sessions: session::Sessions,
 }
@@ -101,6 +103,7 @@ fn main() {
     let ctx = Arc::new(Ctx {
         table,
         base_env: std::sync::RwLock::new(exec::base_env()),
+        workdir: Default::default(),
         procs: process::Procs::default(),
         sessions: session::Sessions::default(),
     });
@@ -129,6 +132,17 @@ fn main() {
 }
 
 impl Ctx {
+    /// A command's working directory: its own, else the image's.
+    fn default_cwd(&self, cwd: &mut Option<String>) {
+        if cwd.is_none() {
+            *cwd = self
+                .workdir
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+        }
+    }
+
     /// The environment every new process starts from.
     fn env(&self) -> exec::Env {
         self.base_env
@@ -204,11 +218,13 @@ fn serve(stream: UnixStream, ctx: &Ctx) {
             base.extend(env);
             *ctx.base_env.write().unwrap_or_else(|p| p.into_inner()) = base;
             match workdir.filter(|w| !w.is_empty()) {
-                Some(w) => match std::env::set_current_dir(&w) {
-                    Ok(()) => Response::Ok,
-                    Err(e) => invalid(format!("working directory {w}: {e}")),
-                },
-                None => Response::Ok,
+                Some(w) if !std::path::Path::new(&w).is_dir() => {
+                    invalid(format!("working directory {w} is not a directory"))
+                }
+                w => {
+                    *ctx.workdir.write().unwrap_or_else(|p| p.into_inner()) = w;
+                    Response::Ok
+                }
             }
         }
         Request::DiskUsage => match disk_usage() {
@@ -222,11 +238,19 @@ fn serve(stream: UnixStream, ctx: &Ctx) {
             version: PROTOCOL_VERSION,
             pid: std::process::id(),
         },
-        Request::Exec(spec) => match exec::run(spec, &ctx.table, &ctx.env()) {
+        Request::Exec(mut spec) => match exec::run(
+            {
+                ctx.default_cwd(&mut spec.cwd);
+                spec
+            },
+            &ctx.table,
+            &ctx.env(),
+        ) {
             Ok(r) => Response::Exec(r),
             Err(message) => invalid(message),
         },
-        Request::Start(spec) => {
+        Request::Start(mut spec) => {
+            ctx.default_cwd(&mut spec.exec.cwd);
             let attach = spec.attach;
             match ctx.procs.start(spec, &ctx.table, &ctx.env()) {
                 Ok(p) => {
@@ -374,16 +398,19 @@ fn serve(stream: UnixStream, ctx: &Ctx) {
             }
         }
         Request::SessionCreate {
-            cwd,
+            mut cwd,
             env,
             max_output_bytes,
-        } => match ctx
-            .sessions
-            .create(&ctx.table, &ctx.env(), cwd, env, max_output_bytes)
-        {
-            Ok(s) => Response::Session(s),
-            Err(e) => err(e),
-        },
+        } => {
+            ctx.default_cwd(&mut cwd);
+            match ctx
+                .sessions
+                .create(&ctx.table, &ctx.env(), cwd, env, max_output_bytes)
+            {
+                Ok(s) => Response::Session(s),
+                Err(e) => err(e),
+            }
+        }
         Request::SessionList => Response::Sessions {
             sessions: ctx.sessions.list(),
         },

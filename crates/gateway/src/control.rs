@@ -37,7 +37,7 @@ pub(crate) fn routes() -> Router<Gw> {
 type Res = Result<Response, UpErr>;
 
 /// The caller's OpenDsec key: `X-API-KEY` (what the SDK sends) or a bearer token.
-fn key(h: &HeaderMap) -> Result<String, UpErr> {
+pub(crate) fn key(h: &HeaderMap) -> Result<String, UpErr> {
     let k = header_str(h, "x-api-key")
         .or_else(|| header_str(h, "authorization").and_then(|v| v.strip_prefix("Bearer ")))
         .filter(|k| !k.is_empty())
@@ -145,7 +145,7 @@ pub(crate) fn rfc3339(ms: u64) -> String {
     )
 }
 
-fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes, what: &str) -> Result<T, UpErr> {
+pub(crate) fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes, what: &str) -> Result<T, UpErr> {
     let b: &[u8] = if body.is_empty() { b"{}" } else { body };
     serde_json::from_slice(b).map_err(|e| {
         UpErr::new(
@@ -182,13 +182,27 @@ struct NetworkOpts {
     deny_out: Vec<String>,
 }
 
-/// What a template id stands for.
-fn template_for(gw: &Gw, template: &str) -> Result<Template, UpErr> {
+/// What a template id stands for: the template map, an image reference, or a template
+/// built through this gateway (`Template.build()`).
+pub(crate) async fn template_for(gw: &Gw, template: &str) -> Result<Template, UpErr> {
     if let Some(t) = gw.cfg.templates.get(template) {
         return Ok(t.clone());
     }
     if template.contains('/') {
         return Ok(Template::Image(template.to_string()));
+    }
+    let (name, tag) = template.split_once(':').unwrap_or((template, "latest"));
+    let built = crate::templates::image_of(name, tag);
+    let images: Result<Value, UpErr> = gw
+        .up
+        .call(Method::GET, "/v1/images", &gw.cfg.service_key, None)
+        .await;
+    if let Ok(v) = images
+        && v["images"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|i| i["reference"] == built.as_str()))
+    {
+        return Ok(Template::Image(built));
     }
     Err(UpErr::new(
         404,
@@ -223,7 +237,7 @@ async fn create(State(gw): State<Gw>, h: HeaderMap, body: Bytes) -> Response {
 async fn create_inner(gw: &Gw, h: &HeaderMap, body: &Bytes) -> Res {
     let k = key(h)?;
     let req: NewSandbox = parse(body, "create sandbox")?;
-    let template = template_for(gw, &req.template_id)?;
+    let template = template_for(gw, &req.template_id).await?;
     let mut labels = req.metadata.unwrap_or_default();
     if let Some(k) = labels.keys().find(|k| k.starts_with(LABEL_PREFIX)) {
         return Err(UpErr::new(
@@ -286,7 +300,7 @@ struct ConnectBody {
     timeout: Option<u64>,
 }
 
-fn now_ms() -> u64 {
+pub(crate) fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)

@@ -25,8 +25,11 @@ mod files;
 mod multipart;
 mod ports;
 mod process;
+mod templates;
 pub mod upstream;
 mod watch;
+
+pub use templates::Builder;
 
 use upstream::{UpErr, Upstream};
 
@@ -45,7 +48,7 @@ pub const LABEL_PREFIX: &str = "e2b.";
 /// Sandbox lifetime when create names none (E2B's default).
 pub const DEFAULT_TIMEOUT_S: u64 = 300;
 
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Config {
     /// The OpenDsec API the gateway calls, e.g. `http://127.0.0.1:7600`.
     pub api_url: String,
@@ -59,6 +62,9 @@ pub struct Config {
     /// The sandbox domain create returns, so `get_host(port)` is `{port}-{id}.{domain}`
     /// (a name that resolves to the gateway; `localhost:<port>` works in browsers).
     pub domain: Option<String>,
+    /// Builds templates into the node's image store (`Template.build()`); None: builds
+    /// are refused.
+    pub builder: Option<Arc<dyn Builder>>,
 }
 
 /// What an E2B template stands for: an OpenDsec image, and the backend to run it on
@@ -115,6 +121,7 @@ pub(crate) struct Gw {
     cfg: Arc<Config>,
     up: Upstream,
     watchers: Arc<std::sync::Mutex<watch::Watchers>>,
+    builds: Arc<std::sync::Mutex<templates::Builds>>,
 }
 
 /// One router serves both sides: their paths do not overlap (`/sandboxes`, `/v2/…` for
@@ -126,8 +133,10 @@ pub fn router(cfg: Config) -> Router {
         up: Upstream::new(&cfg.api_url),
         cfg: Arc::new(cfg),
         watchers: Default::default(),
+        builds: Default::default(),
     };
     control::routes()
+        .merge(templates::routes())
         .merge(envd::routes())
         .fallback(|| async { e2b_error(404, "no such endpoint on the OpenDsec E2B gateway") })
         .layer(axum::extract::DefaultBodyLimit::max(
@@ -156,6 +165,13 @@ pub fn access_token(secret: &[u8], id: &str) -> String {
     outer.update(key.map(|b| b ^ 0x5c));
     outer.update(inner.finalize());
     hex(&outer.finalize())
+}
+
+/// A random id (128 bits, hex).
+pub(crate) fn random_id() -> String {
+    let mut b = [0u8; 16];
+    dsec_common::id::fill_random(&mut b);
+    hex(&b)
 }
 
 fn hex(b: &[u8]) -> String {

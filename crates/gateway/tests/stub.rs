@@ -111,6 +111,7 @@ async fn setup() -> (SocketAddr, String) {
         secret,
         templates: BTreeMap::new(),
         domain: Some("sb.test".into()),
+        builder: None,
     });
     (serve(gw).await, token)
 }

@@ -365,7 +365,18 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
         .with_context(|| {
             format!("cannot listen on {listen} (is another dsec running? use --listen)")
         })?;
-    let gateway = bind_gateway(&dir, server_cfg.gateway, a.e2b_listen, listen, &url, &key).await?;
+    let builder: Arc<dyn dsec_gateway::Builder> =
+        Arc::new(StoreBuilder(edge_cfg.image_store.clone()));
+    let gateway = bind_gateway(
+        &dir,
+        server_cfg.gateway,
+        a.e2b_listen,
+        listen,
+        &url,
+        &key,
+        Some(builder),
+    )
+    .await?;
     let (edge, reaper) = start_edge(edge_cfg, iam.clone()).await?;
     // The replica routes (guarded by the cluster secret) let more IAM replicas join.
     let app = dsec_apiserver::router(dsec_apiserver::AppState {
@@ -441,6 +452,20 @@ const GATEWAY_PORT_OFFSET: u16 = 10000;
 
 /// Binds the E2B gateway (unless `[gateway] enabled = false`) and writes `e2b.env` with the
 /// three variables the E2B SDK needs. Its access-token secret is kept in
+/// Template builds from the gateway, into the node's image store (as `dsec image build`).
+struct StoreBuilder(PathBuf);
+
+impl dsec_gateway::Builder for StoreBuilder {
+    fn build(
+        &self,
+        spec: &dsec_image::build::BuildSpec,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<String, String> {
+        let store = dsec_image::ImageStore::open(&self.0).map_err(|e| e.to_string())?;
+        dsec_image::build::build(&store, spec, progress).map_err(|e| e.to_string())
+    }
+}
+
 /// `<data-dir>/gateway-secret`, so tokens survive restarts.
 async fn bind_gateway(
     dir: &Path,
@@ -449,6 +474,7 @@ async fn bind_gateway(
     api: SocketAddr,
     api_url: &str,
     key: &str,
+    builder: Option<Arc<dyn dsec_gateway::Builder>>,
 ) -> Result<Option<(tokio::net::TcpListener, axum::Router)>> {
     let env_path = dir.join(E2B_ENV);
     let _ = std::fs::remove_file(&env_path);
@@ -510,6 +536,7 @@ async fn bind_gateway(
                 .domain
                 .unwrap_or_else(|| format!("localhost:{}", bound.port())),
         ),
+        builder,
     });
     let url = format!("http://{bound}");
     write_private(
@@ -668,6 +695,7 @@ mod tests {
             api,
             "http://127.0.0.1:7600",
             "dsk.k",
+            None,
         )
         .await
         .unwrap();
@@ -684,7 +712,7 @@ mod tests {
             domain: None,
             templates: Default::default(),
         };
-        let g = bind_gateway(d.path(), Some(off), None, api, "http://x", "dsk.k")
+        let g = bind_gateway(d.path(), Some(off), None, api, "http://x", "dsk.k", None)
             .await
             .unwrap();
         assert!(g.is_none());
