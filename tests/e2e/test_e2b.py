@@ -25,21 +25,26 @@ def e2b_env() -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def e2b():
+def pip_pinned(dist: str, want: str) -> None:
+    """Installs `dist` at version `want` unless it is installed already."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        installed = version("e2b")
+        installed = version(dist)
     except PackageNotFoundError:
         installed = None
-    if installed != E2B_VERSION:
+    if installed != want:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                        f"e2b=={E2B_VERSION}"], check=True, timeout=600)
+                        f"{dist}=={want}"], check=True, timeout=600)
         importlib.invalidate_caches()
+    assert version(dist) == want, f"tests pin {dist} {want}, found {version(dist)}"
+
+
+@pytest.fixture(scope="module")
+def e2b():
+    pip_pinned("e2b", E2B_VERSION)
     import e2b as mod
 
-    assert version("e2b") == E2B_VERSION, f"tests pin e2b {E2B_VERSION}, found {version('e2b')}"
     env = e2b_env()
     assert set(env) == {"E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY"}
     assert env["E2B_API_KEY"].startswith("dsk.")
@@ -560,5 +565,13 @@ def test_template_build(e2b):
         Template.build(Template().from_image("python:3.11"), f"x{tag}")
     with pytest.raises(e2b.BuildException, match="exit|status|failed"):
         Template.build(Template().from_template("base").run_cmd("echo to-the-log; exit 7"), f"f{tag}")
+    # images are the deployment's: a project's key cannot build
+    import json
+
+    dsec("iam", "project-create", f"root/tb{tag}")
+    pkey = json.loads(dsec("iam", "key-create", "--project", f"root/tb{tag}", "--name", "k",
+                           "--json").stdout)["key"]
+    with pytest.raises(e2b.BuildException, match="root project"):
+        Template.build(Template().from_template("base").run_cmd("true"), f"p{tag}", api_key=pkey)
     with pytest.raises(e2b.FileUploadException, match="COPY is not supported"):
         Template.build(Template().from_template("base").copy("conftest.py", "/x"), f"c{tag}")

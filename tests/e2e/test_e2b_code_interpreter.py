@@ -3,14 +3,9 @@
 `code-interpreter-v1` template is OpenDsec's root/code-interpreter image, whose start command
 serves E2B's code-interpreter protocol on port 49999 in every new sandbox."""
 
-import importlib
-import os
-import subprocess
-import sys
-
 import pytest
 
-from test_e2b import e2b  # noqa: F401  (the fixture: e2b pinned, e2b.env in the environment)
+from test_e2b import e2b, pip_pinned  # noqa: F401  (the fixture: e2b pinned, e2b.env in the environment)
 
 CI_VERSION = "2.11.5"
 TEMPLATES = [pytest.param("code-interpreter-v1", id="container"),
@@ -19,16 +14,7 @@ TEMPLATES = [pytest.param("code-interpreter-v1", id="container"),
 
 @pytest.fixture(scope="module")
 def ci(e2b):  # noqa: F811
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        installed = version("e2b-code-interpreter")
-    except PackageNotFoundError:
-        installed = None
-    if installed != CI_VERSION:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                        f"e2b-code-interpreter=={CI_VERSION}"], check=True, timeout=600)
-        importlib.invalidate_caches()
+    pip_pinned("e2b-code-interpreter", CI_VERSION)
     import e2b_code_interpreter
 
     return e2b_code_interpreter

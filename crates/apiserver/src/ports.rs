@@ -6,7 +6,7 @@
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Path, Request, State};
-use axum::http::{HeaderValue, StatusCode, Uri, header};
+use axum::http::{HeaderValue, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::any;
 use dsec_common::{ApiError, ErrorCode};
@@ -139,17 +139,7 @@ async fn proxy(
         .send_request(req)
         .await
         .map_err(|e| bad_gateway(format!("port {port} in the sandbox: {e}")))?;
-    if resp.status() == StatusCode::SWITCHING_PROTOCOLS
-        && let Some(client_upgrade) = client_upgrade
-    {
-        let sandbox_upgrade = hyper::upgrade::on(&mut resp);
-        tokio::spawn(async move {
-            if let (Ok(a), Ok(b)) = (client_upgrade.await, sandbox_upgrade.await) {
-                let _ =
-                    tokio::io::copy_bidirectional(&mut TokioIo::new(a), &mut TokioIo::new(b)).await;
-            }
-        });
-    }
+    dsec_common::http::splice_upgrade(client_upgrade, &mut resp);
     Ok(resp.map(Body::new).into_response())
 }
 

@@ -5,6 +5,8 @@ pub mod api;
 pub mod channel;
 pub mod client_config;
 pub mod error;
+#[cfg(feature = "http")]
+pub mod http;
 pub mod id;
 pub mod tree;
 pub mod vmux;

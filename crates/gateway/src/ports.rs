@@ -14,7 +14,6 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use dsec_common::id::SandboxId;
 use http_body_util::BodyExt;
-use hyper_util::rt::TokioIo;
 
 use crate::{ENVD_PORT, Gw, PRIVATE_LABEL, access_token, e2b_error, header_str, same};
 
@@ -136,17 +135,7 @@ async fn proxy(gw: &Gw, id: &str, port: u16, mut req: Request) -> Response {
             }
         };
     }
-    if resp.status() == StatusCode::SWITCHING_PROTOCOLS
-        && let Some(client_upgrade) = client_upgrade
-    {
-        let sandbox_upgrade = hyper::upgrade::on(&mut resp);
-        tokio::spawn(async move {
-            if let (Ok(a), Ok(b)) = (client_upgrade.await, sandbox_upgrade.await) {
-                let _ =
-                    tokio::io::copy_bidirectional(&mut TokioIo::new(a), &mut TokioIo::new(b)).await;
-            }
-        });
-    }
+    dsec_common::http::splice_upgrade(client_upgrade, &mut resp);
     resp.map(Body::new).into_response()
 }
 
