@@ -87,6 +87,9 @@ def test_create_run_and_exit_codes(e2b, template):
         with pytest.raises(e2b.CommandExitException) as ei:
             sb.commands.run("echo partial; exit 3")
         assert ei.value.exit_code == 3 and ei.value.stdout == "partial\n"
+        # users: root (E2B's default `user` is root here too) or any user of the image
+        assert sb.commands.run("whoami", user="root").stdout == "root\n"
+        assert sb.commands.run("whoami; echo $HOME", user="nobody").stdout.startswith("nobody\n")
         # stdin is closed unless asked for: `cat` returns at once
         assert sb.commands.run("cat", timeout=10).stdout == ""
         seen = []
@@ -175,6 +178,13 @@ def test_files_and_filesystem(sandbox, e2b):
     assert not sandbox.files.exists("/tmp/e2b/newdir")
     sandbox.files.remove("/tmp/e2b/never-there")  # removing a missing path succeeds
 
+    # `..` cannot leave the sandbox: the path resolves inside its own filesystem
+    import socket
+
+    inside = sandbox.commands.run("cat /etc/hostname").stdout
+    assert sandbox.files.read("/../../../../etc/hostname") == inside
+    assert sandbox.files.read("/tmp/../../etc/hostname") == inside
+    assert inside.strip() != socket.gethostname()
     with pytest.raises(e2b.FileNotFoundException):
         sandbox.files.read("/tmp/e2b/missing")
     with pytest.raises(e2b.FileNotFoundException):
@@ -324,6 +334,16 @@ def test_envd_requires_the_sandbox_token(sandbox):
     r = httpx.post(f"{url}/filesystem.Filesystem/Stat", headers={**h, "Content-Type": "application/json"},
                    content=b'{"path": "a\\u0000b"}')
     assert r.status_code == 400
+    # an oversized message (the limit is 4 MiB) and a wrong content type
+    r = httpx.post(f"{url}/filesystem.Filesystem/Stat", headers={**h, "Content-Type": "application/json"},
+                   content=b'{"path": "' + b"a" * (5 << 20) + b'"}')
+    assert r.status_code in (400, 413, 429) and r.json()["code"] in ("resource_exhausted", "invalid_argument")
+    r = httpx.post(f"{url}/process.Process/Start", headers={**h, **ct},
+                   content=b"\x00" + (5 << 20).to_bytes(4, "big") + b"{}")
+    assert r.status_code == 200 and r.content[0] == 2 and b"resource_exhausted" in r.content, r.content
+    r = httpx.post(f"{url}/filesystem.Filesystem/Stat", headers={**h, "Content-Type": "text/plain"},
+                   content=b'{"path": "/"}')
+    assert r.status_code == 501 and "JSON codec" in r.json()["message"]
     r = httpx.post(f"{url}/filesystem.Filesystem/Nope", headers={**h, "Content-Type": "application/json"},
                    content=b"{}")
     assert r.status_code == 501 and r.json()["code"] == "unimplemented"
@@ -575,3 +595,44 @@ def test_template_build(e2b):
         Template.build(Template().from_template("base").run_cmd("true"), f"p{tag}", api_key=pkey)
     with pytest.raises(e2b.FileUploadException, match="COPY is not supported"):
         Template.build(Template().from_template("base").copy("conftest.py", "/x"), f"c{tag}")
+
+
+def test_standalone_gateway(e2b, tmp_path):
+    """`dsec gateway` serves E2B programs in front of any OpenDsec API (as for a cluster's
+    apiserver), with a secret of its own."""
+    import json
+
+    import httpx
+
+    from conftest import DSEC as DSEC_BIN
+
+    p = subprocess.Popen([DSEC_BIN, "gateway", "--listen", "127.0.0.1:0", "--secret-file",
+                          str(tmp_path / "secret")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        first = p.stdout.readline()
+        assert first.startswith("E2B gateway on http://"), first + p.stderr.read()
+        url = first.split()[3]
+        sb = e2b.Sandbox.create(api_url=url, sandbox_url=url)
+        try:
+            assert sb.commands.run("echo via standalone").stdout == "via standalone\n"
+            assert sb.files.read("/etc/hostname")
+            # its tokens are its own: the gateway of `dsec up` does not take them
+            main = e2b_env()["E2B_SANDBOX_URL"]
+            h = {"E2b-Sandbox-Id": sb.sandbox_id, "X-Access-Token": sb._envd_access_token}
+            assert httpx.get(f"{main}/health", headers=h).status_code == 401
+            assert httpx.get(f"{url}/health", headers=h).status_code == 204
+        finally:
+            sb.kill()
+    finally:
+        p.terminate()
+        p.wait(timeout=10)
+    # it wants a key that sees every sandbox
+    tag = uuid.uuid4().hex[:8]
+    dsec("iam", "project-create", f"root/gw{tag}")
+    key = json.loads(dsec("iam", "key-create", "--project", f"root/gw{tag}", "--name", "k",
+                          "--json").stdout)["key"]
+    r = subprocess.run([DSEC_BIN, "gateway", "--listen", "127.0.0.1:0", "--api-key", key,
+                        "--secret-file", str(tmp_path / "secret")], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode != 0 and "root project" in r.stderr

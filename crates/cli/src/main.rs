@@ -53,6 +53,12 @@ enum Command {
         after_help = "Example:\n  dsec serve --config /etc/dsec/edge.toml\n\nConfig files for each role and a multi-node bring-up: deploy/cluster/README.md"
     )]
     Serve(cmd::up::ServeArgs),
+    /// Run the E2B-compatible gateway on its own, in front of an OpenDsec API (a cluster's
+    /// apiserver); `dsec up` runs one by itself
+    #[command(
+        after_help = "Example:\n  dsec gateway --api-url http://apiserver:7600 --api-key dsk.… --listen 0.0.0.0:17600 --domain sbx.example.com\n\nThen, for E2B programs: E2B_API_URL=http://<host>:17600 E2B_SANDBOX_URL=http://<host>:17600 E2B_API_KEY=dsk.…"
+    )]
+    Gateway(cmd::gateway::GatewayArgs),
     /// Stop the server started by `dsec up` (and, unless --keep-sandboxes, its sandboxes)
     #[command(after_help = "Example:\n  dsec down --data-dir /var/lib/dsec")]
     Down(cmd::up::DownArgs),
@@ -172,6 +178,7 @@ fn main() {
             Command::Up(a) => cmd::up::up(a).await,
             Command::Serve(a) => cmd::up::serve_command(a).await,
             Command::Down(a) => cmd::up::down(a).await,
+            Command::Gateway(a) => cmd::gateway::run(a).await,
             Command::Status(a) => cmd::up::status(a).await,
             Command::Run(a) => cmd::sandbox::run(a).await,
             Command::Exec(a) => cmd::sandbox::exec(a).await,

@@ -89,7 +89,13 @@ pub fn decode_all(mut buf: &[u8]) -> Result<Vec<&[u8]>, FrameError> {
 
 /// The one message of a server-streaming request body.
 pub fn single(buf: &[u8]) -> Result<Value, (String, String)> {
-    let frames = decode_all(buf).map_err(|e| ("invalid_argument".into(), e.to_string()))?;
+    let frames = decode_all(buf).map_err(|e| {
+        let code = match e {
+            FrameError::TooLarge(_) => "resource_exhausted",
+            _ => "invalid_argument",
+        };
+        (code.to_string(), e.to_string())
+    })?;
     let [m] = frames.as_slice() else {
         return Err((
             "invalid_argument".into(),

@@ -466,7 +466,20 @@ impl dsec_gateway::Builder for StoreBuilder {
     }
 }
 
-/// `<data-dir>/gateway-secret`, so tokens survive restarts.
+/// The secret sandbox access tokens are signed with, from `path` (made there if it is
+/// missing), so tokens survive restarts; gateways of one deployment share it.
+pub(crate) fn gateway_secret(path: &Path) -> Result<String> {
+    match std::fs::read_to_string(path) {
+        Ok(s) if !s.trim().is_empty() => Ok(s.trim().to_string()),
+        _ => {
+            let s = dsec_iam::generate_key();
+            write_private(path, &s)?;
+            Ok(s)
+        }
+    }
+}
+
+/// The gateway `dsec up` runs; its secret is `<data-dir>/gateway-secret`.
 async fn bind_gateway(
     dir: &Path,
     table: Option<GatewayToml>,
@@ -514,15 +527,7 @@ async fn bind_gateway(
             });
         }
     };
-    let secret_path = dir.join("gateway-secret");
-    let secret = match std::fs::read_to_string(&secret_path) {
-        Ok(s) if !s.trim().is_empty() => s.trim().to_string(),
-        _ => {
-            let s = dsec_iam::generate_key();
-            write_private(&secret_path, &s)?;
-            s
-        }
-    };
+    let secret = gateway_secret(&dir.join("gateway-secret"))?;
     let mut templates = dsec_gateway::default_templates();
     templates.extend(table.templates);
     let bound = listener.local_addr().unwrap_or(addr);
@@ -659,7 +664,7 @@ pub async fn status(a: StatusArgs) -> Result<i32> {
 
 /// Streamed answers (exec output, the gateway's Connect streams) are many small writes:
 /// without TCP_NODELAY each can wait for the peer's delayed ACK (40 ms).
-fn no_delay(tcp: &mut tokio::net::TcpStream) {
+pub(crate) fn no_delay(tcp: &mut tokio::net::TcpStream) {
     let _ = tcp.set_nodelay(true);
 }
 
