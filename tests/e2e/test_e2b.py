@@ -636,3 +636,59 @@ def test_standalone_gateway(e2b, tmp_path):
                         "--secret-file", str(tmp_path / "secret")], capture_output=True, text=True,
                        timeout=30)
     assert r.returncode != 0 and "root project" in r.stderr
+
+
+def test_binary_protobuf_codec(sandbox):
+    """envd's RPCs in the binary protobuf codec: the Connect clients generated into the e2b
+    package, with their default codec (the SDK itself plugs in JSON)."""
+    from e2b.envd.filesystem import filesystem_connect, filesystem_pb
+    from e2b.envd.process import process_connect, process_pb
+    from protobuf import Oneof
+
+    url = e2b_env()["E2B_SANDBOX_URL"]
+    h = {"E2b-Sandbox-Id": sandbox.sandbox_id, "X-Access-Token": sandbox._envd_access_token}
+    proc = process_connect.ProcessClientSync(url, send_compression=None)
+    start = process_pb.StartRequest(
+        process=process_pb.ProcessConfig(cmd="/bin/bash", args=["-c", "echo hi; echo err >&2; exit 3"],
+                                         envs={"X": "1"}),
+        stdin=False)
+    out, err, end = b"", b"", None
+    for r in proc.start(start, headers=h, timeout_ms=20000):
+        ev = r.event.event
+        if ev.field == "data":
+            d = ev.value.output
+            if d.field == "stdout":
+                out += d.value
+            elif d.field == "stderr":
+                err += d.value
+        elif ev.field == "end":
+            end = ev.value
+    assert (out, err) == (b"hi\n", b"err\n")
+    assert end.exit_code == 3 and end.exited
+    assert isinstance(proc.list(process_pb.ListRequest(), headers=h), process_pb.ListResponse)
+    fs = filesystem_connect.FilesystemClientSync(url, send_compression=None)
+    sandbox.files.write("/tmp/pb/a.txt", "12345")
+    st = fs.stat(filesystem_pb.StatRequest(path="/tmp/pb/a.txt"), headers=h)
+    assert st.entry.name == "a.txt" and st.entry.size == 5
+    assert st.entry.type == filesystem_pb.FileType.FILE
+    assert st.entry.modified_time.seconds > 1_700_000_000
+    ls = fs.list_dir(filesystem_pb.ListDirRequest(path="/tmp/pb", depth=1), headers=h)
+    assert [e.path for e in ls.entries] == ["/tmp/pb/a.txt"]
+    # errors keep the Connect error model
+    from connectrpc.errors import ConnectError
+
+    with pytest.raises(ConnectError) as ei:
+        fs.stat(filesystem_pb.StatRequest(path="/tmp/pb/missing"), headers=h)
+    assert ei.value.code.name.lower() == "not_found"
+    # a signal by pid, through a oneof
+    bg = sandbox.commands.run("sleep 100", background=True)
+    proc.send_signal(process_pb.SendSignalRequest(
+        process=process_pb.ProcessSelector(selector=Oneof(field="pid", value=bg.pid)),
+        signal=process_pb.Signal.SIGKILL), headers=h)
+    with pytest.raises(Exception):
+        bg.wait()
+    # with the client's default (gzip) compression too
+    gz = filesystem_connect.FilesystemClientSync(url)
+    assert gz.stat(filesystem_pb.StatRequest(path="/tmp/pb/" + "./" * 600 + "a.txt"), headers=h).entry.size == 5
+    last = list(process_connect.ProcessClientSync(url).start(start, headers=h, timeout_ms=20000))[-1]
+    assert last.event.event.field == "end" and last.event.event.value.exit_code == 3

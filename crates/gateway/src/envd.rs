@@ -322,7 +322,25 @@ pub(crate) fn stream_error(code: &str, msg: &str) -> Response {
         .into_response()
 }
 
+/// The binary codec, if the request uses it.
+fn is_proto(h: &HeaderMap) -> bool {
+    matches!(
+        header_str(h, "content-type").map(|c| c.split(';').next().unwrap_or("").trim()),
+        Some("application/proto" | "application/connect+proto")
+    )
+}
+
 async fn process_rpc(State(gw): State<Gw>, Path(method): Path<String>, req: Request) -> Response {
+    if is_proto(req.headers()) {
+        return crate::proto::serve("process.Process", &method, req, |r| {
+            process_json(gw, method.clone(), r)
+        })
+        .await;
+    }
+    process_json(gw, method, req).await
+}
+
+async fn process_json(gw: Gw, method: String, req: Request) -> Response {
     let h = req.headers().clone();
     let t = match target(&gw, &h, basic_user(&h)).await {
         Ok(t) => t,
@@ -361,9 +379,27 @@ async fn process_rpc(State(gw): State<Gw>, Path(method): Path<String>, req: Requ
 async fn filesystem_rpc(
     State(gw): State<Gw>,
     Path(method): Path<String>,
-    h: HeaderMap,
-    body: Bytes,
+    req: Request,
 ) -> Response {
+    if is_proto(req.headers()) {
+        return crate::proto::serve("filesystem.Filesystem", &method, req, |r| {
+            filesystem_request(gw, method.clone(), r)
+        })
+        .await;
+    }
+    filesystem_request(gw, method, req).await
+}
+
+async fn filesystem_request(gw: Gw, method: String, req: Request) -> Response {
+    let h = req.headers().clone();
+    let body = match axum::body::to_bytes(req.into_body(), 2 * connect::MAX_MESSAGE).await {
+        Ok(b) => b,
+        Err(e) => return unary_error("invalid_argument", &e.to_string()),
+    };
+    filesystem_json(gw, method, h, body).await
+}
+
+async fn filesystem_json(gw: Gw, method: String, h: HeaderMap, body: Bytes) -> Response {
     let t = match target(&gw, &h, basic_user(&h)).await {
         Ok(t) => t,
         Err(r) => return r,

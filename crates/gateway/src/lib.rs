@@ -1,6 +1,6 @@
 //! The E2B-compatible gateway: E2B's control-plane REST API and its in-sandbox protocol
-//! (envd: `/health`, `/files` and the Connect-RPC `process` and `filesystem` services,
-//! JSON codec) mapped onto the OpenDsec REST API, so programs written for the `e2b` SDKs
+//! (envd: `/health`, `/files` and the Connect-RPC `process` and `filesystem` services, JSON
+//! and binary protobuf codecs) mapped onto the OpenDsec REST API, so programs written for the `e2b` SDKs
 //! run unchanged with `E2B_API_URL`, `E2B_SANDBOX_URL` (both this gateway's URL) and
 //! `E2B_API_KEY` (an OpenDsec API key).
 //!
@@ -25,6 +25,7 @@ mod files;
 mod multipart;
 mod ports;
 mod process;
+pub mod proto;
 mod templates;
 pub mod upstream;
 mod watch;

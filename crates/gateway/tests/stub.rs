@@ -264,7 +264,22 @@ async fn sandboxes_tokens_and_ports_are_checked() {
         ("content-type", "application/proto"),
         ("x-access-token", token.as_str()),
     ];
-    let (s, _) = send(gw, "/filesystem.Filesystem/Stat", &h, vec![10, 1, b'/']).await;
+    // binary protobuf is transcoded; a truncated message is the caller's error
+    let (s, b) = send(gw, "/filesystem.Filesystem/Stat", &h, vec![10, 5, b'/']).await;
+    assert_eq!(
+        s,
+        StatusCode::BAD_REQUEST,
+        "{}",
+        String::from_utf8_lossy(&b)
+    );
+    assert!(String::from_utf8_lossy(&b).contains("truncated"));
+    // a codec it does not speak
+    let h = [
+        base[0],
+        ("content-type", "application/xml"),
+        ("x-access-token", token.as_str()),
+    ];
+    let (s, _) = send(gw, "/filesystem.Filesystem/Stat", &h, b"<x/>".to_vec()).await;
     assert_eq!(s, StatusCode::NOT_IMPLEMENTED);
     // a user name that would change a path
     let h = [
