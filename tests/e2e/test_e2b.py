@@ -593,8 +593,29 @@ def test_template_build(e2b):
                            "--json").stdout)["key"]
     with pytest.raises(e2b.BuildException, match="root project"):
         Template.build(Template().from_template("base").run_cmd("true"), f"p{tag}", api_key=pkey)
-    with pytest.raises(e2b.FileUploadException, match="COPY is not supported"):
-        Template.build(Template().from_template("base").copy("conftest.py", "/x"), f"c{tag}")
+    # COPY: the client's files are uploaded to the gateway and copied in
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        ctx = Path(d)
+        (ctx / "app.txt").write_text("from the client\n")
+        (ctx / "pkg").mkdir()
+        (ctx / "pkg" / "m.py").write_text("X = 1\n")
+        (ctx / "run.sh").write_text("#!/bin/sh\necho ran\n")
+        (ctx / "run.sh").chmod(0o755)
+        t3 = (Template(file_context_path=str(ctx)).from_template("base")
+              .copy("app.txt", "/opt/app/")
+              .copy("pkg", "/opt/pkg")
+              .set_workdir("/opt")
+              .copy("run.sh", "bin/run"))
+        Template.build(t3, f"cp{tag}")
+    sb = e2b.Sandbox.create(f"cp{tag}")
+    try:
+        r = sb.commands.run("cat /opt/app/app.txt /opt/pkg/m.py; /opt/bin/run")
+        assert r.stdout == "from the client\nX = 1\nran\n"
+    finally:
+        sb.kill()
 
 
 def test_standalone_gateway(e2b, tmp_path):

@@ -1,11 +1,11 @@
 //! E2B template builds (`Template.build()`, `Template.from_dockerfile()`) as OpenDsec image
 //! builds: the SDK's steps become an image spec (`RUN` → a run step, `ENV` → env,
-//! `WORKDIR` → workdir, the start and ready commands → `[start]`) built on the node's
-//! image store, named `root/e2b-<name>:<tag>`; `Sandbox.create("<name>")` then finds it.
+//! `WORKDIR` → workdir, `COPY` → a file step copying the files the SDK uploaded, the
+//! start and ready commands → `[start]`) built on the node's image store, named
+//! `root/e2b-<name>:<tag>`; `Sandbox.create("<name>")` then finds it.
 //!
 //! The base is a template (`from_template`, through the template map) or an OpenDsec
 //! image (`from_image("root/py:3.11")`); there is no registry to pull other images from.
-//! `COPY` (files uploaded from the client) is not supported yet and says so.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -30,6 +30,9 @@ use crate::{Gw, Template};
 /// time; the image's digest, or why it failed.
 pub trait Builder: Send + Sync {
     fn build(&self, spec: &BuildSpec, progress: &mut dyn FnMut(&str)) -> Result<String, String>;
+    /// A directory on the same machine for uploaded files (`COPY`) while they wait for
+    /// their build.
+    fn scratch(&self) -> std::path::PathBuf;
 }
 
 /// The image a built template is kept as.
@@ -43,6 +46,10 @@ pub(crate) fn routes() -> Router<Gw> {
         .route("/v2/templates/{tid}/builds/{bid}", post(start_build))
         .route("/templates/{tid}/builds/{bid}/status", get(status))
         .route("/templates/{tid}/files/{hash}", get(files))
+        .route(
+            "/templates/{tid}/files/{hash}/upload",
+            axum::routing::put(upload),
+        )
         .route("/templates/aliases/{alias}", get(alias))
 }
 
@@ -201,6 +208,19 @@ struct StepReq {
     kind: String,
     #[serde(default)]
     args: Vec<String>,
+    #[serde(default, rename = "filesHash")]
+    files_hash: Option<String>,
+}
+
+/// A `COPY` waiting for its files: the step (by index) gets `copy_from` once the upload
+/// `hash` is unpacked; `src` is the path (or glob) in the client's context.
+struct Copy {
+    index: usize,
+    hash: String,
+    src: String,
+    /// Where it goes; `into_dir` (`dest/`, or a glob): the files go inside.
+    dest: String,
+    into_dir: bool,
 }
 
 /// The OpenDsec image a build starts from.
@@ -238,15 +258,18 @@ async fn base_image(gw: &Gw, req: &StartBuild) -> Result<String, UpErr> {
     }
 }
 
-/// The SDK's steps as image build steps (and the working directory and user they leave).
-fn spec_steps(req: &StartBuild) -> Result<(Vec<Step>, Option<String>), UpErr> {
+/// The SDK's steps as image build steps, the working directory they leave, and the
+/// copies that wait for uploaded files.
+fn spec_steps(req: &StartBuild) -> Result<(Vec<Step>, Option<String>, Vec<Copy>), UpErr> {
     let mut steps = Vec::new();
+    let mut copies = Vec::new();
     let mut workdir: Option<String> = None;
     let step = |run: Option<String>, env: Option<BTreeMap<String, String>>| Step {
         run,
         file: None,
         content: None,
         src: None,
+        copy_from: None,
         mode: None,
         env,
     };
@@ -307,9 +330,47 @@ fn spec_steps(req: &StartBuild) -> Result<(Vec<Step>, Option<String>), UpErr> {
                 }
             }
             "COPY" => {
-                return Err(bad(format!(
-                    "step {n}: COPY is not supported by this gateway yet; write the files in a RUN step or an image spec's file steps (`dsec image build`)"
-                )));
+                let (Some(src), Some(dest)) = (s.args.first(), s.args.get(1)) else {
+                    return Err(bad(format!(
+                        "step {n}: COPY needs a source and a destination"
+                    )));
+                };
+                let hash = s
+                    .files_hash
+                    .clone()
+                    .filter(|h| valid_hash(h))
+                    .ok_or_else(|| bad(format!("step {n}: COPY without a files hash")))?;
+                if let Some(u) = s
+                    .args
+                    .get(2)
+                    .filter(|u| !matches!(u.as_str(), "" | "root" | "user"))
+                {
+                    return Err(bad(format!(
+                        "step {n}: COPY owned by {u:?}: files are root's here"
+                    )));
+                }
+                let abs = if dest.starts_with('/') {
+                    dest.clone()
+                } else {
+                    format!(
+                        "{}/{dest}",
+                        workdir.as_deref().unwrap_or("").trim_end_matches('/')
+                    )
+                };
+                let glob = src.contains(['*', '?', '[']);
+                let target = abs.trim_end_matches('/');
+                let target = if target.is_empty() { "/" } else { target };
+                copies.push(Copy {
+                    index: steps.len(),
+                    hash,
+                    src: src.clone(),
+                    dest: target.to_string(),
+                    into_dir: dest.ends_with('/') || glob,
+                });
+                steps.push(Step {
+                    file: Some(target.to_string()),
+                    ..step(None, None)
+                });
             }
             other => {
                 return Err(bad(format!(
@@ -318,7 +379,97 @@ fn spec_steps(req: &StartBuild) -> Result<(Vec<Step>, Option<String>), UpErr> {
             }
         }
     }
-    Ok((steps, workdir.filter(|w| w != "/")))
+    Ok((steps, workdir.filter(|w| w != "/"), copies))
+}
+
+/// An upload's name: the SDK's sha256 of the files (hex).
+fn valid_hash(h: &str) -> bool {
+    (16..=128).contains(&h.len()) && h.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// A relative path inside an upload: no `..`, not absolute.
+fn inside(p: &str) -> Option<std::path::PathBuf> {
+    let path = std::path::Path::new(p.trim_start_matches("./"));
+    if path.is_absolute()
+        || path.components().any(|c| {
+            !matches!(
+                c,
+                std::path::Component::Normal(_) | std::path::Component::CurDir
+            )
+        })
+    {
+        return None;
+    }
+    Some(path.to_path_buf())
+}
+
+/// Unpacks an upload (tar, gzip'd or not) into `dir`; the unpacker refuses entries that
+/// would land outside it.
+fn unpack(archive: &std::path::Path, dir: &std::path::Path) -> Result<(), String> {
+    use std::io::Read;
+    let open = || std::fs::File::open(archive).map_err(|e| format!("opening the upload: {e}"));
+    let mut magic = [0u8; 2];
+    let gz = open()?.read_exact(&mut magic).is_ok() && magic == [0x1f, 0x8b];
+    let reader: Box<dyn Read> = if gz {
+        Box::new(flate2::read::GzDecoder::new(open()?))
+    } else {
+        Box::new(open()?)
+    };
+    let mut a = tar::Archive::new(reader);
+    a.set_preserve_permissions(true);
+    a.set_overwrite(true);
+    std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    a.unpack(dir)
+        .map_err(|e| format!("unpacking the upload: {e}"))
+}
+
+/// Gives each `COPY` its files: unpacks the uploads under `staging` and points the steps
+/// at what they copy (for a glob, every file of the upload, by name, into the destination).
+fn stage_copies(
+    scratch: &std::path::Path,
+    staging: &std::path::Path,
+    steps: &mut [Step],
+    copies: &[Copy],
+) -> Result<(), String> {
+    let io = |e: std::io::Error| e.to_string();
+    for (k, c) in copies.iter().enumerate() {
+        let dir = staging.join(k.to_string());
+        unpack(&scratch.join(format!("{}.tar", c.hash)), &dir.join("ctx"))?;
+        let from = if c.src.contains(['*', '?', '[']) {
+            let flat = dir.join("flat");
+            std::fs::create_dir_all(&flat).map_err(io)?;
+            let mut stack = vec![dir.join("ctx")];
+            while let Some(d) = stack.pop() {
+                for e in std::fs::read_dir(&d).map_err(io)? {
+                    let e = e.map_err(io)?;
+                    if e.file_type().map_err(io)?.is_dir() {
+                        stack.push(e.path());
+                    } else {
+                        std::fs::rename(e.path(), flat.join(e.file_name())).map_err(io)?;
+                    }
+                }
+            }
+            flat
+        } else {
+            let rel = inside(&c.src)
+                .ok_or_else(|| format!("COPY source {:?} leaves the context", c.src))?;
+            dir.join("ctx").join(rel)
+        };
+        let meta = std::fs::symlink_metadata(&from)
+            .map_err(|_| format!("COPY source {:?} is not in the upload", c.src))?;
+        let step = steps
+            .get_mut(c.index)
+            .ok_or_else(|| "COPY step out of range".to_string())?;
+        if !meta.is_dir() && c.into_dir {
+            let name = from
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            step.file = Some(format!("{}/{name}", c.dest.trim_end_matches('/')));
+        }
+        step.copy_from = Some(from.display().to_string());
+    }
+    Ok(())
 }
 
 fn sh_quote(s: &str) -> String {
@@ -335,7 +486,7 @@ async fn start_build(
     let b = find(&gw, &tid, &bid)?;
     let req: StartBuild = parse(&body, "template build")?;
     let from = base_image(&gw, &req).await?;
-    let (steps, workdir) = spec_steps(&req)?;
+    let (steps, workdir, copies) = spec_steps(&req)?;
     let (name, tag) = {
         let mut bl = b.lock().unwrap_or_else(|p| p.into_inner());
         if bl.state != State_::Waiting {
@@ -348,7 +499,7 @@ async fn start_build(
         bl.state = State_::Building;
         (bl.template.clone(), bl.tag.clone())
     };
-    let spec = BuildSpec {
+    let mut spec = BuildSpec {
         name: image_of(&name, &tag),
         from: Some(from),
         debian: None,
@@ -384,7 +535,14 @@ async fn start_build(
                 .push((now_ms(), line.to_string()));
         };
         log(&b2, &format!("building {}", spec.name));
-        let r = builder.build(&spec, &mut |line| log(&b2, line));
+        let scratch = builder.scratch();
+        let staging = scratch.join(format!("build-{bid}"));
+        let r = stage_copies(&scratch, &staging, &mut spec.steps, &copies)
+            .and_then(|()| builder.build(&spec, &mut |line| log(&b2, line)));
+        let _ = std::fs::remove_dir_all(&staging);
+        for c in &copies {
+            let _ = std::fs::remove_file(scratch.join(format!("{}.tar", c.hash)));
+        }
         let mut bl = b2.lock().unwrap_or_else(|p| p.into_inner());
         match r {
             Ok(digest) => {
@@ -441,12 +599,95 @@ async fn status(
     Ok(axum::Json(v).into_response())
 }
 
-/// Uploads for `COPY`: not supported yet, said before anything is uploaded.
-async fn files(State(gw): State<Gw>, h: HeaderMap) -> Res {
+/// The most one upload may hold.
+const MAX_UPLOAD: u64 = 4 << 30;
+
+/// Where a `COPY`'s files go (`{"present", "url"}`): a URL of this gateway, signed for
+/// that upload, for the SDK's plain `PUT`.
+async fn files(
+    State(gw): State<Gw>,
+    h: HeaderMap,
+    Path((tid, hash)): Path<(String, String)>,
+) -> Res {
     caller(&gw, &h).await?;
-    Err(bad(
-        "COPY is not supported by this gateway yet; write the files in a RUN step or an image spec's file steps (`dsec image build`)",
-    ))
+    let builder =
+        gw.cfg.builder.clone().ok_or_else(|| {
+            UpErr::new(501, "unimplemented", "this gateway cannot build templates")
+        })?;
+    if !valid_hash(&hash) {
+        return Err(bad(format!("{hash:?} is not a files hash")));
+    }
+    if builder.scratch().join(format!("{hash}.tar")).exists() {
+        return Ok((StatusCode::CREATED, axum::Json(json!({"present": true}))).into_response());
+    }
+    let host = crate::header_str(&h, "host").ok_or_else(|| bad("the request has no Host"))?;
+    let token = crate::access_token(&gw.cfg.secret, &format!("upload:{hash}"));
+    let url = format!("http://{host}/templates/{tid}/files/{hash}/upload?token={token}");
+    Ok((
+        StatusCode::CREATED,
+        axum::Json(json!({"present": false, "url": url})),
+    )
+        .into_response())
+}
+
+/// The SDK's upload of a `COPY`'s files (a tar), streamed to the scratch directory.
+async fn upload(
+    State(gw): State<Gw>,
+    Path((_tid, hash)): Path<(String, String)>,
+    RawQuery(q): RawQuery,
+    body: axum::body::Body,
+) -> Res {
+    use futures_util::StreamExt;
+    use tokio::io::AsyncWriteExt;
+
+    let want = crate::access_token(&gw.cfg.secret, &format!("upload:{hash}"));
+    let given = query_pairs(q.as_deref().unwrap_or(""))
+        .into_iter()
+        .find(|(k, _)| k == "token")
+        .map(|(_, v)| v);
+    if !valid_hash(&hash) || !given.is_some_and(|t| crate::same(&t, &want)) {
+        return Err(UpErr::new(
+            401,
+            "unauthenticated",
+            "this upload URL is not valid",
+        ));
+    }
+    let builder =
+        gw.cfg.builder.clone().ok_or_else(|| {
+            UpErr::new(501, "unimplemented", "this gateway cannot build templates")
+        })?;
+    let dir = builder.scratch();
+    let internal =
+        |e: std::io::Error| UpErr::new(500, "internal", format!("storing the upload: {e}"));
+    tokio::fs::create_dir_all(&dir).await.map_err(internal)?;
+    let part = dir.join(format!("{hash}.tar.part-{}", crate::random_id()));
+    let mut f = tokio::fs::File::create(&part).await.map_err(internal)?;
+    let mut stream = body.into_data_stream();
+    let mut n = 0u64;
+    let r = async {
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| bad(format!("reading the upload: {e}")))?;
+            n += chunk.len() as u64;
+            if n > MAX_UPLOAD {
+                return Err(UpErr::new(
+                    413,
+                    "resource_exhausted",
+                    "an upload is at most 4 GiB",
+                ));
+            }
+            f.write_all(&chunk).await.map_err(internal)?;
+        }
+        f.flush().await.map_err(internal)?;
+        tokio::fs::rename(&part, dir.join(format!("{hash}.tar")))
+            .await
+            .map_err(internal)
+    }
+    .await;
+    if r.is_err() {
+        let _ = tokio::fs::remove_file(&part).await;
+    }
+    r?;
+    Ok(StatusCode::OK.into_response())
 }
 
 /// Whether a template name is taken (`Template.exists()`).
@@ -461,6 +702,70 @@ async fn alias(State(gw): State<Gw>, h: HeaderMap, Path(alias): Path<String>) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A tar with `entries` (name, data, mode); names are written raw, `..` included.
+    fn tar_of(entries: &[(&str, &[u8], u32)]) -> Vec<u8> {
+        let mut b = tar::Builder::new(Vec::new());
+        for (name, data, mode) in entries {
+            let mut h = tar::Header::new_old();
+            h.as_old_mut().name[..name.len()].copy_from_slice(name.as_bytes());
+            h.set_size(data.len() as u64);
+            h.set_mode(*mode);
+            h.set_cksum();
+            b.append(&h, *data).unwrap();
+        }
+        b.into_inner().unwrap()
+    }
+
+    #[test]
+    fn copies_are_staged_inside_their_directory() {
+        let d = tempfile::tempdir().unwrap();
+        let scratch = d.path().join("scratch");
+        std::fs::create_dir_all(&scratch).unwrap();
+        let tar = tar_of(&[
+            ("a.txt", b"A", 0o644),
+            ("d/b.sh", b"B", 0o755),
+            ("../evil", b"X", 0o644),
+        ]);
+        std::fs::write(scratch.join("0123456789abcdef.tar"), tar).unwrap();
+        let req: StartBuild = serde_json::from_value(json!({
+            "fromTemplate": "base",
+            "steps": [
+                {"type": "COPY", "args": ["a.txt", "/x/"], "filesHash": "0123456789abcdef"},
+                {"type": "WORKDIR", "args": ["/w"]},
+                {"type": "COPY", "args": ["d", "sub"], "filesHash": "0123456789abcdef"},
+                {"type": "COPY", "args": ["*.sh", "/g"], "filesHash": "0123456789abcdef"},
+            ],
+        }))
+        .unwrap();
+        let (mut steps, _, copies) = spec_steps(&req).unwrap();
+        let staging = d.path().join("staging");
+        stage_copies(&scratch, &staging, &mut steps, &copies).unwrap();
+        assert_eq!(steps[0].file.as_deref(), Some("/x/a.txt"));
+        assert!(steps[0].copy_from.as_ref().unwrap().ends_with("ctx/a.txt"));
+        assert_eq!(steps[2].file.as_deref(), Some("/w/sub"));
+        assert!(steps[2].copy_from.as_ref().unwrap().ends_with("ctx/d"));
+        assert_eq!(steps[3].file.as_deref(), Some("/g"));
+        let flat = std::path::PathBuf::from(steps[3].copy_from.clone().unwrap());
+        assert!(flat.join("b.sh").exists());
+        // nothing landed outside the staging directory
+        for p in [
+            d.path().join("evil"),
+            staging.join("evil"),
+            staging.join("0/evil"),
+        ] {
+            assert!(!p.exists(), "{}", p.display());
+        }
+        // a source that leaves the context, or is not in the upload
+        let bad: StartBuild = serde_json::from_value(json!({"fromTemplate": "base", "steps": [
+            {"type": "COPY", "args": ["../etc/passwd", "/p"], "filesHash": "0123456789abcdef"}]}))
+        .unwrap();
+        let (mut s2, _, c2) = spec_steps(&bad).unwrap();
+        let e = stage_copies(&scratch, &d.path().join("s2"), &mut s2, &c2).unwrap_err();
+        assert!(e.contains("leaves the context"), "{e}");
+        assert!(inside("/etc").is_none() && inside("a/../../b").is_none());
+        assert_eq!(inside("./a/b").unwrap(), std::path::PathBuf::from("a/b"));
+    }
 
     #[test]
     fn names_and_steps_translate() {
@@ -484,7 +789,7 @@ mod tests {
             ],
         }))
         .unwrap();
-        let (steps, wd) = spec_steps(&req).unwrap();
+        let (steps, wd, _) = spec_steps(&req).unwrap();
         assert_eq!(wd.as_deref(), Some("/app dir"));
         assert_eq!(steps[0].run.as_deref(), Some("cd '/' && echo hi > /x"));
         assert_eq!(steps[1].env.as_ref().unwrap()["C"], "d");
@@ -492,6 +797,7 @@ mod tests {
         assert_eq!(steps[3].run.as_deref(), Some("cd '/app dir' && touch f"));
         for step in [
             json!({"type": "COPY", "args": ["a", "/b"]}),
+            json!({"type": "COPY", "args": ["a", "/b", "bob"], "filesHash": "0123456789abcdef"}),
             json!({"type": "USER", "args": ["bob"]}),
             json!({"type": "ENV", "args": ["A"]}),
             json!({"type": "WORKDIR", "args": ["rel"]}),

@@ -78,6 +78,10 @@ pub struct Step {
     /// directory); [`BuildSpec::load`] reads it into `content`.
     #[serde(default)]
     pub src: Option<String>,
+    /// With `file`: a file or directory tree on the building machine (an absolute path),
+    /// copied to `file` as it is (modes and symlinks kept).
+    #[serde(default)]
+    pub copy_from: Option<String>,
     /// Octal, e.g. "0755".
     #[serde(default)]
     pub mode: Option<String>,
@@ -204,6 +208,17 @@ impl BuildSpec {
                     i + 1
                 )));
             }
+            if let Some(c) = &s.copy_from
+                && (s.file.is_none()
+                    || s.content.is_some()
+                    || s.src.is_some()
+                    || !c.starts_with('/'))
+            {
+                return Err(ImageError::Build(format!(
+                    "step {}: `copy_from` (an absolute path on this machine) goes with `file`, instead of `content` or `src`",
+                    i + 1
+                )));
+            }
             if s.src.is_some() && (s.file.is_none() || s.content.is_some()) {
                 return Err(ImageError::Build(format!(
                     "step {}: `src` goes with `file`, instead of `content`",
@@ -296,6 +311,16 @@ pub fn build(
             if let Some(parent) = dest.parent() {
                 std::fs::create_dir_all(parent).ctx(|| format!("creating {}", parent.display()))?;
             }
+            if let Some(from) = &step.copy_from {
+                copy_in(Path::new(from), &dest)?;
+                let upper = dir.join("upper");
+                let (digest, sz) = store.add_layer(&upper)?;
+                remove_tree(&dir)?;
+                progress(&format!("layer {} ({} KiB)", &digest[..12], sz >> 10));
+                layers.push(digest);
+                size += sz;
+                continue;
+            }
             std::fs::write(&dest, step.content.as_deref().unwrap_or(""))
                 .ctx(|| format!("writing {}", dest.display()))?;
             let mode = step
@@ -331,6 +356,29 @@ pub fn build(
     store.tag(&name, &digest)?;
     progress(&format!("tagged {name} -> {}", &digest[..12]));
     Ok(digest)
+}
+
+/// Copies a file or a directory's contents to `dest` as they are (`cp -a`: modes,
+/// symlinks, times).
+fn copy_in(from: &Path, dest: &Path) -> Result<(), ImageError> {
+    let meta = std::fs::symlink_metadata(from).ctx(|| format!("reading {}", from.display()))?;
+    let mut cmd = Command::new("cp");
+    cmd.arg("-a");
+    if meta.is_dir() {
+        std::fs::create_dir_all(dest).ctx(|| format!("creating {}", dest.display()))?;
+        cmd.arg(format!("{}/.", from.display())).arg(dest);
+    } else {
+        cmd.arg(from).arg(dest);
+    }
+    let out = cmd.output().ctx(|| "running cp".to_string())?;
+    if !out.status.success() {
+        return Err(ImageError::Build(format!(
+            "copying {} in: {}",
+            from.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(())
 }
 
 /// Runs a child and forwards each line of its combined output to `progress`.

@@ -464,6 +464,10 @@ impl dsec_gateway::Builder for StoreBuilder {
         let store = dsec_image::ImageStore::open(&self.0).map_err(|e| e.to_string())?;
         dsec_image::build::build(&store, spec, progress).map_err(|e| e.to_string())
     }
+
+    fn scratch(&self) -> PathBuf {
+        self.0.join("tmp").join("e2b-uploads")
+    }
 }
 
 /// The secret sandbox access tokens are signed with, from `path` (made there if it is
