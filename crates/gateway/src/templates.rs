@@ -260,7 +260,9 @@ async fn base_image(gw: &Gw, req: &StartBuild) -> Result<String, UpErr> {
 
 /// The SDK's steps as image build steps, the working directory they leave, and the
 /// copies that wait for uploaded files.
-fn spec_steps(req: &StartBuild) -> Result<(Vec<Step>, Option<String>, Vec<Copy>), UpErr> {
+type Translated = (Vec<Step>, Option<String>, Vec<Copy>);
+
+fn spec_steps(req: &StartBuild) -> Result<Translated, UpErr> {
     let mut steps = Vec::new();
     let mut copies = Vec::new();
     let mut workdir: Option<String> = None;
