@@ -311,26 +311,21 @@ pub fn build(
             if let Some(parent) = dest.parent() {
                 std::fs::create_dir_all(parent).ctx(|| format!("creating {}", parent.display()))?;
             }
-            if let Some(from) = &step.copy_from {
-                copy_in(Path::new(from), &dest)?;
-                let upper = dir.join("upper");
-                let (digest, sz) = store.add_layer(&upper)?;
-                remove_tree(&dir)?;
-                progress(&format!("layer {} ({} KiB)", &digest[..12], sz >> 10));
-                layers.push(digest);
-                size += sz;
-                continue;
+            match &step.copy_from {
+                Some(from) => copy_in(Path::new(from), &dest)?,
+                None => {
+                    std::fs::write(&dest, step.content.as_deref().unwrap_or(""))
+                        .ctx(|| format!("writing {}", dest.display()))?;
+                    let mode = step
+                        .mode
+                        .as_deref()
+                        .and_then(|m| u32::from_str_radix(m, 8).ok())
+                        .unwrap_or(0o644);
+                    use std::os::unix::fs::PermissionsExt;
+                    std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(mode))
+                        .ctx(|| format!("chmod {}", dest.display()))?;
+                }
             }
-            std::fs::write(&dest, step.content.as_deref().unwrap_or(""))
-                .ctx(|| format!("writing {}", dest.display()))?;
-            let mode = step
-                .mode
-                .as_deref()
-                .and_then(|m| u32::from_str_radix(m, 8).ok())
-                .unwrap_or(0o644);
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(mode))
-                .ctx(|| format!("chmod {}", dest.display()))?;
         }
         let upper = dir.join("upper");
         let (digest, sz) = store.add_layer(&upper)?;
