@@ -708,6 +708,30 @@ def test_binary_protobuf_codec(sandbox):
         signal=process_pb.Signal.SIGKILL), headers=h)
     with pytest.raises(Exception):
         bg.wait()
+    # a process selected by its tag
+    it = proc.start(process_pb.StartRequest(
+        process=process_pb.ProcessConfig(cmd="/bin/sleep", args=["100"]), tag="tagged-sleep",
+        stdin=False), headers=h, timeout_ms=60000)
+    first = next(iter(it))
+    assert first.event.event.field == "start"
+    tagged = [p for p in proc.list(process_pb.ListRequest(), headers=h).processes if p.tag == "tagged-sleep"]
+    assert [p.pid for p in tagged] == [first.event.event.value.pid]
+    proc.send_signal(process_pb.SendSignalRequest(
+        process=process_pb.ProcessSelector(selector=Oneof(field="tag", value="tagged-sleep")),
+        signal=process_pb.Signal.SIGKILL), headers=h)
+    import time
+
+    for _ in range(50):
+        if not [p for p in proc.list(process_pb.ListRequest(), headers=h).processes if p.tag == "tagged-sleep"]:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the tagged process still runs")
+    with pytest.raises(ConnectError) as ei:
+        proc.send_signal(process_pb.SendSignalRequest(
+            process=process_pb.ProcessSelector(selector=Oneof(field="tag", value="no-such-tag")),
+            signal=process_pb.Signal.SIGKILL), headers=h)
+    assert ei.value.code.name.lower() == "not_found"
     # with the client's default (gzip) compression too
     gz = filesystem_connect.FilesystemClientSync(url)
     assert gz.stat(filesystem_pb.StatRequest(path="/tmp/pb/" + "./" * 600 + "a.txt"), headers=h).entry.size == 5

@@ -20,14 +20,35 @@ use crate::{Gw, header_str};
 
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
 
-/// The pid a `ProcessSelector` names (tags are not supported).
-fn pid_of(sel: &Value) -> Result<u32, RpcErr> {
-    if sel.get("tag").is_some() {
-        return Err(RpcErr::new(
-            "not_found",
-            "selecting a process by tag is not supported",
-        ));
-    }
+/// The pid a `ProcessSelector` names: its pid, or the running process with its tag.
+async fn pid_of(gw: &Gw, t: &Target, sel: &Value) -> Result<u32, RpcErr> {
+    let Some(tag) = sel.get("tag").filter(|v| !v.is_null()) else {
+        return pid_in(sel);
+    };
+    let tag = tag
+        .as_str()
+        .ok_or_else(|| RpcErr::new("invalid_argument", "process.tag must be a string"))?;
+    let v: Value = gw
+        .up
+        .call(
+            Method::GET,
+            &t.path("/processes"),
+            &gw.cfg.service_key,
+            None,
+        )
+        .await?;
+    v["processes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| p["running"] == json!(true) && p["tag"].as_str() == Some(tag))
+        .and_then(|p| p["pid"].as_u64())
+        .and_then(|n| u32::try_from(n).ok())
+        .ok_or_else(|| RpcErr::new("not_found", format!("no running process is tagged {tag:?}")))
+}
+
+/// The pid of a selector that names one.
+fn pid_in(sel: &Value) -> Result<u32, RpcErr> {
     let p = &sel["pid"];
     p.as_u64()
         .or_else(|| p.as_str().and_then(|s| s.parse().ok()))
@@ -121,7 +142,7 @@ pub(crate) async fn stream(
                 .await?;
             Ok::<_, RpcErr>((r, pty))
         } else {
-            let pid = pid_of(&msg["process"])?;
+            let pid = pid_of(gw, t, &msg["process"]).await?;
             let r = gw
                 .up
                 .open(
@@ -305,7 +326,7 @@ pub(crate) async fn unary(gw: &Gw, t: &Target, method: &str, msg: Value) -> RpcR
             Ok(json!({"processes": procs}))
         }
         "SendInput" => {
-            let pid = pid_of(&msg["process"])?;
+            let pid = pid_of(gw, t, &msg["process"]).await?;
             let inp = &msg["input"];
             let data = inp["stdin"].as_str().or(inp["pty"].as_str()).unwrap_or("");
             let bytes = B64
@@ -315,12 +336,12 @@ pub(crate) async fn unary(gw: &Gw, t: &Target, method: &str, msg: Value) -> RpcR
             Ok(json!({}))
         }
         "CloseStdin" => {
-            let pid = pid_of(&msg["process"])?;
+            let pid = pid_of(gw, t, &msg["process"]).await?;
             send_stdin(gw, t, pid, vec![], true).await?;
             Ok(json!({}))
         }
         "SendSignal" => {
-            let pid = pid_of(&msg["process"])?;
+            let pid = pid_of(gw, t, &msg["process"]).await?;
             let sig = match &msg["signal"] {
                 Value::String(s) if s == "SIGNAL_SIGKILL" => 9,
                 Value::String(s) if s == "SIGNAL_SIGTERM" => 15,
@@ -346,7 +367,7 @@ pub(crate) async fn unary(gw: &Gw, t: &Target, method: &str, msg: Value) -> RpcR
             Ok(json!({}))
         }
         "Update" => {
-            let pid = pid_of(&msg["process"])?;
+            let pid = pid_of(gw, t, &msg["process"]).await?;
             let s = &msg["pty"]["size"];
             if s.is_null() {
                 return Ok(json!({}));
@@ -416,7 +437,7 @@ pub(crate) async fn stream_input(gw: &Gw, t: &Target, mut body: Body) -> Respons
                 return stream_error("invalid_argument", "request message is not JSON");
             };
             if let Some(s) = v.get("start") {
-                match pid_of(&s["process"]) {
+                match pid_of(gw, t, &s["process"]).await {
                     Ok(p) => pid = Some(p),
                     Err(RpcErr(c, m)) => return stream_error(&c, &m),
                 }
@@ -507,11 +528,10 @@ mod tests {
 
     #[test]
     fn selectors_are_checked() {
-        assert_eq!(pid_of(&json!({"pid": 5})).ok(), Some(5));
-        assert_eq!(pid_of(&json!({"pid": "5"})).ok(), Some(5));
-        assert!(pid_of(&json!({"pid": 0})).is_err());
-        assert!(pid_of(&json!({"pid": -1})).is_err());
-        assert!(pid_of(&json!({"tag": "x"})).is_err());
-        assert!(pid_of(&json!(null)).is_err());
+        assert_eq!(pid_in(&json!({"pid": 5})).ok(), Some(5));
+        assert_eq!(pid_in(&json!({"pid": "5"})).ok(), Some(5));
+        assert!(pid_in(&json!({"pid": 0})).is_err());
+        assert!(pid_in(&json!({"pid": -1})).is_err());
+        assert!(pid_in(&json!(null)).is_err());
     }
 }
