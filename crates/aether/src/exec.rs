@@ -22,7 +22,11 @@ const PIPE_GRACE: Duration = Duration::from_millis(200);
 /// The environment aether was started with (the image's and the sandbox's), which every
 /// command inherits before its own variables.
 pub fn base_env() -> Env {
-    let mut env: Env = std::env::vars().collect();
+    with_defaults(std::env::vars().collect())
+}
+
+/// `env` with a `PATH` and a `HOME` if it names none.
+pub fn with_defaults(mut env: Env) -> Env {
     env.entry("PATH".into())
         .or_insert_with(|| "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into());
     env.entry("HOME".into()).or_insert_with(|| "/root".into());

@@ -156,18 +156,6 @@ fn err((code, message): (ErrorCode, String)) -> Response {
     Response::Error { code, message }
 }
 
-/// (used, total) bytes of the filesystem at `/`.
-fn disk_usage() -> std::io::Result<(u64, u64)> {
-    // SAFETY: statvfs fills the zeroed struct for a NUL-terminated path.
-    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::statvfs(c"/".as_ptr(), &mut s) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    let unit = s.f_frsize as u64;
-    let total = s.f_blocks as u64 * unit;
-    Ok((total.saturating_sub(s.f_bfree as u64 * unit), total))
-}
-
 fn invalid(message: String) -> Response {
     Response::error(ErrorCode::InvalidArgument, message)
 }
@@ -209,14 +197,7 @@ fn serve(stream: UnixStream, ctx: &Ctx) {
             Err(e) => err((ErrorCode::Internal, e)),
         },
         Request::Environment { env, workdir } => {
-            let mut base = exec::Env::new();
-            base.insert(
-                "PATH".into(),
-                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
-            );
-            base.insert("HOME".into(), "/root".into());
-            base.extend(env);
-            *ctx.base_env.write().unwrap_or_else(|p| p.into_inner()) = base;
+            *ctx.base_env.write().unwrap_or_else(|p| p.into_inner()) = exec::with_defaults(env);
             match workdir.filter(|w| !w.is_empty()) {
                 Some(w) if !std::path::Path::new(&w).is_dir() => {
                     invalid(format!("working directory {w} is not a directory"))
@@ -227,10 +208,10 @@ fn serve(stream: UnixStream, ctx: &Ctx) {
                 }
             }
         }
-        Request::DiskUsage => match disk_usage() {
-            Ok((used_bytes, total_bytes)) => Response::DiskUsage {
-                used_bytes,
-                total_bytes,
+        Request::DiskUsage => match dsec_common::disk::usage(std::path::Path::new("/")) {
+            Ok(u) => Response::DiskUsage {
+                used_bytes: u.used(),
+                total_bytes: u.total,
             },
             Err(e) => err((ErrorCode::Internal, format!("statvfs /: {e}"))),
         },

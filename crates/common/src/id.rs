@@ -69,6 +69,13 @@ pub fn valid_edge_name(s: &str) -> bool {
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
 }
 
+/// `n` random bytes from the kernel's CSPRNG, as lower-case hex.
+pub fn random_hex(n: usize) -> String {
+    let mut b = vec![0u8; n];
+    fill_random(&mut b);
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
 /// Fills `buf` from the kernel's CSPRNG.
 pub fn fill_random(buf: &mut [u8]) {
     let mut off = 0;

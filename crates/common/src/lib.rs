@@ -4,6 +4,7 @@
 pub mod api;
 pub mod channel;
 pub mod client_config;
+pub mod disk;
 pub mod error;
 #[cfg(feature = "http")]
 pub mod http;

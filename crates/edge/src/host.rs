@@ -23,15 +23,7 @@ pub fn memory_mb() -> (u64, u64) {
 }
 
 pub fn disk_free_mb(path: &Path) -> u64 {
-    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
-        return 0;
-    };
-    // SAFETY: statvfs fills the zeroed struct for a NUL-terminated path.
-    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::statvfs(c.as_ptr(), &mut s) } != 0 {
-        return 0;
-    }
-    (s.f_bavail as u64).saturating_mul(s.f_frsize as u64) >> 20
+    dsec_common::disk::usage(path).map_or(0, |u| u.available >> 20)
 }
 
 /// The 1-minute load average from /proc/loadavg.

@@ -1193,12 +1193,7 @@ fn fork_response(
     }
 }
 
-/// `n` random bytes from the kernel's CSPRNG, in hex.
-pub(crate) fn random_hex(n: usize) -> String {
-    let mut b = vec![0u8; n];
-    dsec_common::id::fill_random(&mut b);
-    hex::encode(b)
-}
+pub(crate) use dsec_common::id::random_hex;
 
 fn port_token() -> String {
     random_hex(24)

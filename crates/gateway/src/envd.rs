@@ -392,17 +392,13 @@ async fn filesystem_rpc(
 
 async fn filesystem_request(gw: Gw, method: String, req: Request) -> Response {
     let h = req.headers().clone();
-    let body = match axum::body::to_bytes(req.into_body(), 2 * connect::MAX_MESSAGE).await {
-        Ok(b) => b,
-        Err(e) => return unary_error("invalid_argument", &e.to_string()),
-    };
-    filesystem_json(gw, method, h, body).await
-}
-
-async fn filesystem_json(gw: Gw, method: String, h: HeaderMap, body: Bytes) -> Response {
     let t = match target(&gw, &h, basic_user(&h)).await {
         Ok(t) => t,
         Err(r) => return r,
+    };
+    let body = match axum::body::to_bytes(req.into_body(), 2 * connect::MAX_MESSAGE).await {
+        Ok(b) => b,
+        Err(e) => return unary_error("invalid_argument", &e.to_string()),
     };
     if method == "WatchDir" {
         return match connect::single(&body) {

@@ -1,8 +1,6 @@
 //! envd's files: `GET`/`POST /files` and the `filesystem.Filesystem` RPCs, on OpenDsec's
 //! files API.
 
-use std::io::Read;
-
 use axum::body::{Body, Bytes};
 use axum::extract::{RawQuery, State};
 use axum::http::{HeaderMap, StatusCode, header};
@@ -16,7 +14,7 @@ use crate::control::{query_pairs, rfc3339};
 use crate::envd::{RpcErr, RpcResult, Signed, Target, target_signed};
 use crate::multipart::Multipart;
 use crate::upstream::{UpErr, enc, full};
-use crate::{Gw, e2b_error, header_str};
+use crate::{GunzipError, Gw, e2b_error, header_str};
 
 /// The largest gzip upload, packed and unpacked (it is unpacked in memory; plain uploads
 /// stream through whatever their size).
@@ -267,19 +265,19 @@ where
 }
 
 fn gunzip(b: &[u8]) -> Result<Bytes, UpErr> {
-    let mut out = Vec::new();
-    flate2::read::GzDecoder::new(b)
-        .take(MAX_UPLOAD as u64 + 1)
-        .read_to_end(&mut out)
-        .map_err(|e| UpErr::new(400, "invalid_argument", format!("gzip body: {e}")))?;
-    if out.len() > MAX_UPLOAD {
-        return Err(UpErr::new(
+    match crate::gunzip(b, MAX_UPLOAD) {
+        Ok(out) => Ok(out.into()),
+        Err(GunzipError::Bad(e)) => Err(UpErr::new(
+            400,
+            "invalid_argument",
+            format!("gzip body: {e}"),
+        )),
+        Err(GunzipError::TooLarge) => Err(UpErr::new(
             413,
             "resource_exhausted",
             "the unpacked upload is over 64 MiB",
-        ));
+        )),
     }
-    Ok(out.into())
 }
 
 /// `EntryInfo` for a stat.

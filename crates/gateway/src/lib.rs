@@ -168,15 +168,29 @@ pub fn access_token(secret: &[u8], id: &str) -> String {
     hex(&outer.finalize())
 }
 
-/// A random id (128 bits, hex).
-pub(crate) fn random_id() -> String {
-    let mut b = [0u8; 16];
-    dsec_common::id::fill_random(&mut b);
-    hex(&b)
-}
-
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Why a gzip body could not be unpacked.
+pub(crate) enum GunzipError {
+    /// It unpacks to more than the limit.
+    TooLarge,
+    Bad(std::io::Error),
+}
+
+/// Unpacks a gzip body of at most `limit` bytes unpacked (reading no further).
+pub(crate) fn gunzip(b: &[u8], limit: usize) -> Result<Vec<u8>, GunzipError> {
+    use std::io::Read;
+    let mut out = Vec::new();
+    flate2::read::GzDecoder::new(b)
+        .take(limit as u64 + 1)
+        .read_to_end(&mut out)
+        .map_err(GunzipError::Bad)?;
+    if out.len() > limit {
+        return Err(GunzipError::TooLarge);
+    }
+    Ok(out)
 }
 
 /// Compares without stopping at the first difference.

@@ -647,6 +647,14 @@ pub enum Dir {
     ToProto,
 }
 
+/// A compressed message, unpacked (at most [`MAX_MESSAGE`](crate::connect::MAX_MESSAGE)).
+fn gunzip_message(payload: &[u8]) -> Result<Vec<u8>, String> {
+    crate::gunzip(payload, crate::connect::MAX_MESSAGE).map_err(|e| match e {
+        crate::GunzipError::TooLarge => "message too large".to_string(),
+        crate::GunzipError::Bad(e) => format!("gzip message: {e}"),
+    })
+}
+
 /// One message frame transcoded; end-of-stream frames (flag 2) are JSON in either codec
 /// and pass as they are. Compressed request frames (flag 1, gzip) are unpacked.
 fn reframe_one(flags: u8, payload: &[u8], msg: &str, dir: Dir) -> Result<Vec<u8>, String> {
@@ -655,13 +663,7 @@ fn reframe_one(flags: u8, payload: &[u8], msg: &str, dir: Dir) -> Result<Vec<u8>
     }
     let unpacked;
     let payload = if flags & 1 != 0 {
-        use std::io::Read;
-        let mut out = Vec::new();
-        flate2::read::GzDecoder::new(payload)
-            .take(crate::connect::MAX_MESSAGE as u64 + 1)
-            .read_to_end(&mut out)
-            .map_err(|e| format!("gzip message: {e}"))?;
-        unpacked = out;
+        unpacked = gunzip_message(payload)?;
         &unpacked[..]
     } else {
         payload
@@ -761,20 +763,21 @@ where
                 return crate::envd::unary_error("resource_exhausted", "request message too large");
             }
         };
-        let bytes = if gz {
-            match reframe_one(1, &bytes, req_t, Dir::ToJson) {
-                Ok(frame) => bytes::Bytes::from(frame[5..].to_vec()),
+        let unpacked = if gz {
+            match gunzip_message(&bytes) {
+                Ok(b) => bytes::Bytes::from(b),
                 Err(e) => return crate::envd::unary_error("invalid_argument", &e),
             }
         } else {
-            match decode(&bytes, req_t) {
-                Ok(v) => bytes::Bytes::from(v.to_string()),
-                Err(e) => {
-                    return crate::envd::unary_error(
-                        "invalid_argument",
-                        &format!("request message: {e}"),
-                    );
-                }
+            bytes
+        };
+        let bytes = match decode(&unpacked, req_t) {
+            Ok(v) => bytes::Bytes::from(v.to_string()),
+            Err(e) => {
+                return crate::envd::unary_error(
+                    "invalid_argument",
+                    &format!("request message: {e}"),
+                );
             }
         };
         parts.headers.remove("content-encoding");

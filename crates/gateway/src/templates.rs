@@ -120,15 +120,20 @@ struct BuildRequest {
     tags: Vec<String>,
 }
 
-async fn request_build(State(gw): State<Gw>, h: HeaderMap, body: Bytes) -> Res {
-    caller(&gw, &h).await?;
-    if gw.cfg.builder.is_none() {
-        return Err(UpErr::new(
+/// The node's image builder, or why this gateway has none.
+fn builder(gw: &Gw) -> Result<Arc<dyn Builder>, UpErr> {
+    gw.cfg.builder.clone().ok_or_else(|| {
+        UpErr::new(
             501,
             "unimplemented",
             "this gateway cannot build templates (no image store on this node); use `dsec image build`",
-        ));
-    }
+        )
+    })
+}
+
+async fn request_build(State(gw): State<Gw>, h: HeaderMap, body: Bytes) -> Res {
+    caller(&gw, &h).await?;
+    builder(&gw)?;
     let req: BuildRequest = parse(&body, "template build request")?;
     let full = req
         .name
@@ -143,7 +148,7 @@ async fn request_build(State(gw): State<Gw>, h: HeaderMap, body: Bytes) -> Res {
         return Err(bad(format!("tag {t:?} is not valid")));
     }
     let tag = req.tags.first().cloned().unwrap_or(tag);
-    let bid = crate::random_id();
+    let bid = dsec_common::id::random_hex(16);
     let build = Build {
         template: name.clone(),
         tag: tag.clone(),
@@ -485,6 +490,7 @@ async fn start_build(
     body: Bytes,
 ) -> Res {
     caller(&gw, &h).await?;
+    let builder = builder(&gw)?;
     let b = find(&gw, &tid, &bid)?;
     let req: StartBuild = parse(&body, "template build")?;
     let from = base_image(&gw, &req).await?;
@@ -521,13 +527,6 @@ async fn start_build(
         b.lock().unwrap_or_else(|p| p.into_inner()).state = State_::Waiting;
         return Err(bad(e.to_string()));
     }
-    let Some(builder) = gw.cfg.builder.clone() else {
-        return Err(UpErr::new(
-            501,
-            "unimplemented",
-            "this gateway cannot build templates",
-        ));
-    };
     let b2 = b.clone();
     tokio::task::spawn_blocking(move || {
         let log = |b: &Arc<Mutex<Build>>, line: &str| {
@@ -612,10 +611,7 @@ async fn files(
     Path((tid, hash)): Path<(String, String)>,
 ) -> Res {
     caller(&gw, &h).await?;
-    let builder =
-        gw.cfg.builder.clone().ok_or_else(|| {
-            UpErr::new(501, "unimplemented", "this gateway cannot build templates")
-        })?;
+    let builder = builder(&gw)?;
     if !valid_hash(&hash) {
         return Err(bad(format!("{hash:?} is not a files hash")));
     }
@@ -654,15 +650,15 @@ async fn upload(
             "this upload URL is not valid",
         ));
     }
-    let builder =
-        gw.cfg.builder.clone().ok_or_else(|| {
-            UpErr::new(501, "unimplemented", "this gateway cannot build templates")
-        })?;
+    let builder = builder(&gw)?;
     let dir = builder.scratch();
     let internal =
         |e: std::io::Error| UpErr::new(500, "internal", format!("storing the upload: {e}"));
     tokio::fs::create_dir_all(&dir).await.map_err(internal)?;
-    let part = dir.join(format!("{hash}.tar.part-{}", crate::random_id()));
+    let part = dir.join(format!(
+        "{hash}.tar.part-{}",
+        dsec_common::id::random_hex(16)
+    ));
     let mut f = tokio::fs::File::create(&part).await.map_err(internal)?;
     let mut stream = body.into_data_stream();
     let mut n = 0u64;

@@ -25,6 +25,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use dsec_common::id::random_hex;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -163,12 +164,6 @@ fn sha256_file(p: &Path) -> Result<String, ImageError> {
         h.update(&buf[..n]);
     }
     Ok(hex::encode(h.finalize()))
-}
-
-fn random_hex() -> String {
-    let mut r = [0u8; 8];
-    dsec_common::id::fill_random(&mut r);
-    hex::encode(r)
 }
 
 /// A path removed on drop unless [`TempPath::keep`] was called.
@@ -470,7 +465,7 @@ pub fn ensure_kernel(store_root: &Path) -> Result<Kernel, ImageError> {
     tracing::info!("building guest kernel {release} from {package} {package_version}");
     let parent = guest_dir(store_root);
     std::fs::create_dir_all(&parent).ctx(|| format!("creating {}", parent.display()))?;
-    let work = TempPath::new(parent.join(format!(".tmp-kernel-{release}-{}", random_hex())));
+    let work = TempPath::new(parent.join(format!(".tmp-kernel-{release}-{}", random_hex(8))));
     let dl = work.path().join("download");
     let unpacked = work.path().join("unpacked");
     let out = work.path().join("out");
@@ -552,7 +547,7 @@ pub fn ensure_kernel(store_root: &Path) -> Result<Kernel, ImageError> {
     // A cache entry of an older format is moved aside (VMs still running from its files
     // keep them open) and removed.
     if dir.join("kernel.json").is_file() && load_kernel(&dir).ok().flatten().is_none() {
-        let old = parent.join(format!(".old-kernel-{release}-{}", random_hex()));
+        let old = parent.join(format!(".old-kernel-{release}-{}", random_hex(8)));
         if std::fs::rename(&dir, &old).is_ok() {
             let _ = remove_tree(&old);
         }
@@ -761,7 +756,7 @@ pub fn ensure_initramfs(store_root: &Path, kernel: &Kernel) -> Result<PathBuf, I
     std::fs::create_dir_all(&dir).ctx(|| format!("creating {}", dir.display()))?;
     let archive =
         initramfs_archive(&busybox, &modules).ctx(|| "writing the initramfs archive".into())?;
-    let tmp = TempPath::new(dir.join(format!(".tmp-initramfs-{}", random_hex())));
+    let tmp = TempPath::new(dir.join(format!(".tmp-initramfs-{}", random_hex(8))));
     let file =
         std::fs::File::create(tmp.path()).ctx(|| format!("creating {}", tmp.path().display()))?;
     let mut gz = flate2::write::GzEncoder::new(file, flate2::Compression::best());
@@ -790,7 +785,7 @@ pub fn ensure_vmlinux(kernel: &Kernel) -> Result<PathBuf, ImageError> {
             kernel.vmlinuz.display()
         ))
     })?;
-    let tmp = TempPath::new(kernel.dir.join(format!(".tmp-vmlinux-{}", random_hex())));
+    let tmp = TempPath::new(kernel.dir.join(format!(".tmp-vmlinux-{}", random_hex(8))));
     std::fs::write(tmp.path(), &elf).ctx(|| format!("writing {}", tmp.path().display()))?;
     std::fs::rename(tmp.path(), &dest).ctx(|| format!("writing {}", dest.display()))?;
     tmp.keep();
@@ -1039,7 +1034,7 @@ pub fn build_root_disk(
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     std::fs::create_dir_all(dest_dir).ctx(|| format!("creating {}", dest_dir.display()))?;
-    let tmp_dest = TempPath::new(dest_dir.join(format!(".tmp-disk-{}.ext4", random_hex())));
+    let tmp_dest = TempPath::new(dest_dir.join(format!(".tmp-disk-{}.ext4", random_hex(8))));
     std::fs::File::create(tmp_dest.path())
         .ctx(|| format!("creating {}", tmp_dest.path().display()))?;
 

@@ -93,12 +93,10 @@ impl ImageStore {
 
     /// A fresh, empty directory under `tmp/` for work in progress.
     pub fn temp_dir(&self, what: &str) -> Result<PathBuf, ImageError> {
-        let mut r = [0u8; 8];
-        dsec_common::id::fill_random(&mut r);
         let p = self
             .root
             .join("tmp")
-            .join(format!("{what}-{}", hex::encode(r)));
+            .join(format!("{what}-{}", dsec_common::id::random_hex(8)));
         std::fs::create_dir_all(&p).ctx(|| format!("creating {}", p.display()))?;
         Ok(p)
     }
