@@ -8,7 +8,7 @@ DATA_DIR=${DSEC_DATA_DIR:-/var/lib/dsec}
 PROFILE=${PROFILE:-release}
 
 if [ "$(id -u)" != 0 ]; then
-  echo "error: run as root (sandboxes need namespaces, cgroups and mounts): sudo $0" >&2
+  echo "error: run as root (sandboxes need namespaces, cgroups and mounts): $0 as root, or sudo $0" >&2
   exit 1
 fi
 echo "==> installing dependencies"
@@ -26,13 +26,12 @@ dsec image build images/base.toml --if-missing --data-dir "$DATA_DIR"
 dsec image build images/py-3.11.toml --if-missing --data-dir "$DATA_DIR"
 dsec image build images/code-interpreter.toml --if-missing --data-dir "$DATA_DIR"
 
-if [ -e /dev/kvm ] && command -v firecracker >/dev/null; then
-  echo "note: this host has /dev/kvm and firecracker, but the microvm backend is not part of this build yet; using containers"
-else
-  echo "note: microVMs need hardware KVM and a firecracker binary, which this host lacks; using the container backend"
-fi
 echo "==> starting OpenDsec"
 dsec up --data-dir "$DATA_DIR"
 dsec status --data-dir "$DATA_DIR"
+# The table above says which backends this host can run and, for the others, what they lack.
+echo "note: backends: container (crun or runc), vm (QEMU; hardware KVM, else TCG emulation),"
+echo "      microvm (Firecracker; needs hardware KVM and a firecracker binary on PATH)."
+echo "      The seed example below uses the container backend."
 echo "==> running the seed example (examples/seed.py)"
 DSEC_CONFIG="$DATA_DIR/client.toml" python3 examples/seed.py

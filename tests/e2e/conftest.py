@@ -5,7 +5,9 @@ once and kept between runs, and leak checks that look at the host itself."""
 from __future__ import annotations
 
 import glob
+import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -74,9 +76,24 @@ def aether_processes() -> list[int]:
     return pids
 
 
+JS = ROOT / "tests/e2e/js"
+# The npm release the JavaScript tests pin (js/package.json and package-lock.json say the same).
+E2B_JS_VERSION = "2.51.0"
+
+
 def build_images() -> None:
+    """Everything the suite needs from outside, fetched here, in the host's network
+    namespace: tests that run an edge inside a namespace of their own (the cluster, the
+    network lab) have no route to a package registry."""
     for spec in ("images/base.toml", "images/py-3.11.toml", "images/code-interpreter.toml"):
         dsec("image", "build", str(ROOT / spec), "--if-missing", "--data-dir", str(DATA), timeout=1800)
+    # The VM guest kernel (Debian's linux-image-cloud-amd64) and its initramfs.
+    dsec("image", "vm-kernel", "--data-dir", str(DATA), timeout=1800)
+    installed = JS / "node_modules/e2b/package.json"
+    if shutil.which("npm") and (not installed.exists()
+                                or json.loads(installed.read_text())["version"] != E2B_JS_VERSION):
+        subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=JS,
+                       check=True, timeout=600)
 
 
 def server_up(extra: tuple[str, ...] = ()) -> None:

@@ -183,7 +183,7 @@ async def test_container_commit_makes_an_image_new_sandboxes_start_from(client, 
     await check_image(client, ref, "container")
     # The manifest says where the image came from; the create-time env is not baked in.
     m = json.loads(dsec("image", "inspect", ref, "--data-dir", str(DATA), "--json").stdout)["manifest"]
-    assert m["source"] == f"commit of sandbox {sb.id} (from {BASE})", m
+    assert m["source"] == f"commit of a sandbox of project root (from {BASE})", m
     assert m["env"] == {"COMMIT_BASE_ENV": "from-the-base"} and m["workdir"] == "/opt/work", m
 
 
@@ -254,5 +254,5 @@ async def test_vm_commit_streams_the_guest_changes_into_an_image(client, commit_
     await check_image(client, ref, "container")
     await check_image(client, ref, "vm")
     m = json.loads(dsec("image", "inspect", ref, "--data-dir", str(DATA), "--json").stdout)["manifest"]
-    assert m["source"] == f"commit of sandbox {sb.id} (from {BASE})", m
+    assert m["source"] == f"commit of a sandbox of project root (from {BASE})", m
     assert m["env"] == {"COMMIT_BASE_ENV": "from-the-base"} and m["workdir"] == "/opt/work", m

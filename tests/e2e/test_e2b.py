@@ -530,7 +530,7 @@ def test_sandbox_ports_through_the_host_url(e2b, template):
                 break
             time.sleep(0.1)
         assert r.text.startswith("/p ")
-        assert httpx.get(f"{url}/p", headers={"Host": phost}).status_code == 403
+        assert httpx.get(f"{url}/p", headers={"Host": phost}).status_code == 401
         assert httpx.get(f"{url}/p", headers={"Host": phost, "E2B-Traffic-Access-Token": "x"}).status_code == 403
     finally:
         sb.kill()

@@ -7,25 +7,20 @@ import json
 import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
 from test_e2b import BACKENDS, PORT_SERVER, e2b_env
 
-JS = Path(__file__).parent / "js"
-# The npm release these tests pin (js/package.json and package-lock.json say the same).
-E2B_JS_VERSION = "2.51.0"
+from conftest import E2B_JS_VERSION, JS
 
 
 @pytest.fixture(scope="module")
 def node_e2b():
+    # conftest's session fixture ran `npm ci` (in the host's network namespace).
     if shutil.which("node") is None or shutil.which("npm") is None:
         pytest.fail("node and npm are needed (deploy/deps.sh installs them)")
     installed = JS / "node_modules/e2b/package.json"
-    if not installed.exists() or json.loads(installed.read_text())["version"] != E2B_JS_VERSION:
-        subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=JS,
-                       check=True, timeout=600)
     assert json.loads(installed.read_text())["version"] == E2B_JS_VERSION
 
 

@@ -24,6 +24,7 @@ use serde::de::DeserializeOwned;
 
 pub mod cluster;
 pub mod iam;
+mod images;
 mod ports;
 mod runtime;
 mod snapshots;
@@ -270,6 +271,7 @@ pub(crate) fn create_request(bytes: &Bytes, p: &Principal) -> ApiResult<CreateSa
         ))
         .into());
     }
+    images::check_read(p, &req.image)?;
     req.project = Some(project);
     Ok(req)
 }
@@ -480,25 +482,30 @@ async fn set_network(
     ))
 }
 
-/// Images are one namespace for the whole store (`GET /v1/images` lists every one), so a
-/// commit may name any valid reference; an existing one is replaced only with
-/// `overwrite`.
+/// A commit names an image of the caller's project subtree (see [`images`]); an existing
+/// one is replaced only with `overwrite`.
 async fn commit(
     State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
     Path(id): Path<String>,
     bytes: Bytes,
 ) -> ApiResult<Response> {
     route(&st, &id)?;
     let req: dsec_common::api::CommitRequest = body(&bytes, "commit")?;
+    images::check_write(&p, &req.image)?;
     Ok(json(StatusCode::CREATED, &st.edge.commit(&id, req).await?))
 }
 
-async fn images(State(st): State<AppState>) -> ApiResult<Response> {
+async fn images(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+) -> ApiResult<Response> {
     let store = st.edge.images().clone();
     let list = tokio::task::spawn_blocking(move || store.list())
         .await
         .map_err(|e| ApiError::internal(e.to_string()))?
         .map_err(|e| ApiError::internal(e.to_string()))?;
+    let list = images::visible(&p, list);
     Ok(json(StatusCode::OK, &serde_json::json!({ "images": list })))
 }
 

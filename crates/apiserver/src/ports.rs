@@ -103,7 +103,10 @@ async fn proxy(
     } else {
         let expected = st.edge.port_token(&id)?;
         let given = header_token.or(query_token);
-        if given.as_deref() != Some(expected.as_str()) || expected.is_empty() {
+        let matches = given
+            .as_deref()
+            .is_some_and(|g| dsec_common::id::same_secret(g.as_bytes(), expected.as_bytes()));
+        if !matches || expected.is_empty() {
             return Err(Failure(ApiError::new(
                 ErrorCode::Unauthenticated,
                 "send the API key (Authorization: Bearer dsk.…) or the sandbox's port_token (X-Dsec-Token or ?dsec_token=)",

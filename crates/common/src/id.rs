@@ -70,6 +70,12 @@ pub fn valid_edge_name(s: &str) -> bool {
 }
 
 /// `n` random bytes from the kernel's CSPRNG, as lower-case hex.
+/// Compares secrets (tokens, keys, signatures) without stopping at the first difference,
+/// so the time taken does not reveal how much of a guess was right.
+pub fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 pub fn random_hex(n: usize) -> String {
     let mut b = vec![0u8; n];
     fill_random(&mut b);

@@ -146,7 +146,11 @@ impl Edge {
         let images = self.images.clone();
         let dir = tmp.keep();
         let (target2, overwrite) = (target.clone(), req.overwrite);
-        let source = format!("commit of sandbox {id} (from {})", src.image);
+        // No sandbox id: readers of the image in other projects must not learn one.
+        let source = format!(
+            "commit of a sandbox of project {} (from {})",
+            src.project, src.image
+        );
         let (digest, manifest) = blocking(move || {
             let r = images.commit(&base, &dir, &target2, overwrite, source);
             if r.is_err() {

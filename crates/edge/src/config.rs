@@ -95,6 +95,10 @@ pub struct NetworkConfig {
     /// Service names for rules (`pypi = ["pypi.org", "*.pythonhosted.org"]`); these add to
     /// and override the built-in ones (pypi, npm, github, debian, huggingface).
     pub services: BTreeMap<String, Vec<String>>,
+    /// Private addresses a rule may open by name (`db = ["10.1.2.3:5432"]`): the only way
+    /// into the private, loopback, link-local and reserved ranges, which no tenant rule
+    /// can name. Never inside the pool.
+    pub private_services: BTreeMap<String, Vec<String>>,
 }
 
 impl Default for NetworkConfig {
@@ -105,6 +109,7 @@ impl Default for NetworkConfig {
             dns_port: 10053,
             dns_upstream: Vec::new(),
             services: BTreeMap::new(),
+            private_services: BTreeMap::new(),
         }
     }
 }

@@ -17,7 +17,7 @@ use serde_json::{Value, json};
 
 use crate::upstream::{UpErr, enc};
 use crate::{
-    DEFAULT_TIMEOUT_S, ENVD_VERSION, Gw, LABEL_PREFIX, PRIVATE_LABEL, TEMPLATE_LABEL, Template,
+    DEFAULT_TIMEOUT_S, ENVD_VERSION, Gw, LABEL_PREFIX, PUBLIC_LABEL, TEMPLATE_LABEL, Template,
     access_token, header_str,
 };
 
@@ -96,7 +96,7 @@ fn sandbox_json(gw: &Gw, info: &SandboxInfo) -> Value {
         "envdAccessToken": access_token(&gw.cfg.secret, &info.id),
         "domain": gw.cfg.domain,
     });
-    if info.labels.get(PRIVATE_LABEL).map(String::as_str) == Some("true") {
+    if !crate::ports::public(info) {
         v["trafficAccessToken"] = json!(crate::ports::traffic_token(&gw.cfg.secret, &info.id));
     }
     v
@@ -250,10 +250,15 @@ async fn create_inner(gw: &Gw, h: &HeaderMap, body: &Bytes) -> Res {
     }
     labels.insert(TEMPLATE_LABEL.to_string(), req.template_id.clone());
     let mut rules = BTreeMap::new();
+    let public = req
+        .network
+        .as_ref()
+        .and_then(|n| n.allow_public_traffic)
+        .unwrap_or(true);
+    if public {
+        labels.insert(PUBLIC_LABEL.to_string(), "true".to_string());
+    }
     if let Some(n) = req.network {
-        if n.allow_public_traffic == Some(false) {
-            labels.insert(PRIVATE_LABEL.to_string(), "true".to_string());
-        }
         rules.extend(n.deny_out.into_iter().map(|d| (d, false)));
         // allowed entries win over denied ones, as in E2B
         rules.extend(n.allow_out.into_iter().map(|d| (d, true)));

@@ -105,7 +105,10 @@ pub(crate) async fn write(
     RawQuery(q): RawQuery,
     body: Body,
 ) -> Response {
-    let t = match target_signed(&gw, &h, query(&q, "username"), signed(&q, "write")).await {
+    let sig = signed(&q, "write");
+    // A signed URL (no header token) writes the one path it signs, whatever the parts say.
+    let bound = sig.is_some() && header_str(&h, "x-access-token").is_none();
+    let t = match target_signed(&gw, &h, query(&q, "username"), sig).await {
         Ok(t) => t,
         Err(r) => return r,
     };
@@ -113,7 +116,7 @@ pub(crate) async fn write(
     let multi = ct.starts_with("multipart/form-data");
     let r = match header_str(&h, "content-encoding") {
         None | Some("identity") if multi => {
-            write_multipart(&gw, &t, ct, &q, body.into_data_stream()).await
+            write_multipart(&gw, &t, ct, &q, bound, body.into_data_stream()).await
         }
         None | Some("identity") => write_stream(&gw, &t, &q, body).await,
         Some("gzip") => match axum::body::to_bytes(body, MAX_UPLOAD).await {
@@ -126,7 +129,7 @@ pub(crate) async fn write(
                 Err(e) => Err(e),
                 Ok(data) if multi => {
                     let one = futures_util::stream::iter([Ok::<_, std::convert::Infallible>(data)]);
-                    write_multipart(&gw, &t, ct, &q, one).await
+                    write_multipart(&gw, &t, ct, &q, bound, one).await
                 }
                 Ok(data) => write_stream(&gw, &t, &q, Body::from(data)).await,
             },
@@ -186,11 +189,13 @@ async fn written(r: hyper::Response<hyper::body::Incoming>, path: &str) -> Value
 }
 
 /// Each `file` part of a multipart body is written as it arrives, one after another.
+/// `bound` (a signed URL): one part only, written to the signed `path`.
 async fn write_multipart<S, E>(
     gw: &Gw,
     t: &Target,
     ct: &str,
     q: &Option<String>,
+    bound: bool,
     body: S,
 ) -> Result<Value, UpErr>
 where
@@ -205,7 +210,15 @@ where
         if head.name.as_deref() != Some("file") {
             continue;
         }
-        let p = match path_param.take().or(head.filename) {
+        if bound && !out.is_empty() {
+            return Err(UpErr::new(
+                400,
+                "invalid_argument",
+                "a signed upload URL writes one file, the path it was signed for; this body has more file parts",
+            ));
+        }
+        let filename = if bound { None } else { head.filename };
+        let p = match path_param.take().or(filename) {
             Some(p) => p,
             None => {
                 return Err(UpErr::new(

@@ -42,8 +42,11 @@ pub const ENVD_VERSION: &str = "0.5.7";
 pub const ENVD_PORT: u16 = 49983;
 /// The label that keeps a sandbox's E2B template id.
 pub const TEMPLATE_LABEL: &str = "e2b.template";
-/// The label of a sandbox whose ports want the traffic token (`allowPublicTraffic: false`).
-pub const PRIVATE_LABEL: &str = "e2b.private_traffic";
+/// The label of a sandbox the gateway created with `allowPublicTraffic` (E2B's default):
+/// its ports are open to anyone with the URL. Every other sandbox's ports want its traffic
+/// token or a key that can see it. (A native client may set the label on its own
+/// sandboxes; that opens only their ports.)
+pub const PUBLIC_LABEL: &str = "e2b.public_traffic";
 /// Labels the gateway keeps for itself start so; they are not shown as metadata.
 pub const LABEL_PREFIX: &str = "e2b.";
 /// Sandbox lifetime when create names none (E2B's default).
@@ -193,9 +196,9 @@ pub(crate) fn gunzip(b: &[u8], limit: usize) -> Result<Vec<u8>, GunzipError> {
     Ok(out)
 }
 
-/// Compares without stopping at the first difference.
+/// Compares tokens in constant time.
 pub(crate) fn same(a: &str, b: &str) -> bool {
-    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+    dsec_common::id::same_secret(a.as_bytes(), b.as_bytes())
 }
 
 /// A control-plane (and envd plain-HTTP) error: `{"code": <status>, "message"}`, the only

@@ -3,9 +3,11 @@
 //! envd's, goes to that port in the sandbox over OpenDsec's port proxy, as it is
 //! (method, path, headers, streamed body; WebSocket and other upgrades pass through).
 //!
-//! As in E2B, ports are open to anyone with the URL unless the sandbox was created with
-//! `network.allowPublicTraffic = false`; then the `E2B-Traffic-Access-Token` header that
-//! create returned is required.
+//! As in E2B, the ports of a sandbox the gateway created are open to anyone with the URL
+//! unless it was created with `network.allowPublicTraffic = false`. Any other sandbox
+//! (private, or created through the native API) wants the `E2B-Traffic-Access-Token`
+//! header that create returned, or an `X-API-Key` that can see the sandbox. The gateway
+//! adds the port token OpenDsec's port proxy wants only once one of those holds.
 
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -15,7 +17,10 @@ use axum::response::{IntoResponse, Response};
 use dsec_common::id::SandboxId;
 use http_body_util::BodyExt;
 
-use crate::{ENVD_PORT, Gw, PRIVATE_LABEL, access_token, e2b_error, header_str, same};
+use dsec_common::api::SandboxInfo;
+use hyper::Method;
+
+use crate::{ENVD_PORT, Gw, PUBLIC_LABEL, access_token, e2b_error, header_str, same};
 
 /// The sandbox (raw id) and port a sandbox-side request names: `E2b-Sandbox-Id` and
 /// `E2b-Sandbox-Port` (with `E2B_SANDBOX_URL`), else a `{port}-{id}.{domain}` host.
@@ -56,6 +61,44 @@ pub(crate) fn traffic_token(secret: &[u8], id: &str) -> String {
     access_token(secret, &format!("traffic:{id}"))
 }
 
+/// Whether the sandbox's ports are open without credentials.
+pub(crate) fn public(info: &SandboxInfo) -> bool {
+    info.labels.get(PUBLIC_LABEL).map(String::as_str) == Some("true")
+}
+
+/// A non-public sandbox's port: the caller shows its traffic token, or a key that can see
+/// the sandbox (the API answers for it with that key).
+async fn may_reach(gw: &Gw, id: &str, h: &HeaderMap) -> Result<(), Response> {
+    if let Some(t) = header_str(h, "e2b-traffic-access-token") {
+        return if same(t, &traffic_token(&gw.cfg.secret, id)) {
+            Ok(())
+        } else {
+            Err(e2b_error(
+                403,
+                "this E2B-Traffic-Access-Token is not the one for this sandbox",
+            ))
+        };
+    }
+    let Some(key) = header_str(h, "x-api-key") else {
+        return Err(e2b_error(
+            401,
+            "this sandbox's ports are not public: send the E2B-Traffic-Access-Token header that create returned, or an X-API-Key that can see the sandbox",
+        ));
+    };
+    let seen: Result<SandboxInfo, crate::UpErr> = gw
+        .up
+        .call(Method::GET, &format!("/v1/sandboxes/{id}"), key, None)
+        .await;
+    match seen {
+        Ok(_) => Ok(()),
+        Err(e) if e.status == 401 => Err(e2b_error(401, &e.message)),
+        Err(_) => Err(e2b_error(
+            403,
+            "this X-API-Key cannot see the sandbox, whose ports are not public",
+        )),
+    }
+}
+
 async fn proxy(gw: &Gw, id: &str, port: u16, mut req: Request) -> Response {
     let Ok(id) = SandboxId::parse(id).map(|p| p.to_string()) else {
         return crate::envd::gone();
@@ -64,14 +107,10 @@ async fn proxy(gw: &Gw, id: &str, port: u16, mut req: Request) -> Response {
         Ok(i) => i,
         Err(r) => return r,
     };
-    if info.labels.get(PRIVATE_LABEL).map(String::as_str) == Some("true") {
-        let want = traffic_token(&gw.cfg.secret, &id);
-        if !header_str(req.headers(), "e2b-traffic-access-token").is_some_and(|t| same(t, &want)) {
-            return e2b_error(
-                403,
-                "this sandbox's ports are private: send the E2B-Traffic-Access-Token header that create returned",
-            );
-        }
+    if !public(&info)
+        && let Err(r) = may_reach(gw, &id, req.headers()).await
+    {
+        return r;
     }
     let path_and_query = req
         .uri()
@@ -85,7 +124,9 @@ async fn proxy(gw: &Gw, id: &str, port: u16, mut req: Request) -> Response {
     if let Some(hs) = b.headers_mut() {
         for (k, v) in req.headers() {
             let n = k.as_str();
-            if !n.starts_with("e2b-") && n != "x-dsec-token" {
+            // An OpenDsec key that opened the port goes no further than the gateway.
+            let dsec_key = n == "x-api-key" && v.as_bytes().starts_with(b"dsk.");
+            if !n.starts_with("e2b-") && n != "x-dsec-token" && !dsec_key {
                 hs.append(k.clone(), v.clone());
             }
         }

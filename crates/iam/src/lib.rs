@@ -63,6 +63,20 @@ impl Principal {
     pub fn is_admin(&self) -> bool {
         self.project == ROOT
     }
+
+    /// Whether the key may start sandboxes from, and see, images of `project` (the part of
+    /// an image reference before its name): those of its own project and the projects
+    /// inside it, and those of its ancestors up to `root` (shared base images). Siblings'
+    /// images are invisible.
+    pub fn may_read_images(&self, project: &str) -> bool {
+        self.is_admin() || within(project, &self.project) || within(&self.project, project)
+    }
+
+    /// Whether the key may create, overwrite or delete images of `project`: only inside
+    /// its own project subtree, so no tenant can replace a shared image.
+    pub fn may_write_images(&self, project: &str) -> bool {
+        within(project, &self.project)
+    }
 }
 
 /// A project as its viewers see it.
@@ -211,6 +225,30 @@ pub fn import_key_file(store: &dyn Iam, path: &Path) -> Result<usize, IamError> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn images_are_read_down_and_up_the_tree_and_written_only_in_the_subtree() {
+        let p = |project: &str| Principal {
+            name: "eve".into(),
+            kind: PrincipalKind::Agent,
+            key_id: "k".into(),
+            project: project.into(),
+        };
+        let t1 = p("root/t1");
+        assert!(t1.may_read_images("root"), "shared base images");
+        assert!(t1.may_read_images("root/t1"));
+        assert!(t1.may_read_images("root/t1/sub"));
+        assert!(!t1.may_read_images("root/t2"), "a sibling's images");
+        assert!(!t1.may_read_images("root/t10"), "a prefix is not a parent");
+        assert!(!t1.may_read_images("other"));
+        assert!(t1.may_write_images("root/t1") && t1.may_write_images("root/t1/sub"));
+        for theirs in ["root", "root/t2", "root/t10", "other"] {
+            assert!(!t1.may_write_images(theirs), "{theirs}");
+        }
+        let admin = p("root");
+        assert!(admin.may_write_images("root/t2") && admin.may_read_images("other"));
+        assert!(!admin.may_write_images("other"), "outside every project");
+    }
 
     #[test]
     fn keys_authenticate_by_hash_survive_a_reopen_and_can_be_revoked() {

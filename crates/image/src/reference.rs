@@ -55,6 +55,12 @@ impl ImageRef {
         })
     }
 
+    /// The project namespace the image lives in: every path component but the name
+    /// (`root/t1` for `root/t1/myenv:v1`, `root` for `root/py:3.11`).
+    pub fn project(&self) -> String {
+        self.repo[..self.repo.len() - 1].join("/")
+    }
+
     /// Relative path of the reference file inside `refs/`. Components are validated, so it
     /// cannot leave that directory.
     pub fn rel_path(&self) -> PathBuf {
@@ -81,6 +87,11 @@ mod tests {
         assert_eq!(r.tag, "3.11");
         assert_eq!(r.to_string(), "root/py:3.11");
         assert_eq!(ImageRef::parse("root/base").unwrap().tag, "latest");
+        assert_eq!(r.project(), "root");
+        assert_eq!(
+            ImageRef::parse("root/t1/env:v1").unwrap().project(),
+            "root/t1"
+        );
         assert_eq!(
             ImageRef::parse("a/b/c:v1").unwrap().rel_path(),
             PathBuf::from("a/b/c/v1")

@@ -670,8 +670,10 @@ class Sandbox:
 
     async def commit(self, image: str, overwrite: bool = False) -> CommitResult:
         """Turns this sandbox's filesystem changes into a new image ``image``
-        (``ns/name[:tag]``): one more layer on top of the sandbox's image, with its env and
-        workdir. Any later sandbox, container or vm, can start from it.
+        (``<project>/name[:tag]``, e.g. ``root/t1/env:v1``): one more layer on top of the
+        sandbox's image, with its env and workdir. Any later sandbox, container or vm, can
+        start from it. The image must lie in the key's project or one inside it
+        (``PermissionDeniedError`` otherwise); shared images of parent projects are read-only.
 
         An existing ``image`` is replaced only with ``overwrite=True``; otherwise the call
         raises ``AlreadyExistsError``. A container sandbox is frozen while its changes are

@@ -356,7 +356,7 @@ mod tests {
                 .iter()
                 .filter_map(|d| DomainPattern::parse(d))
                 .collect(),
-            cidrs: Vec::new(),
+            ..Policy::default()
         }
     }
 

@@ -54,7 +54,7 @@ struct State {
 
 pub struct Network {
     pub cfg: NetworkConfig,
-    services: BTreeMap<String, Vec<String>>,
+    catalog: rules::Catalog,
     pool: Cidr,
     pub upstream: Vec<SocketAddr>,
     state: Mutex<State>,
@@ -87,17 +87,7 @@ impl Network {
                     cfg.pool
                 )
             })?;
-        let mut services = rules::default_services();
-        for (name, domains) in &cfg.services {
-            for d in domains {
-                if rules::DomainPattern::parse(d).is_none() {
-                    return Err(format!(
-                        "[edge.network.services] {name}: {d:?} is not a domain"
-                    ));
-                }
-            }
-            services.insert(name.clone(), domains.clone());
-        }
+        let catalog = rules::Catalog::new(&cfg.services, &cfg.private_services, &pool)?;
         let mut upstream = Vec::new();
         for u in &cfg.dns_upstream {
             let a = u
@@ -111,7 +101,7 @@ impl Network {
         }
         let net = Network {
             cfg: cfg.clone(),
-            services,
+            catalog,
             pool,
             upstream,
             state: Mutex::new(State::default()),
@@ -142,7 +132,7 @@ impl Network {
     }
 
     pub fn policy(&self, rules: &BTreeMap<String, bool>) -> Result<Policy, ApiError> {
-        rules::compile(rules, &self.services)
+        rules::compile(rules, &self.catalog)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {

@@ -1,10 +1,12 @@
 //! The node's nftables table `inet dsec`, written as `nft -f` scripts (each applied as one
 //! atomic transaction). Base chains steer only traffic of sandbox interfaces (`dsv*`):
 //!
-//! - forward: a sandbox's packets go through its own chain `sb_<k>` (explicitly named
-//!   private ranges, then the never-ranges dropped, then addresses its DNS answers gave
-//!   (`a_<k>`, with their TTL), then its CIDR rules), else they are dropped; IPv6 is
-//!   dropped; nothing may open a connection into a sandbox; replies pass.
+//! - forward: packets from one sandbox to another (by interface or by pool address) are
+//!   dropped first, whatever the rules; then a sandbox's packets go through its own chain
+//!   `sb_<k>` (the operator's private services its rules named, then the never-ranges
+//!   dropped, then addresses its DNS answers gave (`a_<k>`, with their TTL), then its CIDR
+//!   rules), else they are dropped; IPv6 is dropped; nothing may open a connection into a
+//!   sandbox; replies pass.
 //! - input: from a sandbox only DNS to the proxy reaches the node.
 //! - nat: DNS on port 53 to any address is redirected to the proxy; the pool is
 //!   masqueraded behind the node's uplink.
@@ -68,6 +70,8 @@ add chain inet {TABLE} forward {{ type filter hook forward priority filter; poli
 flush chain inet {TABLE} forward
 add rule inet {TABLE} forward iifname \"{p}*\" ct state established,related accept
 add rule inet {TABLE} forward iifname \"{p}*\" meta nfproto ipv6 drop
+add rule inet {TABLE} forward iifname \"{p}*\" oifname \"{p}*\" drop
+add rule inet {TABLE} forward iifname \"{p}*\" ip daddr {pool} drop
 add rule inet {TABLE} forward iifname \"{p}*\" iifname vmap @egress
 add rule inet {TABLE} forward iifname \"{p}*\" drop
 add rule inet {TABLE} forward oifname \"{p}*\" ct state established,related accept
@@ -118,16 +122,18 @@ add rule inet {TABLE} sb_{k} drop
     s
 }
 
-/// Replaces the CIDR sets of sandbox `k` (rules changed while it runs).
+/// Replaces the CIDR sets of sandbox `k` (rules changed while it runs): the operator's
+/// private services in `x`/`xp` (looked at before the never-ranges are dropped), the
+/// tenant's CIDRs in `c`/`p` (after).
 pub fn cidr_sets(k: &str, policy: &Policy) -> String {
-    let never = never();
-    let explicit_private = |c: &Cidr| never.iter().any(|n| c.within(n));
     let mut s = String::new();
     for set in ["x", "xp", "c", "p"] {
         s.push_str(&format!("flush set inet {TABLE} {set}_{k}\n"));
     }
-    for (cidr, port) in &policy.cidrs {
-        let set = match (explicit_private(cidr), port) {
+    let private = policy.private.iter().map(|c| (true, c));
+    let public = policy.cidrs.iter().map(|c| (false, c));
+    for (explicit_private, (cidr, port)) in private.chain(public) {
+        let set = match (explicit_private, port) {
             (true, None) => "x",
             (true, Some(_)) => "xp",
             (false, None) => "c",
@@ -184,7 +190,7 @@ pub fn remove_sandbox(k: &str) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::net::rules::{compile, default_services};
+    use crate::net::rules::{Catalog, compile};
     use std::collections::BTreeMap;
 
     #[test]
@@ -192,13 +198,18 @@ mod tests {
         let rules: BTreeMap<String, bool> = [
             ("203.0.113.0/24", true),
             ("198.51.100.7:443", true),
-            ("10.9.0.0/16", true),
-            ("169.254.169.254:80", true),
+            ("db", true),
         ]
         .iter()
         .map(|(k, v)| (k.to_string(), *v))
         .collect();
-        let p = compile(&rules, &default_services()).unwrap();
+        let private = BTreeMap::from([(
+            "db".to_string(),
+            vec!["10.9.0.0/16".to_string(), "169.254.169.254:80".to_string()],
+        )]);
+        let pool = Cidr::parse("10.200.0.0/16").unwrap();
+        let catalog = Catalog::new(&BTreeMap::new(), &private, &pool).unwrap();
+        let p = compile(&rules, &catalog).unwrap();
         let s = cidr_sets("abc", &p);
         assert!(
             s.contains("add element inet dsec c_abc { 203.0.113.0/24 }"),
@@ -216,5 +227,18 @@ mod tests {
             s.contains("add element inet dsec xp_abc { 169.254.169.254/32 . 80 }"),
             "{s}"
         );
+    }
+
+    #[test]
+    fn sandboxes_never_reach_each_other_before_any_rule_is_looked_at() {
+        let pool = Cidr::parse("10.200.0.0/16").unwrap();
+        let b = base(&pool, 10053);
+        let pos = |needle: &str| {
+            b.find(needle)
+                .unwrap_or_else(|| panic!("{needle} missing from:\n{b}"))
+        };
+        let vmap = pos("iifname vmap @egress");
+        assert!(pos("iifname \"dsv*\" oifname \"dsv*\" drop") < vmap);
+        assert!(pos("ip daddr 10.200.0.0/16 drop") < vmap);
     }
 }

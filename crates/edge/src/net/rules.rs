@@ -3,6 +3,12 @@
 //! DNS proxy and nftables enforce: allowed domain patterns and CIDRs (with an optional
 //! port). Service names (`pypi`, `npm`, …) expand to the domains the edge configuration
 //! gives them. `false` allows nothing; it is accepted so rules read like the seed's.
+//!
+//! A rule never opens the ranges in [`NEVER`] (other sandboxes, the node's networks,
+//! loopback, link-local and cloud metadata, reserved space): a CIDR inside one is refused,
+//! and a wider one (`0.0.0.0/0`) still leaves them closed. Only the operator can open a
+//! private address, by listing it as a named private service in the node's configuration
+//! (`[edge.network.private_services] db = ["10.1.2.3:5432"]`), which a rule then names.
 
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
@@ -59,25 +65,55 @@ impl std::fmt::Display for Cidr {
     }
 }
 
-/// Addresses no rule opens implicitly: the node itself (loopback), other sandboxes and
+/// Addresses no tenant rule opens: the node itself (loopback), other sandboxes and
 /// private networks, link-local and cloud metadata, shared and reserved space. A DNS answer
-/// pointing into them is not followed; only a CIDR rule that lies inside one of them (it
-/// names it explicitly) opens it.
-pub const NEVER: &[&str] = &[
-    "0.0.0.0/8",
-    "10.0.0.0/8",
-    "100.64.0.0/10",
-    "127.0.0.0/8",
-    "169.254.0.0/16",
-    "172.16.0.0/12",
-    "192.0.0.0/24",
-    "192.168.0.0/16",
-    "198.18.0.0/15",
-    "224.0.0.0/3",
+/// pointing into them is not followed; only an operator's private service opens a part.
+pub const NEVER: &[(&str, &str)] = &[
+    ("0.0.0.0/8", "\"this network\""),
+    (
+        "10.0.0.0/8",
+        "private networks: other sandboxes and the node's own networks",
+    ),
+    ("100.64.0.0/10", "carrier-grade NAT space"),
+    ("127.0.0.0/8", "loopback"),
+    (
+        "169.254.0.0/16",
+        "link-local, where cloud metadata services answer",
+    ),
+    ("172.16.0.0/12", "private networks"),
+    ("192.0.0.0/24", "IETF protocol assignments"),
+    ("192.168.0.0/16", "private networks"),
+    ("198.18.0.0/15", "benchmarking space"),
+    ("224.0.0.0/3", "multicast and reserved space"),
 ];
 
 pub fn never() -> Vec<Cidr> {
-    NEVER.iter().filter_map(|s| Cidr::parse(s)).collect()
+    NEVER.iter().filter_map(|(s, _)| Cidr::parse(s)).collect()
+}
+
+/// The never-range `c` lies in, and what it is.
+pub fn never_range_of(c: &Cidr) -> Option<(Cidr, &'static str)> {
+    NEVER
+        .iter()
+        .filter_map(|(s, why)| Some((Cidr::parse(s)?, *why)))
+        .find(|(n, _)| c.within(n))
+}
+
+/// `203.0.113.0/24` or `198.51.100.7:443`: a network and an optional port.
+pub fn parse_cidr_port(k: &str) -> Result<(Cidr, Option<u16>), &'static str> {
+    let (net, port) = match k.rsplit_once(':') {
+        Some((n, port)) => {
+            let port: u16 = port
+                .parse()
+                .ok()
+                .filter(|p| *p > 0)
+                .ok_or("has a port that is not 1-65535")?;
+            (n, Some(port))
+        }
+        None => (k, None),
+    };
+    let cidr = Cidr::parse(net).ok_or("is not an IPv4 CIDR")?;
+    Ok((cidr, port))
 }
 
 /// A domain rule: `pypi.org` (that name) or `*.pythonhosted.org` (names under it).
@@ -126,8 +162,11 @@ impl DomainPattern {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Policy {
     pub domains: Vec<DomainPattern>,
-    /// (network, port); `None` is any port.
+    /// (network, port); `None` is any port. Never inside a never-range.
     pub cidrs: Vec<(Cidr, Option<u16>)>,
+    /// The operator's private services the rules named: opened before the never-ranges
+    /// are dropped.
+    pub private: Vec<(Cidr, Option<u16>)>,
 }
 
 impl Policy {
@@ -136,7 +175,61 @@ impl Policy {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.domains.is_empty() && self.cidrs.is_empty()
+        self.domains.is_empty() && self.cidrs.is_empty() && self.private.is_empty()
+    }
+}
+
+/// The names a rule may use: public services (domains) and the operator's private
+/// services (addresses inside the never-ranges).
+#[derive(Debug, Clone, Default)]
+pub struct Catalog {
+    pub services: BTreeMap<String, Vec<String>>,
+    pub private: BTreeMap<String, Vec<(Cidr, Option<u16>)>>,
+}
+
+impl Catalog {
+    /// The built-in services, with the configuration's added (or replacing them), and its
+    /// private services, checked.
+    pub fn new(
+        services: &BTreeMap<String, Vec<String>>,
+        private: &BTreeMap<String, Vec<String>>,
+        pool: &Cidr,
+    ) -> Result<Catalog, String> {
+        let mut c = Catalog {
+            services: default_services(),
+            private: BTreeMap::new(),
+        };
+        for (name, domains) in services {
+            for d in domains {
+                if DomainPattern::parse(d).is_none() {
+                    return Err(format!(
+                        "[edge.network.services] {name}: {d:?} is not a domain"
+                    ));
+                }
+            }
+            c.services.insert(name.clone(), domains.clone());
+        }
+        for (name, addrs) in private {
+            if c.services.contains_key(name) {
+                return Err(format!(
+                    "[edge.network.private_services] {name} is also a service name; give it another name"
+                ));
+            }
+            let mut v = Vec::new();
+            for a in addrs {
+                let (cidr, port) = parse_cidr_port(a).map_err(|why| {
+                    format!("[edge.network.private_services] {name}: {a:?} {why}")
+                })?;
+                if cidr.within(pool) || pool.within(&cidr) {
+                    return Err(format!(
+                        "[edge.network.private_services] {name}: {a:?} overlaps the sandbox pool {pool}; sandboxes never reach each other"
+                    ));
+                }
+                v.push((cidr, port));
+            }
+            c.private.insert(name.clone(), v);
+        }
+        Ok(c)
     }
 }
 
@@ -146,11 +239,8 @@ fn rule_error(key: &str, why: &str) -> ApiError {
     ))
 }
 
-/// Turns the API's rules into a policy, expanding service names with `services`.
-pub fn compile(
-    rules: &BTreeMap<String, bool>,
-    services: &BTreeMap<String, Vec<String>>,
-) -> Result<Policy, ApiError> {
+/// Turns the API's rules into a policy, expanding service names with the catalog.
+pub fn compile(rules: &BTreeMap<String, bool>, catalog: &Catalog) -> Result<Policy, ApiError> {
     if rules.len() > MAX_RULES {
         return Err(ApiError::invalid(format!(
             "network_rules has {} rules; at most {MAX_RULES}",
@@ -163,18 +253,13 @@ pub fn compile(
         let first = k.chars().next().unwrap_or(' ');
         let looks_ip = first.is_ascii_digit() && !k.contains(|c: char| c.is_ascii_alphabetic());
         if looks_ip {
-            let (net, port) = match k.rsplit_once(':') {
-                Some((n, port)) => {
-                    let port: u16 = port
-                        .parse()
-                        .ok()
-                        .filter(|p| *p > 0)
-                        .ok_or_else(|| rule_error(key, "has a port that is not 1-65535"))?;
-                    (n, Some(port))
-                }
-                None => (k, None),
-            };
-            let cidr = Cidr::parse(net).ok_or_else(|| rule_error(key, "is not an IPv4 CIDR"))?;
+            let (cidr, port) = parse_cidr_port(k).map_err(|why| rule_error(key, why))?;
+            if let Some((range, what)) = never_range_of(&cidr) {
+                return Err(ApiError::invalid(format!(
+                    "network_rules: {key:?} lies in {range} ({what}); sandboxes never reach private, loopback, link-local or reserved addresses, whatever their rules. An operator can offer a private service by name ([edge.network.private_services] in the node's config){}",
+                    private_names(catalog)
+                )));
+            }
             if *allow {
                 p.cidrs.push((cidr, port));
             }
@@ -183,7 +268,7 @@ pub fn compile(
             if *allow {
                 p.domains.push(d);
             }
-        } else if let Some(domains) = services.get(k) {
+        } else if let Some(domains) = catalog.services.get(k) {
             if *allow {
                 for d in domains {
                     let d = DomainPattern::parse(d).ok_or_else(|| {
@@ -194,8 +279,17 @@ pub fn compile(
                     p.domains.push(d);
                 }
             }
+        } else if let Some(addrs) = catalog.private.get(k) {
+            if *allow {
+                p.private.extend(addrs.iter().copied());
+            }
         } else {
-            let known: Vec<&str> = services.keys().map(String::as_str).collect();
+            let known: Vec<&str> = catalog
+                .services
+                .keys()
+                .chain(catalog.private.keys())
+                .map(String::as_str)
+                .collect();
             return Err(ApiError::invalid(format!(
                 "network_rules: unknown service name {key:?}; this node knows {} (or give a domain or a CIDR)",
                 known.join(", ")
@@ -206,7 +300,18 @@ pub fn compile(
     p.domains.dedup();
     p.cidrs.sort();
     p.cidrs.dedup();
+    p.private.sort();
+    p.private.dedup();
     Ok(p)
+}
+
+fn private_names(c: &Catalog) -> String {
+    if c.private.is_empty() {
+        String::new()
+    } else {
+        let names: Vec<&str> = c.private.keys().map(String::as_str).collect();
+        format!("; this node offers {}", names.join(", "))
+    }
 }
 
 /// The services every edge knows unless its configuration says otherwise.
@@ -249,6 +354,71 @@ mod tests {
         v.iter().map(|(k, b)| (k.to_string(), *b)).collect()
     }
 
+    fn catalog() -> Catalog {
+        let private = BTreeMap::from([(
+            "db".to_string(),
+            vec!["10.1.2.3:5432".to_string(), "192.168.7.0/24".to_string()],
+        )]);
+        Catalog::new(
+            &BTreeMap::new(),
+            &private,
+            &Cidr::parse("10.200.0.0/16").unwrap(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_tenant_rule_cannot_open_private_ranges() {
+        let c = catalog();
+        for (bad, range) in [
+            ("10.200.0.0/16", "10.0.0.0/8"),
+            ("10.200.0.6", "10.0.0.0/8"),
+            ("169.254.169.254/32", "169.254.0.0/16"),
+            ("169.254.169.254:80", "169.254.0.0/16"),
+            ("127.0.0.1:8080", "127.0.0.0/8"),
+            ("172.17.0.1", "172.16.0.0/12"),
+            ("192.168.1.0/24", "192.168.0.0/16"),
+            ("100.100.100.200", "100.64.0.0/10"),
+            ("0.0.0.0/8", "0.0.0.0/8"),
+        ] {
+            let e = compile(&rules(&[(bad, true)]), &c).unwrap_err();
+            assert_eq!(e.code, dsec_common::ErrorCode::InvalidArgument);
+            assert!(e.message.contains(range), "{bad}: {}", e.message);
+            assert!(e.message.contains("this node offers db"), "{}", e.message);
+        }
+        // A wide rule is fine: the never-ranges inside it stay closed (nftables drops them
+        // before the rule's set is looked at).
+        let p = compile(&rules(&[("0.0.0.0/0", true)]), &c).unwrap();
+        assert_eq!(p.cidrs, vec![(Cidr::parse("0.0.0.0/0").unwrap(), None)]);
+        assert!(p.private.is_empty());
+    }
+
+    #[test]
+    fn the_operators_private_services_open_by_name() {
+        let p = compile(&rules(&[("db", true)]), &catalog()).unwrap();
+        assert!(p.cidrs.is_empty());
+        assert_eq!(
+            p.private,
+            vec![
+                (Cidr::parse("10.1.2.3").unwrap(), Some(5432)),
+                (Cidr::parse("192.168.7.0/24").unwrap(), None)
+            ]
+        );
+        let pool = Cidr::parse("10.200.0.0/16").unwrap();
+        for bad in [
+            ("pypi", vec!["10.1.2.3".to_string()]),
+            ("x", vec!["10.200.1.0/24".to_string()]),
+            ("x", vec!["10.0.0.0/8".to_string()]),
+            ("x", vec!["10.1.2.3:0".to_string()]),
+        ] {
+            let m = BTreeMap::from([(bad.0.to_string(), bad.1.clone())]);
+            assert!(
+                Catalog::new(&BTreeMap::new(), &m, &pool).is_err(),
+                "{bad:?}"
+            );
+        }
+    }
+
     #[test]
     fn services_domains_and_cidrs_compile() {
         let p = compile(
@@ -259,7 +429,7 @@ mod tests {
                 ("203.0.113.0/24", true),
                 ("198.51.100.7:443", true),
             ]),
-            &default_services(),
+            &catalog(),
         )
         .unwrap();
         assert!(p.allows_name("pypi.org"));
@@ -281,11 +451,11 @@ mod tests {
 
     #[test]
     fn bad_rules_say_what_is_wrong() {
-        let s = default_services();
+        let s = catalog();
         for (bad, needle) in [
             ("pipy", "unknown service name"),
             ("10.0.0.0/33", "not an IPv4 CIDR"),
-            ("10.0.0.1:0", "port"),
+            ("203.0.113.1:0", "port"),
             ("a..b.com", "not a domain"),
             ("1.2.3.4:99999", "port"),
         ] {

@@ -67,10 +67,7 @@ impl HttpClient {
     }
 }
 
-/// Compares without stopping at the first difference, so timing does not reveal a prefix.
-pub(crate) fn same_secret(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
+pub(crate) use dsec_common::id::same_secret;
 
 impl HttpClient {
     /// POSTs `req` as JSON to `{http|https}://{addr}{path}` and parses the JSON answer.
