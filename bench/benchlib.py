@@ -46,10 +46,12 @@ def store_of(data: Path, image_store: str | None) -> Path:
 def server_up(data: Path, listen: str, store: Path, *extra: str) -> tuple[str, str]:
     """Builds the images if missing, (re)starts `dsec up` on `data` and returns its API URL
     and key."""
-    for spec in ("images/base.toml", "images/py-3.11.toml"):
-        run([DSEC, "image", "build", str(ROOT / spec), "--if-missing", "--store", str(store)])
     subprocess.run([DSEC, "down", "--data-dir", str(data)], capture_output=True)
     run([DSEC, "up", "--data-dir", str(data), "--listen", listen, *extra, "--image-store", str(store)])
+    # After `up`: a spec's `run` steps execute in sandboxes of the running node.
+    for spec in ("images/base.toml", "images/py-3.11.toml"):
+        run([DSEC, "image", "build", str(ROOT / spec), "--if-missing", "--data-dir", str(data),
+             "--store", str(store)])
     return credentials(data)
 
 

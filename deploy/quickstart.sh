@@ -21,13 +21,14 @@ install -D -m 0755 target/x86_64-unknown-linux-gnu/release/dsec-aether /usr/loca
 python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore -e sdk/python 2>/dev/null \
   || python3 -m pip install -q --disable-pip-version-check --break-system-packages -e sdk/python
 
+echo "==> starting OpenDsec"
+dsec up --data-dir "$DATA_DIR"
+# After `up`: a spec's `run` steps execute in sandboxes of the running node.
 echo "==> building images (first time: about a minute, downloads Debian packages)"
 dsec image build images/base.toml --if-missing --data-dir "$DATA_DIR"
 dsec image build images/py-3.11.toml --if-missing --data-dir "$DATA_DIR"
 dsec image build images/code-interpreter.toml --if-missing --data-dir "$DATA_DIR"
 
-echo "==> starting OpenDsec"
-dsec up --data-dir "$DATA_DIR"
 dsec status --data-dir "$DATA_DIR"
 # The table above says which backends this host can run and, for the others, what they lack.
 echo "note: backends: container (crun or runc), vm (QEMU; hardware KVM, else TCG emulation),"

@@ -110,8 +110,9 @@ def server():
         pytest.exit("the end-to-end tests create containers and need root", returncode=1)
     DATA.mkdir(parents=True, exist_ok=True)
     server_down()
-    build_images()
     server_up()
+    # After `up`: a spec's `run` steps execute in sandboxes of the running node.
+    build_images()
     os.environ["DSEC_CONFIG"] = str(DATA / "client.toml")
     os.environ.pop("DSEC_API_URL", None)
     os.environ.pop("DSEC_API_KEY", None)

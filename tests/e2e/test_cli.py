@@ -45,20 +45,20 @@ def test_status_shows_node_and_backend():
 def test_image_build_inspect_run_and_rm(tmp_path):
     spec = tmp_path / "spec.toml"
     spec.write_text(
-        'name = "test/motd:1"\nfrom = "root/base"\nenv = { GREETING = "hello" }\n'
+        'name = "root/test-motd:1"\nfrom = "root/base"\nenv = { GREETING = "hello" }\n'
         '[[step]]\nfile = "/etc/motd"\ncontent = "built by a test\\n"\n'
         '[[step]]\nrun = "echo ran > /etc/ran-step"\n'
     )
     r = dsec("image", "build", str(spec), "--data-dir", str(DATA))
-    assert "built test/motd:1" in r.stdout
-    m = json.loads(dsec("image", "inspect", "test/motd:1", "--data-dir", str(DATA)).stdout)
+    assert "built root/test-motd:1" in r.stdout
+    m = json.loads(dsec("image", "inspect", "root/test-motd:1", "--data-dir", str(DATA)).stdout)
     assert len(m["manifest"]["layers"]) == 3 and m["manifest"]["env"]["GREETING"] == "hello"
-    assert "test/motd:1" in dsec("image", "ls", "--data-dir", str(DATA)).stdout
-    r = dsec("run", "--rm", "test/motd:1", "--", "sh", "-c", "cat /etc/motd /etc/ran-step; echo $GREETING")
+    assert "root/test-motd:1" in dsec("image", "ls", "--data-dir", str(DATA)).stdout
+    r = dsec("run", "--rm", "root/test-motd:1", "--", "sh", "-c", "cat /etc/motd /etc/ran-step; echo $GREETING")
     assert r.stdout == "built by a test\nran\nhello\n"
-    r = dsec("image", "rm", "test/motd:1", "--data-dir", str(DATA))
+    r = dsec("image", "rm", "root/test-motd:1", "--data-dir", str(DATA))
     assert "2 layers freed" in r.stdout
-    r = dsec("image", "inspect", "test/motd:1", "--data-dir", str(DATA), check=False)
+    r = dsec("image", "inspect", "root/test-motd:1", "--data-dir", str(DATA), check=False)
     assert r.returncode == 1 and "does not exist" in r.stderr
     r = dsec("image", "inspect", "../../etc", "--data-dir", str(DATA), check=False)
     assert r.returncode == 1 and "not a valid image reference" in r.stderr

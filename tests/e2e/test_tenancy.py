@@ -103,6 +103,58 @@ async def test_a_tenant_cannot_replace_a_shared_image(client):
     dsec("image", "rm", f"{project}/tools:v1", "--data-dir", str(DATA))
 
 
+def build(c: DSecClient, spec: dict) -> tuple[list[str], dict]:
+    """`POST /v1/images/builds` with `c`'s key: the log lines and the last answer."""
+    r = httpx.post(f"{c.api_url}/v1/images/builds", json=spec, timeout=900,
+                   headers={"Authorization": f"Bearer {c.api_key}"})
+    if r.status_code != 200:
+        return [], {"status": r.status_code, **r.json()}
+    lines = [json.loads(l) for l in r.text.splitlines() if l.strip()]
+    return [l["log"] for l in lines if "log" in l], lines[-1]
+
+
+PROBE_STEP = ("hostname > /probe-hostname; ls /dev > /probe-dev; cat /proc/self/mountinfo > /probe-mounts; "
+              "grep CapEff /proc/self/status > /probe-caps; tr '\\0' ' ' < /proc/1/cmdline > /probe-pid1")
+
+
+async def test_a_build_step_runs_in_a_sandbox_not_on_the_host(client):
+    """A `run` step is a tenant's program: it runs in a sandbox (its hostname, /dev, mounts,
+    capabilities and agent), never as host root; builds write only the key's images."""
+    import socket
+
+    project, eve = await tenant(client, "eve")
+    async with eve:
+        _, refused = build(eve, {"name": "root/base:latest", "from": "root/base", "step": [{"run": "true"}]})
+        assert refused["status"] == 403 and refused["code"] == "permission_denied", refused
+        ref = f"{project}/probe:1"
+        log, last = build(eve, {"name": ref, "from": "root/base", "step": [{"run": PROBE_STEP}]})
+        assert last.get("image") == ref, (last, log[-20:])
+        assert any(l.startswith("  (in sandbox ") for l in log), log
+        sb = await eve.run_sandbox(DSecRunArgs(image=ref, ttl_seconds=120))
+        try:
+            got = {f: await sb.files.read_text(f"/probe-{f}") for f in ("hostname", "dev", "mounts", "caps", "pid1")}
+        finally:
+            await sb.stop()
+        print(f"\nbuild step: hostname={got['hostname'].strip()!r} pid1={got['pid1'].strip()!r} "
+              f"{got['caps'].strip()} /dev={got['dev'].split()}")
+        assert got["hostname"].strip() != socket.gethostname(), "the step saw the host's hostname"
+        host_disks = set(os.listdir("/sys/block"))
+        assert not host_disks & set(got["dev"].split()), f"host block devices in the step's /dev: {got['dev']}"
+        assert "mem" not in got["dev"].split() and "kvm" not in got["dev"].split()
+        root = [l.split() for l in got["mounts"].splitlines() if l.split()[4] == "/"]
+        assert root and root[-1][root[-1].index("-") + 1] == "overlay", got["mounts"]
+        assert not int(got["caps"].split()[1], 16) & (1 << 21), "the step had CAP_SYS_ADMIN"
+        assert got["pid1"].startswith("/.dsec/aether"), got["pid1"]
+
+        # A failing step fails the build, says why, and tags nothing.
+        log, last = build(eve, {"name": f"{project}/broken:1", "from": "root/base",
+                                "step": [{"run": "echo about to fail; exit 7"}]})
+        assert last["error"]["code"] == "failed_precondition" and "exited with 7" in last["error"]["message"], last
+        assert "about to fail" in last["error"]["message"]
+        assert f"{project}/broken:1" not in await images_of(eve)
+    dsec("image", "rm", ref, "--data-dir", str(DATA))
+
+
 # ---- 2. the network keeps sandboxes apart ------------------------------------------------
 
 

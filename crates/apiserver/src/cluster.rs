@@ -285,6 +285,7 @@ pub fn router(c: Arc<Cluster>) -> Router {
         .route("/v1/status", get(status))
         .route("/v1/sandboxes", post(create).get(list))
         .route("/v1/images", get(images))
+        .route("/v1/images/builds", post(images))
         .route("/v1/groups/{verb}", post(group))
         .route("/v1/snapshots", get(list_snapshots))
         .route("/v1/snapshots/{sid}", any(snapshot))
@@ -400,13 +401,13 @@ async fn list_snapshots(State(c): State<Arc<Cluster>>, headers: HeaderMap) -> Ap
 }
 
 async fn status(State(c): State<Arc<Cluster>>, headers: HeaderMap) -> ApiResult<Response> {
-    c.principal(&headers).await?;
+    let p = c.principal(&headers).await?;
     let mut view = c.view();
     if view.nodes().is_empty() {
         c.refresh_once().await;
         view = c.view();
     }
-    Ok(json(StatusCode::OK, &view.status()))
+    Ok(json(StatusCode::OK, &crate::status_for(&p, view.status())))
 }
 
 async fn create(
@@ -590,6 +591,7 @@ async fn group(
     Ok(json(StatusCode::OK, &out))
 }
 
+/// `GET /v1/images` and `POST /v1/images/builds`: any healthy edge (the store is shared).
 async fn images(State(c): State<Arc<Cluster>>, req: Request) -> ApiResult<Response> {
     let p = c.principal(req.headers()).await?;
     let view = c.view();

@@ -7,6 +7,7 @@
 
 use dsec_common::{ApiError, ErrorCode};
 use dsec_iam::Principal;
+use dsec_image::build::BuildSpec;
 use dsec_image::{ImageRef, store::ImageEntry};
 
 use crate::ApiResult;
@@ -45,6 +46,29 @@ pub(crate) fn check_write(p: &Principal, image: &str) -> ApiResult<ImageRef> {
         ),
     )
     .into())
+}
+
+/// A build sent over the API: its image in the caller's subtree, its base one it may read,
+/// and nothing that names a file of the node (`src`, `copy_from`: send `content`).
+pub(crate) fn check_build(p: &Principal, spec: &BuildSpec) -> ApiResult<()> {
+    spec.validate()
+        .map_err(|e| ApiError::invalid(e.to_string()))?;
+    check_write(p, &spec.name)?;
+    if let Some(from) = &spec.from {
+        check_read(p, from)?;
+    }
+    if let Some(i) = spec
+        .steps
+        .iter()
+        .position(|s| s.src.is_some() || s.copy_from.is_some())
+    {
+        return Err(ApiError::invalid(format!(
+            "step {}: `src` and `copy_from` name files of the machine that reads the spec; over the API send the file's `content` (`dsec image build` reads `src` files for you)",
+            i + 1
+        ))
+        .into());
+    }
+    Ok(())
 }
 
 /// The images of a listing the caller may read. Of images it reads but does not own (its
@@ -90,6 +114,30 @@ mod tests {
             check_write(&key("root/t1"), "../x").unwrap_err().0.code,
             ErrorCode::InvalidArgument
         );
+    }
+
+    #[test]
+    fn a_build_writes_only_the_callers_images_from_bases_it_reads() {
+        let spec = |t: &str| BuildSpec::parse(t).unwrap();
+        let eve = key("root/t1");
+        let ok = spec("name = \"root/t1/env:1\"\nfrom = \"root/base\"\n[[step]]\nrun = \"true\"\n");
+        assert!(check_build(&eve, &ok).is_ok());
+        let over = spec("name = \"root/base\"\nfrom = \"root/base\"\n");
+        assert_eq!(
+            check_build(&eve, &over).unwrap_err().0.code,
+            ErrorCode::PermissionDenied
+        );
+        let theirs = spec("name = \"root/t1/x\"\nfrom = \"root/t2/secret:1\"\n");
+        assert_eq!(
+            check_build(&eve, &theirs).unwrap_err().0.code,
+            ErrorCode::NotFound
+        );
+        let host = spec(
+            "name = \"root/t1/x\"\nfrom = \"root/base\"\n[[step]]\nfile = \"/s\"\ncopy_from = \"/etc\"\n",
+        );
+        let e = check_build(&eve, &host).unwrap_err().0;
+        assert_eq!(e.code, ErrorCode::InvalidArgument);
+        assert!(e.message.contains("copy_from"), "{}", e.message);
     }
 
     #[test]

@@ -130,6 +130,7 @@ pub fn router(state: AppState) -> Router {
             axum::routing::put(set_network),
         )
         .route("/v1/images", get(images))
+        .route("/v1/images/builds", post(build_image))
         .merge(runtime::routes())
         .merge(snapshots::routes())
         .merge(iam::routes().with_state(state.iam.clone()))
@@ -253,11 +254,20 @@ pub(crate) fn route(st: &AppState, id: &str) -> ApiResult<()> {
     Ok(())
 }
 
-async fn status(State(st): State<AppState>) -> Response {
+async fn status(State(st): State<AppState>, Extension(p): Extension<Principal>) -> Response {
     let mut view = dsec_watcher::ClusterView::default();
     view.update(st.edge.status());
-    let s: ClusterStatus = view.status();
-    json(StatusCode::OK, &s)
+    json(StatusCode::OK, &status_for(&p, view.status()))
+}
+
+/// The status a key sees: sandbox counts of its own project subtree only (other projects'
+/// names and counts are theirs); node-wide totals and capacity stay.
+pub(crate) fn status_for(p: &Principal, mut s: ClusterStatus) -> ClusterStatus {
+    for n in &mut s.nodes {
+        n.projects
+            .retain(|project, _| dsec_iam::within(project, &p.project));
+    }
+    s
 }
 
 /// A create body, parsed, in the caller's project (or one inside it; 404 otherwise).
@@ -496,6 +506,54 @@ async fn commit(
     Ok(json(StatusCode::CREATED, &st.edge.commit(&id, req).await?))
 }
 
+/// `POST /v1/images/builds`: builds the spec (JSON) on this node, `run` steps in
+/// sandboxes; answers NDJSON as it goes: `{"log": line}`…, then `{"image", "digest"}` or
+/// `{"error": {"code", "message"}}`. The build goes on if the caller leaves.
+async fn build_image(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    let spec: dsec_image::build::BuildSpec = body(&bytes, "image build")?;
+    images::check_build(&p, &spec)?;
+    let name = dsec_image::ImageRef::parse(&spec.name)
+        .map_err(|e| ApiError::invalid(e.to_string()))?
+        .to_string();
+    let (log_tx, mut log_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let (out_tx, out_rx) = tokio::sync::mpsc::channel::<Bytes>(64);
+    let edge = st.edge.clone();
+    let build = tokio::spawn(async move { edge.build_image(spec, p.project, log_tx).await });
+    tokio::spawn(async move {
+        let line = |v: serde_json::Value| {
+            let mut b = serde_json::to_vec(&v).unwrap_or_default();
+            b.push(b'\n');
+            Bytes::from(b)
+        };
+        // Drained to the end even when the caller left, so the build never waits on it.
+        while let Some(l) = log_rx.recv().await {
+            let _ = out_tx.send(line(serde_json::json!({ "log": l }))).await;
+        }
+        let last = match build.await {
+            Ok(Ok(digest)) => serde_json::json!({"image": name, "digest": digest}),
+            Ok(Err(e)) => serde_json::json!({ "error": e }),
+            Err(e) => {
+                serde_json::json!({"error": ApiError::internal(format!("build worker failed: {e}"))})
+            }
+        };
+        let _ = out_tx.send(line(last)).await;
+    });
+    let stream = futures_util::stream::unfold(out_rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
+    });
+    Ok((
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        axum::body::Body::from_stream(stream),
+    )
+        .into_response())
+}
+
 async fn images(
     State(st): State<AppState>,
     Extension(p): Extension<Principal>,
@@ -512,6 +570,31 @@ async fn images(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn status_shows_a_key_only_its_own_projects() {
+        let mut node = dsec_common::api::NodeStatus::unreachable("e0");
+        node.projects = BTreeMap::from([
+            ("root".to_string(), 1),
+            ("root/t1".to_string(), 2),
+            ("root/t1/a".to_string(), 3),
+            ("root/t2".to_string(), 4),
+        ]);
+        let s = ClusterStatus {
+            version: "x".into(),
+            nodes: vec![node],
+        };
+        let key = |project: &str| Principal {
+            name: "k".into(),
+            kind: dsec_iam::PrincipalKind::Agent,
+            key_id: "k".into(),
+            project: project.into(),
+        };
+        let seen = status_for(&key("root/t1"), s.clone());
+        let names: Vec<&String> = seen.nodes[0].projects.keys().collect();
+        assert_eq!(names, ["root/t1", "root/t1/a"]);
+        assert_eq!(status_for(&key("root"), s).nodes[0].projects.len(), 4);
+    }
 
     #[test]
     fn label_filters_parse_and_reject_unknown_params() {
@@ -545,6 +628,7 @@ mod tests {
             "/v1/sandboxes/{id}/network",
             "/v1/status",
             "/v1/images",
+            "/v1/images/builds",
             "/v1/sandboxes/{id}/processes/{pid}/output",
             "/v1/sandboxes/{id}/files",
             "/v1/sandboxes/{id}/files/watch",

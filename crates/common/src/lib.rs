@@ -9,6 +9,7 @@ pub mod error;
 #[cfg(feature = "http")]
 pub mod http;
 pub mod id;
+pub mod private;
 pub mod tree;
 pub mod vmux;
 pub mod vsock;

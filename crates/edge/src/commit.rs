@@ -121,26 +121,10 @@ impl Edge {
                 self.export_from_agent(&self.paths(id).channel, tmp.path(), limits)
                     .await?;
             } else {
-                let (b2, r2, p2, d2) = (
-                    backend.clone(),
-                    src.clone(),
-                    self.paths(id),
-                    tmp.path().to_path_buf(),
-                );
                 let t0 = Instant::now();
-                let copied = blocking(move || {
-                    b2.pause(&r2)?;
-                    let r = b2.copy_changes(&r2, &p2, &d2);
-                    let resumed = b2.resume(&r2);
-                    r.and(resumed)
-                })
-                .await?;
+                self.copy_container_changes(&src, backend, tmp.path())
+                    .await?;
                 paused_ms = t0.elapsed().as_millis() as u64;
-                copied?;
-                let d2 = tmp.path().to_path_buf();
-                blocking(move || normalize_layer(&d2))
-                    .await?
-                    .map_err(image_error)?;
             }
         }
         let images = self.images.clone();
@@ -168,6 +152,28 @@ impl Edge {
             size_bytes: manifest.size_bytes,
             paused_ms,
         })
+    }
+
+    /// A container sandbox's filesystem changes, in layer form, into `dest`: the sandbox is
+    /// frozen while its upper is copied.
+    pub(crate) async fn copy_container_changes(
+        &self,
+        src: &SandboxRecord,
+        backend: Arc<dyn crate::backend::Backend>,
+        dest: &Path,
+    ) -> Result<(), ApiError> {
+        let (r2, p2, d2) = (src.clone(), self.paths(&src.id), dest.to_path_buf());
+        blocking(move || {
+            backend.pause(&r2)?;
+            let r = backend.copy_changes(&r2, &p2, &d2);
+            let resumed = backend.resume(&r2);
+            r.and(resumed)
+        })
+        .await??;
+        let d2 = dest.to_path_buf();
+        blocking(move || normalize_layer(&d2))
+            .await?
+            .map_err(image_error)
     }
 
     /// The manifest the sandbox was made from (by digest: its reference may have moved).

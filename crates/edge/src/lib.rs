@@ -3,6 +3,7 @@
 //! after a restart. It has the final say on admission.
 
 pub mod backend;
+mod build;
 pub mod cgroup;
 pub mod channel;
 mod commit;
@@ -410,9 +411,7 @@ impl Edge {
         self: &Arc<Self>,
         req: CreateSandboxRequest,
     ) -> Result<SandboxInfo, ApiError> {
-        let v = validate::create(&self.cfg, &req)?;
-        let backend = self.backend(&req.backend)?;
-        let network = self.network_for(&req)?;
+        validate::create(&self.cfg, &req)?;
         let image = ImageRef::parse(&req.image).map_err(|e| ApiError::invalid(e.to_string()))?;
         let images = self.images.clone();
         let image2 = image.clone();
@@ -422,6 +421,21 @@ impl Edge {
                 dsec_image::ImageError::NotFound(_) => ApiError::not_found(e.to_string()),
                 other => ApiError::internal(other.to_string()),
             })?;
+        self.create_from(req, image, digest, manifest).await
+    }
+
+    /// Creates a sandbox of a resolved image: `manifest` (stored as `digest`), shown as
+    /// `image` (an image build's steps run on manifests no reference names).
+    pub(crate) async fn create_from(
+        self: &Arc<Self>,
+        req: CreateSandboxRequest,
+        image: ImageRef,
+        digest: String,
+        manifest: dsec_image::Manifest,
+    ) -> Result<SandboxInfo, ApiError> {
+        let v = validate::create(&self.cfg, &req)?;
+        let backend = self.backend(&req.backend)?;
+        let network = self.network_for(&req)?;
         let now = now_ms();
         let mut env = manifest.env.clone();
         env.extend(req.env.clone());

@@ -110,7 +110,8 @@ pub struct Registry {
 
 impl Registry {
     pub fn open(root: &Path) -> Result<Registry, ApiError> {
-        std::fs::create_dir_all(root)
+        // Records hold port tokens and environments: root's alone.
+        dsec_common::private::dir(root)
             .map_err(|e| ApiError::internal(format!("creating {}: {e}", root.display())))?;
         Ok(Registry {
             root: root.to_path_buf(),
@@ -124,11 +125,11 @@ impl Registry {
 
     pub fn save(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
         let dir = self.dir(&rec.id);
-        std::fs::create_dir_all(&dir)
+        dsec_common::private::dir(&dir)
             .map_err(|e| ApiError::internal(format!("creating {}: {e}", dir.display())))?;
         let tmp = dir.join("state.json.tmp");
         let bytes = serde_json::to_vec_pretty(rec).unwrap_or_default();
-        std::fs::write(&tmp, bytes)
+        dsec_common::private::write(&tmp, &bytes)
             .and_then(|_| std::fs::rename(&tmp, dir.join("state.json")))
             .map_err(|e| ApiError::internal(format!("saving state of {}: {e}", rec.id)))
     }

@@ -162,13 +162,10 @@ impl Log {
             ))
         };
         if let Some(dir) = self.path.parent() {
-            std::fs::create_dir_all(dir).map_err(fail)?;
+            dsec_common::private::dir(dir).map_err(fail)?;
         }
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.path)
-            .map_err(fail)?;
+        // Commands and their output: root's alone.
+        let mut f = dsec_common::private::open(&self.path, true).map_err(fail)?;
         let mut buf = serde_json::to_vec(line).map_err(|e| ApiError::internal(e.to_string()))?;
         buf.push(b'\n');
         f.write_all(&buf).map_err(fail)?;

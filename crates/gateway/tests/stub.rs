@@ -24,7 +24,7 @@ fn info(id: &str) -> Value {
         "state": "running",
         "limits": {"cpu_cores": 1.0, "memory_mb": 512, "disk_mb": 1024, "pids": 100},
         "created_at_ms": 1_700_000_000_000u64, "expires_at_ms": 1_700_000_300_000u64,
-        "labels": {"e2b.template": "base", "k": "v"},
+        "labels": {"e2b.template": "base", "e2b.public_traffic": "true", "k": "v"},
         "port_token": "pt-stub",
     })
 }

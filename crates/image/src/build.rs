@@ -1,6 +1,12 @@
 //! `dsec image build`: a base from Debian packages (mmdebstrap) or an existing image,
 //! then steps (`run`, `file`, `env`). Each `run` or `file` step becomes one layer.
 //!
+//! A `run` step executes the image's own programs, which anyone who could write a parent
+//! image may have planted: it never runs on the host. A [`StepRunner`] runs it in a
+//! sandbox (the edge's runs a container-backend sandbox with the node's limits, seccomp
+//! and egress rules) and hands back the changes; without one, a spec with `run` steps is
+//! refused.
+//!
 //! ```toml
 //! name = "root/py:3.11"
 //! [debian]
@@ -18,12 +24,12 @@ use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::store::{Manifest, StartCmd, now_ms, remove_tree};
 use crate::{ImageError, ImageRef, ImageStore, IoContext};
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct BuildSpec {
     pub name: String,
@@ -45,7 +51,7 @@ pub struct BuildSpec {
     pub steps: Vec<Step>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct DebianBase {
     #[serde(default = "default_suite")]
@@ -65,27 +71,27 @@ fn default_variant() -> String {
     "minbase".into()
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Step {
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run: Option<String>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub file: Option<String>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
     /// The file's content from a file next to the spec (a relative path below the spec's
     /// directory); [`BuildSpec::load`] reads it into `content`.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub src: Option<String>,
     /// With `file`: a file or directory tree on the building machine (an absolute path),
     /// copied to `file` as it is (modes and symlinks kept).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub copy_from: Option<String>,
     /// Octal, e.g. "0755".
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<String>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub env: Option<BTreeMap<String, String>>,
 }
 
@@ -238,13 +244,43 @@ impl BuildSpec {
     }
 }
 
-/// Builds `spec` into `store`, calling `progress` with one line at a time.
+/// Runs a build's `run` steps somewhere other than the host.
+pub trait StepRunner {
+    /// Runs `sh -c cmd` (with `env`, in `workdir`) on the image made of `layers` (bottom
+    /// first) and leaves its changes to the filesystem in overlayfs form (whiteouts and
+    /// opaque directories) in `upper`, an empty directory.
+    fn run(
+        &self,
+        layers: &[String],
+        env: &BTreeMap<String, String>,
+        workdir: Option<&str>,
+        cmd: &str,
+        upper: &Path,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<(), ImageError>;
+}
+
+impl BuildSpec {
+    /// Whether building needs a [`StepRunner`].
+    pub fn has_run_steps(&self) -> bool {
+        self.steps.iter().any(|s| s.run.is_some())
+    }
+}
+
+/// Builds `spec` into `store`, calling `progress` with one line at a time; `run` steps go
+/// to `runner`.
 pub fn build(
     store: &ImageStore,
     spec: &BuildSpec,
+    runner: Option<&dyn StepRunner>,
     progress: &mut dyn FnMut(&str),
 ) -> Result<String, ImageError> {
     spec.validate()?;
+    if spec.has_run_steps() && runner.is_none() {
+        return Err(ImageError::Build(
+            "`run` steps execute in a sandbox of a running node, never on the host: start `dsec up` and build there (`dsec image build` sends a spec with `run` steps to the node of its --data-dir)".into(),
+        ));
+    }
     let name = ImageRef::parse(&spec.name)?;
     let (mut layers, mut env, mut workdir, mut start, mut size, mut source) = match &spec.from {
         Some(f) => {
@@ -303,7 +339,11 @@ pub fn build(
         let dir = store.temp_dir("layer")?;
         if let Some(cmd) = &step.run {
             progress(&format!("step {n}: run {cmd}"));
-            run_step(store, &layers, &env, &dir, cmd, progress)?;
+            let upper = dir.join("upper");
+            std::fs::create_dir_all(&upper).ctx(|| format!("creating {}", upper.display()))?;
+            if let Some(r) = runner {
+                r.run(&layers, &env, workdir.as_deref(), cmd, &upper, progress)?;
+            }
         } else if let Some(f) = &step.file {
             progress(&format!("step {n}: file {f}"));
             let rel = image_path(f)?;
@@ -454,72 +494,6 @@ fn debian_layer(
     out
 }
 
-/// Runs `cmd` with the image so far as the root filesystem (overlay, host network), in a
-/// private mount and pid namespace so nothing outlives the step; the changes land in
-/// `dir/upper`.
-fn run_step(
-    store: &ImageStore,
-    layers: &[String],
-    env: &BTreeMap<String, String>,
-    dir: &Path,
-    cmd: &str,
-    progress: &mut dyn FnMut(&str),
-) -> Result<(), ImageError> {
-    if layers.is_empty() {
-        return Err(ImageError::Build("a `run` step needs a base image".into()));
-    }
-    for sub in ["upper", "work", "merged"] {
-        std::fs::create_dir_all(dir.join(sub)).ctx(|| format!("creating {sub}"))?;
-    }
-    let lower = layers
-        .iter()
-        .rev()
-        .map(|l| store.layer_path(l).display().to_string())
-        .collect::<Vec<_>>()
-        .join(":");
-    let script = r#"set -e
-mount -t overlay overlay -o "lowerdir=$L,upperdir=$D/upper,workdir=$D/work" "$D/merged"
-M="$D/merged"
-mkdir -p "$M/proc" "$M/dev" "$M/tmp"
-mount -t proc proc "$M/proc"
-mount --rbind /dev "$M/dev"
-if [ -e /etc/resolv.conf ]; then
-  touch "$M/etc/resolv.conf" 2>/dev/null && mount --bind /etc/resolv.conf "$M/etc/resolv.conf" && RESOLV=1
-fi
-set +e
-chroot "$M" /bin/sh -c "$STEP_CMD"
-rc=$?
-if [ -n "$RESOLV" ]; then umount "$M/etc/resolv.conf"; [ -s "$D/upper/etc/resolv.conf" ] || rm -f "$D/upper/etc/resolv.conf"; fi
-exit $rc
-"#;
-    let mut c = Command::new("unshare");
-    c.args([
-        "--mount",
-        "--pid",
-        "--fork",
-        "--kill-child",
-        "--propagation",
-        "private",
-        "sh",
-        "-c",
-        script,
-    ])
-    .env_clear()
-    .env(
-        "PATH",
-        "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    )
-    .env("DEBIAN_FRONTEND", "noninteractive")
-    .env("HOME", "/root")
-    .envs(env)
-    .env("L", lower)
-    .env("D", dir)
-    .env("STEP_CMD", cmd);
-    run_logged(&mut c, &format!("step `{cmd}`"), progress)?;
-    let _ = remove_tree(&dir.join("work"));
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -607,7 +581,7 @@ mod tests {
         )
         .unwrap();
         let mut lines = Vec::new();
-        build(&store, &spec, &mut |s| lines.push(s.to_string())).unwrap();
+        build(&store, &spec, None, &mut |s| lines.push(s.to_string())).unwrap();
         let (_, m) = store
             .resolve(&ImageRef::parse("root/c:1").unwrap())
             .unwrap();
@@ -622,5 +596,65 @@ mod tests {
             0o600
         );
         assert!(lines.iter().any(|l| l.contains("tagged root/c:1")));
+    }
+
+    /// Writes what it was asked to run where the step's changes go.
+    struct Recorder;
+
+    impl StepRunner for Recorder {
+        fn run(
+            &self,
+            layers: &[String],
+            env: &BTreeMap<String, String>,
+            workdir: Option<&str>,
+            cmd: &str,
+            upper: &Path,
+            _progress: &mut dyn FnMut(&str),
+        ) -> Result<(), ImageError> {
+            std::fs::write(
+                upper.join("ran"),
+                format!("{} {cmd} {:?} {workdir:?}", layers.len(), env.get("A")),
+            )
+            .map_err(|e| ImageError::Build(e.to_string()))
+        }
+    }
+
+    #[test]
+    fn run_steps_go_to_the_runner_and_never_to_the_host() {
+        let d = tempfile::tempdir().unwrap();
+        let store = ImageStore::open(d.path().join("s")).unwrap();
+        let base = store.temp_dir("b").unwrap();
+        std::fs::create_dir_all(base.join("etc")).unwrap();
+        let (l, _) = store.add_layer(&base).unwrap();
+        let m = Manifest {
+            schema_version: 1,
+            layers: vec![l],
+            env: BTreeMap::new(),
+            workdir: None,
+            start: None,
+            created_ms: 0,
+            size_bytes: 0,
+            source: String::new(),
+        };
+        let digest = store.put_manifest(&m).unwrap();
+        store
+            .tag(&ImageRef::parse("root/b").unwrap(), &digest)
+            .unwrap();
+        let spec = BuildSpec::parse(
+            "name = \"root/r:1\"\nfrom = \"root/b\"\nworkdir = \"/w\"\n[[step]]\nenv = { A = \"1\" }\n[[step]]\nrun = \"touch /x\"\n",
+        )
+        .unwrap();
+        assert!(spec.has_run_steps());
+        let e = build(&store, &spec, None, &mut |_| {})
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("never on the host"), "{e}");
+        assert!(!store.exists(&ImageRef::parse("root/r:1").unwrap()));
+        build(&store, &spec, Some(&Recorder), &mut |_| {}).unwrap();
+        let (_, m) = store
+            .resolve(&ImageRef::parse("root/r:1").unwrap())
+            .unwrap();
+        let ran = std::fs::read_to_string(store.layer_path(&m.layers[1]).join("ran")).unwrap();
+        assert_eq!(ran, "1 touch /x Some(\"1\") Some(\"/w\")");
     }
 }

@@ -88,6 +88,103 @@ fn layers_in_use(a: &StoreArgs) -> Result<std::collections::HashSet<String>> {
         .collect())
 }
 
+/// A build's progress: a spinner with step lines on a terminal, the lines on stderr
+/// otherwise, nothing with `--json`.
+struct Progress {
+    bar: indicatif::ProgressBar,
+    tty: bool,
+    json: bool,
+    t0: Instant,
+}
+
+impl Progress {
+    fn new(json: bool, t0: Instant) -> Progress {
+        let tty = std::io::stderr().is_terminal() && !json;
+        let bar = indicatif::ProgressBar::new_spinner();
+        if tty {
+            bar.enable_steady_tick(Duration::from_millis(120));
+        } else {
+            bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+        }
+        Progress { bar, tty, json, t0 }
+    }
+
+    fn line(&mut self, line: &str) {
+        let is_step = line.starts_with("step ")
+            || line.starts_with("mmdebstrap ")
+            || line.starts_with("layer ")
+            || line.starts_with("tagged ");
+        if self.tty {
+            if is_step {
+                self.bar.println(format!("==> {line}"));
+            }
+            self.bar.set_message(format!(
+                "[{:>4.0}s] {}",
+                self.t0.elapsed().as_secs_f64(),
+                line.chars().take(100).collect::<String>()
+            ));
+        } else if !self.json {
+            eprintln!("{line}");
+        }
+    }
+
+    fn done(&self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+/// Sends the build to the node whose data directory this is (`POST /v1/images/builds`)
+/// and follows its NDJSON answer; the image's digest.
+async fn build_on_node(
+    data_dir: &std::path::Path,
+    spec: &BuildSpec,
+    progress: &mut dyn FnMut(&str),
+) -> Result<String> {
+    use http_body_util::BodyExt;
+
+    let cfg = crate::client::resolve(None, None, Some(data_dir)).map_err(|e| {
+        anyhow::anyhow!(
+            "{e}\n`run` steps execute in sandboxes of a running node: start `dsec up --data-dir {}` first",
+            data_dir.display()
+        )
+    })?;
+    let api = crate::client::Api::new(&cfg)?;
+    let body = crate::client::full(serde_json::to_vec(spec)?);
+    let resp = api
+        .open(
+            hyper::Method::POST,
+            "/v1/images/builds",
+            "application/json",
+            body,
+        )
+        .await?;
+    let mut body = resp.into_body();
+    let mut buf: Vec<u8> = Vec::new();
+    let mut last = None;
+    while let Some(frame) = body.frame().await {
+        if let Some(d) = frame?.data_ref() {
+            buf.extend_from_slice(d);
+        }
+        while let Some(i) = buf.iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = buf.drain(..=i).collect();
+            let v: serde_json::Value = serde_json::from_slice(&line)?;
+            match v.get("log").and_then(|l| l.as_str()) {
+                Some(l) => progress(l),
+                None => last = Some(v),
+            }
+        }
+    }
+    let v = last.ok_or_else(|| anyhow::anyhow!("the node ended the build without a result"))?;
+    if let Some(d) = v["digest"].as_str() {
+        return Ok(d.to_string());
+    }
+    anyhow::bail!(
+        "the build failed ({}): {}",
+        v["error"]["code"].as_str().unwrap_or("error"),
+        v["error"]["message"].as_str().unwrap_or("no message")
+    )
+}
+
 pub async fn run(c: ImageCommand) -> Result<i32> {
     tokio::task::spawn_blocking(move || run_blocking(c)).await?
 }
@@ -131,36 +228,19 @@ fn run_blocking(c: ImageCommand) -> Result<i32> {
                 return Ok(0);
             }
             let t0 = Instant::now();
-            let tty = std::io::stderr().is_terminal() && !a.store.json;
-            let bar = indicatif::ProgressBar::new_spinner();
-            if tty {
-                bar.enable_steady_tick(Duration::from_millis(120));
+            let mut show = Progress::new(a.store.json, t0);
+            let digest = if spec.has_run_steps() {
+                // `run` steps execute in sandboxes: the node builds it.
+                tokio::runtime::Handle::current().block_on(build_on_node(
+                    &a.store.data.data_dir,
+                    &spec,
+                    &mut |l| show.line(l),
+                ))
             } else {
-                bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
-            }
-            let mut step = String::new();
-            let digest = dsec_image::build::build(&store, &spec, &mut |line: &str| {
-                let is_step = line.starts_with("step ")
-                    || line.starts_with("mmdebstrap ")
-                    || line.starts_with("layer ")
-                    || line.starts_with("tagged ");
-                if is_step {
-                    step = line.to_string();
-                }
-                if tty {
-                    if is_step {
-                        bar.println(format!("==> {line}"));
-                    }
-                    bar.set_message(format!(
-                        "[{:>4.0}s] {}",
-                        t0.elapsed().as_secs_f64(),
-                        line.chars().take(100).collect::<String>()
-                    ));
-                } else if !a.store.json {
-                    eprintln!("{line}");
-                }
-            });
-            bar.finish_and_clear();
+                dsec_image::build::build(&store, &spec, None, &mut |l| show.line(l))
+                    .map_err(anyhow::Error::from)
+            };
+            show.done();
             let digest = digest?;
             if a.store.json {
                 output::print_json(

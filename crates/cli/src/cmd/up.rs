@@ -121,7 +121,8 @@ pub async fn up(a: UpArgs) -> Result<i32> {
         return serve(a).await;
     }
     let dir = &a.data.data_dir;
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    // Keys, tokens and sandboxes' state live here: root's alone.
+    dsec_common::private::dir(dir).with_context(|| format!("creating {}", dir.display()))?;
     let url = format!("http://{}", a.listen);
     if read_pid(dir).is_some() && healthy(&url).await {
         println!("OpenDsec is already running ({url}).");
@@ -319,7 +320,7 @@ pub async fn serve_command(a: ServeArgs) -> Result<i32> {
 pub async fn serve(a: UpArgs) -> Result<i32> {
     init_tracing();
     let dir = a.data.data_dir.clone();
-    std::fs::create_dir_all(&dir)?;
+    dsec_common::private::dir(&dir)?;
     let dir = dir.canonicalize()?;
     let cfg_path = dir.join("config.toml");
     let server_cfg: ServerConfig = match std::fs::read_to_string(&cfg_path) {
@@ -365,8 +366,11 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
         .with_context(|| {
             format!("cannot listen on {listen} (is another dsec running? use --listen)")
         })?;
-    let builder: Arc<dyn dsec_gateway::Builder> =
-        Arc::new(StoreBuilder(edge_cfg.image_store.clone()));
+    let node = Arc::new(std::sync::OnceLock::new());
+    let builder: Arc<dyn dsec_gateway::Builder> = Arc::new(NodeBuilder {
+        edge: node.clone(),
+        store: edge_cfg.image_store.clone(),
+    });
     let gateway = bind_gateway(
         &dir,
         server_cfg.gateway,
@@ -378,6 +382,7 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
     )
     .await?;
     let (edge, reaper) = start_edge(edge_cfg, iam.clone()).await?;
+    let _ = node.set(edge.clone());
     // The replica routes (guarded by the cluster secret) let more IAM replicas join.
     let app = dsec_apiserver::router(dsec_apiserver::AppState {
         edge: edge.clone(),
@@ -452,21 +457,38 @@ const GATEWAY_PORT_OFFSET: u16 = 10000;
 
 /// Binds the E2B gateway (unless `[gateway] enabled = false`) and writes `e2b.env` with the
 /// three variables the E2B SDK needs. Its access-token secret is kept in
-/// Template builds from the gateway, into the node's image store (as `dsec image build`).
-struct StoreBuilder(PathBuf);
+/// Template builds from the gateway, on this node (as `POST /v1/images/builds`: `run`
+/// steps in sandboxes), for the root project (builds need a root key).
+struct NodeBuilder {
+    edge: Arc<std::sync::OnceLock<Arc<dsec_edge::Edge>>>,
+    store: PathBuf,
+}
 
-impl dsec_gateway::Builder for StoreBuilder {
+impl dsec_gateway::Builder for NodeBuilder {
     fn build(
         &self,
         spec: &dsec_image::build::BuildSpec,
         progress: &mut dyn FnMut(&str),
     ) -> Result<String, String> {
-        let store = dsec_image::ImageStore::open(&self.0).map_err(|e| e.to_string())?;
-        dsec_image::build::build(&store, spec, progress).map_err(|e| e.to_string())
+        let edge = self
+            .edge
+            .get()
+            .cloned()
+            .ok_or("the node is still starting; try again")?;
+        let rt = tokio::runtime::Handle::current();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let spec = spec.clone();
+        let task = rt.spawn(async move { edge.build_image(spec, ROOT.to_string(), tx).await });
+        while let Some(line) = rx.blocking_recv() {
+            progress(&line);
+        }
+        rt.block_on(task)
+            .map_err(|e| format!("build worker failed: {e}"))?
+            .map_err(|e| e.message)
     }
 
     fn scratch(&self) -> PathBuf {
-        self.0.join("tmp").join("e2b-uploads")
+        self.store.join("tmp").join("e2b-uploads")
     }
 }
 

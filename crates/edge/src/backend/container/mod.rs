@@ -205,9 +205,10 @@ impl ContainerBackend {
                 resolv_conf: gateway.as_ref().map(|_| resolv.as_path()),
             },
         );
-        std::fs::write(
-            dir.join("config.json"),
-            serde_json::to_vec_pretty(&config).unwrap_or_default(),
+        // The bundle carries the sandbox's environment: root's alone.
+        dsec_common::private::write(
+            &dir.join("config.json"),
+            &serde_json::to_vec_pretty(&config).unwrap_or_default(),
         )
         .map_err(|e| format!("writing config.json: {e}"))?;
         let _ = std::fs::remove_file(&paths.channel);
@@ -355,22 +356,65 @@ impl Backend for ContainerBackend {
     ) -> Result<(), ApiError> {
         copy_tree(&paths.dir.join("disk/upper"), dest)
             .map_err(|e| ApiError::internal(format!("copying the writable layer: {e}")))?;
-        // Files the runtime made in the upper as mount points for its bind mounts (where
-        // the image has none): never the sandbox's own, which cannot replace a mount point.
-        for f in BIND_MOUNT_FILES {
-            let p = dest.join(f);
-            if std::fs::symlink_metadata(&p).is_ok_and(|m| m.is_file()) {
-                std::fs::remove_file(&p)
-                    .map_err(|e| ApiError::internal(format!("removing {}: {e}", p.display())))?;
-            }
-        }
-        Ok(())
+        remove_mount_point_files(dest)
     }
+}
+
+/// Removes the files the runtime made in the upper as mount points for its bind mounts
+/// (where the image has none): never the sandbox's own, which cannot replace a mount point.
+/// The tree is the sandbox's: a component of the path may be a symlink (`etc -> /etc`) that
+/// would aim the removal at the host, so only a path of real directories counts.
+fn remove_mount_point_files(dest: &Path) -> Result<(), ApiError> {
+    for f in BIND_MOUNT_FILES {
+        let p = dest.join(f);
+        if no_symlink_on_the_way(dest, Path::new(f))
+            && std::fs::symlink_metadata(&p).is_ok_and(|m| m.is_file())
+        {
+            std::fs::remove_file(&p)
+                .map_err(|e| ApiError::internal(format!("removing {}: {e}", p.display())))?;
+        }
+    }
+    Ok(())
+}
+
+/// Whether every directory between `root` and `root/rel` is a real directory (no
+/// symlink). `root` is the edge's own; what lies below it may be a sandbox's.
+fn no_symlink_on_the_way(root: &Path, rel: &Path) -> bool {
+    let mut p = root.to_path_buf();
+    let Some(parent) = rel.parent() else {
+        return true;
+    };
+    parent.components().all(|c| {
+        p.push(c);
+        std::fs::symlink_metadata(&p).is_ok_and(|m| m.file_type().is_dir())
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_symlinked_etc_in_a_sandbox_tree_aims_no_removal_at_the_host() {
+        let t = tempfile::tempdir().unwrap();
+        let victim = t.path().join("host-etc");
+        std::fs::create_dir(&victim).unwrap();
+        std::fs::write(victim.join("hosts"), "host's").unwrap();
+        let tree = t.path().join("upper");
+        std::fs::create_dir(&tree).unwrap();
+        std::os::unix::fs::symlink(&victim, tree.join("etc")).unwrap();
+        remove_mount_point_files(&tree).unwrap();
+        assert!(
+            victim.join("hosts").exists(),
+            "removed through the sandbox's symlink"
+        );
+        std::fs::remove_file(tree.join("etc")).unwrap();
+        std::fs::create_dir(tree.join("etc")).unwrap();
+        std::fs::write(tree.join("etc/hosts"), "mount point").unwrap();
+        remove_mount_point_files(&tree).unwrap();
+        assert!(!tree.join("etc/hosts").exists());
+        assert!(victim.join("hosts").exists());
+    }
 
     #[test]
     fn recognises_static_binaries() {
