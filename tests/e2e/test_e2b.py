@@ -561,7 +561,8 @@ def test_template_build(e2b):
     info = Template.build(t, f"t{tag}", on_build_logs=logs.append)
     print(f"template build {time.monotonic() - t0:.1f} s, {len(logs)} log lines")
     assert info.template_id == f"t{tag}"
-    assert any(f"root/e2b-t{tag}:latest" in e.message for e in logs)
+    # (the e2b.env key belongs to the project root/e2b: its templates are its images)
+    assert any(f"root/e2b/e2b-t{tag}:latest" in e.message for e in logs)
     sb = e2b.Sandbox.create(f"t{tag}")
     try:
         r = sb.commands.run("cat /built.txt; echo $FROM_TEMPLATE; pwd; cat in-workdir.txt")
@@ -585,14 +586,21 @@ def test_template_build(e2b):
         Template.build(Template().from_image("python:3.11"), f"x{tag}")
     with pytest.raises(e2b.BuildException, match="exit|status|failed"):
         Template.build(Template().from_template("base").run_cmd("echo to-the-log; exit 7"), f"f{tag}")
-    # images are the deployment's: a project's key cannot build
+    # a template is its project's: another project's key builds its own, which the first
+    # key does not find
     import json
 
     dsec("iam", "project-create", f"root/tb{tag}")
     pkey = json.loads(dsec("iam", "key-create", "--project", f"root/tb{tag}", "--name", "k",
                            "--json").stdout)["key"]
-    with pytest.raises(e2b.BuildException, match="root project"):
-        Template.build(Template().from_template("base").run_cmd("true"), f"p{tag}", api_key=pkey)
+    Template.build(Template().from_template("base").run_cmd("echo mine > /mine"), f"p{tag}", api_key=pkey)
+    sb = e2b.Sandbox.create(f"p{tag}", api_key=pkey)
+    try:
+        assert sb.commands.run("cat /mine").stdout == "mine\n"
+    finally:
+        sb.kill()
+    with pytest.raises(e2b.SandboxException, match="not found"):
+        e2b.Sandbox.create(f"p{tag}")
     # COPY: the client's files are uploaded to the gateway and copied in
     import tempfile
     from pathlib import Path

@@ -184,7 +184,10 @@ struct NetworkOpts {
 
 /// What a template id stands for: the template map, an image reference, or a template
 /// built through this gateway (`Template.build()`).
-pub(crate) async fn template_for(gw: &Gw, template: &str) -> Result<Template, UpErr> {
+/// What a template name means for `key`: the gateway's own templates, an image reference,
+/// or a template built by the key's project or one of its parents (the nearest first),
+/// among the images that key can see.
+pub(crate) async fn template_for(gw: &Gw, key: &str, template: &str) -> Result<Template, UpErr> {
     if let Some(t) = gw.cfg.templates.get(template) {
         return Ok(t.clone());
     }
@@ -192,23 +195,32 @@ pub(crate) async fn template_for(gw: &Gw, template: &str) -> Result<Template, Up
         return Ok(Template::Image(template.to_string()));
     }
     let (name, tag) = template.split_once(':').unwrap_or((template, "latest"));
-    let built = crate::templates::image_of(name, tag);
-    let images: Result<Value, UpErr> = gw
-        .up
-        .call(Method::GET, "/v1/images", &gw.cfg.service_key, None)
-        .await;
-    if let Ok(v) = images
-        && v["images"]
-            .as_array()
-            .is_some_and(|a| a.iter().any(|i| i["reference"] == built.as_str()))
-    {
-        return Ok(Template::Image(built));
+    let who: Value = gw.up.call(Method::GET, "/v1/whoami", key, None).await?;
+    let project = who["project"].as_str().unwrap_or("root");
+    let images: Result<Value, UpErr> = gw.up.call(Method::GET, "/v1/images", key, None).await;
+    let seen: std::collections::HashSet<String> = images
+        .ok()
+        .and_then(|v| {
+            v["images"].as_array().map(|a| {
+                a.iter()
+                    .filter_map(|i| i["reference"].as_str().map(str::to_string))
+                    .collect()
+            })
+        })
+        .unwrap_or_default();
+    let mut p = Some(project);
+    while let Some(proj) = p {
+        let built = crate::templates::image_of(proj, name, tag);
+        if seen.contains(&built) {
+            return Ok(Template::Image(built));
+        }
+        p = proj.rsplit_once('/').map(|(parent, _)| parent);
     }
     Err(UpErr::new(
         404,
         "not_found",
         format!(
-            "template {template:?} not found: the gateway maps {} to images; an OpenDsec image reference (owner/name:tag) also works",
+            "template {template:?} not found: the gateway maps {} to images, and finds templates built by this key's project ({project}) or its parents; an OpenDsec image reference (owner/name:tag) also works",
             gw.cfg
                 .templates
                 .keys()
@@ -237,7 +249,7 @@ async fn create(State(gw): State<Gw>, h: HeaderMap, body: Bytes) -> Response {
 async fn create_inner(gw: &Gw, h: &HeaderMap, body: &Bytes) -> Res {
     let k = key(h)?;
     let req: NewSandbox = parse(body, "create sandbox")?;
-    let template = template_for(gw, &req.template_id).await?;
+    let template = template_for(gw, &k, &req.template_id).await?;
     let mut labels = req.metadata.unwrap_or_default();
     if let Some(k) = labels.keys().find(|k| k.starts_with(LABEL_PREFIX)) {
         return Err(UpErr::new(

@@ -27,6 +27,7 @@ mod ports;
 mod process;
 pub mod proto;
 mod templates;
+pub mod untar;
 pub mod upstream;
 mod watch;
 

@@ -26,18 +26,24 @@ use crate::control::{key, now_ms, parse, query_pairs, rfc3339};
 use crate::upstream::UpErr;
 use crate::{Gw, Template};
 
-/// Builds an image spec into the node's image store, reporting progress one line at a
-/// time; the image's digest, or why it failed.
+/// Builds an image spec on the node for `project` (the caller's: its images, its quota),
+/// reporting progress one line at a time; the image's digest, or why it failed.
 pub trait Builder: Send + Sync {
-    fn build(&self, spec: &BuildSpec, progress: &mut dyn FnMut(&str)) -> Result<String, String>;
+    fn build(
+        &self,
+        spec: &BuildSpec,
+        project: &str,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<String, String>;
     /// A directory on the same machine for uploaded files (`COPY`) while they wait for
     /// their build.
     fn scratch(&self) -> std::path::PathBuf;
 }
 
-/// The image a built template is kept as.
-pub(crate) fn image_of(name: &str, tag: &str) -> String {
-    format!("root/e2b-{name}:{tag}")
+/// The image a template built by a key of `project` is kept as: in that project's
+/// namespace, so it is the project's (and its sub-projects') alone.
+pub(crate) fn image_of(project: &str, name: &str, tag: &str) -> String {
+    format!("{project}/e2b-{name}:{tag}")
 }
 
 pub(crate) fn routes() -> Router<Gw> {
@@ -97,19 +103,15 @@ fn split_name(n: &str) -> Result<(String, String), UpErr> {
     Ok((name.to_string(), tag.to_string()))
 }
 
-/// Whether the caller may build: images are shared by the whole deployment, so builds
-/// take a key of the root project (its administrators).
-async fn caller(gw: &Gw, h: &HeaderMap) -> Result<(), UpErr> {
+/// The caller's key and project: what it builds lands in that project's namespace.
+async fn caller(gw: &Gw, h: &HeaderMap) -> Result<(String, String), UpErr> {
     let k = key(h)?;
     let who: Value = gw.up.call(Method::GET, "/v1/whoami", &k, None).await?;
-    if who["project"] != "root" {
-        return Err(UpErr::new(
-            403,
-            "permission_denied",
-            "template builds write the deployment's shared image store: use a key of the root project",
-        ));
-    }
-    Ok(())
+    let project = who["project"]
+        .as_str()
+        .ok_or_else(|| UpErr::new(502, "internal", "whoami named no project"))?
+        .to_string();
+    Ok((k, project))
 }
 
 #[derive(Deserialize)]
@@ -229,7 +231,7 @@ struct Copy {
 }
 
 /// The OpenDsec image a build starts from.
-async fn base_image(gw: &Gw, req: &StartBuild) -> Result<String, UpErr> {
+async fn base_image(gw: &Gw, key: &str, req: &StartBuild) -> Result<String, UpErr> {
     if req
         .from_image_registry
         .as_ref()
@@ -240,7 +242,7 @@ async fn base_image(gw: &Gw, req: &StartBuild) -> Result<String, UpErr> {
         ));
     }
     match (&req.from_template, &req.from_image) {
-        (Some(t), _) => match crate::control::template_for(gw, t).await? {
+        (Some(t), _) => match crate::control::template_for(gw, key, t).await? {
             Template::Image(i) | Template::Spec { image: i, .. } => Ok(i),
         },
         // E2B's own base image (`from_base_image()`) is the `base` template here
@@ -410,8 +412,7 @@ fn inside(p: &str) -> Option<std::path::PathBuf> {
     Some(path.to_path_buf())
 }
 
-/// Unpacks an upload (tar, gzip'd or not) into `dir`; the unpacker refuses entries that
-/// would land outside it.
+/// Unpacks an upload (tar, gzip'd or not) into `dir` and nowhere else ([`crate::untar`]).
 fn unpack(archive: &std::path::Path, dir: &std::path::Path) -> Result<(), String> {
     use std::io::Read;
     let open = || std::fs::File::open(archive).map_err(|e| format!("opening the upload: {e}"));
@@ -422,12 +423,7 @@ fn unpack(archive: &std::path::Path, dir: &std::path::Path) -> Result<(), String
     } else {
         Box::new(open()?)
     };
-    let mut a = tar::Archive::new(reader);
-    a.set_preserve_permissions(true);
-    a.set_overwrite(true);
-    std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
-    a.unpack(dir)
-        .map_err(|e| format!("unpacking the upload: {e}"))
+    crate::untar::unpack(reader, dir).map_err(|e| format!("unpacking the upload: {e}"))
 }
 
 /// Gives each `COPY` its files: unpacks the uploads under `staging` and points the steps
@@ -489,11 +485,11 @@ async fn start_build(
     Path((tid, bid)): Path<(String, String)>,
     body: Bytes,
 ) -> Res {
-    caller(&gw, &h).await?;
+    let (key, project) = caller(&gw, &h).await?;
     let builder = builder(&gw)?;
     let b = find(&gw, &tid, &bid)?;
     let req: StartBuild = parse(&body, "template build")?;
-    let from = base_image(&gw, &req).await?;
+    let from = base_image(&gw, &key, &req).await?;
     let (steps, workdir, copies) = spec_steps(&req)?;
     let (name, tag) = {
         let mut bl = b.lock().unwrap_or_else(|p| p.into_inner());
@@ -508,7 +504,7 @@ async fn start_build(
         (bl.template.clone(), bl.tag.clone())
     };
     let mut spec = BuildSpec {
-        name: image_of(&name, &tag),
+        name: image_of(&project, &name, &tag),
         from: Some(from),
         debian: None,
         env: BTreeMap::new(),
@@ -539,7 +535,7 @@ async fn start_build(
         let scratch = builder.scratch();
         let staging = scratch.join(format!("build-{bid}"));
         let r = stage_copies(&scratch, &staging, &mut spec.steps, &copies)
-            .and_then(|()| builder.build(&spec, &mut |line| log(&b2, line)));
+            .and_then(|()| builder.build(&spec, &project, &mut |line| log(&b2, line)));
         let _ = std::fs::remove_dir_all(&staging);
         for c in &copies {
             let _ = std::fs::remove_file(scratch.join(format!("{}.tar", c.hash)));
@@ -690,8 +686,8 @@ async fn upload(
 
 /// Whether a template name is taken (`Template.exists()`).
 async fn alias(State(gw): State<Gw>, h: HeaderMap, Path(alias): Path<String>) -> Res {
-    caller(&gw, &h).await?;
-    match crate::control::template_for(&gw, &alias).await {
+    let (key, _) = caller(&gw, &h).await?;
+    match crate::control::template_for(&gw, &key, &alias).await {
         Ok(_) => Ok(axum::Json(json!({"templateID": alias, "public": false})).into_response()),
         Err(e) => Err(e),
     }
@@ -720,11 +716,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let scratch = d.path().join("scratch");
         std::fs::create_dir_all(&scratch).unwrap();
-        let tar = tar_of(&[
-            ("a.txt", b"A", 0o644),
-            ("d/b.sh", b"B", 0o755),
-            ("../evil", b"X", 0o644),
-        ]);
+        let tar = tar_of(&[("a.txt", b"A", 0o644), ("d/b.sh", b"B", 0o755)]);
         std::fs::write(scratch.join("0123456789abcdef.tar"), tar).unwrap();
         let req: StartBuild = serde_json::from_value(json!({
             "fromTemplate": "base",
@@ -746,11 +738,20 @@ mod tests {
         assert_eq!(steps[3].file.as_deref(), Some("/g"));
         let flat = std::path::PathBuf::from(steps[3].copy_from.clone().unwrap());
         assert!(flat.join("b.sh").exists());
-        // nothing landed outside the staging directory
+        // an upload with an entry that leaves its directory is refused, and nothing lands
+        // outside the staging directory
+        let evil = tar_of(&[("a.txt", b"A", 0o644), ("../evil", b"X", 0o644)]);
+        std::fs::write(scratch.join("fedcba9876543210.tar"), evil).unwrap();
+        let req: StartBuild = serde_json::from_value(json!({"fromTemplate": "base", "steps": [
+            {"type": "COPY", "args": ["a.txt", "/x/"], "filesHash": "fedcba9876543210"}]}))
+        .unwrap();
+        let (mut s1, _, c1) = spec_steps(&req).unwrap();
+        let e = stage_copies(&scratch, &d.path().join("s1"), &mut s1, &c1).unwrap_err();
+        assert!(e.contains("leaves the archive"), "{e}");
         for p in [
             d.path().join("evil"),
-            staging.join("evil"),
-            staging.join("0/evil"),
+            d.path().join("s1/evil"),
+            d.path().join("s1/0/evil"),
         ] {
             assert!(!p.exists(), "{}", p.display());
         }

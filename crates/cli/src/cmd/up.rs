@@ -361,6 +361,7 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
         Some(c) if iam.authenticate(&c.api_key).is_some_and(|p| p.is_admin()) => c.api_key,
         _ => dsec_iam::create_key(iam.as_ref(), ROOT, ROOT, "admin", PrincipalKind::Human)?.0,
     };
+    let e2b_key = e2b_key(iam.as_ref(), &dir)?;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| {
@@ -378,6 +379,7 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
         listen,
         &url,
         &key,
+        &e2b_key,
         Some(builder),
     )
     .await?;
@@ -458,7 +460,7 @@ const GATEWAY_PORT_OFFSET: u16 = 10000;
 /// Binds the E2B gateway (unless `[gateway] enabled = false`) and writes `e2b.env` with the
 /// three variables the E2B SDK needs. Its access-token secret is kept in
 /// Template builds from the gateway, on this node (as `POST /v1/images/builds`: `run`
-/// steps in sandboxes), for the root project (builds need a root key).
+/// steps in sandboxes), for the caller's project.
 struct NodeBuilder {
     edge: Arc<std::sync::OnceLock<Arc<dsec_edge::Edge>>>,
     store: PathBuf,
@@ -468,6 +470,7 @@ impl dsec_gateway::Builder for NodeBuilder {
     fn build(
         &self,
         spec: &dsec_image::build::BuildSpec,
+        project: &str,
         progress: &mut dyn FnMut(&str),
     ) -> Result<String, String> {
         let edge = self
@@ -478,7 +481,8 @@ impl dsec_gateway::Builder for NodeBuilder {
         let rt = tokio::runtime::Handle::current();
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let spec = spec.clone();
-        let task = rt.spawn(async move { edge.build_image(spec, ROOT.to_string(), tx).await });
+        let project = project.to_string();
+        let task = rt.spawn(async move { edge.build_image(spec, project, tx).await });
         while let Some(line) = rx.blocking_recv() {
             progress(&line);
         }
@@ -490,6 +494,38 @@ impl dsec_gateway::Builder for NodeBuilder {
     fn scratch(&self) -> PathBuf {
         self.store.join("tmp").join("e2b-uploads")
     }
+}
+
+/// The project whose key `dsec up` hands to E2B programs (in `e2b.env`): an ordinary
+/// tenant, not an administrator.
+pub(crate) const E2B_PROJECT: &str = "root/e2b";
+
+/// The key of [`E2B_PROJECT`] kept in `<data-dir>/e2b.key`, made (with the project) when
+/// missing or no longer valid.
+fn e2b_key(iam: &dyn Iam, dir: &Path) -> Result<String> {
+    let path = dir.join("e2b.key");
+    if let Ok(k) = std::fs::read_to_string(&path)
+        && iam
+            .authenticate(k.trim())
+            .is_some_and(|p| p.project == E2B_PROJECT)
+    {
+        return Ok(k.trim().to_string());
+    }
+    if !iam
+        .projects(ROOT)?
+        .iter()
+        .any(|p| p.project.path == E2B_PROJECT)
+    {
+        iam.apply(dsec_iam::Command::CreateProject {
+            actor: ROOT.to_string(),
+            path: E2B_PROJECT.to_string(),
+            quota: Default::default(),
+            now_ms: dsec_iam::now_ms(),
+        })?;
+    }
+    let (k, _) = dsec_iam::create_key(iam, ROOT, E2B_PROJECT, "e2b", PrincipalKind::Human)?;
+    write_private(&path, &k)?;
+    Ok(k)
 }
 
 /// The secret sandbox access tokens are signed with, from `path` (made there if it is
@@ -505,7 +541,9 @@ pub(crate) fn gateway_secret(path: &Path) -> Result<String> {
     }
 }
 
-/// The gateway `dsec up` runs; its secret is `<data-dir>/gateway-secret`.
+/// The gateway `dsec up` runs; its secret is `<data-dir>/gateway-secret`. `key` is its
+/// own (it looks sandboxes up); `user_key` goes to `e2b.env`.
+#[allow(clippy::too_many_arguments)]
 async fn bind_gateway(
     dir: &Path,
     table: Option<GatewayToml>,
@@ -513,6 +551,7 @@ async fn bind_gateway(
     api: SocketAddr,
     api_url: &str,
     key: &str,
+    user_key: &str,
     builder: Option<Arc<dyn dsec_gateway::Builder>>,
 ) -> Result<Option<(tokio::net::TcpListener, axum::Router)>> {
     let env_path = dir.join(E2B_ENV);
@@ -572,7 +611,7 @@ async fn bind_gateway(
     let url = format!("http://{bound}");
     write_private(
         &env_path,
-        &format!("E2B_API_URL={url}\nE2B_SANDBOX_URL={url}\nE2B_API_KEY={key}\n"),
+        &format!("E2B_API_URL={url}\nE2B_SANDBOX_URL={url}\nE2B_API_KEY={user_key}\n"),
     )?;
     tracing::info!("E2B gateway listening on {url}");
     Ok(Some((listener, app)))
@@ -726,6 +765,7 @@ mod tests {
             api,
             "http://127.0.0.1:7600",
             "dsk.k",
+            "dsk.user",
             None,
         )
         .await
@@ -734,7 +774,10 @@ mod tests {
         let env = std::fs::read_to_string(d.path().join(E2B_ENV)).unwrap();
         assert!(env.contains(&format!("E2B_API_URL=http://127.0.0.1:{port}\n")));
         assert!(env.contains(&format!("E2B_SANDBOX_URL=http://127.0.0.1:{port}\n")));
-        assert!(env.contains("E2B_API_KEY=dsk.k\n"));
+        assert!(
+            env.contains("E2B_API_KEY=dsk.user\n"),
+            "the tenant key, not the admin's"
+        );
         let secret = std::fs::read_to_string(d.path().join("gateway-secret")).unwrap();
         assert!(!secret.trim().is_empty());
         let off = GatewayToml {
@@ -743,9 +786,18 @@ mod tests {
             domain: None,
             templates: Default::default(),
         };
-        let g = bind_gateway(d.path(), Some(off), None, api, "http://x", "dsk.k", None)
-            .await
-            .unwrap();
+        let g = bind_gateway(
+            d.path(),
+            Some(off),
+            None,
+            api,
+            "http://x",
+            "dsk.k",
+            "dsk.user",
+            None,
+        )
+        .await
+        .unwrap();
         assert!(g.is_none());
         assert!(!d.path().join(E2B_ENV).exists());
     }
