@@ -7,7 +7,7 @@
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
@@ -16,6 +16,11 @@ use super::Network;
 use super::rules::Policy;
 
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(3);
+/// Queries one sandbox may send per second, and at once: past them its queries are dropped
+/// (UDP) or refused (TCP) before any work, so a sandbox flooding the proxy does not slow
+/// the DNS, creates or stops of others.
+const RATE_PER_S: f64 = 100.0;
+const BURST: f64 = 200.0;
 const TCP_IDLE: Duration = Duration::from_secs(10);
 const MAX_MESSAGE: usize = 65535;
 
@@ -217,14 +222,8 @@ async fn answer(net: &Arc<Network>, src: Ipv4Addr, query: &[u8], tcp: bool) -> O
                     .into_iter()
                     .map(|(ip, ttl)| (ip, ttl, name.clone()))
                     .collect();
-                let n2 = net.clone();
-                let opened = tokio::task::spawn_blocking(move || n2.learn(src, &named)).await;
-                match opened {
-                    Ok(Ok(())) => resp,
-                    Ok(Err(e)) => {
-                        tracing::warn!(sandbox = %id, "opening the answer's addresses: {e}");
-                        reply(query, RCODE_SERVFAIL)
-                    }
+                match net.learn(src, &named).await {
+                    Ok(()) => resp,
                     Err(e) => {
                         tracing::warn!(sandbox = %id, "opening the answer's addresses: {e}");
                         reply(query, RCODE_SERVFAIL)
@@ -244,6 +243,30 @@ fn v4(a: SocketAddr) -> Option<Ipv4Addr> {
     }
 }
 
+/// A token bucket per source address.
+#[derive(Default)]
+struct Limiter {
+    buckets: std::sync::Mutex<std::collections::HashMap<Ipv4Addr, (f64, Instant)>>,
+}
+
+impl Limiter {
+    fn allow(&self, ip: Ipv4Addr, now: Instant) -> bool {
+        let mut m = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        if m.len() > 65536 {
+            m.retain(|_, (_, t)| now.duration_since(*t) < Duration::from_secs(60));
+        }
+        let (tokens, last) = m.entry(ip).or_insert((BURST, now));
+        *tokens = (*tokens + now.duration_since(*last).as_secs_f64() * RATE_PER_S).min(BURST);
+        *last = now;
+        if *tokens >= 1.0 {
+            *tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
 /// Serves DNS on UDP and TCP `0.0.0.0:<dns_port>` until the tasks are dropped.
 pub async fn spawn(net: Arc<Network>) -> Result<Vec<tokio::task::JoinHandle<()>>, String> {
     let addr = SocketAddr::from(([0, 0, 0, 0], net.cfg.dns_port));
@@ -257,6 +280,8 @@ pub async fn spawn(net: Arc<Network>) -> Result<Vec<tokio::task::JoinHandle<()>>
         .await
         .map_err(|e| format!("DNS proxy on tcp {addr}: {e} {hint}"))?;
     let n1 = net.clone();
+    let limiter = Arc::new(Limiter::default());
+    let l1 = limiter.clone();
     let udp_task = tokio::spawn(async move {
         let mut buf = vec![0u8; MAX_MESSAGE];
         loop {
@@ -264,6 +289,9 @@ pub async fn spawn(net: Arc<Network>) -> Result<Vec<tokio::task::JoinHandle<()>>
                 continue;
             };
             let Some(src) = v4(from) else { continue };
+            if !l1.allow(src, Instant::now()) {
+                continue;
+            }
             let query = buf[..n].to_vec();
             let (net, udp) = (n1.clone(), udp.clone());
             tokio::spawn(async move {
@@ -279,7 +307,7 @@ pub async fn spawn(net: Arc<Network>) -> Result<Vec<tokio::task::JoinHandle<()>>
                 continue;
             };
             let Some(src) = v4(from) else { continue };
-            let net = net.clone();
+            let (net, limiter) = (net.clone(), limiter.clone());
             tokio::spawn(async move {
                 loop {
                     let Ok(Ok(n)) = tokio::time::timeout(TCP_IDLE, s.read_u16()).await else {
@@ -289,7 +317,12 @@ pub async fn spawn(net: Arc<Network>) -> Result<Vec<tokio::task::JoinHandle<()>>
                     if s.read_exact(&mut q).await.is_err() {
                         return;
                     }
-                    let Some(r) = answer(&net, src, &q, true).await else {
+                    let r = if limiter.allow(src, Instant::now()) {
+                        answer(&net, src, &q, true).await
+                    } else {
+                        (q.len() >= 12).then(|| reply(&q, RCODE_REFUSED))
+                    };
+                    let Some(r) = r else {
                         return;
                     };
                     let Ok(len) = u16::try_from(r.len()) else {
@@ -348,6 +381,22 @@ mod tests {
             m.extend(rdata);
         }
         m
+    }
+
+    #[test]
+    fn a_flooding_sandbox_is_held_to_its_rate_and_others_are_not() {
+        let l = Limiter::default();
+        let t0 = Instant::now();
+        let (flood, quiet) = (Ipv4Addr::new(10, 200, 0, 2), Ipv4Addr::new(10, 200, 0, 6));
+        let allowed = (0..10_000).filter(|_| l.allow(flood, t0)).count();
+        assert_eq!(
+            allowed, BURST as usize,
+            "a burst, then nothing at the same instant"
+        );
+        assert!(l.allow(quiet, t0), "another sandbox is not held back");
+        let later = t0 + Duration::from_millis(500);
+        let refilled = (0..10_000).filter(|_| l.allow(flood, later)).count();
+        assert_eq!(refilled, (RATE_PER_S / 2.0) as usize);
     }
 
     fn policy(domains: &[&str]) -> Policy {

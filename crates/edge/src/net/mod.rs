@@ -5,6 +5,7 @@
 //! addresses to the asking sandbox for their TTL.
 
 pub mod dns;
+pub mod learner;
 pub mod link;
 pub mod nft;
 pub mod rules;
@@ -25,6 +26,10 @@ use rules::{Cidr, Policy};
 pub const MIN_TTL: u32 = 2;
 /// Longest: a long TTL does not open an address for days.
 pub const MAX_TTL: u32 = 3600;
+/// Most addresses DNS answers may hold open for one sandbox at a time (a sandbox asking
+/// for ever new names under an allowed wildcard does not grow the node's table without
+/// bound).
+pub const MAX_LEARNED: usize = 4096;
 
 /// The random part of a sandbox id, which names its interface, chain and sets.
 pub fn key_of(id: &str) -> &str {
@@ -55,6 +60,7 @@ struct State {
 pub struct Network {
     pub cfg: NetworkConfig,
     catalog: rules::Catalog,
+    learner: learner::Learner,
     pool: Cidr,
     pub upstream: Vec<SocketAddr>,
     state: Mutex<State>,
@@ -102,6 +108,7 @@ impl Network {
         let net = Network {
             cfg: cfg.clone(),
             catalog,
+            learner: learner::Learner::start(),
             pool,
             upstream,
             state: Mutex::new(State::default()),
@@ -258,35 +265,46 @@ impl Network {
             .map(|a| (a.id.clone(), a.policy.clone()))
     }
 
-    /// Opens `addrs` (address, TTL, the name asked) to the sandbox at `ip` (blocking: the
-    /// DNS answer goes out only once the rule is in).
-    pub fn learn(&self, ip: Ipv4Addr, addrs: &[(Ipv4Addr, u32, String)]) -> Result<(), String> {
-        let mut st = self.lock();
-        let Some(a) = st.by_ip.get_mut(&ip) else {
-            return Err("the sandbox is gone".into());
-        };
-        let now = Instant::now();
-        let k = key_of(&a.id).to_string();
-        let mut present = Vec::new();
-        let mut add = Vec::new();
-        for (addr, ttl, name) in addrs {
-            let ttl = (*ttl).clamp(MIN_TTL, MAX_TTL);
-            if a.learned
-                .get(addr)
-                .is_some_and(|(until, _)| *until > now + Duration::from_millis(200))
-            {
-                present.push(*addr);
+    /// Opens `addrs` (address, TTL, the name asked) to the sandbox at `ip`; returns once
+    /// the rule is in (the DNS answer goes out only then). The node's lock is held only
+    /// for the bookkeeping; the table is written by the learner, in batches.
+    pub async fn learn(
+        &self,
+        ip: Ipv4Addr,
+        addrs: &[(Ipv4Addr, u32, String)],
+    ) -> Result<(), String> {
+        let (k, add, present) = {
+            let mut st = self.lock();
+            let Some(a) = st.by_ip.get_mut(&ip) else {
+                return Err("the sandbox is gone".into());
+            };
+            let now = Instant::now();
+            // What has expired in the set has expired here too.
+            a.learned.retain(|_, (until, _)| *until > now);
+            if a.learned.len() + addrs.len() > MAX_LEARNED {
+                return Err(format!(
+                    "sandbox {} holds {} addresses open from DNS answers, the most a sandbox may",
+                    a.id,
+                    a.learned.len()
+                ));
             }
-            add.push((*addr, ttl));
-            a.learned
-                .insert(*addr, (now + Duration::from_secs(ttl as u64), name.clone()));
-        }
-        let r = nft::apply(&nft::learn(&k, &add, &present));
-        if r.is_err() && !present.is_empty() {
-            // An element expired between our check and the delete: add without deleting.
-            return nft::apply(&nft::learn(&k, &add, &[]));
-        }
-        r
+            let mut present = Vec::new();
+            let mut add = Vec::new();
+            for (addr, ttl, name) in addrs {
+                let ttl = (*ttl).clamp(MIN_TTL, MAX_TTL);
+                if a.learned
+                    .get(addr)
+                    .is_some_and(|(until, _)| *until > now + Duration::from_millis(200))
+                {
+                    present.push(*addr);
+                }
+                add.push((*addr, ttl));
+                a.learned
+                    .insert(*addr, (now + Duration::from_secs(ttl as u64), name.clone()));
+            }
+            (key_of(&a.id).to_string(), add, present)
+        };
+        self.learner.learn(k, add, present).await
     }
 
     /// Removes namespaces, interfaces and rule chains that belong to no sandbox in `ids`
