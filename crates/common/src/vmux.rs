@@ -8,7 +8,9 @@
 //! other end aether serves like any connection. Frames are `[kind u8][stream u32][len
 //! u32][payload]`, big-endian. A sender may have at most [`WINDOW`] bytes of a stream
 //! unacknowledged; the receiver grants more as its local socket takes them, so a slow
-//! reader stalls only its own stream, never the link, and memory stays bounded.
+//! reader stalls only its own stream, never the link, and memory stays bounded: a peer
+//! that sends past the window it was granted has the stream closed (the guest is not
+//! trusted to keep to it).
 //!
 //! A VM can be stopped with half a frame read (its memory saved, then restored in a fork
 //! copy or after a pause to disk) and a new host end then joins mid-stream, in both
@@ -56,9 +58,11 @@ struct Stream {
     /// Bytes this side may still send.
     credit: Mutex<u32>,
     credit_cv: Condvar,
-    /// Incoming payloads, in order, for the writer thread. Unbounded as a queue, but the
-    /// peer never has more than a window of bytes in it; the link's reader never waits.
+    /// Incoming payloads, in order, for the writer thread. Unbounded as a queue, but
+    /// `queued` holds it to a window of bytes; the link's reader never waits.
     incoming: Sender<Option<Vec<u8>>>,
+    /// Bytes received and not yet written to the local socket (granted back as written).
+    queued: Arc<AtomicU32>,
     local: UnixStream,
 }
 
@@ -161,11 +165,13 @@ impl Mux {
     /// stream (a DATA ahead of its OPEN would be dropped by the peer).
     fn bridge(&self, id: u32, local: UnixStream, announce: bool) -> io::Result<()> {
         let (tx, rx) = channel::<Option<Vec<u8>>>();
+        let queued = Arc::new(AtomicU32::new(0));
         let s = Arc::new(Stream {
             done: Mutex::new(0),
             credit: Mutex::new(WINDOW),
             credit_cv: Condvar::new(),
             incoming: tx,
+            queued: queued.clone(),
             local: local.try_clone()?,
         });
         self.streams().insert(id, s.clone());
@@ -178,7 +184,7 @@ impl Mux {
             let m = self.clone();
             std::thread::Builder::new()
                 .name(format!("vmux-in-{id}"))
-                .spawn(move || m.pump_in(id, writer_end, rx))?;
+                .spawn(move || m.pump_in(id, writer_end, rx, queued))?;
             let m = self.clone();
             std::thread::Builder::new()
                 .name(format!("vmux-out-{id}"))
@@ -229,7 +235,13 @@ impl Mux {
     }
 
     /// Link → local socket (a thread per stream, so a slow reader holds up only itself).
-    fn pump_in(&self, id: u32, mut local: UnixStream, rx: Receiver<Option<Vec<u8>>>) {
+    fn pump_in(
+        &self,
+        id: u32,
+        mut local: UnixStream,
+        rx: Receiver<Option<Vec<u8>>>,
+        queued: Arc<AtomicU32>,
+    ) {
         while let Ok(item) = rx.recv() {
             match item {
                 Some(data) => {
@@ -238,6 +250,7 @@ impl Mux {
                         self.drop_stream(id);
                         return;
                     }
+                    queued.fetch_sub(data.len() as u32, Ordering::SeqCst);
                     let _ = self.send(WINDOW_UPDATE, id, &(data.len() as u32).to_be_bytes());
                 }
                 None => {
@@ -249,8 +262,16 @@ impl Mux {
         }
     }
 
-    /// Hands a payload to the stream's writer; a stream whose writer is gone is dropped.
+    /// Hands a payload to the stream's writer; a stream whose writer is gone, or whose
+    /// peer sent more than the window it was granted, is dropped (and the peer told).
     fn deliver(&self, id: u32, s: &Stream, payload: Vec<u8>) {
+        let n = payload.len() as u32;
+        let queued = s.queued.fetch_add(n, Ordering::SeqCst).saturating_add(n);
+        if queued > WINDOW {
+            self.drop_stream(id);
+            let _ = self.send(CLOSE, id, &[]);
+            return;
+        }
         if s.incoming.send(Some(payload)).is_err() {
             self.drop_stream(id);
         }
@@ -444,6 +465,75 @@ mod tests {
         let h2 = host.clone();
         std::thread::spawn(move || h2.run(h));
         host
+    }
+
+    fn frame_of(kind: u8, id: u32, payload: &[u8]) -> Vec<u8> {
+        let mut f = vec![kind];
+        f.extend_from_slice(&id.to_be_bytes());
+        f.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    }
+
+    /// Reads one frame (after any filler) from a raw end of the link.
+    fn read_frame(r: &mut impl Read) -> (u8, u32, Vec<u8>) {
+        let mut b = [0u8; 1];
+        loop {
+            r.read_exact(&mut b).unwrap();
+            if b[0] != SYNC {
+                break;
+            }
+        }
+        let mut h = [0u8; HEADER - 1];
+        r.read_exact(&mut h).unwrap();
+        let id = u32::from_be_bytes([h[0], h[1], h[2], h[3]]);
+        let len = u32::from_be_bytes([h[4], h[5], h[6], h[7]]) as usize;
+        let mut p = vec![0u8; len];
+        r.read_exact(&mut p).unwrap();
+        (b[0], id, p)
+    }
+
+    #[test]
+    fn a_guest_that_ignores_the_window_loses_its_stream_not_the_hosts_memory() {
+        let (h, mut g) = UnixStream::pair().unwrap();
+        let host = Mux::host(Box::new(h.try_clone().unwrap())).unwrap();
+        let h2 = host.clone();
+        std::thread::spawn(move || h2.run(h));
+        // The raw guest echoes the host's RESET, as a real one does.
+        let (kind, _, nonce) = read_frame(&mut g);
+        assert_eq!(kind, RESET);
+        g.write_all(&vec![SYNC; FILLER]).unwrap();
+        g.write_all(&frame_of(RESET, 0, &nonce)).unwrap();
+        // The edge opens a stream and never reads what comes back.
+        let (unread, b) = UnixStream::pair().unwrap();
+        host.open(b).unwrap();
+        let (kind, id, _) = read_frame(&mut g);
+        assert_eq!(kind, OPEN);
+        // The guest sends four windows without waiting for a grant.
+        let chunk = vec![7u8; MAX_DATA];
+        let mut g2 = g.try_clone().unwrap();
+        let sender = std::thread::spawn(move || {
+            for _ in 0..(4 * WINDOW as usize / MAX_DATA) {
+                if g2.write_all(&frame_of(DATA, id, &chunk)).is_err() {
+                    return;
+                }
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(10);
+        g.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let closed = loop {
+            let (kind, fid, _) = read_frame(&mut g);
+            if kind == CLOSE && fid == id {
+                break true;
+            }
+            if Instant::now() > deadline {
+                break false;
+            }
+        };
+        assert!(closed, "the host kept taking bytes past the window");
+        assert_eq!(host.open_streams(), 0);
+        sender.join().unwrap();
+        drop(unread);
     }
 
     fn connect(host: &Mux) -> UnixStream {

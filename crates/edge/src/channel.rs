@@ -67,8 +67,19 @@ impl Conn {
                 "the sandbox agent sent a {len}-byte frame, over the {MAX_FRAME}-byte limit"
             )));
         }
-        let mut body = vec![0u8; len as usize];
-        self.r.read_exact(&mut body).await.map_err(gone)?;
+        // Grown as bytes arrive, never sized by the header alone: a guest that announces a
+        // huge frame costs only what it really sends.
+        let mut body = Vec::with_capacity((len as usize).min(1 << 20));
+        let got = (&mut self.r)
+            .take(len as u64)
+            .read_to_end(&mut body)
+            .await
+            .map_err(gone)?;
+        if got != len as usize {
+            return Err(gone(std::io::Error::from(
+                std::io::ErrorKind::UnexpectedEof,
+            )));
+        }
         Ok(Some((head[0], body)))
     }
 

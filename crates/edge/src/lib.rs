@@ -1118,6 +1118,21 @@ impl Edge {
                 .map(|(k, e)| (k.clone(), e.snapshot(), e.op.try_lock().is_err()))
                 .collect()
         };
+        if check_alive {
+            let work: Vec<(Arc<dyn Backend>, SandboxPaths)> = entries
+                .iter()
+                .filter(|(_, r, _)| r.backend != "container")
+                .filter_map(|(id, r, _)| Some((self.backend(&r.backend).ok()?, self.paths(id))))
+                .collect();
+            if !work.is_empty() {
+                let _ = blocking(move || {
+                    for (b, p) in work {
+                        b.housekeeping(&p);
+                    }
+                })
+                .await;
+            }
+        }
         for (id, rec, busy) in entries {
             // A paused sandbox's time does not run (a preempted job resumes later).
             if rec.state != SandboxState::Running {

@@ -107,51 +107,126 @@ struct Line {
     aborted: Option<ApiError>,
 }
 
+/// What a replayable trajectory keeps of a step in memory: enough to check a re-sent step
+/// and to find it in the file. Requests and results stay on disk, so a long trajectory
+/// with large results costs the edge little memory.
+struct Indexed {
+    seq: u64,
+    kind: String,
+    request_sha256: [u8; 32],
+    /// Offsets in the file of the step's start line and (once finished) its end line.
+    start: u64,
+    end: Option<u64>,
+}
+
+fn digest(v: &Value) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(serde_json::to_vec(v).unwrap_or_default()).into()
+}
+
 struct Log {
     path: PathBuf,
     /// Steps of a replayable trajectory: finished ones, then at most one unfinished
     /// (started before an edge restart). Empty for edge-numbered logs, which are only
     /// appended to (and read back from the file).
-    steps: Vec<Step>,
+    index: Vec<Indexed>,
     /// The next step number.
     next: u64,
     durable: bool,
 }
 
+/// The lines of a log file with their offsets (a torn last line, from a crash mid-write,
+/// is skipped).
+fn lines_of(path: &Path) -> Vec<(u64, Line)> {
+    let Ok(bytes) = std::fs::read(path) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    let mut off = 0u64;
+    for raw in bytes.split_inclusive(|b| *b == b'\n') {
+        let at = off;
+        off += raw.len() as u64;
+        if let Ok(l) = serde_json::from_slice::<Line>(raw) {
+            out.push((at, l));
+        }
+    }
+    out
+}
+
+/// The steps a log file holds, whole (for listing a trajectory).
+fn read_steps(path: &Path) -> Vec<Step> {
+    let mut steps: Vec<Step> = Vec::new();
+    for (_, l) in lines_of(path) {
+        if let (Some(kind), Some(request)) = (l.kind, l.request) {
+            steps.retain(|s| s.seq != l.seq);
+            steps.push(Step {
+                seq: l.seq,
+                kind,
+                request,
+                result: None,
+                started_at_ms: l.started_at_ms.unwrap_or(0),
+                finished_at_ms: None,
+            });
+        } else if l.aborted.is_some() {
+            steps.retain(|s| s.seq != l.seq);
+        } else if let Some(s) = steps.iter_mut().find(|s| s.seq == l.seq) {
+            s.result = l.result;
+            s.finished_at_ms = l.finished_at_ms;
+        }
+    }
+    steps
+}
+
+/// The line at `offset` of a log file.
+fn line_at(path: &Path, offset: u64) -> Result<Line, ApiError> {
+    use std::io::{BufRead, Seek};
+    let fail = |e: String| {
+        ApiError::internal(format!(
+            "reading the trajectory log {}: {e}",
+            path.display()
+        ))
+    };
+    let mut f =
+        std::io::BufReader::new(std::fs::File::open(path).map_err(|e| fail(e.to_string()))?);
+    f.seek(std::io::SeekFrom::Start(offset))
+        .map_err(|e| fail(e.to_string()))?;
+    let mut raw = Vec::new();
+    f.read_until(b'\n', &mut raw)
+        .map_err(|e| fail(e.to_string()))?;
+    serde_json::from_slice(&raw).map_err(|e| fail(e.to_string()))
+}
+
 impl Log {
     fn load(path: PathBuf, durable: bool) -> Log {
-        let mut steps: Vec<Step> = Vec::new();
-        if let Ok(text) = std::fs::read_to_string(&path) {
-            for l in text.lines() {
-                // A torn last line (a crash mid-write) is skipped.
-                let Ok(l) = serde_json::from_str::<Line>(l) else {
-                    continue;
-                };
-                if let (Some(kind), Some(request)) = (l.kind, l.request) {
-                    steps.retain(|s| s.seq != l.seq);
-                    steps.push(Step {
-                        seq: l.seq,
-                        kind,
-                        request,
-                        result: None,
-                        started_at_ms: l.started_at_ms.unwrap_or(0),
-                        finished_at_ms: None,
-                    });
-                } else if l.aborted.is_some() {
-                    steps.retain(|s| s.seq != l.seq);
-                } else if let Some(s) = steps.iter_mut().find(|s| s.seq == l.seq) {
-                    s.result = l.result;
-                    s.finished_at_ms = l.finished_at_ms;
-                }
+        let mut index: Vec<Indexed> = Vec::new();
+        for (at, l) in lines_of(&path) {
+            if let (Some(kind), Some(request)) = (l.kind, l.request) {
+                index.retain(|s| s.seq != l.seq);
+                index.push(Indexed {
+                    seq: l.seq,
+                    kind,
+                    request_sha256: digest(&request),
+                    start: at,
+                    end: None,
+                });
+            } else if l.aborted.is_some() {
+                index.retain(|s| s.seq != l.seq);
+            } else if let Some(s) = index.iter_mut().find(|s| s.seq == l.seq) {
+                s.end = Some(at);
             }
         }
-        let next = steps.iter().map(|s| s.seq).max().unwrap_or(0) + 1;
+        let next = index.iter().map(|s| s.seq).max().unwrap_or(0) + 1;
         Log {
             path,
-            steps,
+            index,
             next,
             durable,
         }
+    }
+
+    /// Where the next line will start.
+    fn end_offset(&self) -> u64 {
+        std::fs::metadata(&self.path).map(|m| m.len()).unwrap_or(0)
     }
 
     fn append(&self, line: &Line) -> Result<(), ApiError> {
@@ -238,16 +313,19 @@ impl Logs {
         };
         let mut guard = log.clone().lock_owned().await;
         let next = guard.next;
-        if let Some(logged) = guard.steps.iter().find(|s| s.seq == seq) {
-            if logged.kind != kind || logged.request != request {
+        if let Some(logged) = guard.index.iter().find(|s| s.seq == seq) {
+            if logged.kind != kind || logged.request_sha256 != digest(&request) {
+                let was = line_at(&guard.path, logged.start)?;
                 return Err(ApiError::precondition(format!(
                     "trajectory {name:?} diverged at step {seq}: the log has {} {} but this call is {kind} {}",
-                    logged.kind, logged.request, request
+                    logged.kind,
+                    was.request.unwrap_or(Value::Null),
+                    request
                 )));
             }
-            return match &logged.result {
-                Some(v) => Ok(Outcome {
-                    value: v.clone(),
+            return match logged.end {
+                Some(at) => Ok(Outcome {
+                    value: line_at(&guard.path, at)?.result.unwrap_or(Value::Null),
                     replayed: true,
                 }),
                 None => Err(ApiError::precondition(format!(
@@ -263,10 +341,12 @@ impl Logs {
             )));
         }
         let started = now_ms();
+        let start = guard.end_offset();
+        let request_sha256 = digest(&request);
         guard.append(&Line {
             seq,
             kind: Some(kind.clone()),
-            request: Some(request.clone()),
+            request: Some(request),
             started_at_ms: Some(started),
             result: None,
             finished_at_ms: None,
@@ -276,16 +356,16 @@ impl Logs {
         let task = tokio::spawn(async move {
             let r = fut.await;
             let end = end_line(seq, &r);
+            let end_at = guard.end_offset();
             guard.append(&end)?;
-            if let Ok(v) = &r {
+            if r.is_ok() {
                 guard.next = seq + 1;
-                guard.steps.push(Step {
+                guard.index.push(Indexed {
                     seq,
                     kind,
-                    request,
-                    result: Some(v.clone()),
-                    started_at_ms: started,
-                    finished_at_ms: end.finished_at_ms,
+                    request_sha256,
+                    start,
+                    end: Some(end_at),
                 });
             }
             r
@@ -318,7 +398,7 @@ impl Logs {
     /// A trajectory's steps, read from its file (which every step reaches first).
     pub async fn steps(&self, sandbox_dir: &Path, name: &str) -> Vec<Step> {
         let path = dir_of(sandbox_dir).join(format!("{name}.jsonl"));
-        tokio::task::spawn_blocking(move || Log::load(path, false).steps)
+        tokio::task::spawn_blocking(move || read_steps(&path))
             .await
             .unwrap_or_default()
     }
@@ -466,7 +546,9 @@ mod tests {
             .err()
             .unwrap();
         assert!(
-            e.message.contains("step 2") && e.message.contains("echo y"),
+            e.message.contains("step 2")
+                && e.message.contains("echo y")
+                && e.message.contains("echo x"),
             "{}",
             e.message
         );

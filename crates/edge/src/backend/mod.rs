@@ -120,6 +120,9 @@ pub trait Backend: Send + Sync {
     fn destroy(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError>;
     /// OOM kills counted for the sandbox so far.
     fn oom_kills(&self, rec: &SandboxRecord) -> u64;
+    /// Periodic upkeep of a running sandbox's files on the host (a VM's console log is
+    /// kept under its cap).
+    fn housekeeping(&self, _paths: &SandboxPaths) {}
     /// What the sandbox printed while starting (a VM's console), to explain a start that
     /// failed.
     fn start_log(&self, _paths: &SandboxPaths) -> Option<String> {

@@ -710,6 +710,11 @@ impl Backend for MicrovmBackend {
         cgroup::oom_kills(self.mode, &cgroup::sandbox_cgroup_path(&rec.id))
     }
 
+    fn housekeeping(&self, paths: &SandboxPaths) {
+        // Opened for appending: cut short, Firecracker goes on from the new end.
+        crate::backend::vm::cap_console(&paths.dir.join(CONSOLE), crate::backend::vm::CONSOLE_MAX);
+    }
+
     fn start_log(&self, paths: &SandboxPaths) -> Option<String> {
         let text = std::fs::read_to_string(paths.dir.join(CONSOLE)).ok()?;
         let lines: Vec<&str> = text.lines().rev().take(8).collect();

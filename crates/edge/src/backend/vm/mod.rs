@@ -328,8 +328,14 @@ impl VmBackend {
         .arg("-daemonize")
         .arg("-pidfile")
         .arg(&qemu_pid)
-        .arg("-serial")
-        .arg(format!("file:{}", dir.join("console.log").display()))
+        // Appending, so the edge can cut the file short ([`cap_console`]) and QEMU goes on
+        // writing from its new end.
+        .arg("-chardev")
+        .arg(format!(
+            "file,id=console0,append=on,path={}",
+            dir.join("console.log").display()
+        ))
+        .args(["-serial", "chardev:console0"])
         .arg("-kernel")
         .arg(&kernel.vmlinuz)
         .arg("-initrd")
@@ -920,6 +926,10 @@ impl Backend for VmBackend {
         cgroup::oom_kills(self.cgroups, &cgroup::sandbox_cgroup_path(&rec.id))
     }
 
+    fn housekeeping(&self, paths: &SandboxPaths) {
+        cap_console(&paths.dir.join("console.log"), CONSOLE_MAX);
+    }
+
     fn start_log(&self, paths: &SandboxPaths) -> Option<String> {
         let text = std::fs::read_to_string(paths.dir.join("console.log")).ok()?;
         let lines: Vec<&str> = text.lines().rev().take(8).collect();
@@ -936,9 +946,46 @@ impl Backend for VmBackend {
     }
 }
 
+/// Most bytes of a VM's console kept on the host: a guest that writes to its serial port
+/// without end does not fill the node's disk.
+pub const CONSOLE_MAX: u64 = 4 << 20;
+
+/// Cuts `path` (a console log QEMU appends to) to nothing once it is over `max` bytes,
+/// leaving a line that says so.
+pub fn cap_console(path: &Path, max: u64) {
+    if std::fs::metadata(path).is_ok_and(|m| m.len() > max)
+        && let Ok(f) = std::fs::OpenOptions::new().write(true).open(path)
+    {
+        let _ = f.set_len(0);
+        let _ = std::fs::OpenOptions::new()
+            .append(true)
+            .open(path)
+            .and_then(|mut f| {
+                use std::io::Write;
+                writeln!(f, "[dsec: console output over {max} bytes was cut here]")
+            });
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_console_log_over_its_cap_is_cut() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("console.log");
+        std::fs::write(&p, vec![b'x'; 2000]).unwrap();
+        cap_console(&p, 4000);
+        assert_eq!(std::fs::metadata(&p).unwrap().len(), 2000);
+        std::fs::write(&p, vec![b'x'; 5000]).unwrap();
+        cap_console(&p, 4000);
+        let left = std::fs::read_to_string(&p).unwrap();
+        assert!(
+            left.starts_with("[dsec: console output over 4000 bytes"),
+            "{left}"
+        );
+    }
     use crate::config::VmOptions;
 
     #[test]
