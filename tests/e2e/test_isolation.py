@@ -63,6 +63,24 @@ async def test_privileges_are_reduced(client):
         assert (await sb.run_shell("unshare -U true")).exit_code != 0
         r = await sb.exec(["python3", "-c", "import socket; socket.socket(socket.AF_INET, socket.SOCK_RAW, 1)"])
         assert r.exit_code != 0 and "Operation not permitted" in r.stderr
+        # The seccomp profile is an allow list: what it does not name is refused, such as
+        # the kernel crypto and vsock socket families, a personality that changes how the
+        # kernel treats the process, kcmp, and io_uring.
+        probe = ("import ctypes, os, socket\n"
+                 "l = ctypes.CDLL(None, use_errno=True)\n"
+                 "def err(rc): return 'ok' if rc >= 0 else os.strerror(ctypes.get_errno())\n"
+                 "for fam in (38, 40):\n"
+                 "    try: socket.socket(fam, socket.SOCK_SEQPACKET); print(fam, 'ok')\n"
+                 "    except OSError as e: print(fam, e.strerror)\n"
+                 "print('personality', err(l.personality(0x0400000)))\n"
+                 "print('kcmp', err(l.syscall(312, 1, 1, 0, 0, 0)))\n"
+                 "print('io_uring_setup', err(l.syscall(425, 1, 0)))\n"
+                 "print('socket inet', err(l.socket(2, 1, 0)))\n")
+        r = await sb.exec(["python3", "-c", probe])
+        assert r.stdout.splitlines() == [
+            "38 Operation not permitted", "40 Operation not permitted",
+            "personality Operation not permitted", "kcmp Operation not permitted",
+            "io_uring_setup Operation not permitted", "socket inet ok"], r
         # Masked and read-only kernel files.
         assert (await sb.run_shell("head -c1 /proc/kcore | wc -c")).stdout.strip() == "0"
         assert (await sb.run_shell("echo 1 > /proc/sys/kernel/domainname")).exit_code != 0

@@ -16,7 +16,7 @@ use dsec_common::ApiError;
 use dsec_common::api::BackendStatus;
 use dsec_image::ImageStore;
 
-pub use oci::{CAPABILITIES, DENIED_SYSCALLS};
+pub use oci::{ALLOWED_SYSCALLS, CAPABILITIES};
 pub use runtime::OciRuntime;
 
 use super::{Backend, SandboxPaths};

@@ -1,6 +1,6 @@
 //! The OCI bundle config the edge writes for a container sandbox. Security defaults
 //! (documented in docs/SECURITY.md): mount, pid, net, uts, ipc and cgroup namespaces;
-//! capabilities cut to the list below; `noNewPrivileges`; a seccomp deny list; masked and
+//! capabilities cut to the list below; `noNewPrivileges`; a seccomp allow list; masked and
 //! read-only /proc and /sys paths; a device allow list.
 
 use std::path::Path;
@@ -25,56 +25,307 @@ pub const CAPABILITIES: &[&str] = &[
     "CAP_SETFCAP",
 ];
 
-/// Syscalls refused with EPERM: kernel modules, kexec, mounts, namespaces, tracing other
-/// processes, keyrings, BPF, perf, clock setting, swap, reboot, io_uring.
-pub const DENIED_SYSCALLS: &[&str] = &[
-    "acct",
-    "add_key",
-    "bpf",
-    "clock_adjtime",
-    "clock_settime",
-    "delete_module",
-    "finit_module",
-    "fsconfig",
-    "fsmount",
-    "fsopen",
-    "fspick",
-    "init_module",
-    "io_uring_enter",
-    "io_uring_register",
-    "io_uring_setup",
-    "ioperm",
-    "iopl",
-    "kcmp",
-    "kexec_file_load",
-    "kexec_load",
-    "keyctl",
-    "lookup_dcookie",
-    "mount",
-    "mount_setattr",
-    "move_mount",
-    "name_to_handle_at",
-    "open_by_handle_at",
-    "open_tree",
-    "perf_event_open",
-    "pivot_root",
-    "process_vm_readv",
-    "process_vm_writev",
-    "ptrace",
-    "quotactl",
-    "reboot",
-    "request_key",
-    "setns",
-    "settimeofday",
-    "swapoff",
-    "swapon",
-    "syslog",
-    "umount2",
-    "unshare",
-    "uselib",
-    "userfaultfd",
-    "vhangup",
+/// The system calls a sandbox may make (an allow list after Docker's and containerd's
+/// default profiles, x86-64 names): everything else is refused with EPERM, new system
+/// calls included. Left out on purpose: mounts and the mount API, namespaces (`unshare`,
+/// `setns`; `clone` is allowed below without `CLONE_NEWUSER`), `ptrace` and
+/// `process_vm_*`, `kcmp`, kernel modules, kexec, keyrings, `bpf`, `perf_event_open`,
+/// `userfaultfd`, `io_uring_*`, clock and time setting, swap, `reboot`, `acct`,
+/// `quotactl`, `syslog`, `*_by_handle_at`, `iopl`/`ioperm`, `modify_ldt`, `uselib`,
+/// `vhangup`, `lookup_dcookie`, `pivot_root`, host and domain names, and `socket` outside
+/// the families below.
+pub const ALLOWED_SYSCALLS: &[&str] = &[
+    "accept",
+    "accept4",
+    "access",
+    "adjtimex",
+    "alarm",
+    "arch_prctl",
+    "bind",
+    "brk",
+    "capget",
+    "capset",
+    "chdir",
+    "chmod",
+    "chown",
+    "chroot",
+    "clock_getres",
+    "clock_gettime",
+    "clock_nanosleep",
+    "close",
+    "close_range",
+    "connect",
+    "copy_file_range",
+    "creat",
+    "dup",
+    "dup2",
+    "dup3",
+    "epoll_create",
+    "epoll_create1",
+    "epoll_ctl",
+    "epoll_pwait",
+    "epoll_pwait2",
+    "epoll_wait",
+    "eventfd",
+    "eventfd2",
+    "execve",
+    "execveat",
+    "exit",
+    "exit_group",
+    "faccessat",
+    "faccessat2",
+    "fadvise64",
+    "fallocate",
+    "fchdir",
+    "fchmod",
+    "fchmodat",
+    "fchown",
+    "fchownat",
+    "fcntl",
+    "fdatasync",
+    "fgetxattr",
+    "flistxattr",
+    "flock",
+    "fork",
+    "fremovexattr",
+    "fsetxattr",
+    "fstat",
+    "fstatfs",
+    "fsync",
+    "ftruncate",
+    "futex",
+    "futex_waitv",
+    "futimesat",
+    "get_robust_list",
+    "getcpu",
+    "getcwd",
+    "getdents",
+    "getdents64",
+    "getegid",
+    "geteuid",
+    "getgid",
+    "getgroups",
+    "getitimer",
+    "getpeername",
+    "getpgid",
+    "getpgrp",
+    "getpid",
+    "getppid",
+    "getpriority",
+    "getrandom",
+    "getresgid",
+    "getresuid",
+    "getrlimit",
+    "getrusage",
+    "getsid",
+    "getsockname",
+    "getsockopt",
+    "gettid",
+    "gettimeofday",
+    "getuid",
+    "getxattr",
+    "inotify_add_watch",
+    "inotify_init",
+    "inotify_init1",
+    "inotify_rm_watch",
+    "io_cancel",
+    "io_destroy",
+    "io_getevents",
+    "io_pgetevents",
+    "io_setup",
+    "io_submit",
+    "ioctl",
+    "ioprio_get",
+    "ioprio_set",
+    "kill",
+    "landlock_add_rule",
+    "landlock_create_ruleset",
+    "landlock_restrict_self",
+    "lchown",
+    "lgetxattr",
+    "link",
+    "linkat",
+    "listen",
+    "listxattr",
+    "llistxattr",
+    "lremovexattr",
+    "lseek",
+    "lsetxattr",
+    "lstat",
+    "madvise",
+    "membarrier",
+    "memfd_create",
+    "mincore",
+    "mkdir",
+    "mkdirat",
+    "mknod",
+    "mknodat",
+    "mlock",
+    "mlock2",
+    "mlockall",
+    "mmap",
+    "mprotect",
+    "mq_getsetattr",
+    "mq_notify",
+    "mq_open",
+    "mq_timedreceive",
+    "mq_timedsend",
+    "mq_unlink",
+    "mremap",
+    "msgctl",
+    "msgget",
+    "msgrcv",
+    "msgsnd",
+    "msync",
+    "munlock",
+    "munlockall",
+    "munmap",
+    "nanosleep",
+    "newfstatat",
+    "open",
+    "openat",
+    "openat2",
+    "pause",
+    "pidfd_getfd",
+    "pidfd_open",
+    "pidfd_send_signal",
+    "pipe",
+    "pipe2",
+    "pkey_alloc",
+    "pkey_free",
+    "pkey_mprotect",
+    "poll",
+    "ppoll",
+    "prctl",
+    "pread64",
+    "preadv",
+    "preadv2",
+    "prlimit64",
+    "process_mrelease",
+    "pselect6",
+    "pwrite64",
+    "pwritev",
+    "pwritev2",
+    "read",
+    "readahead",
+    "readlink",
+    "readlinkat",
+    "readv",
+    "recvfrom",
+    "recvmmsg",
+    "recvmsg",
+    "remap_file_pages",
+    "removexattr",
+    "rename",
+    "renameat",
+    "renameat2",
+    "restart_syscall",
+    "rmdir",
+    "rseq",
+    "rt_sigaction",
+    "rt_sigpending",
+    "rt_sigprocmask",
+    "rt_sigqueueinfo",
+    "rt_sigreturn",
+    "rt_sigsuspend",
+    "rt_sigtimedwait",
+    "rt_tgsigqueueinfo",
+    "sched_get_priority_max",
+    "sched_get_priority_min",
+    "sched_getaffinity",
+    "sched_getattr",
+    "sched_getparam",
+    "sched_getscheduler",
+    "sched_rr_get_interval",
+    "sched_setaffinity",
+    "sched_setattr",
+    "sched_setparam",
+    "sched_setscheduler",
+    "sched_yield",
+    "seccomp",
+    "select",
+    "semctl",
+    "semget",
+    "semop",
+    "semtimedop",
+    "sendfile",
+    "sendmmsg",
+    "sendmsg",
+    "sendto",
+    "set_robust_list",
+    "set_tid_address",
+    "setfsgid",
+    "setfsuid",
+    "setgid",
+    "setgroups",
+    "setitimer",
+    "setpgid",
+    "setpriority",
+    "setregid",
+    "setresgid",
+    "setresuid",
+    "setreuid",
+    "setrlimit",
+    "setsid",
+    "setsockopt",
+    "setuid",
+    "setxattr",
+    "shmat",
+    "shmctl",
+    "shmdt",
+    "shmget",
+    "shutdown",
+    "sigaltstack",
+    "signalfd",
+    "signalfd4",
+    "socketpair",
+    "splice",
+    "stat",
+    "statfs",
+    "statx",
+    "symlink",
+    "symlinkat",
+    "sync",
+    "sync_file_range",
+    "syncfs",
+    "sysinfo",
+    "tee",
+    "tgkill",
+    "time",
+    "timer_create",
+    "timer_delete",
+    "timer_getoverrun",
+    "timer_gettime",
+    "timer_settime",
+    "timerfd_create",
+    "timerfd_gettime",
+    "timerfd_settime",
+    "times",
+    "tkill",
+    "truncate",
+    "umask",
+    "uname",
+    "unlink",
+    "unlinkat",
+    "utime",
+    "utimensat",
+    "utimes",
+    "vfork",
+    "vmsplice",
+    "wait4",
+    "waitid",
+    "write",
+    "writev",
 ];
+
+/// Socket families a sandbox may open: unix, IPv4, IPv6, netlink (reading routes and
+/// addresses; changing them needs NET_ADMIN, which it lacks). Packet sockets need NET_RAW,
+/// which it lacks too; AF_ALG, AF_VSOCK and the rest are refused.
+const SOCKET_FAMILIES: &[u64] = &[1, 2, 10, 16];
+
+/// `personality` values programs use (Linux, and with ADDR_NO_RANDOMIZE, and the query);
+/// others change how the kernel treats the process.
+const PERSONALITIES: &[u64] = &[0x0, 0x8, 0x20000, 0x20008, 0xffff_ffff];
 
 const CLONE_NEWUSER: u64 = 0x1000_0000;
 
@@ -105,18 +356,30 @@ fn seccomp() -> Value {
     let arches = json!(["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"]);
     #[cfg(not(target_arch = "x86_64"))]
     let arches = json!(["SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM"]);
+    let mut rules = vec![
+        json!({ "names": ALLOWED_SYSCALLS, "action": "SCMP_ACT_ALLOW" }),
+        // New user namespaces would hand the sandbox a full capability set in them.
+        json!({ "names": ["clone"], "action": "SCMP_ACT_ALLOW",
+          "args": [{ "index": 0, "value": CLONE_NEWUSER, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ" }] }),
+        // clone3 passes its flags in memory, which seccomp cannot read: make libc fall
+        // back to clone.
+        json!({ "names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38 }),
+    ];
+    for f in SOCKET_FAMILIES {
+        rules.push(json!({ "names": ["socket"], "action": "SCMP_ACT_ALLOW",
+            "args": [{ "index": 0, "value": f, "op": "SCMP_CMP_EQ" }] }));
+    }
+    for p in PERSONALITIES {
+        rules.push(
+            json!({ "names": ["personality"], "action": "SCMP_ACT_ALLOW",
+            "args": [{ "index": 0, "value": p, "op": "SCMP_CMP_EQ" }] }),
+        );
+    }
     json!({
-        "defaultAction": "SCMP_ACT_ALLOW",
+        "defaultAction": "SCMP_ACT_ERRNO",
+        "defaultErrnoRet": 1,
         "architectures": arches,
-        "syscalls": [
-            { "names": DENIED_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": 1 },
-            // New user namespaces would hand the sandbox a full capability set in them.
-            { "names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1,
-              "args": [{ "index": 0, "value": CLONE_NEWUSER, "valueTwo": CLONE_NEWUSER, "op": "SCMP_CMP_MASKED_EQ" }] },
-            // clone3 passes its flags in memory, which seccomp cannot read: make libc fall
-            // back to clone.
-            { "names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38 }
-        ]
+        "syscalls": rules
     })
 }
 
@@ -217,4 +480,66 @@ pub fn config(rec: &SandboxRecord, inp: &BundleInput<'_>) -> Value {
         mounts.push(json!({ "destination": "/etc/resolv.conf", "type": "bind", "source": r, "options": ["bind", "ro", "nosuid", "nodev", "noexec"] }));
     }
     config
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seccomp_allows_a_userland_and_refuses_the_rest_by_default() {
+        let s = seccomp();
+        assert_eq!(s["defaultAction"], "SCMP_ACT_ERRNO");
+        assert_eq!(s["defaultErrnoRet"], 1);
+        let allowed: Vec<&str> = s["syscalls"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["action"] == "SCMP_ACT_ALLOW" && r.get("args").is_none())
+            .flat_map(|r| r["names"].as_array().unwrap().iter())
+            .filter_map(|n| n.as_str())
+            .collect();
+        for needed in [
+            "read", "execve", "openat", "mmap", "futex", "wait4", "prctl", "setsid",
+        ] {
+            assert!(allowed.contains(&needed), "{needed} is not allowed");
+        }
+        for refused in [
+            "mount",
+            "unshare",
+            "setns",
+            "ptrace",
+            "bpf",
+            "io_uring_setup",
+            "kexec_load",
+            "init_module",
+            "keyctl",
+            "perf_event_open",
+            "userfaultfd",
+            "modify_ldt",
+            "open_by_handle_at",
+            "pivot_root",
+            "clock_settime",
+            "sethostname",
+            "socket",
+            "clone",
+            "personality",
+        ] {
+            assert!(!allowed.contains(&refused), "{refused} is allowed outright");
+        }
+        // clone only without CLONE_NEWUSER; socket only for unix, inet, inet6, netlink.
+        let rules = s["syscalls"].as_array().unwrap();
+        let clone = rules
+            .iter()
+            .find(|r| r["names"] == json!(["clone"]))
+            .unwrap();
+        assert_eq!(clone["args"][0]["value"], CLONE_NEWUSER);
+        assert_eq!(clone["args"][0]["valueTwo"], 0);
+        let families: Vec<u64> = rules
+            .iter()
+            .filter(|r| r["names"] == json!(["socket"]))
+            .map(|r| r["args"][0]["value"].as_u64().unwrap())
+            .collect();
+        assert_eq!(families, [1, 2, 10, 16]);
+    }
 }

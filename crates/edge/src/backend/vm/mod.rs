@@ -9,7 +9,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use dsec_common::ApiError;
 use dsec_common::api::BackendStatus;
@@ -325,7 +325,14 @@ impl VmBackend {
             "none",
             "-no-reboot",
         ])
-        .arg("-daemonize")
+        // QEMU's own seccomp filter: no obsolete system calls, no set*id, no fork or exec
+        // (migrations go to descriptors handed over QMP), no scheduler or affinity
+        // changes. It runs detached by the edge rather than `-daemonize` (which forks,
+        // and which the filter would then forbid).
+        .args([
+            "-sandbox",
+            "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+        ])
         .arg("-pidfile")
         .arg(&qemu_pid)
         // Appending, so the edge can cut the file short ([`cap_console`]) and QEMU goes on
@@ -423,14 +430,35 @@ impl VmBackend {
             Some(_) => cmd.args(["-incoming", "defer"]),
             None => cmd.arg("-S"),
         };
-        let out = cmd
-            .output()
+        let _ = std::fs::remove_file(&qmp); // a socket a killed QEMU left
+        let qemu_log = dir.join("qemu.log");
+        let log = std::fs::File::create(&qemu_log)
+            .map_err(|e| format!("creating {}: {e}", qemu_log.display()))?;
+        let log2 = log.try_clone().map_err(|e| e.to_string())?;
+        cmd.stdin(Stdio::null()).stdout(log).stderr(log2);
+        // SAFETY: setsid between fork and exec, so the edge's exit does not take QEMU along.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+                libc::setsid();
+                Ok(())
+            });
+        }
+        let mut child = cmd
+            .spawn()
             .map_err(|e| format!("starting {}: {e}", qemu.display()))?;
-        if !out.status.success() {
-            return Err(format!(
-                "QEMU did not start: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            ));
+        // Until its QMP socket is there (QEMU made it during start-up) or it has exited.
+        let t0 = Instant::now();
+        while !qmp.exists() {
+            if let Ok(Some(status)) = child.try_wait() {
+                let said = std::fs::read_to_string(&qemu_log).unwrap_or_default();
+                return Err(format!("QEMU did not start ({status}): {}", said.trim()));
+            }
+            if t0.elapsed() > Duration::from_secs(30) {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err("QEMU made no QMP socket within 30 s".into());
+            }
+            std::thread::sleep(Duration::from_millis(2));
         }
         let mut q = Qmp::connect(&qmp, Duration::from_secs(10))?;
         if let Some((state, ignore_shared)) = incoming {
@@ -582,7 +610,7 @@ impl VmBackend {
         }
         if let Some(id) = dir.file_name() {
             let rel = cgroup::sandbox_cgroup_path(&id.to_string_lossy());
-            // QEMU's daemonised child can take a moment to leave its cgroup.
+            // A killed QEMU can take a moment to leave its cgroup.
             for _ in 0..50 {
                 cgroup::remove(self.cgroups, &rel);
                 if cgroup::leftovers(self.cgroups, &rel).is_empty() {
