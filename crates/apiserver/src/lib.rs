@@ -571,6 +571,34 @@ async fn images(
 mod tests {
     use super::*;
 
+    /// Fuzz target: any request body or query string is parsed (or refused with a
+    /// message) without a panic, whatever the route.
+    #[test]
+    fn fuzz_bodies_and_queries() {
+        let key = Principal {
+            name: "k".into(),
+            kind: dsec_iam::PrincipalKind::Agent,
+            key_id: "k".into(),
+            project: "root/t1".into(),
+        };
+        bolero::check!()
+            .with_iterations(2000)
+            .for_each(|input: &[u8]| {
+                let b = Bytes::copy_from_slice(input);
+                let _ = create_request(&b, &key);
+                let _ = body::<ExecRequest>(&b, "exec");
+                let _ = body::<ForkRequest>(&b, "fork");
+                let _ = body::<dsec_common::api::CommitRequest>(&b, "commit");
+                let _ = body::<SetNetworkRequest>(&b, "network");
+                if let Ok(spec) = body::<dsec_image::build::BuildSpec>(&b, "build") {
+                    let _ = images::check_build(&key, &spec);
+                }
+                let q = String::from_utf8_lossy(input);
+                let _ = label_filter(Some(&q));
+                let _ = percent_decode(&q);
+            });
+    }
+
     #[test]
     fn status_shows_a_key_only_its_own_projects() {
         let mut node = dsec_common::api::NodeStatus::unreachable("e0");

@@ -268,14 +268,34 @@ pub fn read_frame(r: &mut impl Read) -> std::io::Result<Option<(u8, Vec<u8>)>> {
             format!("frame of {len} bytes is over the {MAX_FRAME}-byte limit"),
         ));
     }
-    let mut body = vec![0u8; len as usize];
-    r.read_exact(&mut body)?;
+    // Grown as bytes arrive, never sized by the header alone.
+    let mut body = Vec::with_capacity((len as usize).min(1 << 20));
+    let got = r.take(len as u64).read_to_end(&mut body)?;
+    if got != len as usize {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
     Ok(Some((head[0], body)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Fuzz target (`cargo bolero test channel::tests::fuzz_frames`); under `cargo test`
+    /// a bounded property test: any bytes from a sandbox's agent read as frames and
+    /// replies without a panic or an allocation the bytes did not pay for.
+    #[test]
+    fn fuzz_frames() {
+        bolero::check!()
+            .with_iterations(crate::FUZZ_CASES)
+            .for_each(|input: &[u8]| {
+                let mut r = input;
+                while let Ok(Some((_, body))) = read_frame(&mut r) {
+                    let _ = serde_json::from_slice::<Response>(&body);
+                    let _ = serde_json::from_slice::<Request>(&body);
+                }
+            });
+    }
 
     #[test]
     fn requests_round_trip_as_one_json_line() {

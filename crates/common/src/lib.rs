@@ -15,3 +15,7 @@ pub mod vmux;
 pub mod vsock;
 
 pub use error::{ApiError, ErrorCode};
+
+/// Inputs each fuzz target runs as a property test under `cargo test` (CI).
+#[cfg(test)]
+pub(crate) const FUZZ_CASES: usize = 2000;

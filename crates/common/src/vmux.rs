@@ -425,6 +425,18 @@ mod tests {
     use super::*;
     use std::time::{Duration, Instant};
 
+    /// Fuzz target: a guest's end of the link fed any bytes (as a restored or hostile peer
+    /// might send) ends cleanly at the end of input.
+    #[test]
+    fn fuzz_link_bytes() {
+        bolero::check!()
+            .with_iterations(crate::FUZZ_CASES)
+            .for_each(|input: &[u8]| {
+                let m = Mux::guest(Box::new(std::io::sink()), drop);
+                let _ = m.run(input);
+            });
+    }
+
     /// A guest that answers each stream: reads a request line `N` and writes N bytes back
     /// (a digest-checkable pattern), or echoes everything for `echo`.
     fn guest_service(s: UnixStream) {

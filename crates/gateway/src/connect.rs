@@ -154,6 +154,17 @@ pub fn http_status(code: &str) -> u16 {
 mod tests {
     use super::*;
 
+    /// Fuzz target: any request body reads as Connect envelopes, or is refused.
+    #[test]
+    fn fuzz_envelopes() {
+        bolero::check!()
+            .with_iterations(crate::FUZZ_CASES)
+            .for_each(|input: &[u8]| {
+                let _ = decode_all(input);
+                let _ = single(input);
+            });
+    }
+
     #[test]
     fn frames_round_trip() {
         let mut body = message(&json!({"a": 1}));

@@ -28,6 +28,10 @@ mod process;
 pub mod proto;
 mod templates;
 pub mod untar;
+
+/// Inputs each fuzz target runs as a property test under `cargo test` (CI).
+#[cfg(test)]
+pub(crate) const FUZZ_CASES: usize = 2000;
 pub mod upstream;
 mod watch;
 

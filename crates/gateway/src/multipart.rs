@@ -257,6 +257,20 @@ fn pct_quotes(s: &str) -> String {
 mod tests {
     use super::*;
 
+    /// Fuzz target: any upload body, in any split, reads as parts or is refused.
+    #[test]
+    fn fuzz_bodies() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        bolero::check!()
+            .with_iterations(crate::FUZZ_CASES)
+            .for_each(|input: &[u8]| {
+                let step = input.first().map(|b| *b as usize % 64 + 1).unwrap_or(1);
+                let _ = rt.block_on(parts("multipart/form-data; boundary=xYz", input, step));
+            });
+    }
+
     /// All parts of `body`, fed in pieces of `step` bytes: (head, data).
     async fn parts(ct: &str, body: &[u8], step: usize) -> Result<Vec<(PartHead, Vec<u8>)>, UpErr> {
         let pieces: Vec<Result<Bytes, std::io::Error>> = body

@@ -582,6 +582,39 @@ fn parse_rfc3339(s: &str) -> Option<i64> {
 mod tests {
     use super::*;
 
+    /// Fuzz target: any bytes decode (or are refused) as each message the gateway reads,
+    /// and what decodes encodes again.
+    #[test]
+    fn fuzz_transcoding() {
+        let messages: Vec<&str> = [
+            ("process.Process", "Start"),
+            ("process.Process", "Connect"),
+            ("process.Process", "Update"),
+            ("process.Process", "StreamInput"),
+            ("process.Process", "SendInput"),
+            ("process.Process", "SendSignal"),
+            ("process.Process", "CloseStdin"),
+            ("filesystem.Filesystem", "Stat"),
+            ("filesystem.Filesystem", "MakeDir"),
+            ("filesystem.Filesystem", "Move"),
+            ("filesystem.Filesystem", "ListDir"),
+            ("filesystem.Filesystem", "Remove"),
+            ("filesystem.Filesystem", "WatchDir"),
+        ]
+        .iter()
+        .filter_map(|(s, m)| rpc_types(s, m).map(|t| t.0))
+        .collect();
+        bolero::check!()
+            .with_iterations(crate::FUZZ_CASES)
+            .for_each(|input: &[u8]| {
+                for m in &messages {
+                    if let Ok(v) = decode(input, m) {
+                        encode(&v, m).expect("a decoded message encodes again");
+                    }
+                }
+            });
+    }
+
     #[test]
     fn messages_round_trip() {
         let start = json!({

@@ -195,6 +195,25 @@ pub fn unpack(r: impl Read, dir: &Path) -> Result<(), String> {
 mod tests {
     use super::*;
 
+    /// Fuzz target: any archive unpacks inside its directory or is refused; nothing
+    /// lands beside it.
+    #[test]
+    fn fuzz_archives() {
+        let t = tempfile::tempdir().unwrap();
+        let outside = t.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        let mut n = 0;
+        bolero::check!()
+            .with_iterations(crate::FUZZ_CASES / 4)
+            .for_each(|input: &[u8]| {
+                n += 1;
+                let dir = t.path().join(format!("ctx{n}"));
+                let _ = unpack(input, &dir);
+                let _ = std::fs::remove_dir_all(&dir);
+                assert!(std::fs::read_dir(&outside).unwrap().next().is_none());
+            });
+    }
+
     enum E<'a> {
         File(&'a str, &'a [u8], u32),
         Dir(&'a str),

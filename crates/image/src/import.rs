@@ -599,6 +599,47 @@ mod tests {
         serde_json::to_vec(e).unwrap()
     }
 
+    /// Fuzz target: a guest's export stream as any frames (`[kind][len u16][payload]`
+    /// from the input) is rebuilt inside its directory or refused; nothing lands beside
+    /// it. Entry headers that parse are mixed in, so the fuzzer reaches past them.
+    #[test]
+    fn fuzz_tree_streams() {
+        let t = tempfile::tempdir().unwrap();
+        let outside = t.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        let kinds = [FRAME_JSON, FRAME_DATA, b'H', b'X'];
+        let mut n = 0;
+        bolero::check!()
+            .with_iterations(500)
+            .for_each(|input: &[u8]| {
+                n += 1;
+                let dest = t.path().join(format!("t{n}"));
+                std::fs::create_dir(&dest).unwrap();
+                let mut imp = TreeImport::new(&dest, TreeLimits::default()).unwrap();
+                let mut rest = input;
+                while rest.len() >= 3 {
+                    let kind = kinds[rest[0] as usize % kinds.len()];
+                    let len = (u16::from_be_bytes([rest[1], rest[2]]) as usize).min(rest.len() - 3);
+                    let payload = &rest[3..3 + len];
+                    rest = &rest[3 + len..];
+                    let framed = if kind == b'H' {
+                        // a header that parses, with the fuzzer's path
+                        let mut e = entry(&String::from_utf8_lossy(payload), EntryKind::File);
+                        e.mode = 0o644;
+                        (FRAME_JSON, header(&e))
+                    } else {
+                        (kind, payload.to_vec())
+                    };
+                    match imp.frame(framed.0, &framed.1) {
+                        Ok(false) => {}
+                        _ => break,
+                    }
+                }
+                let _ = crate::store::remove_tree(&dest);
+                assert!(std::fs::read_dir(&outside).unwrap().next().is_none());
+            });
+    }
+
     /// Feeds frames to a fresh import; the result of the first failure, or of finish.
     fn run(frames: &[(u8, Vec<u8>)]) -> (tempfile::TempDir, Result<ImportStats, ImageError>) {
         let d = tempfile::tempdir().unwrap();

@@ -343,6 +343,32 @@ pub async fn spawn(net: Arc<Network>) -> Result<Vec<tokio::task::JoinHandle<()>>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Fuzz target: any query from a sandbox, and any answer from upstream, is read (or
+    /// refused) without a panic; a judged answer opens only addresses it carries.
+    #[test]
+    fn fuzz_messages() {
+        let p = policy(&["*.example.com", "example.com"]);
+        bolero::check!()
+            .with_iterations(2000)
+            .for_each(|input: &[u8]| {
+                let _ = question(input);
+                let _ = read_name(input, 12);
+                if let Some(Verdict::Open(addrs)) = judge(input, &p) {
+                    for (ip, _) in addrs {
+                        let b = ip.octets();
+                        assert!(
+                            input.windows(4).any(|w| w == b),
+                            "{ip} is not in the answer"
+                        );
+                    }
+                }
+                if input.len() >= 12 {
+                    let r = reply(input, RCODE_REFUSED);
+                    assert_eq!(r[..2], input[..2]);
+                }
+            });
+    }
     use crate::net::rules::DomainPattern;
 
     fn name(n: &str) -> Vec<u8> {

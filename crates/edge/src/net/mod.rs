@@ -273,6 +273,9 @@ impl Network {
         ip: Ipv4Addr,
         addrs: &[(Ipv4Addr, u32, String)],
     ) -> Result<(), String> {
+        if addrs.is_empty() {
+            return Ok(()); // nothing to open (NXDOMAIN, a TXT answer): no work at all
+        }
         let (k, add, present) = {
             let mut st = self.lock();
             let Some(a) = st.by_ip.get_mut(&ip) else {
