@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: AGPL-3.0-only
 """What one hostile sandbox can do to the others on its node: the create p50 and the DNS
-lookup p50 of other sandboxes on an idle node, then again while one sandbox floods the DNS
-proxy with random names under a name its rules allow (every name answered with an address,
-so each answer asks the node to open it), with the node's peak RSS over the run.
+lookup p50 of other sandboxes on an idle node, then while one sandbox (0.5 cores) burns its
+CPU (the floor any busy neighbour costs), then while it floods the DNS proxy with random
+names under a name its rules allow (every name answered with an address, so each answer
+asks the node to open it), with the node's peak RSS over the run.
 
 It runs in netlab (tests/e2e/netlab.py): the node (`dsec up`) in a network namespace of its
 own, the upstream DNS server and the "internet" in another; no traffic leaves the machine.
@@ -38,21 +39,23 @@ TINY = dict(image="root/base", memory_limit_mb=32, cpu_cores_limit=0.05, ttl_sec
 PY = dict(image="root/py:3.11", memory_limit_mb=128, cpu_cores_limit=0.5, ttl_seconds=900,
           network_rules={"pypi": True})
 
-# Sends `n` queries for random names under pypi.test to the sandbox's resolver as fast as
-# it can (UDP, not waiting for answers), and prints how many answers came back.
+# Sends queries for random names under pypi.test to the sandbox's resolver as fast as it
+# can for `seconds` (UDP, not waiting for answers; at least `n` names), and prints how many
+# it sent and how many answers came back.
 FLOOD = r"""
 import os, socket, struct, sys, time
-n, server = int(sys.argv[1]), sys.argv[2]
+n, seconds, server = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.setblocking(False)
-answers = 0
+sent = answers = 0
 t0 = time.monotonic()
-for i in range(n):
+while sent < n or time.monotonic() - t0 < seconds:
     name = os.urandom(6).hex() + ".pypi.test"
-    q = struct.pack(">6H", i & 0xFFFF, 0x0100, 1, 0, 0, 0)
+    q = struct.pack(">6H", sent & 0xFFFF, 0x0100, 1, 0, 0, 0)
     q += b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\0" + struct.pack(">HH", 1, 1)
     try:
         s.sendto(q, (server, 53))
+        sent += 1
     except BlockingIOError:
         time.sleep(0.001)
     try:
@@ -61,15 +64,11 @@ for i in range(n):
             answers += 1
     except BlockingIOError:
         pass
-time.sleep(1)
-try:
-    while True:
-        s.recv(4096)
-        answers += 1
-except BlockingIOError:
-    pass
-print(n, answers, round(time.monotonic() - t0, 2))
+print(sent, answers, round(time.monotonic() - t0, 2))
 """
+
+# Burns CPU for `seconds`.
+SPIN = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end: pass\n"
 
 # Resolves pypi.test `n` times, printing each lookup's seconds.
 LOOKUPS = r"""
@@ -128,7 +127,7 @@ async def lookups(sb, n: int) -> list[float]:
     return [float(x) for x in r.stdout.split()]
 
 
-async def measure(lab: Netlab, n: int, names: int) -> dict:
+async def measure(lab: Netlab, n: int, names: int, seconds: float) -> dict:
     lab.set_zone("*", [["A", PYPI_IP, 30]])
     async with lab.client() as c:
         prober = await c.run_sandbox(DSecRunArgs(**PY))
@@ -137,14 +136,24 @@ async def measure(lab: Netlab, n: int, names: int) -> dict:
             await creates(c, 3)  # warm up
             idle_create = await creates(c, n)
             idle_dns = await lookups(prober, 50)
+            # The floor a flood is judged against: a neighbour using all the CPU its
+            # limit gives it, with no network at all.
+            spin = asyncio.create_task(flooder.exec(
+                argv=["python3", "-c", SPIN, str(seconds)], timeout=600))
+            await asyncio.sleep(0.5)
+            spin_create = await creates(c, n)
+            spin_dns = await lookups(prober, 50)
+            await spin
             gw = str(__import__("ipaddress").IPv4Address(flooder.info.network["address"]) - 1)
             with PeakRss(node_pid()) as rss:
-                flood = asyncio.create_task(
-                    flooder.exec(argv=["python3", "-c", FLOOD, str(names), gw], timeout=600))
+                flood = asyncio.create_task(flooder.exec(
+                    argv=["python3", "-c", FLOOD, str(names), str(seconds), gw], timeout=600))
                 await asyncio.sleep(0.5)
                 busy_create = await creates(c, n)
                 busy_dns = await lookups(prober, 50)
+                still = not flood.done()
                 fr = await flood
+            assert still, "the flood ended before the measurements did: raise --seconds"
             sent, answered, took = fr.stdout.split()
         finally:
             await prober.stop()
@@ -153,8 +162,10 @@ async def measure(lab: Netlab, n: int, names: int) -> dict:
         "n": n,
         "flood": {"names_sent": int(sent), "answered": int(answered), "seconds": float(took)},
         "idle": {"create": lat_summary(idle_create), "dns": lat_summary(idle_dns)},
+        "cpu_neighbour": {"create": lat_summary(spin_create), "dns": lat_summary(spin_dns)},
         "flooded": {"create": lat_summary(busy_create), "dns": lat_summary(busy_dns)},
         "create_p50_ratio": round(pct(busy_create, 50) / pct(idle_create, 50), 3),
+        "cpu_neighbour_create_p50_ratio": round(pct(spin_create, 50) / pct(idle_create, 50), 3),
         "dns_p50_ratio": round(pct(busy_dns, 50) / pct(idle_dns, 50), 3),
         "node_peak_rss_mib": round(rss.peak_kib / 1024, 1),
     }
@@ -163,7 +174,8 @@ async def measure(lab: Netlab, n: int, names: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-n", type=int, default=30, help="creates measured per phase")
-    ap.add_argument("--names", type=int, default=10_000, help="random names the flooder sends")
+    ap.add_argument("--names", type=int, default=10_000, help="random names the flooder sends, at least")
+    ap.add_argument("--seconds", type=float, default=20, help="how long it floods, at least")
     a = ap.parse_args()
     why = netlab.unavailable()
     if why:
@@ -172,18 +184,19 @@ def main() -> int:
     lab = Netlab(dsec=DSEC, image_store=IMAGES)
     try:
         lab.up()
-        out = asyncio.run(measure(lab, a.n, a.names))
+        out = asyncio.run(measure(lab, a.n, a.names, a.seconds))
     finally:
         left = lab.down()
         if left:
             print(f"netlab left: {left}")
     f = out["flood"]
     print(f"\nflood: {f['names_sent']} random names in {f['seconds']} s, {f['answered']} answered "
-          f"(the rest dropped by the per-sandbox rate limit)")
-    print(f"{'':28}{'idle p50':>12}{'flooded p50':>14}{'ratio':>8}")
-    for what, key in (("create of another (ms)", "create"), ("DNS lookup of another (ms)", "dns")):
-        i, b = out["idle"][key]["p50_ms"], out["flooded"][key]["p50_ms"]
-        print(f"{what:<28}{i:>12.1f}{b:>14.1f}{b / i:>8.2f}")
+          f"(the rest dropped by the per-sandbox rate limit), all through the measurements")
+    print(f"{'p50 (ms), ratio to idle':<26}{'idle':>8}{'CPU neighbour':>15}{'DNS flood':>16}")
+    for what, key in (("create of another", "create"), ("DNS lookup of another", "dns")):
+        i = out["idle"][key]["p50_ms"]
+        c, b = out["cpu_neighbour"][key]["p50_ms"], out["flooded"][key]["p50_ms"]
+        print(f"{what:<26}{i:>8.1f}{c:>8.1f} ({c / i:.2f}){b:>9.1f} ({b / i:.2f})")
     print(f"node peak RSS over the run: {out['node_peak_rss_mib']} MiB")
     write_result("tenant_pressure", out)
     return 0

@@ -4,19 +4,31 @@
 //! answers are waiting and applies them as one transaction, so the number of `nft` runs
 //! follows the time a run takes, not the number of answers, and no lock is held meanwhile.
 
+use std::collections::{BTreeMap, HashMap};
 use std::net::Ipv4Addr;
 use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 use super::nft;
 
-/// Most answers applied in one transaction.
+/// Most jobs taken into one transaction.
 const MAX_BATCH: usize = 512;
+/// An element this close to its end is treated as gone (it may expire before the
+/// transaction runs, and deleting it would then fail).
+const MARGIN: Duration = Duration::from_millis(200);
 
-struct Job {
-    key: String,
-    add: Vec<(Ipv4Addr, u32)>,
-    present: Vec<Ipv4Addr>,
-    done: tokio::sync::oneshot::Sender<Result<(), String>>,
+enum Job {
+    Learn {
+        key: String,
+        add: Vec<(Ipv4Addr, u32)>,
+        done: tokio::sync::oneshot::Sender<Result<(), String>>,
+    },
+    /// The sandbox's set was rewritten (its rules changed; these elements are in it now,
+    /// with these TTLs) or removed (none).
+    Reset {
+        key: String,
+        present: Vec<(Ipv4Addr, u32)>,
+    },
 }
 
 pub struct Learner {
@@ -24,6 +36,12 @@ pub struct Learner {
 }
 
 type Apply = dyn Fn(&str) -> Result<(), String> + Send + 'static;
+
+/// What the learner has put in each sandbox's set, and until when: only it writes the
+/// sets between rule changes, so only it knows which elements to delete (to restart
+/// their timeouts) and which merely to add.
+#[derive(Default)]
+struct Sets(HashMap<String, HashMap<Ipv4Addr, Instant>>);
 
 impl Learner {
     /// A learner that applies scripts with `nft -f`.
@@ -37,6 +55,7 @@ impl Learner {
         let spawned = std::thread::Builder::new()
             .name("dsec-dns-learner".into())
             .spawn(move || {
+                let mut sets = Sets::default();
                 while let Ok(first) = rx.recv() {
                     let mut jobs = vec![first];
                     while jobs.len() < MAX_BATCH {
@@ -45,7 +64,7 @@ impl Learner {
                             Err(_) => break,
                         }
                     }
-                    run(&*apply, jobs);
+                    run(&*apply, &mut sets, jobs);
                 }
             });
         if let Err(e) = spawned {
@@ -54,47 +73,129 @@ impl Learner {
         Learner { tx }
     }
 
-    /// Opens `add` (address, TTL) in the set of sandbox `key`, first deleting `present` (so
-    /// that their timeouts start again); returns once the rule is in.
-    pub async fn learn(
-        &self,
-        key: String,
-        add: Vec<(Ipv4Addr, u32)>,
-        present: Vec<Ipv4Addr>,
-    ) -> Result<(), String> {
+    /// Opens `add` (address, TTL) in the set of sandbox `key` (an address already there
+    /// gets its timeout started again); returns once the rule is in.
+    pub async fn learn(&self, key: String, add: Vec<(Ipv4Addr, u32)>) -> Result<(), String> {
         let (done, wait) = tokio::sync::oneshot::channel();
         self.tx
-            .send(Job {
-                key,
-                add,
-                present,
-                done,
-            })
+            .send(Job::Learn { key, add, done })
             .map_err(|_| "the DNS learner has stopped".to_string())?;
         wait.await
             .map_err(|_| "the DNS learner has stopped".to_string())?
     }
+
+    /// Tells the learner what sandbox `key`'s set holds after it was rewritten (or, with
+    /// nothing, removed). Ordered with the learns sent before and after it.
+    pub fn reset(&self, key: &str, present: Vec<(Ipv4Addr, u32)>) {
+        let _ = self.tx.send(Job::Reset {
+            key: key.to_string(),
+            present,
+        });
+    }
 }
 
-/// One transaction for the whole batch; if it fails (an element to delete had just
-/// expired, a sandbox just went away), each answer on its own, then without its deletes.
-fn run(apply: &Apply, jobs: Vec<Job>) {
-    let script: String = jobs
-        .iter()
-        .map(|j| nft::learn(&j.key, &j.add, &j.present))
-        .collect();
-    if apply(&script).is_ok() {
-        for j in jobs {
-            let _ = j.done.send(Ok(()));
+/// One transaction for the whole batch, every address once per set (the longest TTL
+/// asked for); if it fails (a set just removed, an element that expired meanwhile), each
+/// set on its own, then without its deletes.
+fn run(apply: &Apply, sets: &mut Sets, jobs: Vec<Job>) {
+    let now = Instant::now();
+    let mut wanted: BTreeMap<String, BTreeMap<Ipv4Addr, u32>> = BTreeMap::new();
+    let mut waiting: Vec<(String, tokio::sync::oneshot::Sender<Result<(), String>>)> = Vec::new();
+    for j in jobs {
+        match j {
+            Job::Learn { key, add, done } => {
+                let w = wanted.entry(key.clone()).or_default();
+                for (ip, ttl) in add {
+                    let t = w.entry(ip).or_insert(ttl);
+                    *t = (*t).max(ttl);
+                }
+                waiting.push((key, done));
+            }
+            Job::Reset { key, present } => {
+                // Learns of the batch queued before it were for the old set: apply them
+                // first, so the order holds.
+                flush(
+                    apply,
+                    sets,
+                    std::mem::take(&mut wanted),
+                    std::mem::take(&mut waiting),
+                    now,
+                );
+                if present.is_empty() {
+                    sets.0.remove(&key);
+                } else {
+                    sets.0.insert(
+                        key,
+                        present
+                            .into_iter()
+                            .map(|(ip, ttl)| (ip, now + Duration::from_secs(ttl as u64)))
+                            .collect(),
+                    );
+                }
+            }
         }
+    }
+    flush(apply, sets, wanted, waiting, now);
+}
+
+/// What to add to one set, and what to delete from it first.
+type Plan = (Vec<(Ipv4Addr, u32)>, Vec<Ipv4Addr>);
+
+fn flush(
+    apply: &Apply,
+    sets: &mut Sets,
+    wanted: BTreeMap<String, BTreeMap<Ipv4Addr, u32>>,
+    waiting: Vec<(String, tokio::sync::oneshot::Sender<Result<(), String>>)>,
+    now: Instant,
+) {
+    if wanted.is_empty() {
         return;
     }
-    for j in jobs {
-        let mut r = apply(&nft::learn(&j.key, &j.add, &j.present));
-        if r.is_err() && !j.present.is_empty() {
-            r = apply(&nft::learn(&j.key, &j.add, &[]));
+    // Per set: (what to add, what is there to delete first).
+    let mut plans: BTreeMap<&String, Plan> = BTreeMap::new();
+    for (key, addrs) in &wanted {
+        let have = sets.0.entry(key.clone()).or_default();
+        have.retain(|_, until| *until > now);
+        let add: Vec<(Ipv4Addr, u32)> = addrs.iter().map(|(ip, t)| (*ip, *t)).collect();
+        let present: Vec<Ipv4Addr> = addrs
+            .keys()
+            .filter(|ip| have.get(ip).is_some_and(|until| *until > now + MARGIN))
+            .copied()
+            .collect();
+        plans.insert(key, (add, present));
+    }
+    let script: String = plans
+        .iter()
+        .map(|(k, (add, present))| nft::learn(k, add, present))
+        .collect();
+    let mut results: HashMap<String, Result<(), String>> = HashMap::new();
+    if apply(&script).is_ok() {
+        for k in plans.keys() {
+            results.insert((*k).clone(), Ok(()));
         }
-        let _ = j.done.send(r);
+    } else {
+        for (k, (add, present)) in &plans {
+            let mut r = apply(&nft::learn(k, add, present));
+            if r.is_err() && !present.is_empty() {
+                r = apply(&nft::learn(k, add, &[]));
+            }
+            results.insert((*k).clone(), r);
+        }
+    }
+    for (k, (add, _)) in plans {
+        if results.get(k).is_some_and(Result::is_ok) {
+            let have = sets.0.entry(k.clone()).or_default();
+            for (ip, ttl) in add {
+                have.insert(ip, now + Duration::from_secs(ttl as u64));
+            }
+        }
+    }
+    for (k, done) in waiting {
+        let r = results
+            .get(&k)
+            .cloned()
+            .unwrap_or_else(|| Err("not applied".into()));
+        let _ = done.send(r);
     }
 }
 
@@ -121,8 +222,7 @@ mod tests {
                 tokio::spawn(async move {
                     l.learn(
                         format!("k{}", i % 7),
-                        vec![(Ipv4Addr::new(203, 0, 113, (i % 250) as u8), 30)],
-                        vec![],
+                        vec![(Ipv4Addr::new(203, 0, 113, (i % 50) as u8), 30)],
                     )
                     .await
                 })
@@ -132,8 +232,22 @@ mod tests {
             h.await.unwrap().unwrap();
         }
         let runs = runs.lock().unwrap();
-        let elements: usize = runs.iter().map(|s| s.matches("add element").count()).sum();
-        assert_eq!(elements, answers, "every answer applied once");
+        // Each (set, address) pair once per transaction, never deleted twice in one.
+        for r in runs.iter() {
+            let adds: Vec<&str> = r.lines().filter(|l| l.starts_with("add element")).collect();
+            let mut unique = adds.clone();
+            unique.sort();
+            unique.dedup();
+            assert_eq!(adds.len(), unique.len(), "{r}");
+            let dels: Vec<&str> = r
+                .lines()
+                .filter(|l| l.starts_with("delete element"))
+                .collect();
+            let mut unique = dels.clone();
+            unique.sort();
+            unique.dedup();
+            assert_eq!(dels.len(), unique.len(), "{r}");
+        }
         assert!(
             runs.len() < answers / 4,
             "{} nft runs for {answers} answers",
@@ -142,7 +256,28 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_failed_batch_falls_back_to_each_answer_without_its_deletes() {
+    async fn an_address_seen_again_is_deleted_and_added_so_its_timeout_restarts() {
+        let runs = Arc::new(Mutex::new(Vec::<String>::new()));
+        let r2 = runs.clone();
+        let l = Learner::start_with(Box::new(move |s: &str| {
+            r2.lock().unwrap().push(s.to_string());
+            Ok(())
+        }));
+        let ip = Ipv4Addr::new(198, 51, 100, 1);
+        l.learn("k".into(), vec![(ip, 30)]).await.unwrap();
+        l.learn("k".into(), vec![(ip, 30)]).await.unwrap();
+        // After a rule change that dropped it, it is new again.
+        l.reset("k", vec![]);
+        l.learn("k".into(), vec![(ip, 30)]).await.unwrap();
+        let runs = runs.lock().unwrap();
+        assert_eq!(runs.len(), 3);
+        assert!(!runs[0].contains("delete element"), "{}", runs[0]);
+        assert!(runs[1].contains("delete element"), "{}", runs[1]);
+        assert!(!runs[2].contains("delete element"), "{}", runs[2]);
+    }
+
+    #[tokio::test]
+    async fn a_failed_batch_falls_back_to_each_set_without_its_deletes() {
         let l = Learner::start_with(Box::new(|s: &str| {
             if s.contains("delete element") {
                 Err("No such file or directory".into())
@@ -151,6 +286,7 @@ mod tests {
             }
         }));
         let ip = Ipv4Addr::new(198, 51, 100, 1);
-        l.learn("k".into(), vec![(ip, 5)], vec![ip]).await.unwrap();
+        l.learn("k".into(), vec![(ip, 5)]).await.unwrap();
+        l.learn("k".into(), vec![(ip, 5)]).await.unwrap();
     }
 }

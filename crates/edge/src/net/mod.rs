@@ -217,6 +217,7 @@ impl Network {
     pub fn detach(&self, id: &str, index: Option<u32>) {
         let k = key_of(id);
         remove_rules(k);
+        self.learner.reset(k, Vec::new());
         link::remove(id, k);
         let mut st = self.lock();
         if let Some(ip) = st.by_key.remove(k) {
@@ -253,6 +254,7 @@ impl Network {
         script.push_str(&nft::flush_learned(&k));
         script.push_str(&nft::learn(&k, &keep, &[]));
         nft::apply(&script).map_err(ApiError::internal)?;
+        self.learner.reset(&k, keep);
         a.policy = policy;
         Ok(())
     }
@@ -276,7 +278,7 @@ impl Network {
         if addrs.is_empty() {
             return Ok(()); // nothing to open (NXDOMAIN, a TXT answer): no work at all
         }
-        let (k, add, present) = {
+        let (k, add) = {
             let mut st = self.lock();
             let Some(a) = st.by_ip.get_mut(&ip) else {
                 return Err("the sandbox is gone".into());
@@ -291,23 +293,16 @@ impl Network {
                     a.learned.len()
                 ));
             }
-            let mut present = Vec::new();
             let mut add = Vec::new();
             for (addr, ttl, name) in addrs {
                 let ttl = (*ttl).clamp(MIN_TTL, MAX_TTL);
-                if a.learned
-                    .get(addr)
-                    .is_some_and(|(until, _)| *until > now + Duration::from_millis(200))
-                {
-                    present.push(*addr);
-                }
                 add.push((*addr, ttl));
                 a.learned
                     .insert(*addr, (now + Duration::from_secs(ttl as u64), name.clone()));
             }
-            (key_of(&a.id).to_string(), add, present)
+            (key_of(&a.id).to_string(), add)
         };
-        self.learner.learn(k, add, present).await
+        self.learner.learn(k, add).await
     }
 
     /// Removes namespaces, interfaces and rule chains that belong to no sandbox in `ids`

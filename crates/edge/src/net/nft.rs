@@ -9,7 +9,8 @@
 //!   sandbox; replies pass.
 //! - input: from a sandbox only DNS to the proxy reaches the node.
 //! - nat: DNS on port 53 to any address is redirected to the proxy; the pool is
-//!   masqueraded behind the node's uplink.
+//!   masqueraded behind the node's uplink. Before it (raw priority), each sandbox's DNS
+//!   packets past a rate are dropped by the kernel.
 //!
 //! `<k>` is the random part of the sandbox id (12 characters of `[0-9a-z]`).
 
@@ -18,6 +19,11 @@ use std::process::{Command, Stdio};
 use super::rules::{Cidr, Policy, never};
 
 pub const TABLE: &str = "dsec";
+/// DNS packets a sandbox may send per second (and in a burst) before the kernel drops them,
+/// so a flood costs the node no wakeup of the proxy (which holds each sandbox to fewer
+/// queries still, see `dns.rs`).
+pub const DNS_PACKETS_PER_S: u32 = 200;
+pub const DNS_PACKETS_BURST: u32 = 400;
 pub const IFACE_PREFIX: &str = "dsv";
 
 /// Runs an `nft -f -` script as one transaction.
@@ -81,6 +87,10 @@ flush chain inet {TABLE} input
 add rule inet {TABLE} input iifname \"{p}*\" ct state established,related accept
 add rule inet {TABLE} input iifname \"{p}*\" meta nfproto ipv4 meta l4proto {{ tcp, udp }} th dport {dns_port} accept
 add rule inet {TABLE} input iifname \"{p}*\" drop
+add set inet {TABLE} dnsrate {{ type ipv4_addr; flags dynamic,timeout; timeout 1m; size 65536; }}
+add chain inet {TABLE} dnslimit {{ type filter hook prerouting priority raw; policy accept; }}
+flush chain inet {TABLE} dnslimit
+add rule inet {TABLE} dnslimit iifname \"{p}*\" meta l4proto {{ tcp, udp }} th dport 53 update @dnsrate {{ ip saddr limit rate over {DNS_PACKETS_PER_S}/second burst {DNS_PACKETS_BURST} packets }} drop
 add chain inet {TABLE} prerouting {{ type nat hook prerouting priority dstnat; policy accept; }}
 flush chain inet {TABLE} prerouting
 add rule inet {TABLE} prerouting iifname \"{p}*\" meta nfproto ipv4 meta l4proto {{ tcp, udp }} th dport 53 redirect to :{dns_port}
