@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use dsec_common::ApiError;
 use dsec_common::api::{CreateSandboxRequest, ExecRequest};
-use dsec_image::build::{BuildSpec, StepRunner};
+use dsec_image::build::{BuildSpec, RunStep, StepRunner};
 use dsec_image::{ImageError, ImageRef, Manifest};
 
 use crate::commit::image_error;
@@ -90,15 +90,12 @@ struct SandboxSteps {
 impl StepRunner for SandboxSteps {
     fn run(
         &self,
-        layers: &[String],
-        env: &BTreeMap<String, String>,
-        workdir: Option<&str>,
-        cmd: &str,
+        step: &RunStep<'_>,
         upper: &Path,
         progress: &mut dyn FnMut(&str),
     ) -> Result<(), ImageError> {
         self.rt
-            .block_on(self.step(layers, env, workdir, cmd, upper, progress))
+            .block_on(self.step(step, upper, progress))
             .map_err(|e| ImageError::Build(e.message))
     }
 }
@@ -106,18 +103,15 @@ impl StepRunner for SandboxSteps {
 impl SandboxSteps {
     async fn step(
         &self,
-        layers: &[String],
-        env: &BTreeMap<String, String>,
-        workdir: Option<&str>,
-        cmd: &str,
+        step: &RunStep<'_>,
         upper: &Path,
         progress: &mut dyn FnMut(&str),
     ) -> Result<(), ApiError> {
         let manifest = Manifest {
             schema_version: 1,
-            layers: layers.to_vec(),
-            env: env.clone(),
-            workdir: workdir.map(str::to_string),
+            layers: step.layers.to_vec(),
+            env: step.env.clone(),
+            workdir: step.workdir.map(str::to_string),
             start: None,
             created_ms: dsec_image::store::now_ms(),
             size_bytes: 0,
@@ -152,7 +146,7 @@ impl SandboxSteps {
             .create_from(req, self.image.clone(), digest, manifest)
             .await?;
         progress(&format!("  (in sandbox {})", info.id));
-        let ran = self.run_in(&info.id, cmd, upper, progress).await;
+        let ran = self.run_in(&info.id, step.cmd, upper, progress).await;
         let stopped = self.edge.stop(&info.id).await;
         ran.and(stopped)
     }

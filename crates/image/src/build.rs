@@ -244,17 +244,22 @@ impl BuildSpec {
     }
 }
 
+/// A `run` step: `sh -c cmd` (with `env`, in `workdir`) on the image made of `layers`
+/// (bottom first).
+pub struct RunStep<'a> {
+    pub layers: &'a [String],
+    pub env: &'a BTreeMap<String, String>,
+    pub workdir: Option<&'a str>,
+    pub cmd: &'a str,
+}
+
 /// Runs a build's `run` steps somewhere other than the host.
 pub trait StepRunner {
-    /// Runs `sh -c cmd` (with `env`, in `workdir`) on the image made of `layers` (bottom
-    /// first) and leaves its changes to the filesystem in overlayfs form (whiteouts and
-    /// opaque directories) in `upper`, an empty directory.
+    /// Runs `step` and leaves its changes to the filesystem in overlayfs form (whiteouts
+    /// and opaque directories) in `upper`, an empty directory.
     fn run(
         &self,
-        layers: &[String],
-        env: &BTreeMap<String, String>,
-        workdir: Option<&str>,
-        cmd: &str,
+        step: &RunStep<'_>,
         upper: &Path,
         progress: &mut dyn FnMut(&str),
     ) -> Result<(), ImageError>;
@@ -342,7 +347,13 @@ pub fn build(
             let upper = dir.join("upper");
             std::fs::create_dir_all(&upper).ctx(|| format!("creating {}", upper.display()))?;
             if let Some(r) = runner {
-                r.run(&layers, &env, workdir.as_deref(), cmd, &upper, progress)?;
+                let step = RunStep {
+                    layers: &layers,
+                    env: &env,
+                    workdir: workdir.as_deref(),
+                    cmd,
+                };
+                r.run(&step, &upper, progress)?;
             }
         } else if let Some(f) = &step.file {
             progress(&format!("step {n}: file {f}"));
@@ -604,16 +615,19 @@ mod tests {
     impl StepRunner for Recorder {
         fn run(
             &self,
-            layers: &[String],
-            env: &BTreeMap<String, String>,
-            workdir: Option<&str>,
-            cmd: &str,
+            s: &RunStep<'_>,
             upper: &Path,
             _progress: &mut dyn FnMut(&str),
         ) -> Result<(), ImageError> {
             std::fs::write(
                 upper.join("ran"),
-                format!("{} {cmd} {:?} {workdir:?}", layers.len(), env.get("A")),
+                format!(
+                    "{} {} {:?} {:?}",
+                    s.layers.len(),
+                    s.cmd,
+                    s.env.get("A"),
+                    s.workdir
+                ),
             )
             .map_err(|e| ImageError::Build(e.to_string()))
         }
