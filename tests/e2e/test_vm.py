@@ -4,6 +4,7 @@ virtualisation), booted from the guest kernel and root disk the image store buil
 aether as the guest's init reached over virtio-serial. Skipped where QEMU is missing."""
 
 import os
+import pwd
 import shutil
 import time
 from pathlib import Path
@@ -57,6 +58,15 @@ async def test_vm_sandbox_runs_the_seed_example_in_its_own_kernel(client, need_q
         mounts = (await sb.exec(["cat", "/proc/mounts"])).stdout
         assert " / overlay " in mounts, mounts
         assert qemu_processes(sb.id), "no QEMU process for the sandbox"
+        # QEMU runs as `nobody` under its own seccomp filter, not as root: an escape from
+        # the emulator lands there.
+        for pid in qemu_processes(sb.id):
+            if b"qemu-system" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            status = dict(l.split(":", 1) for l in Path(f"/proc/{pid}/status").read_text().splitlines())
+            uids = status["Uid"].split()
+            assert uids[0] == uids[1] == str(pwd.getpwnam("nobody").pw_uid), status["Uid"]
+            assert status["Seccomp"].strip() == "2", status["Seccomp"]
     finally:
         await sb.stop()
     assert wait_for(lambda: not qemu_processes(sb.id), timeout=10), "QEMU or vmux outlived the sandbox"

@@ -65,6 +65,10 @@ pub struct VmOptions {
     /// tested by the project: its test hosts have no IOMMU. A VM with a passed-through
     /// device cannot be forked, snapshotted or paused to disk (QEMU cannot save it).
     pub devices: Vec<String>,
+    /// The user QEMU runs as once it has opened what it needs (`-runas`): an escape from
+    /// the emulator lands there, not as root. Empty keeps it root (for passthrough devices
+    /// that a user cannot open).
+    pub run_as: String,
 }
 
 impl Default for VmOptions {
@@ -72,6 +76,7 @@ impl Default for VmOptions {
         VmOptions {
             machine: "microvm".into(),
             devices: Vec::new(),
+            run_as: "nobody".into(),
         }
     }
 }

@@ -104,7 +104,22 @@ fn check_options(o: crate::config::VmOptions) -> Result<crate::config::VmOptions
             "[edge.vm] devices entry {d:?} is not a QEMU -device argument"
         ));
     }
+    if !o.run_as.is_empty() && !user_exists(&o.run_as) {
+        return Err(format!(
+            "[edge.vm] run_as = {:?} is not a user of this host (QEMU drops to it after start-up; create it, or give \"nobody\")",
+            o.run_as
+        ));
+    }
     Ok(o)
+}
+
+/// Whether `name` is in the host's user database.
+fn user_exists(name: &str) -> bool {
+    let Ok(c) = std::ffi::CString::new(name) else {
+        return false;
+    };
+    // SAFETY: a NUL-terminated name; the result is only checked for NULL.
+    !unsafe { libc::getpwnam(c.as_ptr()) }.is_null()
 }
 
 /// What QEMU itself needs beyond the guest's memory (device emulation, and under TCG the
@@ -325,14 +340,24 @@ impl VmBackend {
             "none",
             "-no-reboot",
         ])
-        // QEMU's own seccomp filter: no obsolete system calls, no set*id, no fork or exec
-        // (migrations go to descriptors handed over QMP), no scheduler or affinity
-        // changes. It runs detached by the edge rather than `-daemonize` (which forks,
-        // and which the filter would then forbid).
+        // QEMU's own seccomp filter: no obsolete system calls, no fork or exec (migrations
+        // go to descriptors handed over QMP), no scheduler or affinity changes, and no
+        // set*id once it runs as `run_as` (it drops to it itself, after the filter is in,
+        // so set*id stays allowed for that one step; without `run_as`, never). It runs
+        // detached by the edge rather than `-daemonize` (which forks).
         .args([
             "-sandbox",
-            "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+            if opts.run_as.is_empty() {
+                "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+            } else {
+                "on,obsolete=deny,spawn=deny,resourcecontrol=deny"
+            },
         ])
+        .args(if opts.run_as.is_empty() {
+            vec![]
+        } else {
+            vec!["-runas", opts.run_as.as_str()]
+        })
         .arg("-pidfile")
         .arg(&qemu_pid)
         // Appending, so the edge can cut the file short ([`cap_console`]) and QEMU goes on
@@ -1022,6 +1047,7 @@ mod tests {
             check_options(VmOptions {
                 machine: m.into(),
                 devices: d.iter().map(|s| s.to_string()).collect(),
+                run_as: "nobody".into(),
             })
         };
         assert!(ok("microvm", &[]).is_ok());
@@ -1032,5 +1058,10 @@ mod tests {
         assert!(ok("q35", &[""]).is_err());
         assert_eq!(machine("q35"), Some(("q35", "pci")));
         assert_eq!(machine("microvm"), Some(("microvm", "device")));
+        let no_such = check_options(VmOptions {
+            run_as: "dsec-no-such-user".into(),
+            ..VmOptions::default()
+        });
+        assert!(no_such.unwrap_err().contains("run_as"));
     }
 }
