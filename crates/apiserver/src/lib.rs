@@ -59,15 +59,36 @@ pub fn decode_principal(v: &str) -> Option<Principal> {
     serde_json::from_slice(&json).ok()
 }
 
-/// The forwarded principal of a request, when the state trusts forwarding.
-pub(crate) fn forwarded_principal(st: &AppState, headers: &HeaderMap) -> Option<Principal> {
+/// The forwarded principal of a request, when the state trusts forwarding and the peer's
+/// certificate may forward one for it (see [`may_forward`]).
+pub(crate) fn forwarded_principal(st: &AppState, req: &Request) -> Option<Principal> {
     if !st.forwarded {
         return None;
     }
-    headers
+    let peer = req.extensions().get::<dsec_mtls::Identity>();
+    if !may_forward(peer, req.method(), req.uri().path()) {
+        return None;
+    }
+    req.headers()
         .get(PRINCIPAL_HEADER)
         .and_then(|v| v.to_str().ok())
         .and_then(decode_principal)
+}
+
+/// Which cluster components may act for a principal on an edge's listener: apiservers
+/// (they authenticated the caller), and the watcher only to read `/v1/status`. An edge's
+/// certificate forwards nothing, so one escaped node cannot act as anyone on the others
+/// (edge-to-edge transfers check the peer's certificate themselves).
+pub(crate) fn may_forward(
+    peer: Option<&dsec_mtls::Identity>,
+    method: &axum::http::Method,
+    path: &str,
+) -> bool {
+    match peer.map(|p| p.role) {
+        Some(dsec_mtls::Role::Apiserver) => true,
+        Some(dsec_mtls::Role::Watcher) => method == axum::http::Method::GET && path == "/v1/status",
+        _ => false,
+    }
 }
 
 /// An [`ApiError`] as an HTTP response: its status and `{"code","message"}`.
@@ -186,11 +207,11 @@ pub(crate) fn api_key(headers: &HeaderMap) -> Option<&str> {
 }
 
 /// The caller: the forwarded principal (on an edge's cluster listener) or the API key's.
-pub(crate) fn caller(st: &AppState, headers: &HeaderMap) -> Result<Principal, Failure> {
-    if let Some(p) = forwarded_principal(st, headers) {
+pub(crate) fn caller(st: &AppState, req: &Request) -> Result<Principal, Failure> {
+    if let Some(p) = forwarded_principal(st, req) {
         return Ok(p);
     }
-    let k = api_key(headers).ok_or_else(missing_key)?;
+    let k = api_key(req.headers()).ok_or_else(missing_key)?;
     st.iam.authenticate(k).ok_or_else(unknown_key)
 }
 
@@ -209,7 +230,7 @@ pub(crate) fn unknown_key() -> Failure {
 }
 
 async fn auth(State(st): State<AppState>, mut req: Request, next: Next) -> Response {
-    let principal = match caller(&st, req.headers()) {
+    let principal = match caller(&st, &req) {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
@@ -597,6 +618,27 @@ mod tests {
                 let _ = label_filter(Some(&q));
                 let _ = percent_decode(&q);
             });
+    }
+
+    #[test]
+    fn only_apiservers_act_for_principals_and_the_watcher_only_reads_status() {
+        use axum::http::Method;
+        use dsec_mtls::{Identity, Role};
+        let id = |role| Identity::new(role, "n1").unwrap();
+        let api = id(Role::Apiserver);
+        assert!(may_forward(Some(&api), &Method::POST, "/v1/sandboxes"));
+        let watcher = id(Role::Watcher);
+        assert!(may_forward(Some(&watcher), &Method::GET, "/v1/status"));
+        assert!(!may_forward(Some(&watcher), &Method::POST, "/v1/sandboxes"));
+        assert!(!may_forward(Some(&watcher), &Method::GET, "/v1/sandboxes"));
+        let edge = id(Role::Edge);
+        assert!(!may_forward(Some(&edge), &Method::GET, "/v1/status"));
+        assert!(!may_forward(
+            Some(&edge),
+            &Method::DELETE,
+            "/v1/sandboxes/e1-x"
+        ));
+        assert!(!may_forward(None, &Method::GET, "/v1/status"));
     }
 
     #[test]

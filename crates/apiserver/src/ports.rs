@@ -97,7 +97,7 @@ async fn proxy(
     // client's own `Authorization` (for the server in the sandbox) is.
     let by_key = api_key(req.headers()).and_then(|k| st.iam.authenticate(k));
     let strip_key = by_key.is_some();
-    let principal = crate::forwarded_principal(&st, req.headers()).or(by_key);
+    let principal = crate::forwarded_principal(&st, &req).or(by_key);
     if let Some(p) = &principal {
         crate::visible(&st, p, &id)?;
     } else {

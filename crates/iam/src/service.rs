@@ -68,7 +68,41 @@ async fn authenticate(
     })
 }
 
-async fn apply(State(n): State<RaftIam>, Json(cmd): Json<Command>) -> Response {
+/// What an edge's certificate may write: its own sandboxes' reservations, nothing else
+/// (projects, quotas and keys are the apiservers' to change), so one escaped node cannot
+/// make itself an administrator.
+pub fn edge_may_apply(edge: &str, cmd: &Command) -> bool {
+    let own = |sandbox_id: &str| {
+        sandbox_id
+            .strip_prefix(edge)
+            .is_some_and(|rest| rest.starts_with('-'))
+    };
+    match cmd {
+        Command::Reserve(r) => r.edge == edge && own(&r.sandbox_id),
+        Command::Release { sandbox_id } => own(sandbox_id),
+        Command::Reconcile { edge: e, .. } => e == edge,
+        _ => false,
+    }
+}
+
+async fn apply(
+    State(n): State<RaftIam>,
+    peer: Option<axum::Extension<dsec_mtls::Identity>>,
+    Json(cmd): Json<Command>,
+) -> Response {
+    if let Some(axum::Extension(p)) = &peer
+        && p.role == dsec_mtls::Role::Edge
+        && !edge_may_apply(&p.name, &cmd)
+    {
+        return (
+            StatusCode::FORBIDDEN,
+            Json(ApplyFailure::Refused(crate::Refusal::Forbidden(format!(
+                "edge {} may only reserve and release its own sandboxes",
+                p.name
+            )))),
+        )
+            .into_response();
+    }
     match n.write(cmd).await {
         Ok(()) => Json(serde_json::json!({})).into_response(),
         Err(IamError::Refused(r)) => {
@@ -115,4 +149,58 @@ async fn leader(State(n): State<RaftIam>) -> Json<LeaderReply> {
         leader_id,
         leader,
     })
+}
+
+#[cfg(test)]
+mod edge_rights {
+    use super::*;
+    use crate::{Reservation, Usage};
+
+    #[test]
+    fn an_edge_writes_only_its_own_reservations() {
+        let r = |edge: &str, id: &str| {
+            Command::Reserve(Reservation {
+                sandbox_id: id.into(),
+                project: "root/t1".into(),
+                edge: edge.into(),
+                usage: Usage::default(),
+            })
+        };
+        assert!(edge_may_apply("e1", &r("e1", "e1-abc")));
+        assert!(!edge_may_apply("e1", &r("e2", "e2-abc")));
+        assert!(
+            !edge_may_apply("e1", &r("e1", "e10-abc")),
+            "a prefix is not its name"
+        );
+        let release = |id: &str| Command::Release {
+            sandbox_id: id.into(),
+        };
+        assert!(edge_may_apply("e1", &release("e1-abc")));
+        assert!(!edge_may_apply("e1", &release("e2-abc")));
+        let reconcile = |e: &str| Command::Reconcile {
+            edge: e.into(),
+            live: vec![],
+        };
+        assert!(edge_may_apply("e1", &reconcile("e1")));
+        assert!(!edge_may_apply("e1", &reconcile("e2")));
+        for cmd in [
+            Command::CreateProject {
+                actor: "root".into(),
+                path: "root/x".into(),
+                quota: Default::default(),
+                now_ms: 0,
+            },
+            Command::SetQuota {
+                actor: "root".into(),
+                path: "root/t1".into(),
+                quota: Default::default(),
+            },
+            Command::RevokeKey {
+                actor: "root".into(),
+                key_id: "k".into(),
+            },
+        ] {
+            assert!(!edge_may_apply("e1", &cmd), "{cmd:?}");
+        }
+    }
 }
