@@ -390,6 +390,51 @@ async def test_mtls_and_isolation(cluster):
     await _assert_projects_isolated(cluster)
 
 
+def _tls_call(addr: str, ctx, method: str, path: str, headers: dict[str, str] | None = None,
+              body: bytes = b"") -> tuple[int, str]:
+    """One HTTP/1.1 request over TLS with `ctx`'s client certificate: (status, body)."""
+    import socket
+
+    host, port = addr.rsplit(":", 1)
+    head = f"{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {len(body)}\r\n"
+    head += "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        with ctx.wrap_socket(raw, server_hostname=host) as s:
+            s.sendall(head.encode() + b"\r\n" + body)
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+    status = int(data.split(b" ", 2)[1])
+    return status, data.split(b"\r\n\r\n", 1)[-1].decode(errors="replace")
+
+
+async def test_a_node_certificate_cannot_act_for_anyone(cluster):
+    """An escaped edge holds its own certificate. With it, it cannot act as the
+    administrator on another edge (a forged principal header is not honoured) nor write
+    projects, quotas or keys to IAM; an apiserver's certificate can do both."""
+    import base64
+    import json as _json
+
+    admin = {"name": "admin", "kind": "human", "key_id": "", "project": "root"}
+    forged = {"x-dsec-principal": base64.urlsafe_b64encode(_json.dumps(admin).encode()).decode().rstrip("=")}
+    edge2 = ch.tls_context(ch.CERTS / "ca.pem", ch.CERTS / "edge2.pem", ch.CERTS / "edge2.key")
+    api1 = cluster.peer_context()
+    status, text = _tls_call(HOSTS["edge1"].addr, edge2, "GET", "/v1/sandboxes", forged)
+    print(f"\nedge2's certificate listing edge1's sandboxes as the admin: {status} {text[:160]}")
+    assert status == 401, text
+    status, _ = _tls_call(HOSTS["edge1"].addr, api1, "GET", "/v1/sandboxes", forged)
+    assert status == 200, "an apiserver's forwarded principal must still work"
+    tag = str(int(time.time() * 1000))
+    cmd = _json.dumps({"cmd": "create_project", "actor": "root", "path": f"root/edge-made-{tag}",
+                       "quota": {}, "now_ms": 0}).encode()
+    h = {"content-type": "application/json"}
+    status, text = _tls_call(HOSTS["iam1"].addr, edge2, "POST", "/iam/apply", h, cmd)
+    print(f"edge2's certificate creating a project in IAM: {status} {text[:160]}")
+    assert status == 403, text
+    status, text = _tls_call(HOSTS["iam1"].addr, api1, "POST", "/iam/apply", h, cmd)
+    assert status == 200, text
+
+
 def _assert_needs_cluster_certificate(cluster: Cluster, name: str) -> None:
     """Host `name`'s internal listener answers a peer with an apiserver certificate of the
     cluster's CA, and refuses TLS without a client certificate or with another CA's."""
