@@ -532,8 +532,8 @@ async fn start_build(
                 .push((now_ms(), line.to_string()));
         };
         log(&b2, &format!("building {}", spec.name));
-        let scratch = builder.scratch();
-        let staging = scratch.join(format!("build-{bid}"));
+        let scratch = builder.scratch().join(uploads_of(&project));
+        let staging = builder.scratch().join(format!("build-{bid}"));
         let r = stage_copies(&scratch, &staging, &mut spec.steps, &copies)
             .and_then(|()| builder.build(&spec, &project, &mut |line| log(&b2, line)));
         let _ = std::fs::remove_dir_all(&staging);
@@ -599,6 +599,23 @@ async fn status(
 /// The most one upload may hold.
 const MAX_UPLOAD: u64 = 4 << 30;
 
+/// The scratch subdirectory of a project's uploads. Uploads are named by the hash the SDK
+/// computes of a `COPY`'s files, which the gateway cannot check: kept per project, one
+/// tenant cannot plant files under the hash another tenant's build will ask for.
+fn uploads_of(project: &str) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(project.as_bytes())[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn valid_uploads_dir(d: &str) -> bool {
+    d.len() == 32
+        && d.bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+}
+
 /// Where a `COPY`'s files go (`{"present", "url"}`): a URL of this gateway, signed for
 /// that upload, for the SDK's plain `PUT`.
 async fn files(
@@ -606,17 +623,23 @@ async fn files(
     h: HeaderMap,
     Path((tid, hash)): Path<(String, String)>,
 ) -> Res {
-    caller(&gw, &h).await?;
+    let (_, project) = caller(&gw, &h).await?;
     let builder = builder(&gw)?;
     if !valid_hash(&hash) {
         return Err(bad(format!("{hash:?} is not a files hash")));
     }
-    if builder.scratch().join(format!("{hash}.tar")).exists() {
+    let p = uploads_of(&project);
+    if builder
+        .scratch()
+        .join(&p)
+        .join(format!("{hash}.tar"))
+        .exists()
+    {
         return Ok((StatusCode::CREATED, axum::Json(json!({"present": true}))).into_response());
     }
     let host = crate::header_str(&h, "host").ok_or_else(|| bad("the request has no Host"))?;
-    let token = crate::access_token(&gw.cfg.secret, &format!("upload:{hash}"));
-    let url = format!("http://{host}/templates/{tid}/files/{hash}/upload?token={token}");
+    let token = crate::access_token(&gw.cfg.secret, &format!("upload:{p}:{hash}"));
+    let url = format!("http://{host}/templates/{tid}/files/{hash}/upload?p={p}&token={token}");
     Ok((
         StatusCode::CREATED,
         axum::Json(json!({"present": false, "url": url})),
@@ -634,12 +657,19 @@ async fn upload(
     use futures_util::StreamExt;
     use tokio::io::AsyncWriteExt;
 
-    let want = crate::access_token(&gw.cfg.secret, &format!("upload:{hash}"));
-    let given = query_pairs(q.as_deref().unwrap_or(""))
-        .into_iter()
-        .find(|(k, _)| k == "token")
-        .map(|(_, v)| v);
-    if !valid_hash(&hash) || !given.is_some_and(|t| crate::same(&t, &want)) {
+    let pairs = query_pairs(q.as_deref().unwrap_or(""));
+    let get = |name: &str| {
+        pairs
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+    };
+    let p = get("p")
+        .filter(|p| valid_uploads_dir(p))
+        .unwrap_or_default();
+    let want = crate::access_token(&gw.cfg.secret, &format!("upload:{p}:{hash}"));
+    let given = get("token");
+    if p.is_empty() || !valid_hash(&hash) || !given.is_some_and(|t| crate::same(&t, &want)) {
         return Err(UpErr::new(
             401,
             "unauthenticated",
@@ -647,7 +677,7 @@ async fn upload(
         ));
     }
     let builder = builder(&gw)?;
-    let dir = builder.scratch();
+    let dir = builder.scratch().join(&p);
     let internal =
         |e: std::io::Error| UpErr::new(500, "internal", format!("storing the upload: {e}"));
     tokio::fs::create_dir_all(&dir).await.map_err(internal)?;
@@ -709,6 +739,14 @@ mod tests {
             b.append(&h, *data).unwrap();
         }
         b.into_inner().unwrap()
+    }
+
+    #[test]
+    fn uploads_are_kept_per_project() {
+        let (a, b) = (uploads_of("root/t1"), uploads_of("root/t2"));
+        assert_ne!(a, b);
+        assert!(valid_uploads_dir(&a) && valid_uploads_dir(&b));
+        assert!(!valid_uploads_dir("../x") && !valid_uploads_dir(""));
     }
 
     #[test]
