@@ -567,26 +567,7 @@ mod tests {
     #[test]
     fn file_and_env_steps_make_layers_on_a_base() {
         let tmp = tempfile::tempdir().unwrap();
-        let store = ImageStore::open(tmp.path()).unwrap();
-        let base = store.temp_dir("b").unwrap();
-        std::fs::create_dir_all(base.join("etc")).unwrap();
-        let (l, _) = store.add_layer(&base).unwrap();
-        let m = Manifest {
-            schema_version: 1,
-            layers: vec![l.clone()],
-            env: BTreeMap::new(),
-            workdir: None,
-            start: None,
-            created_ms: 0,
-            size_bytes: 0,
-            source: String::new(),
-        };
-        store
-            .tag(
-                &ImageRef::parse("root/b").unwrap(),
-                &store.put_manifest(&m).unwrap(),
-            )
-            .unwrap();
+        let (store, l) = store_with_base(tmp.path());
         let spec = BuildSpec::parse(
             "name = \"root/c:1\"\nfrom = \"root/b\"\n[[step]]\nenv = { A = \"1\" }\n[[step]]\nfile = \"/etc/motd\"\ncontent = \"hi\"\nmode = \"0600\"\n",
         )
@@ -607,6 +588,29 @@ mod tests {
             0o600
         );
         assert!(lines.iter().any(|l| l.contains("tagged root/c:1")));
+    }
+
+    /// A store at `dir` with `root/b`, one layer holding an empty `/etc`; its layer.
+    fn store_with_base(dir: &Path) -> (ImageStore, String) {
+        let store = ImageStore::open(dir).unwrap();
+        let base = store.temp_dir("b").unwrap();
+        std::fs::create_dir_all(base.join("etc")).unwrap();
+        let (l, _) = store.add_layer(&base).unwrap();
+        let m = Manifest {
+            schema_version: 1,
+            layers: vec![l.clone()],
+            env: BTreeMap::new(),
+            workdir: None,
+            start: None,
+            created_ms: 0,
+            size_bytes: 0,
+            source: String::new(),
+        };
+        let digest = store.put_manifest(&m).unwrap();
+        store
+            .tag(&ImageRef::parse("root/b").unwrap(), &digest)
+            .unwrap();
+        (store, l)
     }
 
     /// Writes what it was asked to run where the step's changes go.
@@ -636,24 +640,7 @@ mod tests {
     #[test]
     fn run_steps_go_to_the_runner_and_never_to_the_host() {
         let d = tempfile::tempdir().unwrap();
-        let store = ImageStore::open(d.path().join("s")).unwrap();
-        let base = store.temp_dir("b").unwrap();
-        std::fs::create_dir_all(base.join("etc")).unwrap();
-        let (l, _) = store.add_layer(&base).unwrap();
-        let m = Manifest {
-            schema_version: 1,
-            layers: vec![l],
-            env: BTreeMap::new(),
-            workdir: None,
-            start: None,
-            created_ms: 0,
-            size_bytes: 0,
-            source: String::new(),
-        };
-        let digest = store.put_manifest(&m).unwrap();
-        store
-            .tag(&ImageRef::parse("root/b").unwrap(), &digest)
-            .unwrap();
+        let (store, _) = store_with_base(&d.path().join("s"));
         let spec = BuildSpec::parse(
             "name = \"root/r:1\"\nfrom = \"root/b\"\nworkdir = \"/w\"\n[[step]]\nenv = { A = \"1\" }\n[[step]]\nrun = \"touch /x\"\n",
         )
