@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: AGPL-3.0-only
 """What one hostile sandbox can do to the others on its node: the create p50 and the DNS
-lookup p50 of other sandboxes on an idle node, then while one sandbox (0.5 cores) burns its
+lookup p50 (and the stop p50) of other sandboxes on an idle node, then while one sandbox (0.5 cores) burns its
 CPU (the floor any busy neighbour costs), then while it floods the DNS proxy with random
 names under a name its rules allow (every name answered with an address, so each answer
 asks the node to open it), with the node's peak RSS over the run.
@@ -111,14 +111,17 @@ class PeakRss:
         self._t.join()
 
 
-async def creates(c, n: int) -> list[float]:
-    out = []
+async def creates(c, n: int) -> tuple[list[float], list[float]]:
+    """n sandboxes made and stopped one after another: (create times, stop times)."""
+    made, stopped = [], []
     for _ in range(n):
         t0 = time.monotonic()
         sb = await c.run_sandbox(DSecRunArgs(**TINY))
-        out.append(time.monotonic() - t0)
+        t1 = time.monotonic()
         await sb.stop()
-    return out
+        made.append(t1 - t0)
+        stopped.append(time.monotonic() - t1)
+    return made, stopped
 
 
 async def lookups(sb, n: int) -> list[float]:
@@ -134,14 +137,14 @@ async def measure(lab: Netlab, n: int, names: int, seconds: float) -> dict:
         flooder = await c.run_sandbox(DSecRunArgs(**PY))
         try:
             await creates(c, 3)  # warm up
-            idle_create = await creates(c, n)
+            idle_create, idle_stop = await creates(c, n)
             idle_dns = await lookups(prober, 50)
             # The floor a flood is judged against: a neighbour using all the CPU its
             # limit gives it, with no network at all.
             spin = asyncio.create_task(flooder.exec(
                 argv=["python3", "-c", SPIN, str(seconds)], timeout=600))
             await asyncio.sleep(0.5)
-            spin_create = await creates(c, n)
+            spin_create, spin_stop = await creates(c, n)
             spin_dns = await lookups(prober, 50)
             await spin
             gw = str(__import__("ipaddress").IPv4Address(flooder.info.network["address"]) - 1)
@@ -149,7 +152,7 @@ async def measure(lab: Netlab, n: int, names: int, seconds: float) -> dict:
                 flood = asyncio.create_task(flooder.exec(
                     argv=["python3", "-c", FLOOD, str(names), str(seconds), gw], timeout=600))
                 await asyncio.sleep(0.5)
-                busy_create = await creates(c, n)
+                busy_create, busy_stop = await creates(c, n)
                 busy_dns = await lookups(prober, 50)
                 still = not flood.done()
                 fr = await flood
@@ -161,9 +164,12 @@ async def measure(lab: Netlab, n: int, names: int, seconds: float) -> dict:
     return {
         "n": n,
         "flood": {"names_sent": int(sent), "answered": int(answered), "seconds": float(took)},
-        "idle": {"create": lat_summary(idle_create), "dns": lat_summary(idle_dns)},
-        "cpu_neighbour": {"create": lat_summary(spin_create), "dns": lat_summary(spin_dns)},
-        "flooded": {"create": lat_summary(busy_create), "dns": lat_summary(busy_dns)},
+        "idle": {"create": lat_summary(idle_create), "stop": lat_summary(idle_stop),
+                 "dns": lat_summary(idle_dns)},
+        "cpu_neighbour": {"create": lat_summary(spin_create), "stop": lat_summary(spin_stop),
+                          "dns": lat_summary(spin_dns)},
+        "flooded": {"create": lat_summary(busy_create), "stop": lat_summary(busy_stop),
+                    "dns": lat_summary(busy_dns)},
         "create_p50_ratio": round(pct(busy_create, 50) / pct(idle_create, 50), 3),
         "cpu_neighbour_create_p50_ratio": round(pct(spin_create, 50) / pct(idle_create, 50), 3),
         "dns_p50_ratio": round(pct(busy_dns, 50) / pct(idle_dns, 50), 3),
@@ -193,7 +199,8 @@ def main() -> int:
     print(f"\nflood: {f['names_sent']} random names in {f['seconds']} s, {f['answered']} answered "
           f"(the rest dropped by the per-sandbox rate limit), all through the measurements")
     print(f"{'p50 (ms), ratio to idle':<26}{'idle':>8}{'CPU neighbour':>15}{'DNS flood':>16}")
-    for what, key in (("create of another", "create"), ("DNS lookup of another", "dns")):
+    for what, key in (("create of another", "create"), ("stop of another", "stop"),
+                      ("DNS lookup of another", "dns")):
         i = out["idle"][key]["p50_ms"]
         c, b = out["cpu_neighbour"][key]["p50_ms"], out["flooded"][key]["p50_ms"]
         print(f"{what:<26}{i:>8.1f}{c:>8.1f} ({c / i:.2f}){b:>9.1f} ({b / i:.2f})")
