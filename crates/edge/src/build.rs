@@ -141,9 +141,10 @@ impl SandboxSteps {
             project: Some(self.project.clone()),
             ..Default::default()
         };
+        let v = crate::validate::create(cfg, &req)?;
         let info = self
             .edge
-            .create_from(req, self.image.clone(), digest, manifest)
+            .create_from(req, v, self.image.clone(), digest, manifest)
             .await?;
         progress(&format!("  (in sandbox {})", info.id));
         let ran = self.run_in(&info.id, step.cmd, upper, progress).await;

@@ -411,7 +411,7 @@ impl Edge {
         self: &Arc<Self>,
         req: CreateSandboxRequest,
     ) -> Result<SandboxInfo, ApiError> {
-        validate::create(&self.cfg, &req)?;
+        let v = validate::create(&self.cfg, &req)?;
         let image = ImageRef::parse(&req.image).map_err(|e| ApiError::invalid(e.to_string()))?;
         let images = self.images.clone();
         let image2 = image.clone();
@@ -421,19 +421,20 @@ impl Edge {
                 dsec_image::ImageError::NotFound(_) => ApiError::not_found(e.to_string()),
                 other => ApiError::internal(other.to_string()),
             })?;
-        self.create_from(req, image, digest, manifest).await
+        self.create_from(req, v, image, digest, manifest).await
     }
 
     /// Creates a sandbox of a resolved image: `manifest` (stored as `digest`), shown as
-    /// `image` (an image build's steps run on manifests no reference names).
+    /// `image` (an image build's steps run on manifests no reference names); `v` is what
+    /// [`validate::create`] made of `req`.
     pub(crate) async fn create_from(
         self: &Arc<Self>,
         req: CreateSandboxRequest,
+        v: validate::CreateParams,
         image: ImageRef,
         digest: String,
         manifest: dsec_image::Manifest,
     ) -> Result<SandboxInfo, ApiError> {
-        let v = validate::create(&self.cfg, &req)?;
         let backend = self.backend(&req.backend)?;
         let network = self.network_for(&req)?;
         let now = now_ms();
