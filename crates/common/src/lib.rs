@@ -10,6 +10,7 @@ pub mod error;
 pub mod http;
 pub mod id;
 pub mod private;
+pub mod project;
 pub mod tree;
 pub mod vmux;
 pub mod vsock;

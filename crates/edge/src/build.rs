@@ -41,8 +41,7 @@ impl Edge {
         let target = ImageRef::parse(&spec.name).map_err(|e| ApiError::invalid(e.to_string()))?;
         // The API and the gateway check this with the caller's key; checked again here,
         // where the project is all there is.
-        let related = |a: &str, b: &str| a == b || a.starts_with(&format!("{b}/"));
-        if !related(&target.project(), &project) {
+        if !dsec_common::project::may_write_images(&project, &target.project()) {
             return Err(ApiError::new(
                 dsec_common::ErrorCode::PermissionDenied,
                 format!("project {project} may not write image {target}"),
@@ -50,8 +49,7 @@ impl Edge {
         }
         if let Some(from) = &spec.from {
             let base = ImageRef::parse(from).map_err(|e| ApiError::invalid(e.to_string()))?;
-            let fp = base.project();
-            if !(project == "root" || related(&fp, &project) || related(&project, &fp)) {
+            if !dsec_common::project::may_read_images(&project, &base.project()) {
                 return Err(ApiError::not_found(format!("image {base} not found")));
             }
         }

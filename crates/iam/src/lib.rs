@@ -64,18 +64,16 @@ impl Principal {
         self.project == ROOT
     }
 
-    /// Whether the key may start sandboxes from, and see, images of `project` (the part of
-    /// an image reference before its name): those of its own project and the projects
-    /// inside it, and those of its ancestors up to `root` (shared base images). Siblings'
-    /// images are invisible.
+    /// Whether the key may see and start images of `project` (see
+    /// [`dsec_common::project::may_read_images`]).
     pub fn may_read_images(&self, project: &str) -> bool {
-        self.is_admin() || within(project, &self.project) || within(&self.project, project)
+        dsec_common::project::may_read_images(&self.project, project)
     }
 
-    /// Whether the key may create, overwrite or delete images of `project`: only inside
-    /// its own project subtree, so no tenant can replace a shared image.
+    /// Whether the key may create, overwrite or delete images of `project` (see
+    /// [`dsec_common::project::may_write_images`]).
     pub fn may_write_images(&self, project: &str) -> bool {
-        within(project, &self.project)
+        dsec_common::project::may_write_images(&self.project, project)
     }
 }
 

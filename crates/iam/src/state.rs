@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 /// The top project; its keys are administrators.
-pub const ROOT: &str = "root";
+pub use dsec_common::project::ROOT;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct Quota {
@@ -162,10 +162,7 @@ pub struct IamState {
     pub reservations: BTreeMap<String, Reservation>,
 }
 
-/// `a` is `b` or inside it.
-pub fn within(a: &str, b: &str) -> bool {
-    a == b || (a.starts_with(b) && a.as_bytes().get(b.len()) == Some(&b'/'))
-}
+pub use dsec_common::project::within;
 
 fn parent(path: &str) -> Option<&str> {
     path.rsplit_once('/').map(|(p, _)| p)
