@@ -184,6 +184,15 @@ struct NetworkOpts {
 
 /// What a template id stands for: the template map, an image reference, or a template
 /// built through this gateway (`Template.build()`).
+/// The project of `key`, as the API says.
+pub(crate) async fn project_of(gw: &Gw, key: &str) -> Result<String, UpErr> {
+    let who: Value = gw.up.call(Method::GET, "/v1/whoami", key, None).await?;
+    who["project"]
+        .as_str()
+        .map(str::to_string)
+        .ok_or_else(|| UpErr::new(502, "internal", "whoami named no project"))
+}
+
 /// What a template name means for `key`: the gateway's own templates, an image reference,
 /// or a template built by the key's project or one of its parents (the nearest first),
 /// among the images that key can see.
@@ -195,8 +204,8 @@ pub(crate) async fn template_for(gw: &Gw, key: &str, template: &str) -> Result<T
         return Ok(Template::Image(template.to_string()));
     }
     let (name, tag) = template.split_once(':').unwrap_or((template, "latest"));
-    let who: Value = gw.up.call(Method::GET, "/v1/whoami", key, None).await?;
-    let project = who["project"].as_str().unwrap_or("root");
+    let project = project_of(gw, key).await?;
+    let project = project.as_str();
     let images: Result<Value, UpErr> = gw.up.call(Method::GET, "/v1/images", key, None).await;
     let seen: std::collections::HashSet<String> = images
         .ok()

@@ -18,7 +18,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use dsec_image::build::{BuildSpec, Step};
 use dsec_image::store::StartCmd;
-use hyper::Method;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -106,11 +105,7 @@ fn split_name(n: &str) -> Result<(String, String), UpErr> {
 /// The caller's key and project: what it builds lands in that project's namespace.
 async fn caller(gw: &Gw, h: &HeaderMap) -> Result<(String, String), UpErr> {
     let k = key(h)?;
-    let who: Value = gw.up.call(Method::GET, "/v1/whoami", &k, None).await?;
-    let project = who["project"]
-        .as_str()
-        .ok_or_else(|| UpErr::new(502, "internal", "whoami named no project"))?
-        .to_string();
+    let project = crate::control::project_of(gw, &k).await?;
     Ok((k, project))
 }
 
