@@ -27,9 +27,14 @@ pub fn open(path: &Path, append: bool) -> std::io::Result<std::fs::File> {
     Ok(f)
 }
 
-/// Writes `bytes` to `path` as a 0600 file.
+/// Writes `bytes` to `path` as a 0600 file, whole or not at all (through `<path>.tmp`,
+/// renamed into place).
 pub fn write(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    open(path, false)?.write_all(bytes)
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = Path::new(&tmp);
+    open(tmp, false)?.write_all(bytes)?;
+    std::fs::rename(tmp, path)
 }
 
 #[cfg(test)]
@@ -51,5 +56,6 @@ mod tests {
         write(&f, b"{}").unwrap();
         assert_eq!(mode(&f), 0o600);
         assert_eq!(std::fs::read(&f).unwrap(), b"{}");
+        assert!(!d.join("state.json.tmp").exists());
     }
 }

@@ -127,10 +127,8 @@ impl Registry {
         let dir = self.dir(&rec.id);
         dsec_common::private::dir(&dir)
             .map_err(|e| ApiError::internal(format!("creating {}: {e}", dir.display())))?;
-        let tmp = dir.join("state.json.tmp");
         let bytes = serde_json::to_vec_pretty(rec).unwrap_or_default();
-        dsec_common::private::write(&tmp, &bytes)
-            .and_then(|_| std::fs::rename(&tmp, dir.join("state.json")))
+        dsec_common::private::write(&dir.join("state.json"), &bytes)
             .map_err(|e| ApiError::internal(format!("saving state of {}: {e}", rec.id)))
     }
 

@@ -219,18 +219,8 @@ fn print_client(dir: &Path, copy: bool) -> Result<i32> {
 }
 
 pub(crate) fn write_private(p: &Path, text: &str) -> Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let tmp = p.with_extension("tmp");
-    let mut f = std::fs::OpenOptions::new()
-        .create(true)
-        .write(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)?;
-    f.write_all(text.as_bytes())?;
-    std::fs::rename(&tmp, p)?;
-    Ok(())
+    dsec_common::private::write(p, text.as_bytes())
+        .with_context(|| format!("writing {}", p.display()))
 }
 
 /// IAM for `dsec up`: a Raft replica, the only member of its cluster, in
