@@ -92,8 +92,9 @@ def _exact(s, n):
         b += c
     return b
 
-def dns(server, name, transport="udp", qtype="A", timeout=2.0):
-    """A query sent straight to server:53: {"rcode", "a": addresses} or FAIL."""
+def dns(server, name, transport="udp", qtype="A", timeout=2.0, ttls=False):
+    """A query sent straight to server:53: {"rcode", "a": addresses} (and "ttls", the
+    records' TTLs, if asked) or FAIL."""
     t = {"A": 1, "AAAA": 28}[qtype]
     q = struct.pack(">6H", 0x4242, 0x0100, 1, 0, 0, 0)
     q += b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\0" + struct.pack(">HH", t, 1)
@@ -109,15 +110,20 @@ def dns(server, name, transport="udp", qtype="A", timeout=2.0):
                 m = _exact(s, struct.unpack(">H", _exact(s, 2))[0])
     except OSError as e:
         return fail(e)
-    o, out = _skip(m, 12) + 4, []
+    o, out, seen = _skip(m, 12) + 4, [], []
     for _ in range(struct.unpack(">H", m[6:8])[0]):
         o = _skip(m, o)
-        rtype, _, _, n = struct.unpack(">HHIH", m[o:o + 10])
+        rtype, _, ttl, n = struct.unpack(">HHIH", m[o:o + 10])
         o += 10
         if rtype in (1, 28):
             out.append(socket.inet_ntop(socket.AF_INET if rtype == 1 else socket.AF_INET6, m[o:o + n]))
+            seen.append(ttl)
         o += n
-    return {"rcode": m[3] & 15, "a": out}
+    return {"rcode": m[3] & 15, "a": out, **({"ttls": seen} if ttls else {})}
+
+def sleep(seconds):
+    time.sleep(seconds)
+    return "slept"
 
 def raw(kind):
     try:
@@ -396,6 +402,25 @@ async def test_answer_opens_address_for_its_ttl(lab: Netlab, node: DSecClient):
           f"{OTHER_IP} {later[2]}", flush=True)
     assert blocked(later[0]), f"{PYPI_IP} still open 5 s after its 2 s TTL: {later[0]}"
     assert later[1:] == [OTHER_IP, "OK"], later
+
+
+async def test_a_repeated_answer_tells_what_is_left_and_reopens_nothing(lab: Netlab, node: DSecClient):
+    """An address answered again within half its TTL is not written to the node's set a
+    second time (the cost of a name asked over and over stays flat); the answer tells the
+    time the address has left, so the sandbox never trusts it past its closing."""
+    sb = await node.run_sandbox(DSecRunArgs(**PY, network_rules={"pypi": True}))
+    gw = gateway(sb.info.network["address"])
+    first, _, again = await probe(sb, ("dns", gw, "pypi.test", "udp", "A", 2.0, True), ("sleep", 3),
+                                  ("dns", gw, "files.pypi.test", "udp", "A", 2.0, True), parallel=False)
+    learned = lab.node("nft", "list", "set", "inet", "dsec", f"a_{key(sb)}").stdout
+    print(f"\nfirst {first}, 3 s later under another name {again}; the set:\n{learned}", flush=True)
+    assert first == {"rcode": 0, "a": [PYPI_IP], "ttls": [30]}, first
+    assert again["a"] == [PYPI_IP], again
+    # Told what is left of the first opening (30 s less the 3 s slept), not a fresh 30.
+    assert 24 <= again["ttls"][0] <= 27, again
+    # ...and the set's element still runs on its first timeout (not restarted).
+    expires = [int(x) for x in re.findall(r"expires (\d+)s", learned)]
+    assert expires and max(expires) <= 27, learned
 
 
 async def test_dns_to_any_server_goes_to_the_proxy(lab: Netlab, node: DSecClient):

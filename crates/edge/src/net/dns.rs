@@ -101,8 +101,26 @@ pub fn reply(query: &[u8], rcode: u8) -> Vec<u8> {
 /// refused.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Verdict {
-    Open(Vec<(Ipv4Addr, u32)>),
+    Open(Vec<Opened>),
     Refuse(String),
+}
+
+/// An A record of an answer: its address, its TTL and where the TTL sits in the message
+/// (the proxy rewrites it to how long the node really keeps the address open).
+#[derive(Debug, PartialEq, Eq, Clone, Copy)]
+pub struct Opened {
+    pub ip: Ipv4Addr,
+    pub ttl: u32,
+    pub ttl_at: usize,
+}
+
+/// Sets the TTL of each record in `opened` to the matching entry of `ttls`.
+pub fn rewrite_ttls(answer: &mut [u8], opened: &[Opened], ttls: &[u32]) {
+    for (o, ttl) in opened.iter().zip(ttls) {
+        if let Some(field) = answer.get_mut(o.ttl_at..o.ttl_at + 4) {
+            field.copy_from_slice(&ttl.to_be_bytes());
+        }
+    }
 }
 
 /// Checks an upstream answer against the policy: every name in its answer section (owner
@@ -130,7 +148,11 @@ pub fn judge(answer: &[u8], policy: &Policy) -> Option<Verdict> {
             }
             TYPE_A if rdlen == 4 => {
                 let b = &answer[rdata..rdata + 4];
-                addrs.push((Ipv4Addr::new(b[0], b[1], b[2], b[3]), ttl));
+                addrs.push(Opened {
+                    ip: Ipv4Addr::new(b[0], b[1], b[2], b[3]),
+                    ttl,
+                    ttl_at: next + 4,
+                });
             }
             _ => {}
         }
@@ -217,13 +239,15 @@ async fn answer(net: &Arc<Network>, src: Ipv4Addr, query: &[u8], tcp: bool) -> O
                 tracing::info!(sandbox = %id, %name, "DNS refused: {why}");
                 reply(query, RCODE_REFUSED)
             }
-            Some(Verdict::Open(addrs)) => {
-                let named: Vec<(Ipv4Addr, u32, String)> = addrs
-                    .into_iter()
-                    .map(|(ip, ttl)| (ip, ttl, name.clone()))
-                    .collect();
+            Some(Verdict::Open(opened)) => {
+                let named: Vec<(Ipv4Addr, u32, String)> =
+                    opened.iter().map(|o| (o.ip, o.ttl, name.clone())).collect();
                 match net.learn(src, &named).await {
-                    Ok(()) => resp,
+                    Ok(ttls) => {
+                        let mut resp = resp;
+                        rewrite_ttls(&mut resp, &opened, &ttls);
+                        resp
+                    }
                     Err(e) => {
                         tracing::warn!(sandbox = %id, "opening the answer's addresses: {e}");
                         reply(query, RCODE_SERVFAIL)
@@ -354,14 +378,26 @@ mod tests {
             .for_each(|input: &[u8]| {
                 let _ = question(input);
                 let _ = read_name(input, 12);
-                if let Some(Verdict::Open(addrs)) = judge(input, &p) {
-                    for (ip, _) in addrs {
-                        let b = ip.octets();
+                if let Some(Verdict::Open(opened)) = judge(input, &p) {
+                    for o in &opened {
+                        let b = o.ip.octets();
                         assert!(
                             input.windows(4).any(|w| w == b),
-                            "{ip} is not in the answer"
+                            "{} is not in the answer",
+                            o.ip
                         );
+                        assert_eq!(u32_at(input, o.ttl_at), Some(o.ttl));
                     }
+                    let mut copy = input.to_vec();
+                    let ttls: Vec<u32> = opened.iter().map(|_| 7).collect();
+                    rewrite_ttls(&mut copy, &opened, &ttls);
+                    assert_eq!(
+                        judge(&copy, &p).map(|v| match v {
+                            Verdict::Open(o) => o.iter().all(|o| o.ttl == 7),
+                            Verdict::Refuse(_) => false,
+                        }),
+                        Some(true)
+                    );
                 }
                 if input.len() >= 12 {
                     let r = reply(input, RCODE_REFUSED);
@@ -459,9 +495,12 @@ mod tests {
         let p = policy(&["pypi.test", "*.cdn.test"]);
         let q = query("pypi.test", TYPE_A);
         let ok = answer_with(&q, &[(None, TYPE_A, 30, vec![203, 0, 113, 10])]);
+        let Some(Verdict::Open(opened)) = judge(&ok, &p) else {
+            panic!("not opened");
+        };
         assert_eq!(
-            judge(&ok, &p),
-            Some(Verdict::Open(vec![("203.0.113.10".parse().unwrap(), 30)]))
+            opened.iter().map(|o| (o.ip, o.ttl)).collect::<Vec<_>>(),
+            vec![("203.0.113.10".parse().unwrap(), 30)]
         );
         let cname_in = answer_with(
             &q,

@@ -1,7 +1,8 @@
 //! A sandbox's network namespace and veth pair, made with iproute2 batches: the namespace
 //! `dsec-<id>` (at `/run/netns/dsec-<id>`, which the OCI runtime joins), `eth0` inside with
 //! the sandbox's address and a default route, `dsv<k>` on the node with the gateway
-//! address. Each sandbox has a /30 of the pool.
+//! address, and the namespace's own DNS guard ([`super::guard`]). Each sandbox has a /30
+//! of the pool.
 
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
@@ -85,7 +86,8 @@ pub fn create(id: &str, k: &str, slot: &Slot) -> Result<(), String> {
                 gw = slot.gateway
             ),
         )
-    });
+    })
+    .and_then(|()| super::guard::install(&netns_path(id)));
     if let Err(e) = made {
         remove(id, k);
         return Err(format!("setting up the sandbox's network: {e}"));

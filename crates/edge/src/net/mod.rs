@@ -5,6 +5,7 @@
 //! addresses to the asking sandbox for their TTL.
 
 pub mod dns;
+pub mod guard;
 pub mod learner;
 pub mod link;
 pub mod nft;
@@ -40,8 +41,20 @@ pub fn key_of(id: &str) -> &str {
 struct Attached {
     id: String,
     policy: Policy,
-    /// Addresses its DNS answers opened: address → (until, the name asked for).
-    learned: HashMap<Ipv4Addr, (Instant, String)>,
+    /// Addresses its DNS answers opened.
+    learned: HashMap<Ipv4Addr, Learned>,
+}
+
+/// An address a DNS answer opened for a sandbox.
+#[derive(Debug, Clone)]
+struct Learned {
+    /// When the set's element ends.
+    until: Instant,
+    /// The name asked for.
+    name: String,
+    /// Whether the element is in the set yet (an answer that finds it still on its way
+    /// asks for it again rather than going out before it).
+    applied: bool,
 }
 
 #[derive(Default)]
@@ -244,11 +257,11 @@ impl Network {
             .ok_or_else(|| ApiError::internal("network state lost"))?;
         let now = Instant::now();
         a.learned
-            .retain(|_, (until, name)| *until > now && policy.allows_name(name));
+            .retain(|_, l| l.until > now && policy.allows_name(&l.name));
         let keep: Vec<(Ipv4Addr, u32)> = a
             .learned
             .iter()
-            .map(|(ip, (until, _))| (*ip, until.duration_since(now).as_secs().max(1) as u32))
+            .map(|(ip, l)| (*ip, l.until.duration_since(now).as_secs().max(1) as u32))
             .collect();
         let mut script = nft::cidr_sets(&k, &policy);
         script.push_str(&nft::flush_learned(&k));
@@ -268,24 +281,31 @@ impl Network {
     }
 
     /// Opens `addrs` (address, TTL, the name asked) to the sandbox at `ip`; returns once
-    /// the rule is in (the DNS answer goes out only then). The node's lock is held only
-    /// for the bookkeeping; the table is written by the learner, in batches.
+    /// the rule is in (the DNS answer goes out only then), with the TTL to tell the
+    /// sandbox for each address: how long the node keeps it open from now. The node's lock
+    /// is held only for the bookkeeping; the table is written by the learner, in batches.
+    ///
+    /// An address already open for at least half its new TTL is left as it is and its
+    /// remaining time told instead, so an address answered again and again (a CDN behind
+    /// many names, a flood of random names under an allowed wildcard) costs one set update
+    /// per half TTL, not one per answer, and the sandbox is never told an address is good
+    /// for longer than it is open.
     pub async fn learn(
         &self,
         ip: Ipv4Addr,
         addrs: &[(Ipv4Addr, u32, String)],
-    ) -> Result<(), String> {
+    ) -> Result<Vec<u32>, String> {
         if addrs.is_empty() {
-            return Ok(()); // nothing to open (NXDOMAIN, a TXT answer): no work at all
+            return Ok(Vec::new()); // nothing to open (NXDOMAIN, a TXT answer): no work at all
         }
-        let (k, add) = {
+        let (k, add, ttls) = {
             let mut st = self.lock();
             let Some(a) = st.by_ip.get_mut(&ip) else {
                 return Err("the sandbox is gone".into());
             };
             let now = Instant::now();
             // What has expired in the set has expired here too.
-            a.learned.retain(|_, (until, _)| *until > now);
+            a.learned.retain(|_, l| l.until > now);
             if a.learned.len() + addrs.len() > MAX_LEARNED {
                 return Err(format!(
                     "sandbox {} holds {} addresses open from DNS answers, the most a sandbox may",
@@ -293,16 +313,57 @@ impl Network {
                     a.learned.len()
                 ));
             }
-            let mut add = Vec::new();
-            for (addr, ttl, name) in addrs {
+            let mut add: Vec<(Ipv4Addr, u32)> = Vec::new();
+            let mut ttls = Vec::with_capacity(addrs.len());
+            for (addr, ttl, _) in addrs {
                 let ttl = (*ttl).clamp(MIN_TTL, MAX_TTL);
-                add.push((*addr, ttl));
-                a.learned
-                    .insert(*addr, (now + Duration::from_secs(ttl as u64), name.clone()));
+                let left = a
+                    .learned
+                    .get(addr)
+                    .filter(|l| l.applied)
+                    .map(|l| l.until.saturating_duration_since(now).as_secs() as u32)
+                    .unwrap_or(0);
+                if left >= (ttl / 2).max(MIN_TTL) {
+                    ttls.push(left.min(ttl));
+                    continue;
+                }
+                if let Some(same) = add.iter_mut().find(|(x, _)| x == addr) {
+                    same.1 = same.1.max(ttl);
+                } else {
+                    add.push((*addr, ttl));
+                }
+                ttls.push(ttl);
             }
-            (key_of(&a.id).to_string(), add)
+            for (addr, ttl) in &add {
+                let name = addrs
+                    .iter()
+                    .find(|(x, _, _)| x == addr)
+                    .map(|(_, _, n)| n.clone())
+                    .unwrap_or_default();
+                a.learned.insert(
+                    *addr,
+                    Learned {
+                        until: now + Duration::from_secs(*ttl as u64),
+                        name,
+                        applied: false,
+                    },
+                );
+            }
+            (key_of(&a.id).to_string(), add, ttls)
         };
-        self.learner.learn(k, add).await
+        if add.is_empty() {
+            return Ok(ttls); // every address is open long enough already
+        }
+        let opened: Vec<Ipv4Addr> = add.iter().map(|(a, _)| *a).collect();
+        self.learner.learn(k, add).await?;
+        if let Some(a) = self.lock().by_ip.get_mut(&ip) {
+            for addr in opened {
+                if let Some(l) = a.learned.get_mut(&addr) {
+                    l.applied = true;
+                }
+            }
+        }
+        Ok(ttls)
     }
 
     /// Removes namespaces, interfaces and rule chains that belong to no sandbox in `ids`
