@@ -297,6 +297,12 @@ async def test_output_beyond_the_kept_cap_streams_and_attach_reports_truncation(
         assert 15 * MiB < len(kept) <= 16 * MiB, len(kept)
         assert expected.endswith(kept)
         assert a.result.stdout_truncated and a.result.exit_code == 0
+        # A unary exec's result holds the first 16 MiB of each stream, more than a channel
+        # frame may carry (16 MiB, with the JSON around it): it still arrives whole.
+        r = await sb.exec(argv=["python3", "-c", WRITER + "sys.stderr.write('e' * 5000)"], timeout=120)
+        assert r.exit_code == 0 and r.stdout_truncated and not r.stderr_truncated, r.exit_code
+        assert len(r.stdout) == 16 * MiB and expected.startswith(r.stdout.encode())
+        assert r.stderr == "e" * 5000
     finally:
         await sb.stop()
 

@@ -91,6 +91,9 @@ pub fn list(path: &Path, depth: u32) -> Result<Vec<FileStat>, FsError> {
         ));
     }
     let mut out = Vec::new();
+    // The reply is one JSON frame: it must stay under the channel's frame limit.
+    let budget = dsec_common::channel::MAX_FRAME as usize - (1 << 20);
+    let mut bytes = 0usize;
     let mut todo = vec![(PathBuf::from(&root.path), 1)];
     while let Some((dir, d)) = todo.pop() {
         let rd = fs::read_dir(&dir).map_err(|e| io_err("cannot list", &dir, e))?;
@@ -100,8 +103,19 @@ pub fn list(path: &Path, depth: u32) -> Result<Vec<FileStat>, FsError> {
                 if s.kind == "dir" && d < depth {
                     todo.push((p, d + 1));
                 }
+                bytes += serde_json::to_vec(&s).map(|v| v.len() + 1).unwrap_or(0);
                 out.push(s);
             }
+        }
+        if bytes > budget {
+            return Err((
+                ErrorCode::ResourceExhausted,
+                format!(
+                    "the listing of {} at depth {depth} is over {} MiB; list a smaller tree",
+                    path.display(),
+                    budget >> 20
+                ),
+            ));
         }
         if out.len() > 100_000 {
             return Err((

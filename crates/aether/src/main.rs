@@ -27,7 +27,7 @@ use std::time::Duration;
 use dsec_common::ErrorCode;
 use dsec_common::channel::{
     FRAME_DATA, FRAME_STDERR, FRAME_STDOUT, LISTEN_FD, PROTOCOL_VERSION, PtySize, Request,
-    Response, read_frame, write_frame, write_json,
+    Response, read_frame, write_frame, write_json, write_reply,
 };
 
 use process::{Attachment, Chunk};
@@ -430,7 +430,7 @@ fn serve(stream: UnixStream, ctx: &Ctx) {
             Err(e) => err(e),
         },
     };
-    let _ = write_json(&mut out, &reply);
+    let _ = write_reply(&mut out, reply);
 }
 
 fn fs_reply(

@@ -1,9 +1,12 @@
 //! The edge ↔ aether channel protocol. Per connection: one JSON request line from the
 //! edge, then frames in both directions: `[kind: u8][len: u32 big-endian][payload]`.
 //! `J` frames carry one JSON [`Response`]; `O`/`E` carry stdout/stderr bytes; `D` carries
-//! file or stdin bytes, a zero-length `D` ending the data. The listening socket is created
-//! by the edge on the host and handed to aether as an inherited file descriptor, so it has
-//! no path inside the sandbox.
+//! file or stdin bytes, a zero-length `D` ending the data. A unary reply that carries
+//! output (an exec's or a session command's result) sends that output first as `O`/`E`
+//! frames of at most [`CHUNK`] bytes and then the `J` reply with both strings empty (see
+//! [`split_output`]), so no frame need be larger than [`MAX_FRAME`]. The listening socket
+//! is created by the edge on the host and handed to aether as an inherited file
+//! descriptor, so it has no path inside the sandbox.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -16,17 +19,22 @@ use crate::api::{ExecResult, FileStat, ProcessInfo, SessionInfo, SessionResult};
 /// The file descriptor number on which aether finds its listening socket.
 pub const LISTEN_FD: i32 = 3;
 
-/// Protocol version reported by `Pong`; bumped on incompatible changes.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// Protocol version reported by `Pong`; bumped on incompatible changes. 3: unary replies
+/// send their output as `O`/`E` frames ahead of the `J` (an edge reads version 2 replies,
+/// output inside the `J`, as well).
+pub const PROTOCOL_VERSION: u32 = 3;
 
 pub const FRAME_JSON: u8 = b'J';
 pub const FRAME_STDOUT: u8 = b'O';
 pub const FRAME_STDERR: u8 = b'E';
 pub const FRAME_DATA: u8 = b'D';
 
-/// Largest frame either side accepts. A unary exec's reply carries up to two capped
-/// streams as JSON (escaping can grow them); data is sent in chunks well below it.
-pub const MAX_FRAME: u32 = 256 << 20;
+/// Largest frame either side accepts: output and data travel in [`CHUNK`]s, so only JSON
+/// replies come near it (a directory listing is held below it by aether).
+pub const MAX_FRAME: u32 = 16 << 20;
+/// Most output per stream a unary reply may carry (the cap an edge may set on command
+/// output; `O`/`E` bytes are text after lossy decoding, up to three times the bytes read).
+pub const MAX_STREAM_OUTPUT: u64 = 64 << 20;
 /// Size of the data chunks both sides send.
 pub const CHUNK: usize = 256 << 10;
 
@@ -239,6 +247,52 @@ pub struct FsEvent {
     pub from: Option<String>,
 }
 
+/// Takes the output out of a reply that carries it (an exec's or a session command's
+/// result), leaving both strings empty: (the reply, stdout, stderr). The sender writes the
+/// output as `O`/`E` frames before the reply; [`merge_output`] puts it back.
+pub fn split_output(mut r: Response) -> (Response, String, String) {
+    let (out, err) = match &mut r {
+        Response::Exec(x) => (std::mem::take(&mut x.stdout), std::mem::take(&mut x.stderr)),
+        Response::Command(x) => (std::mem::take(&mut x.stdout), std::mem::take(&mut x.stderr)),
+        _ => (String::new(), String::new()),
+    };
+    (r, out, err)
+}
+
+/// Puts output received as `O`/`E` frames ahead of a reply back into it. A reply that
+/// carries its output itself (an agent of protocol 2) keeps it.
+pub fn merge_output(mut r: Response, out: &[u8], err: &[u8]) -> Response {
+    let fill = |s: &mut String, b: &[u8]| {
+        if s.is_empty() && !b.is_empty() {
+            *s = String::from_utf8_lossy(b).into_owned();
+        }
+    };
+    match &mut r {
+        Response::Exec(x) => {
+            fill(&mut x.stdout, out);
+            fill(&mut x.stderr, err);
+        }
+        Response::Command(x) => {
+            fill(&mut x.stdout, out);
+            fill(&mut x.stderr, err);
+        }
+        _ => {}
+    }
+    r
+}
+
+/// Writes a unary reply: its output (if it carries any) as `O`/`E` frames of at most
+/// [`CHUNK`] bytes, then the reply itself.
+pub fn write_reply(w: &mut impl Write, r: Response) -> std::io::Result<()> {
+    let (r, out, err) = split_output(r);
+    for (kind, text) in [(FRAME_STDOUT, &out), (FRAME_STDERR, &err)] {
+        for piece in text.as_bytes().chunks(CHUNK) {
+            write_frame(w, kind, piece)?;
+        }
+    }
+    write_json(w, &r)
+}
+
 /// Writes one frame.
 pub fn write_frame(w: &mut impl Write, kind: u8, payload: &[u8]) -> std::io::Result<()> {
     let mut head = [0u8; 5];
@@ -346,5 +400,38 @@ mod tests {
         let mut big = vec![FRAME_DATA];
         big.extend_from_slice(&(MAX_FRAME + 1).to_be_bytes());
         assert!(read_frame(&mut &big[..]).is_err());
+    }
+
+    /// An exec result with 40 MiB of output travels in frames of at most a chunk, and
+    /// comes back whole.
+    #[test]
+    fn a_big_result_goes_in_chunks_and_comes_back_whole() {
+        let r = Response::Exec(ExecResult {
+            stdout: "o\u{1}".repeat(20 << 20),
+            stderr: "e".repeat(300 << 10),
+            exit_code: 3,
+            ..Default::default()
+        });
+        let mut buf = Vec::new();
+        write_reply(&mut buf, r.clone()).unwrap();
+        let (mut rd, mut out, mut err) = (&buf[..], Vec::new(), Vec::new());
+        let back = loop {
+            let (k, body) = read_frame(&mut rd).unwrap().unwrap();
+            assert!(body.len() <= CHUNK, "a {}-byte frame", body.len());
+            match k {
+                FRAME_STDOUT => out.extend_from_slice(&body),
+                FRAME_STDERR => err.extend_from_slice(&body),
+                FRAME_JSON => break serde_json::from_slice::<Response>(&body).unwrap(),
+                other => panic!("frame {other}"),
+            }
+        };
+        assert!(matches!(&back, Response::Exec(x) if x.stdout.is_empty()));
+        assert_eq!(merge_output(back, &out, &err), r);
+        // A reply of protocol 2, output inside, keeps it.
+        let old = Response::Exec(ExecResult {
+            stdout: "in".into(),
+            ..Default::default()
+        });
+        assert_eq!(merge_output(old.clone(), b"", b""), old);
     }
 }

@@ -5,7 +5,10 @@
 use std::path::Path;
 use std::time::Duration;
 
-use dsec_common::channel::{FRAME_DATA, FRAME_JSON, MAX_FRAME, Request, Response};
+use dsec_common::channel::{
+    FRAME_DATA, FRAME_JSON, FRAME_STDERR, FRAME_STDOUT, MAX_FRAME, MAX_STREAM_OUTPUT, Request,
+    Response, merge_output,
+};
 use dsec_common::{ApiError, ErrorCode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::UnixStream;
@@ -15,6 +18,20 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 pub struct Conn {
     r: BufReader<OwnedReadHalf>,
     w: BufWriter<OwnedWriteHalf>,
+    /// Output bytes per stream the reply may carry ahead of it (see [`output_cap`]).
+    output_cap: usize,
+}
+
+/// How much output per stream a request's reply may bring as `O`/`E` frames: what the
+/// request asked aether to keep (three times, for text decoded lossily), else the most any
+/// reply carries; none for requests whose replies carry no output.
+fn output_cap(req: &Request) -> usize {
+    let per_stream = match req {
+        Request::Exec(spec) => spec.max_output_bytes.min(MAX_STREAM_OUTPUT),
+        Request::SessionRun { .. } | Request::SessionCommand { .. } => MAX_STREAM_OUTPUT,
+        _ => 0,
+    };
+    (per_stream as usize).saturating_mul(3)
 }
 
 fn gone(e: std::io::Error) -> ApiError {
@@ -44,6 +61,7 @@ impl Conn {
         let mut c = Conn {
             r: BufReader::with_capacity(256 << 10, r),
             w: BufWriter::with_capacity(256 << 10, w),
+            output_cap: output_cap(req),
         };
         let mut line = serde_json::to_vec(req)
             .map_err(|e| ApiError::internal(format!("encoding request: {e}")))?;
@@ -83,19 +101,45 @@ impl Conn {
         Ok(Some((head[0], body)))
     }
 
-    /// The next frame, which must be a JSON reply; agent errors become `Err`.
+    /// The next reply: the output frames ahead of it (up to the request's cap per
+    /// stream), then a JSON frame; agent errors become `Err`.
     pub async fn reply(&mut self) -> Result<Response, ApiError> {
-        match self.frame().await? {
-            Some((FRAME_JSON, body)) => check(serde_json::from_slice(&body).map_err(|e| {
-                ApiError::internal(format!("malformed reply from the sandbox agent: {e}"))
-            })?),
-            Some((k, _)) => Err(ApiError::internal(format!(
-                "the sandbox agent sent a {:?} frame where a reply was due",
-                k as char
-            ))),
-            None => Err(ApiError::unavailable(
-                "the sandbox agent closed the connection (the sandbox may have stopped)",
-            )),
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        loop {
+            match self.frame().await? {
+                Some((FRAME_JSON, body)) => {
+                    let r = serde_json::from_slice(&body).map_err(|e| {
+                        ApiError::internal(format!("malformed reply from the sandbox agent: {e}"))
+                    })?;
+                    return check(merge_output(r, &out, &err));
+                }
+                Some((k @ (FRAME_STDOUT | FRAME_STDERR), body)) => {
+                    let buf = if k == FRAME_STDOUT {
+                        &mut out
+                    } else {
+                        &mut err
+                    };
+                    if buf.len() + body.len() > self.output_cap {
+                        return Err(ApiError::internal(format!(
+                            "the sandbox agent sent more than {} bytes of output for one \
+                             stream of a reply",
+                            self.output_cap
+                        )));
+                    }
+                    buf.extend_from_slice(&body);
+                }
+                Some((k, _)) => {
+                    return Err(ApiError::internal(format!(
+                        "the sandbox agent sent a {:?} frame where a reply was due",
+                        k as char
+                    )));
+                }
+                None => {
+                    return Err(ApiError::unavailable(
+                        "the sandbox agent closed the connection (the sandbox may have stopped)",
+                    ));
+                }
+            }
         }
     }
 
@@ -148,5 +192,101 @@ pub async fn wait_ready(sock: &Path, within: Duration) -> Result<(), ApiError> {
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dsec_common::api::ExecResult;
+    use dsec_common::channel::{ExecSpec, write_frame, write_reply};
+    use std::io::Write;
+
+    /// Serves one connection on a fresh socket with `agent`, which gets the request line
+    /// and writes what it likes.
+    fn agent(
+        agent: impl FnOnce(&mut std::os::unix::net::UnixStream) + Send + 'static,
+    ) -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("aether.sock");
+        let l = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        std::thread::spawn(move || {
+            let (mut c, _) = l.accept().unwrap();
+            let mut line = [0u8; 1];
+            while std::io::Read::read(&mut c, &mut line).unwrap_or(0) == 1 && line[0] != b'\n' {}
+            agent(&mut c);
+            let _ = c.flush();
+        });
+        (dir, sock)
+    }
+
+    fn exec(max: u64) -> Request {
+        Request::Exec(ExecSpec {
+            argv: vec!["true".into()],
+            max_output_bytes: max,
+            ..Default::default()
+        })
+    }
+
+    #[tokio::test]
+    async fn output_ahead_of_a_reply_is_put_back_into_it() {
+        let (_d, sock) = agent(|c| {
+            let r = Response::Exec(ExecResult {
+                stdout: "x".repeat(3 << 20),
+                stderr: "oops".into(),
+                exit_code: 1,
+                ..Default::default()
+            });
+            write_reply(c, r).unwrap();
+        });
+        let r = call(&sock, &exec(4 << 20), Duration::from_secs(10))
+            .await
+            .unwrap();
+        let Response::Exec(x) = r else {
+            panic!("{r:?}")
+        };
+        assert_eq!(
+            (x.stdout.len(), x.stderr.as_str(), x.exit_code),
+            (3 << 20, "oops", 1)
+        );
+    }
+
+    /// A hostile agent that sends more output than the request allowed, or announces a
+    /// frame over the limit, gets an error, not an edge holding what it sent.
+    #[tokio::test]
+    async fn an_agent_cannot_make_the_edge_hold_more_than_it_asked_for() {
+        let (_d, sock) = agent(|c| {
+            for _ in 0..64 {
+                if write_frame(c, FRAME_STDOUT, &[b'x'; 64 << 10]).is_err() {
+                    return;
+                }
+            }
+        });
+        let e = call(&sock, &exec(1 << 20), Duration::from_secs(10))
+            .await
+            .unwrap_err();
+        assert!(
+            e.message.contains("more than 3145728 bytes of output"),
+            "{}",
+            e.message
+        );
+
+        let (_d, sock) = agent(|c| {
+            let _ = c.write_all(&[FRAME_JSON]);
+            let _ = c.write_all(&(MAX_FRAME + 1).to_be_bytes());
+        });
+        let e = call(&sock, &Request::Ping, Duration::from_secs(10))
+            .await
+            .unwrap_err();
+        assert!(e.message.contains("over the"), "{}", e.message);
+
+        // Output frames before a reply that carries none are refused outright.
+        let (_d, sock) = agent(|c| {
+            let _ = write_frame(c, FRAME_STDOUT, b"x");
+        });
+        let e = call(&sock, &Request::Ping, Duration::from_secs(10))
+            .await
+            .unwrap_err();
+        assert!(e.message.contains("more than 0 bytes"), "{}", e.message);
     }
 }

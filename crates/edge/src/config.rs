@@ -30,7 +30,7 @@ pub struct EdgeConfig {
     /// Refuse creates while the 1-minute load average per core is above this (0, the
     /// default: never; bursts of creates raise the load themselves, so set it per cluster).
     pub max_load_per_core: f64,
-    /// Per-stream cap on captured command output.
+    /// Per-stream cap on captured command output (at most 64 MiB, `MAX_STREAM_OUTPUT`).
     pub max_output_bytes: u64,
     /// Exec timeout when the request gives none.
     pub default_exec_timeout_seconds: f64,

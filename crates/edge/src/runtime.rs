@@ -558,7 +558,10 @@ impl Edge {
         let r = Request::SessionCreate {
             cwd: req.cwd,
             env: req.env,
-            max_output_bytes: self.cfg.max_output_bytes,
+            max_output_bytes: self
+                .cfg
+                .max_output_bytes
+                .min(dsec_common::channel::MAX_STREAM_OUTPUT),
         };
         match check(self.agent(id, r).await?)? {
             Response::Session(s) => Ok(s),

@@ -209,7 +209,9 @@ pub fn exec(cfg: &EdgeConfig, req: &ExecRequest) -> Result<ExecSpec, ApiError> {
             Some((timeout * 1000.0) as u64)
         },
         stdin: req.stdin.clone(),
-        max_output_bytes: cfg.max_output_bytes,
+        max_output_bytes: cfg
+            .max_output_bytes
+            .min(dsec_common::channel::MAX_STREAM_OUTPUT),
     })
 }
 
