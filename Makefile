@@ -5,7 +5,7 @@ AETHER_TARGET := x86_64-unknown-linux-gnu
 AETHER := target/$(AETHER_TARGET)/release/dsec-aether
 CARGO_PROFILE_FLAG := $(if $(filter release,$(PROFILE)),--release,)
 
-.PHONY: build aether dsec test test-rust test-e2e lint images bench bench-runtime bench-cluster bench-network bench-vm bench-gateway bench-tenant clean-test
+.PHONY: build aether dsec test test-rust test-e2e lint images bench bench-runtime bench-cluster bench-network bench-vm bench-gateway bench-tenant bench-guest clean-test
 
 build: dsec aether
 
@@ -50,6 +50,9 @@ bench-network: build
 
 bench-tenant: build
 	DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec DSEC_AETHER=$(CURDIR)/$(AETHER) python3 bench/tenant_pressure.py $(BENCH_ARGS)
+
+bench-guest: build
+	DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec DSEC_AETHER=$(CURDIR)/$(AETHER) python3 bench/guest_flood.py $(BENCH_ARGS)
 
 clean-test:
 	-target/$(PROFILE)/dsec down --data-dir $${DSEC_TEST_DIR:-/var/tmp/dsec-test}
