@@ -136,11 +136,70 @@ async def test_ttl_expiry_releases_quota_and_usage_survives_a_restart(client):
     server_up()
     async with DSecClient() as admin:
         assert (await _usage(admin, p)) == {"sandboxes": 1, "cpu_cores": kept.info.limits["cpu_cores"],
-                                             "memory_mb": kept.info.limits["memory_mb"]}
+                                             "memory_mb": kept.info.limits["memory_mb"],
+                                             "disk_mb": kept.info.limits["disk_mb"]}
         again = await admin.run_sandbox(DSecRunArgs(image="root/base", project=p))
         for s in (again, await admin.get_sandbox(kept.id)):
             await s.stop()
         assert (await _usage(admin, p))["sandboxes"] == 0
+
+
+async def test_snapshots_and_commits_count_against_the_disk_quota(client):
+    """A project's disk quota holds its sandboxes' disks, its snapshots and its committed
+    images: the snapshot or commit that would pass it is refused (and leaves nothing),
+    deleting frees its share, a commit over an image counts once, and all of it survives
+    a restart of the server."""
+    p = f"root/disk-{_uid()}"
+    await client.create_project(p, disk_mb=500)
+    sb = await client.run_sandbox(DSecRunArgs(image="root/base", project=p, disk_limit_mb=256,
+                                              memory_limit_mb=256))
+    kept: list[str] = []
+    try:
+        assert (await _usage(client, p))["disk_mb"] == 256
+        r = await sb.exec(argv=["sh", "-c", "head -c 100000000 /dev/urandom > /root/blob && sync"])
+        assert r.exit_code == 0, r.stderr
+        s1 = await sb.snapshot()
+        kept.append(s1.id)
+        held = (await _usage(client, p))["disk_mb"]
+        assert 256 + 95 <= held <= 256 + 130, held
+        s2 = await sb.snapshot()
+        kept.append(s2.id)
+        with pytest.raises(ResourceExhaustedError) as e:
+            await sb.snapshot()
+        assert "MiB of disk" in e.value.message and p in e.value.message, e.value.message
+        assert len([x for x in await client.list_snapshots() if x.project == p]) == 2, "a refused snapshot was kept"
+        # A commit is refused the same way, and no image appears.
+        with pytest.raises(ResourceExhaustedError):
+            await sb.commit(f"{p}/env:1")
+        images = (await client._request("GET", "/v1/images"))["images"]
+        assert not [i for i in images if i["reference"] == f"{p}/env:1"]
+        await client.delete_snapshot(kept.pop(0))
+        c1 = await sb.commit(f"{p}/env:1")
+        after_commit = (await _usage(client, p))["disk_mb"]
+        assert after_commit >= held + 95, (held, after_commit)
+        # Committed again over the same name: still counted once.
+        await sb.commit(f"{p}/env:1", overwrite=True)
+        assert abs((await _usage(client, p))["disk_mb"] - after_commit) <= 5
+        assert c1.image == f"{p}/env:1"
+        # kill -9 and start again: what is kept is still held.
+        pid = int((DATA / "dsec.pid").read_text())
+        os.kill(pid, signal.SIGKILL)
+        assert wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 10)
+        server_up()
+        async with DSecClient() as admin:
+            assert abs((await _usage(admin, p))["disk_mb"] - after_commit) <= 5
+            await admin.delete_snapshot(kept.pop(0))
+            await (await admin.get_sandbox(sb.id)).stop()
+            left = (await _usage(admin, p))["disk_mb"]
+            assert 95 <= left <= 130, left  # the image alone
+    finally:
+        async with DSecClient() as admin:
+            for sid in kept:
+                await admin.delete_snapshot(sid)
+            try:
+                await (await admin.get_sandbox(sb.id)).stop()
+            except NotFoundError:
+                pass
 
 
 def test_cli_iam_commands():

@@ -61,6 +61,21 @@ impl Quotas for IamQuotas {
                     sandboxes: 1,
                     cpu_cores: rec.limits.cpu_cores,
                     memory_mb: rec.limits.memory_mb,
+                    disk_mb: rec.limits.disk_mb,
+                },
+            }))
+            .map_err(api_error)
+    }
+
+    fn hold_disk(&self, id: &str, project: &str, edge: &str, bytes: u64) -> Result<(), ApiError> {
+        self.0
+            .apply(Command::Hold(Reservation {
+                sandbox_id: id.to_string(),
+                project: project.to_string(),
+                edge: edge.to_string(),
+                usage: Usage {
+                    disk_mb: bytes.div_ceil(1 << 20),
+                    ..Usage::default()
                 },
             }))
             .map_err(api_error)

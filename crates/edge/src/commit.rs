@@ -79,7 +79,27 @@ impl Drop for TempTree {
     }
 }
 
+/// The id under which a committed image holds disk in its project's quota: this edge's
+/// name, then a digest of the reference (a commit over the same name replaces it).
+pub(crate) fn image_hold_id(edge: &str, r: &ImageRef) -> String {
+    use sha2::Digest;
+    let d = sha2::Sha256::digest(r.to_string().as_bytes());
+    format!("{edge}-image-{}", &hex::encode(d)[..16])
+}
+
 impl Edge {
+    /// The hold ids of the committed images in the store (see [`image_hold_id`]).
+    pub(crate) fn commit_hold_ids(&self) -> Vec<String> {
+        self.images
+            .list()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|i| i.manifest.source.starts_with("commit of a sandbox"))
+            .filter_map(|i| ImageRef::parse(&i.reference).ok())
+            .map(|r| image_hold_id(&self.cfg.name, &r))
+            .collect()
+    }
+
     /// Commits sandbox `id`'s filesystem changes as image `req.image`.
     pub async fn commit(
         self: &Arc<Self>,
@@ -127,6 +147,15 @@ impl Edge {
                 paused_ms = t0.elapsed().as_millis() as u64;
             }
         }
+        // The layer counts against the disk quota of the image's project (replacing what
+        // an image of that name committed before held).
+        let hold = image_hold_id(&self.cfg.name, &target);
+        let existed = self.images.exists(&target);
+        if let Some(q) = &self.quotas {
+            let t = tmp.path().to_path_buf();
+            let bytes = blocking(move || crate::snapshots::dir_size(&t)).await?;
+            q.hold_disk(&hold, &target.project(), &self.cfg.name, bytes)?;
+        }
         let images = self.images.clone();
         let dir = tmp.keep();
         let (target2, overwrite) = (target.clone(), req.overwrite);
@@ -143,7 +172,12 @@ impl Edge {
             r
         })
         .await?
-        .map_err(image_error)?;
+        .map_err(|e| {
+            if !existed && let Some(q) = &self.quotas {
+                q.release(&hold);
+            }
+            image_error(e)
+        })?;
         tracing::info!(sandbox = %id, image = %target, digest = %digest, "sandbox committed");
         Ok(CommitResponse {
             image: target.to_string(),

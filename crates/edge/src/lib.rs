@@ -41,8 +41,13 @@ use registry::{Registry, SandboxRecord, now_ms};
 /// until it is gone (stopped, expired, dead). IAM implements it.
 pub trait Quotas: Send + Sync {
     fn reserve(&self, rec: &SandboxRecord) -> Result<(), ApiError>;
+    /// Holds `bytes` of disk in `project` for something this edge keeps under `id` (a
+    /// snapshot, a committed image), replacing what `id` held before.
+    fn hold_disk(&self, id: &str, project: &str, edge: &str, bytes: u64) -> Result<(), ApiError>;
+    /// Releases a sandbox's reservation, or what a kept thing held.
     fn release(&self, sandbox_id: &str);
-    /// After a restart: drop the reservations of this edge's sandboxes not in `live`.
+    /// After a restart: drop the reservations of this edge's sandboxes (and kept things)
+    /// not in `live`.
     fn reconcile(&self, edge: &str, live: Vec<String>);
 }
 
@@ -285,7 +290,11 @@ impl Edge {
             blocking(move || n.sweep(&name, &ids)).await?;
         }
         if let Some(q) = &edge.quotas {
-            q.reconcile(&edge.cfg.name, edge.ids());
+            let mut live = edge.ids();
+            live.extend(edge.snapshot_ids());
+            let e2 = edge.clone();
+            live.extend(blocking(move || e2.commit_hold_ids()).await?);
+            q.reconcile(&edge.cfg.name, live);
         }
         Ok(edge)
     }

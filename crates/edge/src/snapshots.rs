@@ -47,7 +47,7 @@ impl Locks {
     }
 }
 
-fn dir_size(p: &Path) -> u64 {
+pub(crate) fn dir_size(p: &Path) -> u64 {
     // Allocated bytes: memory files are mostly holes.
     use std::os::unix::fs::MetadataExt;
     let mut total = 0;
@@ -145,8 +145,16 @@ impl Edge {
                 serde_json::to_vec_pretty(&meta).map_err(|e| ApiError::internal(e.to_string()))?;
             std::fs::write(part.join("meta.json"), bytes)
                 .map_err(|e| ApiError::internal(format!("writing meta.json: {e}")))?;
-            std::fs::rename(&part, &dir)
-                .map_err(|e| ApiError::internal(format!("keeping the snapshot: {e}")))?;
+            // What it keeps counts against its project's disk quota from now on.
+            if let Some(q) = &self.quotas {
+                q.hold_disk(&sid, &src.project, &self.cfg.name, info.size_bytes)?;
+            }
+            if let Err(e) = std::fs::rename(&part, &dir) {
+                if let Some(q) = &self.quotas {
+                    q.release(&sid);
+                }
+                return Err(ApiError::internal(format!("keeping the snapshot: {e}")));
+            }
             Ok(info)
         }
         .await;
@@ -158,6 +166,18 @@ impl Edge {
             tracing::info!(sandbox = %id, snapshot = %info.id, bytes = info.size_bytes, "snapshot kept");
         }
         made
+    }
+
+    /// The ids of the snapshots this edge keeps (each holds disk in its project).
+    pub(crate) fn snapshot_ids(&self) -> Vec<String> {
+        std::fs::read_dir(self.snapshots_dir())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.path().join("meta.json").is_file())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| !n.starts_with('.'))
+            .collect()
     }
 
     /// Every snapshot this edge keeps.
@@ -192,6 +212,9 @@ impl Edge {
             .map_err(|e| ApiError::internal(format!("removing snapshot {id}: {e}")))?;
         self.discard_seed(&backend, &gone.join("state")).await;
         let _ = blocking(move || std::fs::remove_dir_all(&gone)).await;
+        if let Some(q) = &self.quotas {
+            q.release(id);
+        }
         self.snapshot_locks.forget(id);
         tracing::info!(snapshot = %id, "snapshot deleted");
         Ok(())

@@ -68,7 +68,8 @@ async fn authenticate(
     })
 }
 
-/// What an edge's certificate may write: its own sandboxes' reservations, nothing else
+/// What an edge's certificate may write: its own sandboxes' (and snapshots' and commits')
+/// reservations, nothing else
 /// (projects, quotas and keys are the apiservers' to change), so one escaped node cannot
 /// make itself an administrator.
 pub fn edge_may_apply(edge: &str, cmd: &Command) -> bool {
@@ -78,7 +79,7 @@ pub fn edge_may_apply(edge: &str, cmd: &Command) -> bool {
             .is_some_and(|rest| rest.starts_with('-'))
     };
     match cmd {
-        Command::Reserve(r) => r.edge == edge && own(&r.sandbox_id),
+        Command::Reserve(r) | Command::Hold(r) => r.edge == edge && own(&r.sandbox_id),
         Command::Release { sandbox_id } => own(sandbox_id),
         Command::Reconcile { edge: e, .. } => e == edge,
         _ => false,

@@ -25,17 +25,22 @@ pub struct Quota {
     pub cpu_cores: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_mb: Option<u64>,
+    /// Disk: running sandboxes' writable disks (their `disk_limit_mb`), snapshots and
+    /// committed images (the bytes each holds on the node).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_mb: Option<u64>,
 }
 
 /// The quota dimensions, in the order of [`Quota::dims`].
-const DIMS: [&str; 3] = ["sandboxes", "cpu cores", "MiB of memory"];
+const DIMS: [&str; 4] = ["sandboxes", "cpu cores", "MiB of memory", "MiB of disk"];
 
 impl Quota {
-    fn dims(&self) -> [Option<f64>; 3] {
+    fn dims(&self) -> [Option<f64>; 4] {
         [
             self.sandboxes.map(|v| v as f64),
             self.cpu_cores,
             self.memory_mb.map(|v| v as f64),
+            self.disk_mb.map(|v| v as f64),
         ]
     }
 }
@@ -45,6 +50,8 @@ pub struct Usage {
     pub sandboxes: u64,
     pub cpu_cores: f64,
     pub memory_mb: u64,
+    #[serde(default)]
+    pub disk_mb: u64,
 }
 
 impl Usage {
@@ -52,6 +59,14 @@ impl Usage {
         self.sandboxes += o.sandboxes;
         self.cpu_cores += o.cpu_cores;
         self.memory_mb += o.memory_mb;
+        self.disk_mb += o.disk_mb;
+    }
+
+    fn sub(&mut self, o: &Usage) {
+        self.sandboxes = self.sandboxes.saturating_sub(o.sandboxes);
+        self.cpu_cores = (self.cpu_cores - o.cpu_cores).max(0.0);
+        self.memory_mb = self.memory_mb.saturating_sub(o.memory_mb);
+        self.disk_mb = self.disk_mb.saturating_sub(o.disk_mb);
     }
 }
 
@@ -120,6 +135,10 @@ pub enum Command {
         key_id: String,
     },
     Reserve(Reservation),
+    /// Reserves for something the node keeps (a snapshot, a committed image), replacing
+    /// what the same id held before (an image committed over): only the growth is checked
+    /// against the quotas.
+    Hold(Reservation),
     Release {
         sandbox_id: String,
     },
@@ -255,6 +274,7 @@ impl IamState {
                 q.sandboxes = q.sandboxes.or(pr.quota.sandboxes);
                 q.cpu_cores = q.cpu_cores.or(pr.quota.cpu_cores);
                 q.memory_mb = q.memory_mb.or(pr.quota.memory_mb);
+                q.disk_mb = q.disk_mb.or(pr.quota.disk_mb);
             }
             cur = parent(p);
         }
@@ -266,13 +286,13 @@ impl IamState {
         check_quota(quota)?;
         let held = self.effective(par).dims();
         let own = self.project(par)?.quota.dims();
-        let mut delegated_by_siblings = [0.0; 3];
+        let mut delegated_by_siblings = [0.0; 4];
         for s in self.children(par).filter(|p| p.path != path) {
             for (i, v) in s.quota.dims().iter().enumerate() {
                 delegated_by_siblings[i] += v.unwrap_or(0.0);
             }
         }
-        let mut delegated_below = [0.0; 3];
+        let mut delegated_below = [0.0; 4];
         for c in self.children(path) {
             for (i, v) in c.quota.dims().iter().enumerate() {
                 delegated_below[i] += v.unwrap_or(0.0);
@@ -302,6 +322,53 @@ impl IamState {
                     delegated_below[i]
                 )));
             }
+        }
+        Ok(())
+    }
+
+    /// Whether `r` fits the quotas of its project and every project above it, `before`
+    /// (what the same id held, being replaced) not counted.
+    fn check_room(&self, r: &Reservation, before: Option<&Reservation>) -> Result<(), Refusal> {
+        let mut cur = Some(r.project.as_str());
+        while let Some(p) = cur {
+            let q = self.project(p)?.quota;
+            let mut u = self.usage(p);
+            if let Some(b) = before {
+                u.sub(&b.usage);
+            }
+            u.add(&r.usage);
+            let over = |name: &str, used: String, limit: String| {
+                Refusal::Quota(format!(
+                    "project {p} would use {used} {name}, over its quota of {limit}; stop sandboxes, delete snapshots or images, or ask for a larger quota"
+                ))
+            };
+            if let Some(l) = q.sandboxes
+                && u.sandboxes > l
+            {
+                return Err(over("sandboxes", u.sandboxes.to_string(), l.to_string()));
+            }
+            if let Some(l) = q.cpu_cores
+                && u.cpu_cores > l + 1e-9
+            {
+                return Err(over("cpu cores", u.cpu_cores.to_string(), l.to_string()));
+            }
+            if let Some(l) = q.memory_mb
+                && u.memory_mb > l
+            {
+                return Err(over(
+                    "MiB of memory",
+                    u.memory_mb.to_string(),
+                    l.to_string(),
+                ));
+            }
+            // Only growth is refused on disk: a replacement that shrinks always fits.
+            if let Some(l) = q.disk_mb
+                && u.disk_mb > l
+                && r.usage.disk_mb > before.map(|b| b.usage.disk_mb).unwrap_or(0)
+            {
+                return Err(over("MiB of disk", u.disk_mb.to_string(), l.to_string()));
+            }
+            cur = parent(p);
         }
         Ok(())
     }
@@ -395,37 +462,22 @@ impl IamState {
                         r.sandbox_id
                     )));
                 }
-                let mut cur = Some(r.project.as_str());
-                while let Some(p) = cur {
-                    let q = self.project(p)?.quota;
-                    let mut u = self.usage(p);
-                    u.add(&r.usage);
-                    let over = |name: &str, used: String, limit: String| {
-                        Refusal::Quota(format!(
-                            "project {p} would use {used} {name}, over its quota of {limit}; stop sandboxes or ask for a larger quota"
-                        ))
-                    };
-                    if let Some(l) = q.sandboxes
-                        && u.sandboxes > l
-                    {
-                        return Err(over("sandboxes", u.sandboxes.to_string(), l.to_string()));
-                    }
-                    if let Some(l) = q.cpu_cores
-                        && u.cpu_cores > l + 1e-9
-                    {
-                        return Err(over("cpu cores", u.cpu_cores.to_string(), l.to_string()));
-                    }
-                    if let Some(l) = q.memory_mb
-                        && u.memory_mb > l
-                    {
-                        return Err(over(
-                            "MiB of memory",
-                            u.memory_mb.to_string(),
-                            l.to_string(),
-                        ));
-                    }
-                    cur = parent(p);
+                self.check_room(&r, None)?;
+                self.reservations.insert(r.sandbox_id.clone(), r.clone());
+                fx.reserved.push(r);
+            }
+            Command::Hold(r) => {
+                self.project(&r.project)?;
+                let before = self.reservations.get(&r.sandbox_id).cloned();
+                if let Some(b) = &before
+                    && b.project != r.project
+                {
+                    return Err(Refusal::Exists(format!(
+                        "{} is held by project {}",
+                        r.sandbox_id, b.project
+                    )));
                 }
+                self.check_room(&r, before.as_ref())?;
                 self.reservations.insert(r.sandbox_id.clone(), r.clone());
                 fx.reserved.push(r);
             }
@@ -460,6 +512,7 @@ mod tests {
             sandboxes: s,
             cpu_cores: c,
             memory_mb: m,
+            disk_mb: None,
         }
     }
 
@@ -481,8 +534,64 @@ mod tests {
                 sandboxes: 1,
                 cpu_cores: cpu,
                 memory_mb: 512,
+                disk_mb: 0,
             },
         }))
+    }
+
+    fn hold(st: &mut IamState, id: &str, project: &str, disk_mb: u64) -> Result<Effect, Refusal> {
+        st.apply(Command::Hold(Reservation {
+            sandbox_id: id.into(),
+            project: project.into(),
+            edge: "e1".into(),
+            usage: Usage {
+                disk_mb,
+                ..Usage::default()
+            },
+        }))
+    }
+
+    /// Snapshots and commits hold disk in their project and every project above it; a
+    /// commit over an image replaces what it held, and only growth can be refused.
+    #[test]
+    fn kept_things_hold_disk_and_replacing_counts_once() {
+        let mut st = IamState::bootstrap(0);
+        let disk = |mb| Quota {
+            disk_mb: Some(mb),
+            ..Quota::default()
+        };
+        mk(&mut st, ROOT, "root/a", disk(1000)).unwrap();
+        mk(&mut st, "root/a", "root/a/x", Quota::default()).unwrap();
+        hold(&mut st, "e1-snap1", "root/a/x", 600).unwrap();
+        let e = hold(&mut st, "e1-img1", "root/a/x", 500).unwrap_err();
+        assert!(
+            matches!(e, Refusal::Quota(_)) && e.to_string().contains("1100 MiB of disk"),
+            "{e}"
+        );
+        hold(&mut st, "e1-img1", "root/a/x", 300).unwrap();
+        assert_eq!(st.usage("root/a").disk_mb, 900);
+        // The image committed again, bigger: counted once, at its new size.
+        hold(&mut st, "e1-img1", "root/a/x", 400).unwrap();
+        assert_eq!(st.usage("root/a").disk_mb, 1000);
+        assert!(hold(&mut st, "e1-img1", "root/a/x", 401).is_err());
+        // Another project cannot take over the id.
+        mk(&mut st, ROOT, "root/b", Quota::default()).unwrap();
+        assert!(matches!(
+            hold(&mut st, "e1-img1", "root/b", 1),
+            Err(Refusal::Exists(_))
+        ));
+        // Deleting the snapshot frees its share.
+        st.apply(Command::Release {
+            sandbox_id: "e1-snap1".into(),
+        })
+        .unwrap();
+        assert_eq!(st.usage("root/a").disk_mb, 400);
+        hold(&mut st, "e1-snap2", "root/a/x", 600).unwrap();
+        // A quota cannot be delegated past what the parent holds, on disk too.
+        assert!(matches!(
+            mk(&mut st, "root/a", "root/a/y", disk(1001)),
+            Err(Refusal::Forbidden(_))
+        ));
     }
 
     #[test]

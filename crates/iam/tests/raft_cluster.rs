@@ -304,6 +304,7 @@ async fn concurrent_reservations_from_every_replica_never_exceed_the_quota() {
                         sandboxes: 1,
                         cpu_cores: 0.5,
                         memory_mb: 256,
+                        disk_mb: 0,
                     },
                 }))
                 .await

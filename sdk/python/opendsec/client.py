@@ -299,20 +299,24 @@ class DSecClient:
         return await self._request("GET", "/v1/whoami")
 
     @staticmethod
-    def _quota(sandboxes: int | None, cpu_cores: float | None, memory_mb: int | None) -> dict[str, Any]:
-        q = {"sandboxes": sandboxes, "cpu_cores": cpu_cores, "memory_mb": memory_mb}
+    def _quota(sandboxes: int | None, cpu_cores: float | None, memory_mb: int | None,
+               disk_mb: int | None = None) -> dict[str, Any]:
+        q = {"sandboxes": sandboxes, "cpu_cores": cpu_cores, "memory_mb": memory_mb, "disk_mb": disk_mb}
         return {k: v for k, v in q.items() if v is not None}
 
     async def create_project(self, project: str, *, sandboxes: int | None = None,
-                             cpu_cores: float | None = None, memory_mb: int | None = None) -> dict[str, Any]:
-        """Creates ``project`` (e.g. ``root/team-a/exp-1``) with a quota delegated from its parent."""
-        body = {"project": project, "quota": self._quota(sandboxes, cpu_cores, memory_mb)}
+                             cpu_cores: float | None = None, memory_mb: int | None = None,
+                             disk_mb: int | None = None) -> dict[str, Any]:
+        """Creates ``project`` (e.g. ``root/team-a/exp-1``) with a quota delegated from its parent.
+        ``disk_mb`` counts sandboxes' disk limits, snapshots and committed images."""
+        body = {"project": project, "quota": self._quota(sandboxes, cpu_cores, memory_mb, disk_mb)}
         return await self._request("POST", "/v1/projects", json=body)
 
     async def set_quota(self, project: str, *, sandboxes: int | None = None,
-                        cpu_cores: float | None = None, memory_mb: int | None = None) -> dict[str, Any]:
+                        cpu_cores: float | None = None, memory_mb: int | None = None,
+                        disk_mb: int | None = None) -> dict[str, Any]:
         """Sets a project's quota; only a key of a parent project can."""
-        body = {"project": project, "quota": self._quota(sandboxes, cpu_cores, memory_mb)}
+        body = {"project": project, "quota": self._quota(sandboxes, cpu_cores, memory_mb, disk_mb)}
         return await self._request("POST", "/v1/projects/quota", json=body)
 
     async def projects(self) -> list[dict[str, Any]]:

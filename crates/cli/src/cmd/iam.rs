@@ -16,7 +16,7 @@ pub enum IamCommand {
     /// Create a project inside one the key can use, with a quota
     #[command(
         name = "project-create",
-        after_help = "Example:\n  dsec iam project-create root/team-a --sandboxes 100 --cpus 64 --memory 131072"
+        after_help = "Example:\n  dsec iam project-create root/team-a --sandboxes 100 --cpus 64 --memory 131072 --disk 500000"
     )]
     ProjectCreate(ProjectArgs),
     /// List the projects the key can see, with quotas and usage
@@ -67,6 +67,9 @@ pub struct ProjectArgs {
     /// Most MiB of sandbox memory limits
     #[arg(long)]
     pub memory: Option<u64>,
+    /// Most MiB of disk: sandboxes' disk limits, snapshots and committed images
+    #[arg(long)]
+    pub disk: Option<u64>,
     #[command(flatten)]
     pub api: ApiArgs,
 }
@@ -104,6 +107,9 @@ fn quota(a: &ProjectArgs) -> Value {
     if let Some(v) = a.memory {
         q.insert("memory_mb".into(), json!(v));
     }
+    if let Some(v) = a.disk {
+        q.insert("disk_mb".into(), json!(v));
+    }
     Value::Object(q)
 }
 
@@ -120,6 +126,7 @@ fn show_project(v: &Value) -> Vec<String> {
         format!("{} / {}", u["sandboxes"], limit(q, "sandboxes")),
         format!("{} / {}", u["cpu_cores"], limit(q, "cpu_cores")),
         format!("{} / {}", u["memory_mb"], limit(q, "memory_mb")),
+        format!("{} / {}", u["disk_mb"], limit(q, "disk_mb")),
     ]
 }
 
@@ -240,7 +247,13 @@ fn print_projects(list: &[Value], json: bool) {
     println!(
         "{}",
         output::table(
-            &["project", "sandboxes (used / quota)", "cpus", "memory MiB"],
+            &[
+                "project",
+                "sandboxes (used / quota)",
+                "cpus",
+                "memory MiB",
+                "disk MiB"
+            ],
             rows
         )
     );

@@ -21,6 +21,7 @@ impl fmt::Display for IamRequest {
             Command::CreateKey { .. } => "create_key",
             Command::RevokeKey { .. } => "revoke_key",
             Command::Reserve(_) => "reserve",
+            Command::Hold(_) => "hold",
             Command::Release { .. } => "release",
             Command::Reconcile { .. } => "reconcile",
         };
