@@ -50,6 +50,9 @@ pub struct EdgeConfig {
     /// or load (Diff, laid over a copy of that memory). Firecracker calls Diff snapshots a
     /// developer preview.
     pub firecracker_diff_snapshots: bool,
+    /// The user Firecracker runs as, jailed (see `backend/microvm/jail.rs`): an escape
+    /// from the VMM lands there. Empty keeps it root (still jailed).
+    pub firecracker_run_as: String,
 }
 
 /// `[edge.vm]`: how the `vm` backend builds its VMs.
@@ -162,6 +165,7 @@ impl Default for EdgeConfig {
             vm: VmOptions::default(),
             firecracker_binary: None,
             firecracker_diff_snapshots: false,
+            firecracker_run_as: "nobody".into(),
         }
     }
 }

@@ -242,6 +242,7 @@ impl Edge {
             &backend::microvm::MicrovmConfig {
                 binary: cfg.firecracker_binary.clone(),
                 diff_snapshots: cfg.firecracker_diff_snapshots,
+                run_as: cfg.firecracker_run_as.clone(),
             },
             backend::container::find_aether(cfg.aether_binary.as_deref()),
             images.clone(),

@@ -6,14 +6,16 @@
 //! carries the sandbox's `aether.sock` through Firecracker's vsock unix socket.
 //!
 //! Each VMM runs in its own network namespace (a tap of the same name and addresses in
-//! every one, see [`netns`]) and its own cgroup, with Firecracker's seccomp filters (never
-//! `--no-seccomp`). Fork snapshots the paused source (`vmstate` plus a memory file on the
+//! every one, see [`netns`]) and its own cgroup, jailed ([`jail`]: a mount namespace
+//! holding only its own files, as an unprivileged user), with Firecracker's seccomp
+//! filters (never `--no-seccomp`). Fork snapshots the paused source (`vmstate` plus a memory file on the
 //! RAM directory) and starts each copy in a fresh process with `PUT /snapshot/load`, the
 //! memory file mapped MAP_PRIVATE (`mem_backend` File) so copies share unmodified pages,
 //! and its own vsock socket (`vsock_override`). Firecracker and the proxy run detached
 //! (pids in the sandbox directory), so a restarted edge re-adopts running VMs.
 
 pub mod api;
+pub mod jail;
 pub mod netns;
 pub mod probe;
 pub mod snapshot;
@@ -37,9 +39,13 @@ use api::Client;
 use probe::{Capabilities, Firecracker};
 use snapshot::SavedVm;
 
-/// Files in the sandbox directory.
-const API_SOCK: &str = "fc.api";
-const VSOCK_UDS: &str = "fc.vsock";
+/// Files in the sandbox directory. The VMM's own (its sockets, what it writes) are in
+/// [`VMM_DIR`], the one directory of the sandbox its jail can see and write.
+const VMM_DIR: &str = "vmm";
+const API_SOCK: &str = "vmm/fc.api";
+const VSOCK_UDS: &str = "vmm/fc.vsock";
+/// The empty directory the jail's root is mounted on (in the VMM's namespace only).
+const JAIL_ROOT: &str = "jail";
 const FC_PID: &str = "firecracker.pid";
 const PROXY_PID: &str = "vsockproxy.pid";
 const CONSOLE: &str = "console.log";
@@ -61,6 +67,8 @@ pub struct MicrovmConfig {
     pub binary: Option<PathBuf>,
     /// `firecracker_diff_snapshots`: track dirty pages and take Diff snapshots on fork.
     pub diff_snapshots: bool,
+    /// `firecracker_run_as`: the user the jailed VMM runs as; empty: root (still jailed).
+    pub run_as: String,
 }
 
 /// The VM's own description (`<sandbox dir>/microvm.json`).
@@ -211,6 +219,24 @@ pub fn snapshot_call(
     .map(drop)
 }
 
+/// Moves a file the VMM wrote to where it belongs: a rename, or a sparse copy across
+/// filesystems.
+fn move_file(from: &Path, to: &Path) -> Result<(), String> {
+    match std::fs::rename(from, to) {
+        Ok(()) => Ok(()),
+        Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
+            copy_sparse(from, to)?;
+            let _ = std::fs::remove_file(from);
+            Ok(())
+        }
+        Err(e) => Err(format!(
+            "moving {} to {}: {e}",
+            from.display(),
+            to.display()
+        )),
+    }
+}
+
 /// vCPUs for a core limit: Firecracker takes 1 or an even count up to 32.
 fn vcpus(cores: f64) -> u64 {
     let n = cores.ceil().max(1.0) as u64;
@@ -236,6 +262,7 @@ pub struct MicrovmBackend {
     ram_dir: PathBuf,
     mode: CgroupMode,
     diff_snapshots: bool,
+    run_as: Result<Option<jail::RunAs>, String>,
     /// The guest vmlinux and initramfs, found (or built) on the first create.
     boot: Mutex<Option<(PathBuf, PathBuf)>>,
 }
@@ -268,6 +295,7 @@ impl MicrovmBackend {
             ram_dir: ram_dir.to_path_buf(),
             mode,
             diff_snapshots: cfg.diff_snapshots,
+            run_as: jail::RunAs::lookup(&cfg.run_as),
             boot: Mutex::new(None),
         }
     }
@@ -282,6 +310,9 @@ impl MicrovmBackend {
             missing.push(e.clone());
         }
         if let Err(e) = &self.aether {
+            missing.push(e.clone());
+        }
+        if let Err(e) = &self.run_as {
             missing.push(e.clone());
         }
         match (&self.fc, missing.is_empty()) {
@@ -311,23 +342,69 @@ impl MicrovmBackend {
         Client::new(&self.dir(id).join(API_SOCK), SNAPSHOT_TIMEOUT)
     }
 
-    /// Starts a Firecracker process for the sandbox inside its network namespace and
-    /// cgroup, with its API socket ready; no guest yet.
+    /// The VMM's writable directory in the RAM directory (memory files it saves).
+    fn ram_vmm_dir(&self, id: &str) -> PathBuf {
+        self.ram_dir.join(format!("vmm-{id}"))
+    }
+
+    /// Gives files the jailed VMM must open (a snapshot's state and memory, which may have
+    /// been written by the edge or copied in from another edge) to its user.
+    fn give_to_vmm(&self, files: &[&Path]) -> Result<(), String> {
+        if let Ok(Some(r)) = &self.run_as {
+            for f in files {
+                std::os::unix::fs::chown(f, Some(r.uid), Some(r.gid))
+                    .map_err(|e| format!("giving {} to the VMM's user: {e}", f.display()))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes a directory the jailed VMM owns (mode 0700).
+    fn vmm_owned_dir(&self, p: &Path) -> Result<(), String> {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::create_dir_all(p).map_err(|e| format!("creating {}: {e}", p.display()))?;
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| format!("{}: {e}", p.display()))?;
+        if let Ok(Some(r)) = &self.run_as {
+            std::os::unix::fs::chown(p, Some(r.uid), Some(r.gid))
+                .map_err(|e| format!("giving {} to the VMM's user: {e}", p.display()))?;
+        }
+        Ok(())
+    }
+
+    /// Starts a Firecracker process for the sandbox inside its network namespace, cgroup
+    /// and jail, with its API socket ready; no guest yet. `read_only`: the files the VM
+    /// will open (kernel, initrd and disk, or a snapshot's files), all it sees of the host
+    /// besides its binary, shared libraries and its own directories.
     fn spawn_vmm(
         &self,
         fc: &Firecracker,
         rec: &SandboxRecord,
         paths: &SandboxPaths,
         mem_mb: u64,
+        read_only: &[PathBuf],
     ) -> Result<Client, String> {
         let dir = &paths.dir;
         let api_sock = dir.join(API_SOCK);
+        let run_as = self.run_as.clone()?;
+        self.vmm_owned_dir(&dir.join(VMM_DIR))?;
+        self.vmm_owned_dir(&self.ram_vmm_dir(&rec.id))?;
         // A stale vsock socket makes a snapshot load fail with EADDRINUSE.
         for f in [API_SOCK, VSOCK_UDS] {
             let _ = std::fs::remove_file(dir.join(f));
         }
+        let root = dir.join(JAIL_ROOT);
+        std::fs::create_dir_all(&root).map_err(|e| format!("creating {}: {e}", root.display()))?;
+        let mut visible = vec![fc.path.clone()];
+        visible.extend(read_only.iter().cloned());
+        let jail = jail::Jail::new(&jail::Plan {
+            root,
+            read_only: visible,
+            read_write: vec![dir.join(VMM_DIR), self.ram_vmm_dir(&rec.id)],
+            run_as,
+        })?;
         let ns = netns::name(&rec.id);
-        netns::create(&ns)?;
+        netns::create(&ns, run_as)?;
         let ns_file = netns::open(&ns)?;
         let limits = cgroup::LeafLimits {
             memory_bytes: (mem_mb + VMM_OVERHEAD_MB) << 20,
@@ -364,9 +441,14 @@ impl MicrovmBackend {
             });
         }
         cgroup::own::join_before_exec(&mut cmd, &procs)?;
+        // Last: once jailed, the host's cgroup files and namespaces are out of sight.
+        // SAFETY: `enter` runs only system calls on strings prepared by `Jail::new`.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || jail.enter());
+        }
         let child = cmd
             .spawn()
-            .map_err(|e| format!("starting {}: {e}", fc.path.display()))?;
+            .map_err(|e| format!("starting {} in its jail: {e}", fc.path.display()))?;
         std::fs::write(dir.join(FC_PID), child.id().to_string())
             .map_err(|e| format!("writing {FC_PID}: {e}"))?;
         drop(ns_file);
@@ -439,7 +521,8 @@ impl MicrovmBackend {
             vsock_uds: paths.dir.join(VSOCK_UDS),
             track_dirty_pages: info.track_dirty_pages,
         };
-        let c = self.spawn_vmm(fc, rec, paths, info.mem_mb)?;
+        let visible = [plan.kernel.clone(), plan.initrd.clone(), plan.disk.clone()];
+        let c = self.spawn_vmm(fc, rec, paths, info.mem_mb, &visible)?;
         boot_calls(&c, &fc.caps, &plan).map_err(|e| e.to_string())?;
         self.spawn_proxy(paths)
     }
@@ -460,7 +543,13 @@ impl MicrovmBackend {
             track_dirty_pages: saved.track_dirty_pages,
         };
         write_json(&paths.dir.join(INFO), &info)?;
-        let c = self.spawn_vmm(fc, rec, paths, info.mem_mb)?;
+        let visible = [
+            saved_dir.join(snapshot::VMSTATE),
+            saved.mem.clone(),
+            saved.disk.clone(),
+        ];
+        self.give_to_vmm(&[&visible[0], &visible[1]])?;
+        let c = self.spawn_vmm(fc, rec, paths, info.mem_mb, &visible)?;
         load_calls(
             &c,
             &fc.caps,
@@ -497,16 +586,37 @@ impl MicrovmBackend {
         let c = self.client(&rec.id);
         let base = snapshot::base_mem(&self.ram_dir, &rec.id);
         let vmstate = dest.join(snapshot::VMSTATE);
-        if info.track_dirty_pages && base.is_file() && mem.parent() == base.parent() {
-            copy_sparse(&base, mem)?;
-            let diff = mem.with_extension("diff");
-            let r = snapshot_call(&c, api::SnapshotType::Diff, &vmstate, &diff)
-                .map_err(|e| e.to_string())
-                .and_then(|()| snapshot::merge_diff(&diff, mem));
-            let _ = std::fs::remove_file(&diff);
-            r?;
+        // The jailed VMM writes only into its own directories: it saves there, and the
+        // files are then moved where they belong (memory stays on the filesystem it was
+        // asked for: the RAM directory's VMM directory for memory bound for RAM).
+        let vmm = self.dir(&rec.id).join(VMM_DIR);
+        let out_state = vmm.join("out.vmstate");
+        let mem_out_dir = if mem.starts_with(&self.ram_dir) {
+            self.ram_vmm_dir(&rec.id)
         } else {
-            snapshot_call(&c, api::SnapshotType::Full, &vmstate, mem).map_err(|e| e.to_string())?;
+            vmm.clone()
+        };
+        let saved = if info.track_dirty_pages && base.is_file() && mem.parent() == base.parent() {
+            copy_sparse(&base, mem)?;
+            let diff = mem_out_dir.join("out.diff");
+            let r = snapshot_call(&c, api::SnapshotType::Diff, &out_state, &diff)
+                .map_err(|e| e.to_string())
+                .and_then(|()| snapshot::merge_diff(&diff, mem).map(drop));
+            let _ = std::fs::remove_file(&diff);
+            r
+        } else {
+            let out_mem = mem_out_dir.join("out.mem");
+            snapshot_call(&c, api::SnapshotType::Full, &out_state, &out_mem)
+                .map_err(|e| e.to_string())
+                .and_then(|()| move_file(&out_mem, mem))
+        }
+        .and_then(|()| move_file(&out_state, &vmstate));
+        if let Err(e) = saved {
+            for f in ["out.vmstate", "out.mem", "out.diff"] {
+                let _ = std::fs::remove_file(vmm.join(f));
+                let _ = std::fs::remove_file(mem_out_dir.join(f));
+            }
+            return Err(e);
         }
         if info.track_dirty_pages {
             self.set_base(&rec.id, mem);
@@ -530,6 +640,13 @@ impl MicrovmBackend {
         kill(&dir.join(PROXY_PID));
         for f in [API_SOCK, VSOCK_UDS, FC_PID, PROXY_PID] {
             let _ = std::fs::remove_file(dir.join(f));
+        }
+        // The jail's mount point (empty on the host: the jail lived in the VMM's
+        // namespace) and the VMM's own directories.
+        let _ = std::fs::remove_dir(dir.join(JAIL_ROOT));
+        let _ = std::fs::remove_dir_all(dir.join(VMM_DIR));
+        if let Some(id) = dir.file_name().and_then(|n| n.to_str()) {
+            let _ = std::fs::remove_dir_all(self.ram_vmm_dir(id));
         }
         // Guest-initiated vsock connections leave `<uds>_<port>` sockets.
         if let Ok(rd) = std::fs::read_dir(dir) {
@@ -932,6 +1049,7 @@ mod tests {
             &MicrovmConfig {
                 binary: Some(d.path().join("no-firecracker")),
                 diff_snapshots: false,
+                run_as: "nobody".into(),
             },
             Ok(PathBuf::from("/bin/true")),
             images,
@@ -953,32 +1071,74 @@ mod tests {
         );
     }
 
-    /// A stand-in Firecracker: answers `--version`, and otherwise serves 204s on its
-    /// `--api-sock`, logging each request line and its own argv.
-    const FAKE_FIRECRACKER: &str = r#"#!/usr/bin/env python3
-import os, socket, sys
-if sys.argv[1:2] == ["--version"]:
-    print("Firecracker v1.16.1"); sys.exit(0)
-if sys.argv[1:2] == ["--snapshot-version"]:
-    print("v10.0.0"); sys.exit(0)
-here = os.path.dirname(os.path.abspath(__file__))
-open(os.path.join(here, "argv"), "w").write(" ".join(sys.argv[1:]))
-sock = sys.argv[sys.argv.index("--api-sock") + 1]
-s = socket.socket(socket.AF_UNIX); s.bind(sock); s.listen(8)
-while True:
-    c, _ = s.accept(); f = c.makefile("rb")
-    line = f.readline().decode(); n = 0
-    while True:
-        h = f.readline().decode()
-        if h in ("\r\n", ""): break
-        if h.lower().startswith("content-length:"): n = int(h.split(":")[1])
-    f.read(n)
-    with open(os.path.join(here, "calls"), "a") as log: log.write(" ".join(line.split()[:2]) + "\n")
-    if line.startswith("GET"):
-        c.sendall(b"HTTP/1.1 200 \r\nContent-Length: 2\r\n\r\n{}")
-    else:
-        c.sendall(b"HTTP/1.1 204 \r\n\r\n")
-    c.close()
+    /// A stand-in Firecracker (C, built by the test: the jail holds no interpreter):
+    /// answers `--version`, and otherwise writes what it finds in its jail to `report`
+    /// next to its `--api-sock` (its ids, `no_new_privs`, the root's entries, whether the
+    /// host's files and its devices open), logs its argv, and serves 200s (GET) and 204s
+    /// on the socket, logging each request line to `calls`.
+    const FAKE_FIRECRACKER: &str = r#"
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+static char dir[4096];
+static FILE *at(const char *name, const char *mode) {
+    char p[4200]; snprintf(p, sizeof p, "%s/%s", dir, name); return fopen(p, mode);
+}
+static int opens(const char *p, int flags) {
+    int fd = open(p, flags); if (fd < 0) return errno; close(fd); return 0;
+}
+int main(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "--version")) { puts("Firecracker v1.16.1"); return 0; }
+    if (argc > 1 && !strcmp(argv[1], "--snapshot-version")) { puts("v10.0.0"); return 0; }
+    const char *sock = 0;
+    for (int i = 1; i + 1 < argc; i++) if (!strcmp(argv[i], "--api-sock")) sock = argv[i + 1];
+    if (!sock) return 2;
+    snprintf(dir, sizeof dir, "%s", sock);
+    *strrchr(dir, '/') = 0;
+    FILE *r = at("report", "w");
+    fprintf(r, "uid=%d gid=%d groups=%d nnp=%d\n", getuid(), getgid(), getgroups(0, 0),
+            prctl(PR_GET_NO_NEW_PRIVS, 0, 0, 0, 0));
+    fprintf(r, "root=");
+    DIR *d = opendir("/"); struct dirent *e;
+    while (d && (e = readdir(d))) if (e->d_name[0] != '.') fprintf(r, "%s,", e->d_name);
+    fprintf(r, "\npasswd=%d kvm=%d tun=%d\n", opens("/etc/passwd", O_RDONLY),
+            opens("/dev/kvm", O_RDWR), opens("/dev/net/tun", O_RDWR));
+    fclose(r);
+    FILE *a = at("argv", "w");
+    for (int i = 1; i < argc; i++) fprintf(a, "%s ", argv[i]);
+    fclose(a);
+    int s = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un sa = { .sun_family = AF_UNIX };
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", sock);
+    unlink(sock);
+    if (bind(s, (struct sockaddr *)&sa, sizeof sa) || listen(s, 8)) return 3;
+    for (;;) {
+        int c = accept(s, 0, 0); if (c < 0) continue;
+        char buf[65536]; int n = 0, k;
+        while (n < (int)sizeof buf - 1 && (k = read(c, buf + n, sizeof buf - 1 - n)) > 0) {
+            n += k; buf[n] = 0;
+            char *end = strstr(buf, "\r\n\r\n"); if (!end) continue;
+            char *cl = strcasestr(buf, "content-length:");
+            int want = (end - buf) + 4 + (cl ? atoi(cl + 15) : 0);
+            if (n >= want) break;
+        }
+        buf[n] = 0;
+        char method[16] = "", path[256] = "";
+        sscanf(buf, "%15s %255s", method, path);
+        FILE *l = at("calls", "a"); fprintf(l, "%s %s\n", method, path); fclose(l);
+        const char *ok = !strcmp(method, "GET") ? "HTTP/1.1 200 \r\nContent-Length: 2\r\n\r\n{}"
+                                                : "HTTP/1.1 204 \r\n\r\n";
+        write(c, ok, strlen(ok)); close(c);
+    }
+}
 "#;
 
     fn netns_inode(path: &Path) -> u64 {
@@ -987,23 +1147,35 @@ while True:
     }
 
     #[test]
-    fn the_vmm_starts_in_its_namespace_and_cgroup_and_is_cleaned_up() {
-        use std::os::unix::fs::PermissionsExt;
+    fn the_vmm_starts_jailed_in_its_namespace_and_cgroup_and_is_cleaned_up() {
         // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 || !Path::new("/usr/bin/python3").exists() {
-            eprintln!("skipped: needs root and python3");
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: needs root");
             return;
         }
         let d = tempfile::tempdir().unwrap();
         let bin_dir = d.path().join("bin");
         std::fs::create_dir_all(&bin_dir).unwrap();
+        let src = bin_dir.join("standin.c");
+        std::fs::write(&src, FAKE_FIRECRACKER).unwrap();
         let fake = bin_dir.join("firecracker");
-        std::fs::write(&fake, FAKE_FIRECRACKER).unwrap();
-        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let cc = std::process::Command::new("cc")
+            .args(["-O", "-o"])
+            .arg(&fake)
+            .arg(&src)
+            .output();
+        match cc {
+            Ok(o) if o.status.success() => {}
+            other => {
+                eprintln!("skipped: no C compiler for the stand-in: {other:?}");
+                return;
+            }
+        }
         let b = MicrovmBackend::new(
             &MicrovmConfig {
                 binary: Some(fake.clone()),
                 diff_snapshots: false,
+                run_as: "nobody".into(),
             },
             Ok(PathBuf::from("/bin/true")),
             ImageStore::open(d.path().join("images")).unwrap(),
@@ -1015,6 +1187,7 @@ while True:
             b.fc.as_ref()
                 .expect("the stand-in passes the probe")
                 .clone();
+        let nobody = jail::RunAs::lookup("nobody").unwrap().unwrap();
         let mut r = [0u8; 4];
         dsec_common::id::fill_random(&mut r);
         let id = format!("t-{}", hex::encode(r));
@@ -1029,6 +1202,12 @@ while True:
         .unwrap();
         let dir = d.path().join("sandboxes").join(&id);
         std::fs::create_dir_all(&dir).unwrap();
+        // What the VM boots from (stand-ins), and a secret of the sandbox directory the
+        // jail must not show.
+        let kernel = d.path().join("images/guest/vmlinux");
+        std::fs::create_dir_all(kernel.parent().unwrap()).unwrap();
+        std::fs::write(&kernel, b"kernel").unwrap();
+        std::fs::write(dir.join("state.json"), b"secret").unwrap();
         let paths = SandboxPaths {
             channel: dir.join("aether.sock"),
             dir: dir.clone(),
@@ -1042,7 +1221,9 @@ while True:
         }
         let _cleanup = Cleanup(&b, &rec, &paths);
 
-        let c = b.spawn_vmm(&fc, &rec, &paths, 128).unwrap();
+        let c = b
+            .spawn_vmm(&fc, &rec, &paths, 128, std::slice::from_ref(&kernel))
+            .unwrap();
         pause_call(&c).unwrap();
         let pid = read_pid(&dir.join(FC_PID)).unwrap();
         assert!(alive(pid));
@@ -1052,15 +1233,101 @@ while True:
             netns_inode(&netns::path(&ns)),
             "Firecracker is not in its namespace"
         );
+        assert_ne!(
+            netns_inode(&PathBuf::from(format!("/proc/{pid}/ns/mnt"))),
+            netns_inode(Path::new("/proc/self/ns/mnt")),
+            "Firecracker shares the edge's mount namespace"
+        );
         let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
         assert!(cg.contains(&format!("/dsec/{id}")), "{cg}");
-        let argv = std::fs::read_to_string(bin_dir.join("argv")).unwrap();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let field = |k: &str| {
+            status
+                .lines()
+                .find(|l| l.starts_with(k))
+                .unwrap_or("")
+                .split_whitespace()
+                .skip(1)
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        let n = nobody.uid.to_string();
+        assert_eq!(field("Uid:"), format!("{n} {n} {n} {n}"), "{status}");
+        assert_eq!(field("CapEff:"), "0000000000000000", "{status}");
+        assert_eq!(field("NoNewPrivs:"), "1", "{status}");
+
+        // From inside: its user, no groups, a root with nothing of the host's but what
+        // it was given, its own devices.
+        let vmm = dir.join(VMM_DIR);
+        let report = std::fs::read_to_string(vmm.join("report")).unwrap();
+        println!("the stand-in's view from its jail:\n{report}");
+        assert!(
+            report.starts_with(&format!(
+                "uid={} gid={} groups=0 nnp=1",
+                nobody.uid, nobody.gid
+            )),
+            "{report}"
+        );
+        let root_line = report.lines().nth(1).unwrap();
+        let mut entries: Vec<&str> = root_line
+            .trim_start_matches("root=")
+            .split(',')
+            .filter(|e| !e.is_empty())
+            .collect();
+        entries.sort();
+        let top = |p: &Path| {
+            p.components()
+                .nth(1)
+                .unwrap()
+                .as_os_str()
+                .to_str()
+                .unwrap()
+                .to_string()
+        };
+        for want in [
+            top(&fake),
+            top(&kernel),
+            top(&dir),
+            "dev".to_string(),
+            "usr".to_string(),
+        ] {
+            assert!(
+                entries.contains(&want.as_str()),
+                "{want} missing: {entries:?}"
+            );
+        }
+        for never in ["etc", "root", "proc", "sys", "home", "run", "var"] {
+            if top(d.path()) != never {
+                assert!(
+                    !entries.contains(&never),
+                    "/{never} is visible in the jail: {entries:?}"
+                );
+            }
+        }
+        // The host's files do not exist for it; its devices open as its own.
+        assert!(report.contains("passwd=2 "), "{report}");
+        assert!(
+            report.contains("kvm=0") || report.contains("kvm=6"),
+            "{report}"
+        );
+        assert!(report.contains("tun=0"), "{report}");
+        // What the jail holds of the sandbox directory: its own vmm/ only.
+        let seen: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/root{}", dir.display()))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(seen, vec![VMM_DIR.to_string()], "the jail shows {seen:?}");
+        assert_eq!(
+            std::fs::read(format!("/proc/{pid}/root{}", kernel.display())).unwrap(),
+            b"kernel"
+        );
+        let argv = std::fs::read_to_string(vmm.join("argv")).unwrap();
         assert!(
             argv.contains("--api-sock") && argv.contains(&format!("--id {id}")),
             "{argv}"
         );
         assert!(!argv.contains("seccomp"), "{argv}");
-        let calls = std::fs::read_to_string(bin_dir.join("calls")).unwrap();
+        let calls = std::fs::read_to_string(vmm.join("calls")).unwrap();
         assert_eq!(calls, "GET /\nPATCH /vm\n");
 
         b.destroy(&rec, &paths).unwrap();
@@ -1070,5 +1337,6 @@ while True:
             crate::cgroup::leftovers(b.mode, &crate::cgroup::sandbox_cgroup_path(&id)).is_empty()
         );
         assert!(!dir.join(API_SOCK).exists() && !dir.join(FC_PID).exists());
+        assert!(!dir.join(JAIL_ROOT).exists() && !b.ram_vmm_dir(&id).exists());
     }
 }

@@ -13,6 +13,8 @@ use std::fs::File;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
+use super::jail::RunAs;
+
 /// The tap inside every microVM's namespace.
 pub const TAP: &str = "fctap0";
 /// The guest's interface id in Firecracker's API.
@@ -49,16 +51,20 @@ fn ip_batch(ns: Option<&str>, lines: &str) -> Result<(), String> {
 /// Makes the namespace with loopback up and the tap at [`HOST_CIDR`]; on failure removes
 /// what it made. An existing namespace of that name is reused (a wake after a pause to
 /// disk, whose Firecracker process ended but whose namespace stayed).
-pub fn create(ns: &str) -> Result<(), String> {
+pub fn create(ns: &str, owner: Option<RunAs>) -> Result<(), String> {
     if exists(ns) && has_tap(ns) {
         return Ok(());
     }
+    // A jailed Firecracker has no capabilities: it may attach to the tap only as its owner.
+    let owner = owner
+        .map(|o| format!(" user {} group {}", o.uid, o.gid))
+        .unwrap_or_default();
     let made = ip_batch(None, &format!("netns add {ns}\n")).and_then(|()| {
         ip_batch(
             Some(ns),
             &format!(
                 "link set lo up\n\
-                 tuntap add dev {TAP} mode tap\n\
+                 tuntap add dev {TAP} mode tap{owner}\n\
                  addr add {HOST_CIDR} dev {TAP}\n\
                  link set {TAP} up\n"
             ),
@@ -136,8 +142,8 @@ mod tests {
         }
         let (a, b) = (name(&unique("a")), name(&unique("b")));
         let guard = Guard(vec![a.clone(), b.clone()]);
-        create(&a).unwrap();
-        create(&b).unwrap();
+        create(&a, None).unwrap();
+        create(&b, None).unwrap();
         for ns in [&a, &b] {
             assert!(exists(ns), "{ns} missing");
             assert!(has_tap(ns), "{ns} has no {TAP}");
@@ -146,7 +152,7 @@ mod tests {
             open(ns).unwrap();
         }
         // Idempotent for a namespace that is already complete.
-        create(&a).unwrap();
+        create(&a, None).unwrap();
         remove(&a);
         assert!(!exists(&a) && exists(&b));
         remove(&b);
