@@ -202,6 +202,35 @@ async def test_snapshots_and_commits_count_against_the_disk_quota(client):
                 pass
 
 
+async def test_builds_hold_disk_in_the_images_project(client):
+    """An image built on the node holds the bytes its build added in the image's project:
+    the build that would pass the quota is refused before its name points at it."""
+    import json
+
+    p = f"root/bdisk-{_uid()}"
+    await client.create_project(p, disk_mb=1)
+
+    def build(name: str, size: int) -> dict:
+        spec = {"name": name, "from": "root/base",
+                "step": [{"file": "/blob", "content": "x" * size}]}
+        r = httpx.post(f"{client.api_url}/v1/images/builds", json=spec, timeout=300,
+                       headers={"Authorization": f"Bearer {client.api_key}"})
+        assert r.status_code == 200, r.text
+        return json.loads(r.text.splitlines()[-1])
+
+    small = build(f"{p}/small:1", 100_000)
+    assert small.get("image") == f"{p}/small:1", small
+    assert (await _usage(client, p))["disk_mb"] == 1
+    big = build(f"{p}/big:1", 2_000_000)
+    assert big["error"]["code"] == "resource_exhausted", big
+    assert "MiB of disk" in big["error"]["message"], big
+    images = {i["reference"] for i in (await client._request("GET", "/v1/images"))["images"]}
+    assert f"{p}/small:1" in images and f"{p}/big:1" not in images
+    assert (await _usage(client, p))["disk_mb"] == 1
+    for ref in (f"{p}/small:1",):
+        dsec("image", "rm", ref, "--data-dir", str(DATA))
+
+
 def test_cli_iam_commands():
     p = f"root/cli-{_uid()}"
     r = dsec("iam", "project-create", p, "--sandboxes", "3", "--cpus", "2")

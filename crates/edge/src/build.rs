@@ -53,14 +53,16 @@ impl Edge {
                 return Err(ApiError::not_found(format!("image {base} not found")));
             }
         }
+        let refused = Arc::new(std::sync::Mutex::new(None));
         let steps = SandboxSteps {
             edge: self.clone(),
             rt: tokio::runtime::Handle::current(),
             project,
             image: target,
+            refused: refused.clone(),
         };
         let images = self.images.clone();
-        blocking(move || {
+        let built = blocking(move || {
             // Lines are sent from inside the steps' async code too, so the channel never
             // blocks (what it holds is bounded by the build's own output); a reader that
             // left does not stop the build.
@@ -69,8 +71,11 @@ impl Edge {
             };
             dsec_image::build::build(&images, &spec, Some(&steps), &mut p)
         })
-        .await?
-        .map_err(|e| match e {
+        .await?;
+        if let Some(e) = refused.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            return Err(e);
+        }
+        built.map_err(|e| match e {
             ImageError::Build(m) => ApiError::precondition(m),
             other => image_error(other),
         })
@@ -83,9 +88,26 @@ struct SandboxSteps {
     rt: tokio::runtime::Handle,
     project: String,
     image: ImageRef,
+    /// A quota refusal before the tag, returned as it is (429) rather than as a build
+    /// failure.
+    refused: Arc<std::sync::Mutex<Option<ApiError>>>,
 }
 
 impl StepRunner for SandboxSteps {
+    /// The layers the build added hold disk in the image's project, as a commit's do.
+    fn before_tag(&self, added: u64) -> Result<(), ImageError> {
+        let Some(q) = &self.edge.quotas else {
+            return Ok(());
+        };
+        let hold = crate::commit::image_hold_id(&self.edge.cfg.name, &self.image);
+        q.hold_disk(&hold, &self.image.project(), &self.edge.cfg.name, added)
+            .map_err(|e| {
+                let m = e.message.clone();
+                *self.refused.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                ImageError::Build(m)
+            })
+    }
+
     fn run(
         &self,
         step: &RunStep<'_>,

@@ -88,13 +88,13 @@ pub(crate) fn image_hold_id(edge: &str, r: &ImageRef) -> String {
 }
 
 impl Edge {
-    /// The hold ids of the committed images in the store (see [`image_hold_id`]).
-    pub(crate) fn commit_hold_ids(&self) -> Vec<String> {
+    /// The hold ids of the images in the store (see [`image_hold_id`]): commits and
+    /// builds on this edge hold disk under them; for other images they hold nothing.
+    pub(crate) fn image_hold_ids(&self) -> Vec<String> {
         self.images
             .list()
             .unwrap_or_default()
             .into_iter()
-            .filter(|i| i.manifest.source.starts_with("commit of a sandbox"))
             .filter_map(|i| ImageRef::parse(&i.reference).ok())
             .map(|r| image_hold_id(&self.cfg.name, &r))
             .collect()

@@ -294,7 +294,7 @@ impl Edge {
             let mut live = edge.ids();
             live.extend(edge.snapshot_ids());
             let e2 = edge.clone();
-            live.extend(blocking(move || e2.commit_hold_ids()).await?);
+            live.extend(blocking(move || e2.image_hold_ids()).await?);
             q.reconcile(&edge.cfg.name, live);
         }
         Ok(edge)

@@ -263,6 +263,13 @@ pub trait StepRunner {
         upper: &Path,
         progress: &mut dyn FnMut(&str),
     ) -> Result<(), ImageError>;
+
+    /// Called once the image's layers are in the store, before its name points at it:
+    /// `added` bytes of layers over its base. An error stops the build (the name keeps
+    /// what it had).
+    fn before_tag(&self, _added: u64) -> Result<(), ImageError> {
+        Ok(())
+    }
 }
 
 impl BuildSpec {
@@ -302,6 +309,7 @@ pub fn build(
         }
         None => (Vec::new(), BTreeMap::new(), None, None, 0, String::new()),
     };
+    let base_size = size;
     if spec.start.is_some() {
         start = spec.start.clone();
     }
@@ -398,6 +406,9 @@ pub fn build(
         size_bytes: size,
         source,
     };
+    if let Some(r) = runner {
+        r.before_tag(manifest.size_bytes.saturating_sub(base_size))?;
+    }
     let digest = store.put_manifest(&manifest)?;
     store.tag(&name, &digest)?;
     progress(&format!("tagged {name} -> {}", &digest[..12]));
