@@ -2,6 +2,7 @@
 //! sandbox ids (which name their edge) and the client configuration file.
 
 pub mod api;
+pub mod beneath;
 pub mod channel;
 pub mod client_config;
 pub mod disk;

@@ -437,6 +437,47 @@ mod tests {
             });
     }
 
+    /// A writer whose bytes a test can read back.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Captured {
+        fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Fuzz target: the host's end (vmux) fed any bytes after a correct echo of its RESET
+    /// (what a hostile guest kernel can send once the link is up) ends cleanly, with a
+    /// stream of its own open, and never holds more than the window for it.
+    #[test]
+    fn fuzz_host_link_bytes() {
+        bolero::check!()
+            .with_iterations(crate::FUZZ_CASES)
+            .for_each(|input: &[u8]| {
+                let out = Captured::default();
+                let m = Mux::host(Box::new(out.clone())).unwrap();
+                let sent = out.0.lock().unwrap().clone();
+                // The RESET is the frame after the filler: echo it, as a guest does.
+                let reset = &sent[FILLER..FILLER + HEADER + NONCE];
+                let (ours, _theirs) = UnixStream::pair().unwrap();
+                m.open(ours).unwrap();
+                let mut feed = vec![SYNC; 3];
+                feed.extend_from_slice(reset);
+                feed.extend_from_slice(input);
+                let _ = m.run(&feed[..]);
+                assert_eq!(
+                    m.open_streams(),
+                    0,
+                    "every stream is dropped when the link ends"
+                );
+            });
+    }
+
     /// A guest that answers each stream: reads a request line `N` and writes N bytes back
     /// (a digest-checkable pattern), or echoes everything for `echo`.
     fn guest_service(s: UnixStream) {

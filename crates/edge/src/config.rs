@@ -51,7 +51,8 @@ pub struct EdgeConfig {
     /// developer preview.
     pub firecracker_diff_snapshots: bool,
     /// The user Firecracker runs as, jailed (see `backend/microvm/jail.rs`): an escape
-    /// from the VMM lands there. Empty keeps it root (still jailed).
+    /// from the VMM lands there. Empty keeps it root, which can leave the jail's chroot:
+    /// for debugging only.
     pub firecracker_run_as: String,
 }
 

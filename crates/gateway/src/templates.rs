@@ -451,6 +451,16 @@ fn stage_copies(
         } else {
             let rel = inside(&c.src)
                 .ok_or_else(|| format!("COPY source {:?} leaves the context", c.src))?;
+            // The path as the copy will resolve it (every link but the last followed)
+            // must stay in the context.
+            if let Err(e) = dsec_common::beneath::open_beneath(&dir.join("ctx"), &rel, false)
+                && e.raw_os_error() != Some(libc::ENOENT)
+            {
+                return Err(format!(
+                    "COPY source {:?} leads outside the context ({e})",
+                    c.src
+                ));
+            }
             dir.join("ctx").join(rel)
         };
         let meta = std::fs::symlink_metadata(&from)

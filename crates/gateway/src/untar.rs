@@ -4,8 +4,11 @@
 //! - its path is relative, of plain components (no `..`, no root);
 //! - no directory on the way to it is a symlink (an earlier entry's `l -> /etc` cannot
 //!   carry a later `l/shadow` out);
-//! - a symlink's target is relative and stays inside the directory; a hard link names a
-//!   regular file already unpacked (it becomes a copy);
+//! - a symlink's target is relative and stays inside the directory, by its text when it
+//!   is unpacked and, once everything is, by the kernel's resolution through every other
+//!   link (`openat2` with `RESOLVE_BENEATH`: `a -> .` then `b -> a/..` climbs out though
+//!   each looks inside); a hard link names a regular file already unpacked (it becomes a
+//!   copy);
 //! - devices, FIFOs and other special entries are refused;
 //! - set-uid, set-gid and sticky bits are dropped, and owners are not kept (files belong
 //!   to the unpacker);
@@ -82,6 +85,7 @@ fn real_dirs(root: &Path, rel: &Path) -> Result<(), String> {
 pub fn unpack(r: impl Read, dir: &Path) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
     let mut a = tar::Archive::new(r);
+    let mut links: Vec<PathBuf> = Vec::new();
     let mut entries = 0usize;
     let mut bytes = 0u64;
     for e in a
@@ -157,6 +161,7 @@ pub fn unpack(r: impl Read, dir: &Path) -> Result<(), String> {
             }
             std::os::unix::fs::symlink(&target, &dest)
                 .map_err(|err| format!("linking {}: {err}", rel.display()))?;
+            links.push(rel.clone());
         } else if kind.is_hard_link() {
             let target = e
                 .link_name()
@@ -188,6 +193,19 @@ pub fn unpack(r: impl Read, dir: &Path) -> Result<(), String> {
             ));
         }
     }
+    // Every link now resolves against everything unpacked: none may lead out.
+    for l in &links {
+        match dsec_common::beneath::stays_beneath(dir, l) {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(format!(
+                    "symlink {} leads outside the archive's directory (through other links)",
+                    l.display()
+                ));
+            }
+            Err(e) => return Err(format!("checking symlink {}: {e}", l.display())),
+        }
+    }
     Ok(())
 }
 
@@ -208,7 +226,25 @@ mod tests {
             .for_each(|input: &[u8]| {
                 n += 1;
                 let dir = t.path().join(format!("ctx{n}"));
-                let _ = unpack(input, &dir);
+                if unpack(input, &dir).is_ok() {
+                    // Whatever was kept resolves inside, links through links included.
+                    let mut stack = vec![dir.clone()];
+                    while let Some(d) = stack.pop() {
+                        for e in std::fs::read_dir(&d).unwrap().flatten() {
+                            let ft = e.file_type().unwrap();
+                            let rel = e.path().strip_prefix(&dir).unwrap().to_path_buf();
+                            if ft.is_dir() {
+                                stack.push(e.path());
+                            } else if ft.is_symlink() {
+                                assert!(
+                                    dsec_common::beneath::stays_beneath(&dir, &rel).unwrap(),
+                                    "{} leads out",
+                                    rel.display()
+                                );
+                            }
+                        }
+                    }
+                }
                 let _ = std::fs::remove_dir_all(&dir);
                 assert!(std::fs::read_dir(&outside).unwrap().next().is_none());
             });
@@ -300,6 +336,14 @@ mod tests {
             .permissions()
             .mode();
         assert_eq!(mode & 0o7777, 0o755, "set-uid dropped");
+        // Links through links that stay inside, and dangling ones, are kept.
+        let (_t, r) = try_unpack(&[
+            E::Dir("a/b"),
+            E::Link("a/up", ".."),
+            E::Link("a/b/up2", "../up"),
+            E::Link("gone", "missing"),
+        ]);
+        r.unwrap();
     }
 
     #[test]
@@ -329,6 +373,17 @@ mod tests {
             ),
             ("hard link out", vec![E::Hard("h", "../outside/x")]),
             ("device", vec![E::Dev("null")]),
+            (
+                // Each link's text stays inside; resolved through each other they climb
+                // out (a COPY of `l3/outside/...` would then read the host's files).
+                "a chain of links",
+                vec![
+                    E::Link("l1", "."),
+                    E::Link("l2", "l1/.."),
+                    E::Link("l3", "l2/.."),
+                ],
+            ),
+            ("a link to itself", vec![E::Link("loop", "loop")]),
         ] {
             let (t, r) = try_unpack(&entries);
             let e = r.expect_err(what);
