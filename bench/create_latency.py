@@ -5,7 +5,9 @@ floor: a plain OCI runtime run of the same image (same overlay of the same layer
 runtime's default namespaces) in the same run.
 
     python3 bench/create_latency.py -n 200 -c 16
-Prints p50/p90/p99 and sandboxes per second for both, and writes JSON to bench/results/.
+Prints p50/p90/p99 and sandboxes per second for both, where the server's side of a create
+went (from its log: admit, reserve, record, network, backend, agent), and writes JSON to
+bench/results/.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ async def bench_dsec(api_url: str, api_key: str, image: str, n: int, c: int) -> 
         await asyncio.gather(*(stop(i) for i in ids))
         out = summary(lat, wall, failures)
         out["stop_all_s"] = round(time.perf_counter() - t1, 2)
+        out["ids"] = ids
         return out
 
 
@@ -128,6 +131,27 @@ def bench_oci(runtime: str, layers: list[Path], n: int, c: int, hybrid: bool) ->
     return summary(lat, wall, failures)
 
 
+def phases(log: Path, since: int, ids: set[str]) -> dict:
+    """Where the server's side of each create went: the `phases=` of its "sandbox running"
+    log lines (admit, reserve, record, network, backend, agent; ms), for the sandboxes of
+    this run. Returns each phase's p50 and mean and its share of the total."""
+    per: dict[str, list[float]] = {}
+    with open(log, "rb") as f:
+        f.seek(since)
+        for line in f.read().decode(errors="replace").splitlines():
+            if "sandbox running" not in line or "phases=" not in line:
+                continue
+            sid = line.split("sandbox=", 1)[1].split()[0] if "sandbox=" in line else ""
+            if sid not in ids:
+                continue
+            for part in line.split("phases=", 1)[1].split()[0].split(","):
+                name, ms = part.split(":")
+                per.setdefault(name, []).append(float(ms))
+    total = sum(statistics.mean(v) for v in per.values()) or 1.0
+    return {k: {"p50_ms": round(pct(v, 50), 2), "mean_ms": round(statistics.mean(v), 2),
+                "share": round(statistics.mean(v) / total, 3)} for k, v in per.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=200, help="sandboxes to create")
@@ -147,7 +171,10 @@ def main() -> None:
         layers = [store / "layers" / l for l in manifest["layers"]]
         hybrid = Path("/sys/fs/cgroup/unified/cgroup.controllers").exists() and a.runtime.endswith("crun")
         print(f"OpenDsec create->first exec, {a.image}, n={a.n}, concurrency={a.c}, runtime={a.runtime}")
+        log = data / "dsec.log"
+        since = log.stat().st_size if log.exists() else 0
         d = asyncio.run(bench_dsec(url, key, a.image, a.n, a.c))
+        d["server_phases"] = phases(log, since, set(d.pop("ids"))) if log.exists() else {}
         print(f"plain `{a.runtime} run /bin/true` on an overlay of the same layers (floor)")
         o = bench_oci(a.runtime, layers, a.n, a.c, hybrid)
     finally:
@@ -156,6 +183,11 @@ def main() -> None:
     print(f"\n{'':22} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'per s':>7} {'fail':>5}")
     for name, r in rows:
         print(f"{name:22} {r['p50_ms']:8.1f} {r['p90_ms']:8.1f} {r['p99_ms']:8.1f} {r['per_second']:7.1f} {r['failures']:5d}")
+    if d.get("server_phases"):
+        print(f"\nthe server's side of a create, by step ({len(d['server_phases'])} steps):")
+        print(f"{'':12} {'p50 ms':>8} {'mean ms':>8} {'share':>6}")
+        for k, v in d["server_phases"].items():
+            print(f"{k:12} {v['p50_ms']:8.2f} {v['mean_ms']:8.2f} {v['share']:6.0%}")
     out = {"bench": "create_latency", "image": a.image, "n": a.n, "concurrency": a.c, "runtime": a.runtime,
            "host_cpus": os.cpu_count(), "opendsec": d, "oci_floor": o}
     write_result("create_latency", out)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import DATA, leftovers, server_down, server_up, wait_for
+from conftest import DATA, dsec, leftovers, server_down, server_up, wait_for
 from opendsec import DSecClient, DSecRunArgs, NotFoundError
 from opendsec.errors import DSecError
 
@@ -172,6 +172,34 @@ async def test_restart_keeps_sandboxes_running(client):
         assert r.stdout == "kept\n1\n"
         await (await c3.get_sandbox(sb.id)).stop()
     assert leftovers(sb.id) == []
+
+
+async def test_down_stops_every_sandbox_with_progress_while_iam_is_up(client):
+    """`dsec down` stops sandboxes a bounded number at a time, says how far it is, waits as
+    long as they keep stopping, and every reservation is released while IAM still runs."""
+    project = f"root/down-{os.urandom(3).hex()}"
+    await client.create_project(project, sandboxes=40)
+    made = await asyncio.gather(*(client.run_sandbox(DSecRunArgs(image="root/base", project=project))
+                                  for _ in range(24)))
+    log = DATA / "dsec.log"
+    before = log.stat().st_size if log.exists() else 0
+    try:
+        r = dsec("down", "--data-dir", str(DATA), timeout=300)
+    finally:
+        written = log.read_bytes()[before:].decode(errors="replace") if log.exists() else ""
+        server_up()
+    print(r.stderr.strip().splitlines()[-3:], r.stdout.strip())
+    lines = [l for l in r.stderr.splitlines() if l.startswith("stopped ")]
+    assert lines and lines[-1].endswith(" sandboxes"), r.stderr
+    done, total = int(lines[-1].split()[1]), int(lines[-1].split()[3])
+    assert done == total >= 24, lines
+    for s in made:
+        assert leftovers(s.id) == [], s.id
+    assert "releasing its quota" not in written, "a reservation was released after IAM stopped"
+    async with DSecClient() as c2:
+        usage = next(p for p in await c2.projects() if p["path"] == project)["usage"]
+        assert usage["sandboxes"] == 0, usage
+        assert [s for s in await c2.list_sandboxes() if s.project == project] == []
 
 
 async def test_container_snapshot_keeps_files_for_later(client):

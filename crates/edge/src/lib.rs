@@ -613,18 +613,24 @@ impl Edge {
         seed: Option<PathBuf>,
     ) -> Result<SandboxInfo, ApiError> {
         self.creating.fetch_add(1, Ordering::SeqCst);
+        let mut phases = Phases::start();
         let result = async {
             self.admit()?;
+            phases.mark("admit");
             if let Some(q) = &self.quotas {
                 q.reserve(&rec)?;
             }
+            phases.mark("reserve");
             self.registry.save(&rec)?;
+            phases.mark("record");
             self.attach_network(&mut rec).await?;
+            phases.mark("network");
             let paths = self.paths(&rec.id);
             let channel = paths.channel.clone();
             let (b2, r2) = (backend.clone(), rec.clone());
             let restored = seed.is_some() && backend.fork_preserves_memory();
             blocking(move || b2.create(&r2, &paths, seed.as_deref())).await??;
+            phases.mark("backend");
             let ready = async {
                 channel::wait_ready(&channel, backend.start_timeout()).await?;
                 if restored {
@@ -645,8 +651,10 @@ impl Edge {
                 let _ = blocking(move || b2.destroy(&r2, &p2)).await;
                 return Err(e);
             }
+            phases.mark("agent");
             rec.state = SandboxState::Running;
             self.registry.save(&rec)?;
+            phases.mark("record");
             Ok(rec.info())
         }
         .await;
@@ -654,7 +662,8 @@ impl Edge {
         match result {
             Ok(info) => {
                 self.insert(rec);
-                tracing::info!(sandbox = %info.id, image = %info.image, "sandbox running");
+                // Where the create's time went (`bench/create_latency.py` sums these).
+                tracing::info!(sandbox = %info.id, image = %info.image, phases = %phases, "sandbox running");
                 Ok(info)
             }
             Err(e) => {
@@ -1187,15 +1196,27 @@ impl Edge {
     }
 
     /// Stops every sandbox (for `dsec down`).
-    pub async fn stop_all(self: &Arc<Self>) {
-        let mut tasks = Vec::new();
-        for id in self.ids() {
-            let edge = self.clone();
-            tasks.push(tokio::spawn(async move { edge.stop(&id).await }));
-        }
-        for t in tasks {
-            let _ = t.await;
-        }
+    /// Stops every sandbox, a bounded number at a time (thousands at once would only
+    /// queue on the same cores and locks), calling `progress(left, total)` as each ends.
+    pub async fn stop_all(self: &Arc<Self>, progress: impl Fn(usize, usize)) {
+        use futures_util::StreamExt;
+        let ids = self.ids();
+        let total = ids.len();
+        let left = std::sync::atomic::AtomicUsize::new(total);
+        progress(total, total);
+        let at_once = std::thread::available_parallelism().map_or(2, |n| n.get()) * 4;
+        futures_util::stream::iter(ids)
+            .for_each_concurrent(at_once, |id| {
+                let (edge, left, progress) = (self.clone(), &left, &progress);
+                async move {
+                    if let Err(e) = edge.stop(&id).await {
+                        tracing::warn!(sandbox = %id, "stopping at shutdown: {}", e.message);
+                    }
+                    let n = left.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) - 1;
+                    progress(n, total);
+                }
+            })
+            .await;
         if self
             .sandboxes
             .lock()
@@ -1210,6 +1231,42 @@ impl Edge {
                 t.abort();
             }
         }
+    }
+}
+
+/// The time of a create's steps, in order: `admit:0.05,reserve:0.31,...` (milliseconds).
+struct Phases {
+    last: std::time::Instant,
+    done: Vec<(&'static str, Duration)>,
+}
+
+impl Phases {
+    fn start() -> Phases {
+        Phases {
+            last: std::time::Instant::now(),
+            done: Vec::new(),
+        }
+    }
+
+    /// Ends the step called `name` (a name given twice adds up).
+    fn mark(&mut self, name: &'static str) {
+        let now = std::time::Instant::now();
+        let took = now - self.last;
+        self.last = now;
+        match self.done.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, d)) => *d += took,
+            None => self.done.push((name, took)),
+        }
+    }
+}
+
+impl std::fmt::Display for Phases {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, (n, d)) in self.done.iter().enumerate() {
+            let sep = if i == 0 { "" } else { "," };
+            write!(f, "{sep}{n}:{:.2}", d.as_secs_f64() * 1000.0)?;
+        }
+        Ok(())
     }
 }
 

@@ -326,7 +326,12 @@ async fn run_edge(cfg: RoleConfig, tls: Tls) -> Result<i32> {
     reaper.abort();
     if rx.await.unwrap_or(true) {
         tracing::info!("stopping all sandboxes");
-        edge.stop_all().await;
+        edge.stop_all(|left, total| {
+            if left % 100 == 0 || left == 0 {
+                tracing::info!("{} of {total} sandboxes stopped", total - left);
+            }
+        })
+        .await;
     } else {
         tracing::info!("leaving sandboxes running for the next start");
     }

@@ -429,14 +429,24 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
         })
         .await?;
     reaper.abort();
-    let _ = raft.shutdown().await;
     let stop_sandboxes = stop_rx.borrow_and_update().unwrap_or(true);
     if stop_sandboxes {
         tracing::info!("stopping all sandboxes");
-        edge.stop_all().await;
+        // `dsec down` follows this file; IAM stays up until the last sandbox has released
+        // its reservation.
+        let progress = dir.join(STOPPING);
+        edge.stop_all(|left, total| {
+            let _ = dsec_common::private::write(
+                &progress,
+                format!("{{\"left\": {left}, \"total\": {total}}}\n").as_bytes(),
+            );
+        })
+        .await;
+        let _ = std::fs::remove_file(&progress);
     } else {
         tracing::info!("leaving sandboxes running for the next start");
     }
+    let _ = raft.shutdown().await;
     let _ = std::fs::remove_file(pid_file(&dir));
     let _ = std::fs::remove_file(dir.join(E2B_ENV));
     Ok(0)
@@ -607,6 +617,75 @@ async fn bind_gateway(
     Ok(Some((listener, app)))
 }
 
+/// Written by a stopping server as its sandboxes stop: `{"left": n, "total": m}`.
+const STOPPING: &str = "stopping.json";
+/// How long `dsec down` waits without a sandbox stopping before it calls it a hang.
+const STOP_STALL: Duration = Duration::from_secs(60);
+
+fn read_stopping(dir: &Path) -> Option<(usize, usize)> {
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join(STOPPING)).ok()?).ok()?;
+    Some((v["left"].as_u64()? as usize, v["total"].as_u64()? as usize))
+}
+
+/// `dsec down`'s progress: a bar on a terminal, a line every few seconds otherwise.
+struct Stopping {
+    bar: Option<indicatif::ProgressBar>,
+    last_line: Option<Instant>,
+    printed: Option<(usize, usize)>,
+}
+
+impl Stopping {
+    fn new() -> Stopping {
+        use std::io::IsTerminal;
+        Stopping {
+            bar: std::io::stderr()
+                .is_terminal()
+                .then(indicatif::ProgressBar::hidden),
+            last_line: None,
+            printed: None,
+        }
+    }
+
+    fn show(&mut self, left: usize, total: usize) {
+        if total == 0 || self.printed == Some((left, total)) {
+            return;
+        }
+        match &self.bar {
+            Some(b) => {
+                if b.is_hidden() {
+                    b.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+                    b.set_style(
+                        indicatif::ProgressStyle::with_template(
+                            "stopping sandboxes [{bar:30}] {pos}/{len} {elapsed}",
+                        )
+                        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+                    );
+                }
+                b.set_length(total as u64);
+                b.set_position((total - left) as u64);
+            }
+            None => {
+                if left == 0
+                    || self
+                        .last_line
+                        .is_none_or(|t| t.elapsed() > Duration::from_secs(2))
+                {
+                    eprintln!("stopped {} of {total} sandboxes", total - left);
+                    self.last_line = Some(Instant::now());
+                    self.printed = Some((left, total));
+                }
+            }
+        }
+    }
+
+    fn done(&self) {
+        if let Some(b) = &self.bar {
+            b.finish_and_clear();
+        }
+    }
+}
+
 pub async fn down(a: DownArgs) -> Result<i32> {
     let dir = &a.data.data_dir;
     let Some(pid) = read_pid(dir) else {
@@ -621,15 +700,45 @@ pub async fn down(a: DownArgs) -> Result<i32> {
     } else {
         libc::SIGTERM
     };
+    // A stale progress file of an earlier run must not be read as this one's.
+    let _ = std::fs::remove_file(dir.join(STOPPING));
     // SAFETY: signalling the server whose pid file we read.
     unsafe { libc::kill(pid, sig) };
     let t0 = Instant::now();
+    let mut shown = Stopping::new();
+    let mut last_change = Instant::now();
+    let mut last: Option<(usize, usize)> = None;
+    // SAFETY (the loop's kill): signal 0 only asks whether the process is there.
     while unsafe { libc::kill(pid, 0) } == 0 {
-        if t0.elapsed() > Duration::from_secs(120) {
-            bail!("server pid {pid} did not stop within 120 s");
+        let now = read_stopping(dir);
+        if now.is_some() && now != last {
+            last = now;
+            last_change = Instant::now();
+            if let Some((left, total)) = now {
+                shown.show(left, total);
+            }
+        }
+        // As long as sandboxes keep stopping, it waits; a minute without any is a hang.
+        if last_change.elapsed() > STOP_STALL {
+            shown.done();
+            bail!(
+                "server pid {pid} made no progress for {} s{}; it is still running (see {})",
+                STOP_STALL.as_secs(),
+                last.map(|(l, t)| format!(" with {l} of {t} sandboxes left"))
+                    .unwrap_or_default(),
+                dir.join("dsec.log").display()
+            );
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // The server removes its progress file once every sandbox has stopped: gone with it,
+    // all of them are; still there, it ended with some left.
+    match (read_stopping(dir), last) {
+        (Some((left, total)), _) => shown.show(left, total),
+        (None, Some((_, total))) => shown.show(0, total),
+        (None, None) => {}
+    }
+    shown.done();
     println!(
         "OpenDsec stopped in {:.1} s{}.",
         t0.elapsed().as_secs_f64(),
