@@ -65,6 +65,12 @@ def server_down(data: Path) -> None:
     run([DSEC, "down", "--data-dir", str(data)])
 
 
+def proc_cpu(pid: int) -> float:
+    """CPU seconds process `pid` and its waited-for children have used so far."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in f[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
 def write_result(bench: str, out: dict) -> Path:
     """Writes `out` (with the time added) to bench/results/<bench>-<unix time>.json."""
     out["time"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -35,7 +35,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchlib import DSEC, ROOT, lat_summary, pct, server_down, server_up, write_result  # noqa: E402
+from benchlib import DSEC, ROOT, lat_summary, pct, proc_cpu, server_down, server_up, write_result  # noqa: E402
 from opendsec import DSecClient, DSecRunArgs  # noqa: E402
 from opendsec.errors import PreconditionError  # noqa: E402
 
@@ -49,12 +49,6 @@ WINDOW = 256 * 1024
 
 def frame(kind: int, sid: int, payload: bytes = b"") -> bytes:
     return struct.pack(">BII", kind, sid, len(payload)) + payload
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds a process (and its waited-for children) has used so far."""
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(int(x) for x in f[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 def hwm_kib(pid: int) -> int:
@@ -225,12 +219,12 @@ async def real_guest(url: str, key: str, data: Path, n: int, seconds: float, rou
             how: list[dict] = []
 
             async def measured(name: str, k: int) -> list[float]:
-                t0, c0 = time.monotonic(), {x: cpu_s(p) for x, p in procs.items()}
+                t0, c0 = time.monotonic(), {x: proc_cpu(p) for x, p in procs.items()}
                 lat = await creates(c, k)
                 wall[name] = wall.get(name, 0.0) + time.monotonic() - t0
                 got = cpu.setdefault(name, {x: 0.0 for x in procs})
                 for x, p in procs.items():
-                    got[x] += cpu_s(p) - c0[x]
+                    got[x] += proc_cpu(p) - c0[x]
                 return lat
 
             await creates(c, 3)

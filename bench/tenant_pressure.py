@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests/e2e"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from benchlib import DSEC, lat_summary, pct, write_result  # noqa: E402
+from benchlib import DSEC, lat_summary, pct, proc_cpu, write_result  # noqa: E402
 from opendsec import DSecRunArgs  # noqa: E402
 
 import netlab  # noqa: E402
@@ -118,12 +118,6 @@ class PeakRss:
 
 
 CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq")
-
-
-def proc_cpu(pid: int) -> float:
-    """CPU seconds process `pid` and its waited-for children have used so far."""
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(int(x) for x in f[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_times() -> list[float]:

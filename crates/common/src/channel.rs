@@ -247,36 +247,35 @@ pub struct FsEvent {
     pub from: Option<String>,
 }
 
-/// Takes the output out of a reply that carries it (an exec's or a session command's
-/// result), leaving both strings empty: (the reply, stdout, stderr). The sender writes the
-/// output as `O`/`E` frames before the reply; [`merge_output`] puts it back.
+/// The output strings of a reply that carries output (an exec's or a session command's
+/// result): (stdout, stderr).
+fn output_of(r: &mut Response) -> Option<(&mut String, &mut String)> {
+    match r {
+        Response::Exec(x) => Some((&mut x.stdout, &mut x.stderr)),
+        Response::Command(x) => Some((&mut x.stdout, &mut x.stderr)),
+        _ => None,
+    }
+}
+
+/// Takes the output out of a reply that carries it, leaving both strings empty: (the
+/// reply, stdout, stderr). The sender writes the output as `O`/`E` frames before the
+/// reply; [`merge_output`] puts it back.
 pub fn split_output(mut r: Response) -> (Response, String, String) {
-    let (out, err) = match &mut r {
-        Response::Exec(x) => (std::mem::take(&mut x.stdout), std::mem::take(&mut x.stderr)),
-        Response::Command(x) => (std::mem::take(&mut x.stdout), std::mem::take(&mut x.stderr)),
-        _ => (String::new(), String::new()),
-    };
+    let (out, err) = output_of(&mut r)
+        .map(|(o, e)| (std::mem::take(o), std::mem::take(e)))
+        .unwrap_or_default();
     (r, out, err)
 }
 
 /// Puts output received as `O`/`E` frames ahead of a reply back into it. A reply that
 /// carries its output itself (an agent of protocol 2) keeps it.
 pub fn merge_output(mut r: Response, out: &[u8], err: &[u8]) -> Response {
-    let fill = |s: &mut String, b: &[u8]| {
-        if s.is_empty() && !b.is_empty() {
-            *s = String::from_utf8_lossy(b).into_owned();
+    if let Some((o, e)) = output_of(&mut r) {
+        for (s, b) in [(o, out), (e, err)] {
+            if s.is_empty() && !b.is_empty() {
+                *s = String::from_utf8_lossy(b).into_owned();
+            }
         }
-    };
-    match &mut r {
-        Response::Exec(x) => {
-            fill(&mut x.stdout, out);
-            fill(&mut x.stderr, err);
-        }
-        Response::Command(x) => {
-            fill(&mut x.stdout, out);
-            fill(&mut x.stderr, err);
-        }
-        _ => {}
     }
     r
 }

@@ -82,9 +82,8 @@ impl Drop for TempTree {
 /// The id under which a committed image holds disk in its project's quota: this edge's
 /// name, then a digest of the reference (a commit over the same name replaces it).
 pub(crate) fn image_hold_id(edge: &str, r: &ImageRef) -> String {
-    use sha2::Digest;
-    let d = sha2::Sha256::digest(r.to_string().as_bytes());
-    format!("{edge}-image-{}", &hex::encode(d)[..16])
+    let d = dsec_image::digest::sha256_hex(r.to_string().as_bytes());
+    format!("{edge}-image-{}", &d[..16])
 }
 
 impl Edge {

@@ -1195,8 +1195,7 @@ impl Edge {
         })
     }
 
-    /// Stops every sandbox (for `dsec down`).
-    /// Stops every sandbox, a bounded number at a time (thousands at once would only
+    /// Stops every sandbox (for `dsec down`), a bounded number at a time (thousands at once would only
     /// queue on the same cores and locks), calling `progress(left, total)` as each ends.
     pub async fn stop_all(self: &Arc<Self>, progress: impl Fn(usize, usize)) {
         use futures_util::StreamExt;

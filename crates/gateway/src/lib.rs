@@ -176,7 +176,7 @@ pub fn access_token(secret: &[u8], id: &str) -> String {
     hex(&outer.finalize())
 }
 
-fn hex(b: &[u8]) -> String {
+pub(crate) fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 

@@ -609,10 +609,7 @@ const MAX_UPLOAD: u64 = 4 << 30;
 /// tenant cannot plant files under the hash another tenant's build will ask for.
 fn uploads_of(project: &str) -> String {
     use sha2::{Digest, Sha256};
-    Sha256::digest(project.as_bytes())[..16]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    crate::hex(&Sha256::digest(project.as_bytes())[..16])
 }
 
 fn valid_uploads_dir(d: &str) -> bool {

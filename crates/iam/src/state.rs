@@ -33,6 +33,8 @@ pub struct Quota {
 
 /// The quota dimensions, in the order of [`Quota::dims`].
 const DIMS: [&str; 4] = ["sandboxes", "cpu cores", "MiB of memory", "MiB of disk"];
+/// The disk dimension's place in [`DIMS`].
+const DISK: usize = 3;
 
 impl Quota {
     fn dims(&self) -> [Option<f64>; 4] {
@@ -60,6 +62,16 @@ impl Usage {
         self.cpu_cores += o.cpu_cores;
         self.memory_mb += o.memory_mb;
         self.disk_mb += o.disk_mb;
+    }
+
+    /// The used amounts, in the order of [`Quota::dims`].
+    fn dims(&self) -> [f64; 4] {
+        [
+            self.sandboxes as f64,
+            self.cpu_cores,
+            self.memory_mb as f64,
+            self.disk_mb as f64,
+        ]
     }
 
     fn sub(&mut self, o: &Usage) {
@@ -337,36 +349,17 @@ impl IamState {
                 u.sub(&b.usage);
             }
             u.add(&r.usage);
-            let over = |name: &str, used: String, limit: String| {
-                Refusal::Quota(format!(
-                    "project {p} would use {used} {name}, over its quota of {limit}; stop sandboxes, delete snapshots or images, or ask for a larger quota"
-                ))
-            };
-            if let Some(l) = q.sandboxes
-                && u.sandboxes > l
-            {
-                return Err(over("sandboxes", u.sandboxes.to_string(), l.to_string()));
-            }
-            if let Some(l) = q.cpu_cores
-                && u.cpu_cores > l + 1e-9
-            {
-                return Err(over("cpu cores", u.cpu_cores.to_string(), l.to_string()));
-            }
-            if let Some(l) = q.memory_mb
-                && u.memory_mb > l
-            {
-                return Err(over(
-                    "MiB of memory",
-                    u.memory_mb.to_string(),
-                    l.to_string(),
-                ));
-            }
-            // Only growth is refused on disk: a replacement that shrinks always fits.
-            if let Some(l) = q.disk_mb
-                && u.disk_mb > l
-                && r.usage.disk_mb > before.map(|b| b.usage.disk_mb).unwrap_or(0)
-            {
-                return Err(over("MiB of disk", u.disk_mb.to_string(), l.to_string()));
+            let (used, limits) = (u.dims(), q.dims());
+            for (i, limit) in limits.iter().enumerate() {
+                let Some(l) = *limit else { continue };
+                // Disk is kept, not running: a replacement that shrinks always fits.
+                let grows = i != DISK || r.usage.disk_mb > before.map_or(0, |b| b.usage.disk_mb);
+                if used[i] > l + 1e-9 && grows {
+                    return Err(Refusal::Quota(format!(
+                        "project {p} would use {} {}, over its quota of {l}; stop sandboxes, delete snapshots or images, or ask for a larger quota",
+                        used[i], DIMS[i]
+                    )));
+                }
             }
             cur = parent(p);
         }

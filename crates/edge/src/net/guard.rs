@@ -17,11 +17,10 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
 
-/// Packets to port 53 a sandbox may send per second, and the burst above it, before its
-/// own namespace drops them. Above the node proxy's own per-sandbox answer rate, so a
-/// well-behaved resolver never meets it.
-pub const DNS_PACKETS_PER_S: u64 = 200;
-pub const DNS_PACKETS_BURST: u32 = 400;
+/// The rate (and burst) of packets to port 53 past which a sandbox's own namespace drops
+/// them: the node's `dnslimit` chain's, held one step earlier. Above the node proxy's own
+/// per-sandbox answer rate, so a well-behaved resolver never meets it.
+use super::nft::{DNS_PACKETS_BURST, DNS_PACKETS_PER_S};
 
 /// The table's name inside each sandbox namespace.
 pub const TABLE: &str = "dsecguard";
@@ -194,7 +193,7 @@ fn batch() -> Vec<u8> {
         });
         cmp_eq(&mut r, &53u16.to_be_bytes());
         r.expr("limit", |m| {
-            m.u64(1, DNS_PACKETS_PER_S) // NFTA_LIMIT_RATE
+            m.u64(1, DNS_PACKETS_PER_S.into()) // NFTA_LIMIT_RATE
                 .u64(2, 1) // NFTA_LIMIT_UNIT: per second
                 .u32(3, DNS_PACKETS_BURST) // NFTA_LIMIT_BURST
                 .u32(4, NFT_LIMIT_PKTS) // NFTA_LIMIT_TYPE

@@ -8,10 +8,10 @@
 //! Each VMM runs in its own network namespace (a tap of the same name and addresses in
 //! every one, see [`netns`]) and its own cgroup, jailed ([`jail`]: a mount namespace
 //! holding only its own files, as an unprivileged user), with Firecracker's seccomp
-//! filters (never `--no-seccomp`). Fork snapshots the paused source (`vmstate` plus a memory file on the
-//! RAM directory) and starts each copy in a fresh process with `PUT /snapshot/load`, the
-//! memory file mapped MAP_PRIVATE (`mem_backend` File) so copies share unmodified pages,
-//! and its own vsock socket (`vsock_override`). Firecracker and the proxy run detached
+//! filters (never `--no-seccomp`). Fork snapshots the paused source (`vmstate` plus a
+//! memory file on the RAM directory) and starts each copy in a fresh process with
+//! `PUT /snapshot/load`, the memory file mapped MAP_PRIVATE (`mem_backend` File) so copies
+//! share unmodified pages, and its own vsock socket (`vsock_override`). Firecracker and the proxy run detached
 //! (pids in the sandbox directory), so a restarted edge re-adopts running VMs.
 
 pub mod api;
@@ -67,7 +67,8 @@ pub struct MicrovmConfig {
     pub binary: Option<PathBuf>,
     /// `firecracker_diff_snapshots`: track dirty pages and take Diff snapshots on fork.
     pub diff_snapshots: bool,
-    /// `firecracker_run_as`: the user the jailed VMM runs as; empty: root (still jailed).
+    /// `firecracker_run_as`: the user the jailed VMM runs as; empty: root, which can leave
+    /// the jail's chroot (for debugging only).
     pub run_as: String,
 }
 
@@ -365,11 +366,7 @@ impl MicrovmBackend {
         std::fs::create_dir_all(p).map_err(|e| format!("creating {}: {e}", p.display()))?;
         std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o700))
             .map_err(|e| format!("{}: {e}", p.display()))?;
-        if let Ok(Some(r)) = &self.run_as {
-            std::os::unix::fs::chown(p, Some(r.uid), Some(r.gid))
-                .map_err(|e| format!("giving {} to the VMM's user: {e}", p.display()))?;
-        }
-        Ok(())
+        self.give_to_vmm(&[p])
     }
 
     /// Starts a Firecracker process for the sandbox inside its network namespace, cgroup
