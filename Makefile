@@ -3,9 +3,10 @@ PROFILE ?= debug
 CARGO ?= cargo
 AETHER_TARGET := x86_64-unknown-linux-gnu
 AETHER := target/$(AETHER_TARGET)/release/dsec-aether
+DSEC_TEST_DIR ?= /var/tmp/dsec-test
 CARGO_PROFILE_FLAG := $(if $(filter release,$(PROFILE)),--release,)
 
-.PHONY: build aether dsec test test-rust test-e2e lint images bench bench-runtime bench-cluster bench-network bench-vm bench-gateway bench-tenant bench-guest clean-test
+.PHONY: build aether dsec test test-rust test-e2e test-nested lint images bench bench-runtime bench-cluster bench-network bench-vm bench-gateway bench-tenant bench-guest clean-test
 
 build: dsec aether
 
@@ -28,7 +29,22 @@ test-e2e: build
 	DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec DSEC_AETHER=$(CURDIR)/$(AETHER) \
 		python3 -m pytest -q tests/e2e
 
+# The microvm backend (Firecracker) and the vm backend on KVM, run one level down: inside
+# an outer QEMU VM under TCG with -cpu max, where kvm_amd loads (tests/nested/outer.py).
+# It uses the images test-e2e built in $(DSEC_TEST_DIR).
+NESTED_TESTS ?= tests/e2e/test_microvm.py
+test-nested: build
+	@command -v firecracker >/dev/null || test -x /usr/local/bin/firecracker \
+		|| { echo "test-nested: no Firecracker; run deploy/firecracker.sh first" >&2; exit 1; }
+	python3 tests/nested/outer.py --share $(DSEC_TEST_DIR)/images:/var/tmp/dsec-nested/images -- \
+		env DSEC_TEST_DIR=/var/tmp/dsec-nested DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec \
+		DSEC_AETHER=$(CURDIR)/$(AETHER) python3 -m pytest -q -p no:cacheprovider $(NESTED_TESTS)
+
+# In `make test` (CI): the seed example with a fork of 4 keeping memory, about 3 minutes.
+NESTED_CI_TESTS := tests/e2e/test_microvm.py::test_microvm_runs_the_seed_example_and_forks_with_memory
+
 test: lint test-rust test-e2e
+	$(MAKE) test-nested NESTED_TESTS=$(NESTED_CI_TESTS)
 
 bench: build
 	DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec DSEC_AETHER=$(CURDIR)/$(AETHER) python3 bench/create_latency.py $(BENCH_ARGS)

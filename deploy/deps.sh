@@ -28,3 +28,8 @@ node_major=$(node -p 'process.versions.node.split(".")[0]' 2>/dev/null || echo 0
 if ((node_major < 20)); then
   echo "warning: Node >= 20.18 is needed for tests/e2e/test_e2b_js.py (found: $(node --version 2>/dev/null || echo none))" >&2
 fi
+# Firecracker, for the microvm backend, where the host has hardware KVM (a build of a few
+# minutes; deploy/firecracker.sh does it on any host, e.g. for the nested-KVM tests).
+if [ -c /dev/kvm ] && grep -qwE 'vmx|svm' /proc/cpuinfo && ! command -v firecracker >/dev/null; then
+  bash "$(dirname "$0")/firecracker.sh" || echo "warning: Firecracker could not be built; the microvm backend stays unavailable" >&2
+fi

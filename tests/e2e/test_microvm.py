@@ -4,12 +4,13 @@
 It needs hardware KVM and a Firecracker v1.16 binary; where the server reports the backend
 unavailable, each test is skipped with the server's reason."""
 
+import pwd
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import leftovers, wait_for
+from conftest import cgroup_file, leftovers, wait_for
 from opendsec import DSecRunArgs
 from test_vm import HOLDER, ask, wait_for_file
 
@@ -39,7 +40,7 @@ async def need_microvm(client):
 async def test_microvm_runs_the_seed_example_and_forks_with_memory(client, need_microvm):
     t0 = time.monotonic()
     sb = await client.run_sandbox(DSecRunArgs(backend="microvm", image="root/py:3.11",
-            cpu_cores_limit=1, memory_limit_mb=1024))
+            cpu_cores_limit=1, memory_limit_mb=1024, network_rules={"pypi": True}))
     boot = time.monotonic() - t0
     copies = []
     try:
@@ -50,6 +51,20 @@ async def test_microvm_runs_the_seed_example_and_forks_with_memory(client, need_
         guest = (await sb.exec(["uname", "-r"])).stdout.strip()
         assert guest.endswith("-cloud-amd64"), guest
         assert vmm_processes(sb.id), "no Firecracker process for the sandbox"
+        # The VMM runs jailed as `nobody` under Firecracker's own seccomp policy (the musl
+        # build's; a glibc build's filter allows everything).
+        for pid in vmm_processes(sb.id):
+            exe = Path(f"/proc/{pid}/exe").resolve()
+            if "firecracker" not in exe.name:
+                continue
+            status = dict(l.split(":", 1) for l in Path(f"/proc/{pid}/status").read_text().splitlines())
+            uids = status["Uid"].split()
+            assert uids[0] == uids[1] == str(pwd.getpwnam("nobody").pw_uid), status["Uid"]
+            assert status["Seccomp"].strip() == "2", status["Seccomp"]
+            assert status["NoNewPrivs"].strip() == "1", status["NoNewPrivs"]
+            assert Path(f"/proc/{pid}/root").resolve() != Path("/"), "the VMM is not chrooted"
+            elf = Path(f"/proc/{pid}/exe").read_bytes()[:4096]
+            assert b"/lib64/ld-linux" not in elf, f"{exe} is the glibc build, without a seccomp policy"
 
         # A process holding a value only in its memory: the copies must have it.
         await sb.files.write("/tmp/holder.py", HOLDER.encode())
@@ -62,6 +77,16 @@ async def test_microvm_runs_the_seed_example_and_forks_with_memory(client, need_
         fork = sb.last_fork
         print(f"fork of 4: {took:.2f} s, source paused {fork['source_paused_ms']} ms", flush=True)
         assert fork["memory_preserved"] is True
+        # The snapshot the source's VMM wrote to the RAM directory is not charged to the
+        # source's memory limit (it would sit at its limit, OOM-killed on its next save).
+        used = int(cgroup_file("memory", sb.id, "memory.current").read_text()
+                   if cgroup_file("memory", sb.id, "memory.current").exists()
+                   else cgroup_file("memory", sb.id, "memory.usage_in_bytes").read_text())
+        limit_file = cgroup_file("memory", sb.id, "memory.max")
+        limit = int((limit_file if limit_file.exists()
+                     else cgroup_file("memory", sb.id, "memory.limit_in_bytes")).read_text())
+        print(f"source's VMM after the fork: {used >> 20} MiB charged of its {limit >> 20} MiB limit")
+        assert used < 0.8 * limit, (used, limit)
         assert all(c.info.forked_from == sb.id for c in copies)
         for i, c in enumerate(copies):
             assert await ask(c, f"get {10 + i}", 10 + i) == value, c.id
@@ -85,3 +110,142 @@ async def test_microvm_runs_the_seed_example_and_forks_with_memory(client, need_
         assert wait_for(lambda: not vmm_processes(c.id), timeout=10), f"Firecracker of {c.id} outlived it"
         assert leftovers(c.id) == []
         assert not Path(f"/run/netns/dsfc-{c.id}").exists()
+
+
+def vmm_memory_kib(sandbox_id: str) -> dict[str, int]:
+    """The smaps_rollup counters (kB) of the sandbox's Firecracker process: `Pss` (its
+    share of every page it maps), `Shared_Clean` + `Shared_Dirty` (pages others map too)."""
+    out: dict[str, int] = {}
+    for pid in vmm_processes(sandbox_id):
+        if b"firecracker" not in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]:
+            continue
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+            k, v = line.split(":", 1)
+            out[k] = out.get(k, 0) + int(v.split()[0])
+    return out
+
+
+async def test_microvm_fork_of_eight_keeps_memory_reseeds_and_shares_pages(client, need_microvm):
+    sb = await client.run_sandbox(DSecRunArgs(backend="microvm", image="root/py:3.11",
+            memory_limit_mb=512))
+    copies = []
+    try:
+        # Worth sharing: 128 MiB held by a Python process, next to the value holder.
+        await sb.exec_background(["python3", "-c",
+                                  "import time; b = bytearray(range(256)) * (512 * 1024); time.sleep(100000)"])
+        await sb.files.write("/tmp/holder.py", HOLDER.encode())
+        await sb.exec_background(["python3", "/tmp/holder.py"])
+        assert await wait_for_file(sb, "/tmp/cmd")
+        value = await ask(sb, "get 1", 1)
+        source = vmm_memory_kib(sb.id)["Pss"]
+        t0 = time.monotonic()
+        copies = await sb.fork(count=8)
+        took = time.monotonic() - t0
+        assert sb.last_fork["memory_preserved"] is True
+        for i, c in enumerate(copies):
+            assert await ask(c, f"get {10 + i}", 10 + i) == value, c.id
+        rand = set()
+        for c in [sb, *copies]:
+            r = await c.exec(["sh", "-c", "head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; "
+                                          "cat /proc/sys/kernel/random/uuid"])
+            rand.add(r.stdout)
+        assert len(rand) == 9, rand
+        r = await copies[0].exec(["date", "+%s"])
+        assert abs(int(r.stdout) - time.time()) < 5, r
+        mem = [vmm_memory_kib(c.id) for c in copies]
+        per_copy = [m["Pss"] for m in mem]
+        shared = [m["Shared_Clean"] + m["Shared_Dirty"] for m in mem]
+        total = sum(per_copy)
+        print(f"\nfork of 8 (nested under TCG): {took:.1f} s, source paused "
+              f"{sb.last_fork['source_paused_ms']} ms; source PSS {source / 1024:.0f} MiB, copies "
+              f"{total / 1024:.0f} MiB in all ({total / 8 / 1024:.0f} MiB each), "
+              f"{total / (8 * source):.2f} of 8 x the source's; pages each copy shares with "
+              f"the others: {min(shared) / 1024:.0f}-{max(shared) / 1024:.0f} MiB", flush=True)
+        # The copies map one memory file: what they have not written is one copy in the
+        # page cache, counted once among them all. (Each also writes some after the
+        # restore, its guest kernel going on: 80-120 MiB each here.)
+        assert all(s > 32 * 1024 for s in shared), shared
+        assert total < 8 * source, (source, per_copy)
+    finally:
+        for c in copies:
+            await c.stop()
+        await sb.stop()
+    for c in [sb, *copies]:
+        assert wait_for(lambda: not vmm_processes(c.id), timeout=30), f"Firecracker of {c.id} outlived it"
+        assert leftovers(c.id) == []
+
+
+async def test_microvm_pause_resume_snapshot_restore_group_and_commit(client, need_microvm):
+    from opendsec.errors import DSecError
+
+    sb = await client.run_sandbox(DSecRunArgs(backend="microvm", image="root/py:3.11",
+            memory_limit_mb=256, labels={"job": "mvm"}))
+    made = []
+    snap = None
+    try:
+        await sb.files.write("/tmp/holder.py", HOLDER.encode())
+        await sb.exec_background(["python3", "/tmp/holder.py"])
+        assert await wait_for_file(sb, "/tmp/cmd")
+        value = await ask(sb, "get 1", 1)
+        # A bare pause and resume: vCPUs stopped in place, then new vsock connections work.
+        await sb.pause()
+        assert (await client.get_sandbox(sb.id)).info.state == "paused"
+        await sb.resume()
+        assert await ask(sb, "get 2", 2) == value
+        # A snapshot outlives its source; what is restored from it goes on from its moment.
+        snap = await sb.snapshot()
+        assert snap.memory_preserved and snap.backend == "microvm", snap
+        assert await ask(sb, "set 3 7", 3) == 7
+        restored = await client.restore_snapshot(snap.id, count=2)
+        made += restored
+        for i, r in enumerate(restored):
+            assert await ask(r, f"get {10 + i}", 10 + i) == value
+        await client.delete_snapshot(snap.id)
+        snap = None
+        # Group pause to disk: no VMM left; group resume brings back the process.
+        g = await client.pause_group({"job": "mvm"}, to_disk=True)
+        assert sb.id in str(g), g
+        assert wait_for(lambda: not vmm_processes(sb.id), timeout=30)
+        await client.resume_group({"job": "mvm"})
+        assert await ask(sb, "get 20", 20) == 7
+        # Commit: the VM's changes as an image a container runs.
+        await sb.files.write("/root/made-in-a-microvm", b"yes\n")
+        c = await sb.commit("root/mvm-commit:v1", overwrite=True)
+        assert c.image.endswith("mvm-commit:v1"), c
+        ct = await client.run_sandbox(DSecRunArgs(backend="container", image="root/mvm-commit:v1"))
+        made.append(ct)
+        assert await ct.files.read("/root/made-in-a-microvm") == b"yes\n"
+    finally:
+        for m in made:
+            await m.stop()
+        if snap:
+            try:
+                await client.delete_snapshot(snap.id)
+            except DSecError:
+                pass
+        await sb.stop()
+    for m in [sb, *made]:
+        assert wait_for(lambda: not vmm_processes(m.id), timeout=30)
+        assert leftovers(m.id) == []
+
+
+async def test_microvm_egress_follows_its_rules(client, need_microvm):
+    sb = await client.run_sandbox(DSecRunArgs(backend="microvm", image="root/py:3.11",
+            memory_limit_mb=256, network_rules={"pypi": True}))
+    # A TCP connection to port 443 (the registries' TLS is not the point here).
+    probe = ("import socket, sys\n"
+             "try:\n"
+             "    socket.create_connection((sys.argv[1], 443), timeout=20).close(); print('open')\n"
+             "except Exception as e:\n"
+             "    print('closed', type(e).__name__, e)\n")
+    try:
+        await sb.files.write("/tmp/probe.py", probe.encode())
+        r = await sb.exec(["python3", "/tmp/probe.py", "pypi.org"], timeout=90)
+        assert r.stdout.startswith("open"), r
+        r = await sb.exec(["python3", "/tmp/probe.py", "deb.debian.org"], timeout=90)
+        assert r.stdout.startswith("closed"), r
+        await sb.set_network_rules({})
+        r = await sb.exec(["python3", "/tmp/probe.py", "pypi.org"], timeout=90)
+        assert r.stdout.startswith("closed"), r
+    finally:
+        await sb.stop()

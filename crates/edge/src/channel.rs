@@ -178,8 +178,27 @@ pub async fn call(sock: &Path, req: &Request, timeout: Duration) -> Result<Respo
 
 /// Waits until aether answers a ping.
 pub async fn wait_ready(sock: &Path, within: Duration) -> Result<(), ApiError> {
+    wait_ready_while(sock, within, || true).await
+}
+
+/// [`wait_ready`], giving up as soon as `alive` says the sandbox's process is gone (a VM
+/// whose guest crashed while booting answers nothing, and would be waited for in vain).
+pub async fn wait_ready_while(
+    sock: &Path,
+    within: Duration,
+    alive: impl Fn() -> bool,
+) -> Result<(), ApiError> {
     let deadline = tokio::time::Instant::now() + within;
+    let mut checked = tokio::time::Instant::now();
     loop {
+        if checked.elapsed() >= Duration::from_millis(100) {
+            checked = tokio::time::Instant::now();
+            if !alive() {
+                return Err(ApiError::unavailable(
+                    "the sandbox's process exited before its agent started",
+                ));
+            }
+        }
         match call(sock, &Request::Ping, Duration::from_secs(2)).await {
             Ok(Response::Pong { .. }) => return Ok(()),
             Ok(other) => return Err(unexpected(&other)),

@@ -131,7 +131,7 @@ impl Edge {
                 )));
             }
             self.touch(&e);
-            if src.backend == "vm" {
+            if backend.changes_in_guest() {
                 paused_ms = 0;
                 let limits = TreeLimits {
                     max_bytes: (src.limits.memory_mb + src.limits.disk_mb).max(64) << 20,

@@ -511,16 +511,6 @@ impl Edge {
         &self,
         req: &CreateSandboxRequest,
     ) -> Result<Option<registry::NetRecord>, ApiError> {
-        if req.backend == "microvm" {
-            // A microVM's tap leads nowhere else yet: loopback only.
-            if req.network_rules.values().any(|v| *v) {
-                return Err(ApiError::unimplemented(format!(
-                    "network_rules are not supported for backend {:?} yet (its sandboxes have no egress); use backend \"container\" for egress",
-                    req.backend
-                )));
-            }
-            return Ok(None);
-        }
         match req.network.as_deref() {
             None | Some("rules") => {}
             Some("none") if req.network_rules.values().any(|v| *v) => {
@@ -632,7 +622,10 @@ impl Edge {
             blocking(move || b2.create(&r2, &paths, seed.as_deref())).await??;
             phases.mark("backend");
             let ready = async {
-                channel::wait_ready(&channel, backend.start_timeout()).await?;
+                channel::wait_ready_while(&channel, backend.start_timeout(), || {
+                    !backend.exited(&rec)
+                })
+                .await?;
                 if restored {
                     tell_restored(&channel, &rec.id, backend.start_timeout()).await?;
                 } else {

@@ -46,6 +46,11 @@ pub struct SandboxPaths {
 pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
     fn status(&self) -> BackendStatus;
+    /// Whether the sandbox's filesystem changes live inside a guest (a VM's writable
+    /// layer is a tmpfs in its kernel), so a commit asks its agent for them.
+    fn changes_in_guest(&self) -> bool {
+        false
+    }
     /// Whether fork carries process memory.
     fn fork_preserves_memory(&self) -> bool;
     /// Starts the sandbox; `seed` is a filesystem snapshot (from [`Backend::snapshot_fs`])
@@ -57,6 +62,11 @@ pub trait Backend: Send + Sync {
         seed: Option<&Path>,
     ) -> Result<(), ApiError>;
     fn is_alive(&self, rec: &SandboxRecord) -> bool;
+    /// Whether the sandbox's process is known to have exited, from a check cheap enough
+    /// to repeat while its agent starts (a VMM's pid; `false` where there is none).
+    fn exited(&self, _rec: &SandboxRecord) -> bool {
+        false
+    }
     fn pause(&self, rec: &SandboxRecord) -> Result<(), ApiError>;
     fn resume(&self, rec: &SandboxRecord) -> Result<(), ApiError>;
     /// Saves what fork copies start from into `dest` (the caller pauses around it): the

@@ -114,6 +114,45 @@ pub fn remove(mode: CgroupMode, rel: &str) {
     }
 }
 
+/// Removes a cgroup the edge made for a VMM: kills whatever is still in it (a VMM that
+/// survived its SIGKILL's wait, a helper it left) and removes the directories once the
+/// kernel has let the processes go, which for a VMM with gigabytes mapped can take
+/// seconds. Gives up after `within`, leaving what could not be removed.
+pub fn empty_and_remove(mode: CgroupMode, rel: &str, within: std::time::Duration) {
+    let t0 = std::time::Instant::now();
+    loop {
+        let dirs = leftovers(mode, rel);
+        if dirs.is_empty() {
+            return;
+        }
+        for d in &dirs {
+            // cgroup.kill (v2, Linux 5.14) also takes processes forking at the moment.
+            if std::fs::write(d.join("cgroup.kill"), "1").is_err() {
+                for pid in std::fs::read_to_string(d.join("cgroup.procs"))
+                    .unwrap_or_default()
+                    .split_whitespace()
+                    .filter_map(|p| p.parse::<i32>().ok())
+                {
+                    // SAFETY: SIGKILL to a process in the sandbox's own cgroup.
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                }
+            }
+            let _ = std::fs::remove_dir(d);
+        }
+        if t0.elapsed() >= within {
+            let left = leftovers(mode, rel);
+            if !left.is_empty() {
+                tracing::warn!(
+                    cgroup = rel,
+                    "processes outlived the sandbox's cgroup removal: {left:?}"
+                );
+            }
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 /// Removes the shared parent cgroups once no sandbox uses them (at shutdown; during
 /// operation a concurrent create may be about to use them).
 pub fn remove_parents(mode: CgroupMode) {

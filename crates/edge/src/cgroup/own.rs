@@ -139,6 +139,70 @@ pub fn join_before_exec(cmd: &mut Command, procs: &[std::path::PathBuf]) -> Resu
     Ok(())
 }
 
+/// A VMM moved out of its sandbox's memory cgroup into a sibling without a limit
+/// (`<rel>.save`) while it writes a snapshot, and back when this is dropped.
+///
+/// Pages a process writes to a tmpfs file are charged to its memory cgroup and stay
+/// charged there until the file goes. A Firecracker saving guest memory into the RAM
+/// directory would otherwise carry a second copy of its guest in its own limit: at the
+/// limit after every fork, OOM-killed on the next save. Moved aside, the snapshot's
+/// pages are charged to the sibling, and to `/dsec` once the sibling is removed (the
+/// kernel hands a removed cgroup's charges to its parent); the guest's own pages stay
+/// where they were, as cgroups do not move charges with a process.
+pub struct ChargedApart {
+    pid: i32,
+    home: std::path::PathBuf,
+    aside: std::path::PathBuf,
+}
+
+/// The memory hierarchy's directory of `rel`.
+fn memory_dir(mode: CgroupMode, rel: &str) -> std::path::PathBuf {
+    let root = Path::new("/sys/fs/cgroup");
+    let rel = rel.trim_start_matches('/');
+    match mode {
+        CgroupMode::V2 => root.join(rel),
+        CgroupMode::V1 | CgroupMode::Hybrid => root.join("memory").join(rel),
+    }
+}
+
+/// Moves `pid` (all its threads) from `rel`'s memory cgroup into `<rel>.save`.
+pub fn charge_apart(mode: CgroupMode, rel: &str, pid: i32) -> Result<ChargedApart, String> {
+    let home = memory_dir(mode, rel);
+    let aside = memory_dir(mode, &format!("{rel}.save"));
+    match std::fs::create_dir(&aside) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(format!("creating cgroup {}: {e}", aside.display())),
+    }
+    if let Err(e) = std::fs::write(aside.join("cgroup.procs"), pid.to_string()) {
+        let _ = std::fs::remove_dir(&aside);
+        return Err(format!("moving the VMM into {}: {e}", aside.display()));
+    }
+    Ok(ChargedApart { pid, home, aside })
+}
+
+impl Drop for ChargedApart {
+    fn drop(&mut self) {
+        match std::fs::write(self.home.join("cgroup.procs"), self.pid.to_string()) {
+            Ok(()) => {}
+            // The VMM died meanwhile: nothing to move back.
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
+            Err(e) => tracing::warn!(
+                "moving the VMM {} back into {}: {e}",
+                self.pid,
+                self.home.display()
+            ),
+        }
+        for _ in 0..100 {
+            if std::fs::remove_dir(&self.aside).is_ok() || !self.aside.exists() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        tracing::warn!("cgroup {} is still in use", self.aside.display());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -189,6 +253,64 @@ mod tests {
         let got = std::fs::read_to_string(&mem).unwrap_or_default();
         super::super::remove(mode, &rel);
         assert_eq!(got.trim(), (256u64 << 20).to_string());
+        assert!(super::super::leftovers(mode, &rel).is_empty());
+    }
+
+    /// The memory cgroup a process is in (its `/proc/<pid>/cgroup` line for memory, or
+    /// the unified one).
+    fn memory_cgroup_of(mode: CgroupMode, pid: u32) -> String {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+        text.lines()
+            .find(|l| match mode {
+                CgroupMode::V2 => l.starts_with("0::"),
+                _ => l
+                    .split(':')
+                    .nth(1)
+                    .is_some_and(|c| c.split(',').any(|c| c == "memory")),
+            })
+            .and_then(|l| l.splitn(3, ':').nth(2))
+            .unwrap_or_default()
+            .to_string()
+    }
+
+    #[test]
+    fn a_process_charged_apart_goes_back_and_the_sibling_is_removed() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: making cgroups needs root");
+            return;
+        }
+        let mode = super::super::detect();
+        let mut r = [0u8; 4];
+        dsec_common::id::fill_random(&mut r);
+        let rel = format!("/dsec-test-{}", hex::encode(r));
+        let limits = LeafLimits {
+            memory_bytes: 256 << 20,
+            cpu_quota_us: 50_000,
+            pids: 64,
+        };
+        let procs = match create_leaf(mode, &rel, limits) {
+            Ok(p) => p,
+            Err(e) => {
+                eprintln!("skipped: cgroups are not writable here: {e}");
+                return;
+            }
+        };
+        let mut cmd = Command::new("sleep");
+        cmd.arg("30");
+        join_before_exec(&mut cmd, &procs).unwrap();
+        let mut child = cmd.spawn().unwrap();
+        let pid = child.id();
+        assert_eq!(memory_cgroup_of(mode, pid), rel);
+        {
+            let _apart = charge_apart(mode, &rel, pid as i32).unwrap();
+            assert_eq!(memory_cgroup_of(mode, pid), format!("{rel}.save"));
+        }
+        assert_eq!(memory_cgroup_of(mode, pid), rel);
+        assert!(super::super::leftovers(mode, &format!("{rel}.save")).is_empty());
+        let _ = child.kill();
+        let _ = child.wait();
+        super::super::empty_and_remove(mode, &rel, std::time::Duration::from_secs(5));
         assert!(super::super::leftovers(mode, &rel).is_empty());
     }
 }

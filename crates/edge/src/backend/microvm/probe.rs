@@ -63,6 +63,16 @@ pub fn parse_version_output(out: &str) -> Option<Version> {
     Version::parse(words.next()?)
 }
 
+/// The snapshot format in `firecracker --snapshot-version` output: the first line that is
+/// a version (`v10.0.0`). Firecracker logs `... Firecracker exiting successfully` to
+/// stdout after it.
+pub fn parse_snapshot_version(out: &str) -> Option<String> {
+    out.lines()
+        .map(str::trim)
+        .find(|l| Version::parse(l).is_some())
+        .map(str::to_string)
+}
+
 /// Whether the backend drives this version: v1.16 or a later minor within v1 (a new
 /// major may change the API).
 pub fn check_supported(v: Version) -> Result<(), String> {
@@ -195,7 +205,8 @@ pub fn probe(bin: &Path) -> Result<Firecracker, String> {
     })?;
     check_supported(version)?;
     let snapshot_version = run_for_output(bin, "--snapshot-version", within)
-        .map(|s| s.trim().to_string())
+        .ok()
+        .and_then(|s| parse_snapshot_version(&s))
         .unwrap_or_default();
     Ok(Firecracker {
         path: bin.to_path_buf(),
@@ -225,6 +236,14 @@ mod tests {
         assert_eq!(parse_version_output("Firecracker v1.16.1.2"), None);
         assert_eq!(parse_version_output("QEMU emulator version 7.2.0"), None);
         assert_eq!(parse_version_output(""), None);
+        // What v1.16.1 prints: the format, then its exit log line.
+        assert_eq!(
+            parse_snapshot_version(
+                "v10.0.0\n2026-12-04T20:50:14.391373430 [anonymous-instance:main] Firecracker exiting successfully. exit_code=0\n"
+            ),
+            Some("v10.0.0".into())
+        );
+        assert_eq!(parse_snapshot_version("exiting\n"), None);
         assert_eq!(Version::parse("1.2.3"), Some(Version::new(1, 2, 3)));
         assert!(Version::new(1, 16, 0) < Version::new(1, 16, 1));
         assert!(Version::new(1, 9, 9) < Version::new(1, 16, 0));

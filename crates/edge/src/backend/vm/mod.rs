@@ -16,7 +16,7 @@ use dsec_common::api::BackendStatus;
 use dsec_image::ImageStore;
 use dsec_image::guest;
 
-mod net;
+pub(crate) mod net;
 mod qmp;
 
 use qmp::Qmp;
@@ -635,14 +635,8 @@ impl VmBackend {
         }
         if let Some(id) = dir.file_name() {
             let rel = cgroup::sandbox_cgroup_path(&id.to_string_lossy());
-            // A killed QEMU can take a moment to leave its cgroup.
-            for _ in 0..50 {
-                cgroup::remove(self.cgroups, &rel);
-                if cgroup::leftovers(self.cgroups, &rel).is_empty() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
+            // A killed QEMU can take a moment (seconds, nested) to leave its cgroup.
+            cgroup::empty_and_remove(self.cgroups, &rel, Duration::from_secs(30));
         }
     }
 
@@ -686,6 +680,14 @@ impl Backend for VmBackend {
 
     fn fork_preserves_memory(&self) -> bool {
         true
+    }
+
+    fn changes_in_guest(&self) -> bool {
+        true
+    }
+
+    fn exited(&self, rec: &SandboxRecord) -> bool {
+        !self.is_alive(rec)
     }
 
     fn create(

@@ -54,14 +54,14 @@ fn run(ns: &str, argv: &[&str], input: Option<&str>) -> Result<(), String> {
 
 /// The namespace's NAT: the guest's traffic leaves as the sandbox's address, its DNS goes
 /// to the node side of the sandbox's veth (where the node redirects it to the proxy).
-fn nat_script(node_side: &str) -> String {
+fn nat_script(node_side: &str, tap: &str) -> String {
     format!(
         "table ip dsecvm {{}}
 delete table ip dsecvm
 table ip dsecvm {{
   chain pre {{
     type nat hook prerouting priority dstnat; policy accept;
-    iifname \"{TAP}\" ip daddr {TAP_ADDR} meta l4proto {{ tcp, udp }} th dport 53 dnat to {node_side}
+    iifname \"{tap}\" ip daddr {TAP_ADDR} meta l4proto {{ tcp, udp }} th dport 53 dnat to {node_side}
   }}
   chain post {{
     type nat hook postrouting priority srcnat; policy accept;
@@ -76,19 +76,37 @@ table ip dsecvm {{
 /// many copies does this for each). Idempotent: a VM resumed from disk finds them there.
 /// `node_side` is the gateway address of the sandbox's veth.
 pub fn setup(ns: &str, node_side: &str) -> Result<(), String> {
+    setup_tap(ns, node_side, TAP, None)
+}
+
+/// [`setup`] with the tap's name and, for a VMM that runs unprivileged (Firecracker in
+/// its jail), the user and group that may attach to it.
+pub fn setup_tap(
+    ns: &str,
+    node_side: &str,
+    tap: &str,
+    owner: Option<(u32, u32)>,
+) -> Result<(), String> {
+    let owner = owner
+        .map(|(u, g)| format!(" user {u} group {g}"))
+        .unwrap_or_default();
     let script = format!(
         "set -e
-if ! ip link show {TAP} >/dev/null 2>&1; then
-  ip tuntap add dev {TAP} mode tap
-  ip link set {TAP} address {TAP_MAC}
-  ip addr add {TAP_ADDR}/30 dev {TAP}
-  ip link set {TAP} up
+if ! ip link show {tap} >/dev/null 2>&1; then
+  ip tuntap add dev {tap} mode tap{owner}
+  ip link set {tap} address {TAP_MAC}
+  ip addr add {TAP_ADDR}/30 dev {tap}
+  ip link set {tap} up
 fi
 echo 1 > /proc/sys/net/ipv4/ip_forward
 nft -f -
 "
     );
-    run(ns, &["sh", "-c", &script], Some(&nat_script(node_side)))
+    run(
+        ns,
+        &["sh", "-c", &script],
+        Some(&nat_script(node_side, tap)),
+    )
 }
 
 /// QEMU's arguments for the guest's network device (`bus`: `device` or `pci`).
@@ -107,7 +125,7 @@ mod tests {
 
     #[test]
     fn the_nat_names_the_tap_and_the_node_side() {
-        let s = nat_script("10.200.0.5");
+        let s = nat_script("10.200.0.5", TAP);
         assert!(s.contains("iifname \"tap0\" ip daddr 172.16.0.1"));
         assert!(s.contains("dnat to 10.200.0.5"));
         assert!(s.contains("oifname \"eth0\" masquerade"));
