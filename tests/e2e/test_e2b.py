@@ -58,13 +58,23 @@ def e2b():
             os.environ[k] = v
 
 
-# The same scenarios on both backends: `base` runs as a container, `base-vm` (the same
-# image) as a virtual machine; both are in the gateway's default template map.
-BACKENDS = [pytest.param("base", id="container"), pytest.param("base-vm", id="vm")]
+# The same scenarios on each backend: `base` runs as a container, `base-vm` (the same
+# image) as a virtual machine, `base-microvm` as a Firecracker microVM (skipped where the
+# node has no hardware KVM; `make test-nested` runs it); all are in the gateway's default
+# template map.
+BACKENDS = [pytest.param("base", id="container"), pytest.param("base-vm", id="vm"),
+            pytest.param("base-microvm", id="microvm")]
 
 
 @pytest.fixture(params=BACKENDS)
 def template(request):
+    if request.param.endswith("-microvm"):
+        import json
+        st = json.loads(dsec("status", "--data-dir", str(DATA), "--json").stdout)
+        nodes = st.get("nodes") or [st]
+        mv = [b for n in nodes for b in n.get("backends", []) if b["name"] == "microvm"]
+        if not mv or not mv[0]["available"]:
+            pytest.skip(f"skipped: the microvm backend is unavailable: {mv[0]['detail'] if mv else 'not reported'}")
     return request.param
 
 

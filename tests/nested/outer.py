@@ -262,7 +262,8 @@ class OuterVm:
         kdir = ensure_kernel()
         initrd = ensure_initramfs(kdir)
         release = release_of(kdir)
-        lines = ["set -e", "export NESTED_OUT=/nested-io/out", "mkdir -p $NESTED_OUT"]
+        # DSEC_NESTED tells benches their KVM figures are nested under TCG.
+        lines = ["set -e", "export NESTED_OUT=/nested-io/out DSEC_NESTED=tcg", "mkdir -p $NESTED_OUT"]
         # The host's PATH: the guest runs the host's tools (pyenv's Python, cargo's builds).
         env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), **self.env}
         lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
@@ -360,6 +361,8 @@ def main() -> int:
         ap.error("no command given")
     if os.geteuid() != 0:
         ap.error("the harness runs virtiofsd on the host's root and needs root")
+    # Killed (a timeout, ^C): the VM and virtiofsd go too, via OuterVm.close.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     passthrough = {k: v for k, v in os.environ.items()
                    if k.startswith(("DSEC_", "BENCH_", "PYTEST_"))}
     with OuterVm(shlex.join(cmd), mem_mb=a.mem, cpus=a.cpus, timeout=a.timeout,

@@ -106,7 +106,8 @@ impl Template {
 
 /// The template map `dsec up` starts with: `base` (E2B's default) and
 /// `code-interpreter-v1` (`e2b-code-interpreter`'s default) as containers, and the same
-/// images as virtual machines (`base-vm`, `code-interpreter-v1-vm`).
+/// images as virtual machines (`base-vm`, `code-interpreter-v1-vm`) and as Firecracker
+/// microVMs (`base-microvm`, `code-interpreter-v1-microvm`).
 pub fn default_templates() -> BTreeMap<String, Template> {
     let mut m = BTreeMap::new();
     for (name, image) in [
@@ -114,13 +115,15 @@ pub fn default_templates() -> BTreeMap<String, Template> {
         ("code-interpreter-v1", "root/code-interpreter:latest"),
     ] {
         m.insert(name.to_string(), Template::Image(image.into()));
-        m.insert(
-            format!("{name}-vm"),
-            Template::Spec {
-                image: image.into(),
-                backend: Some("vm".into()),
-            },
-        );
+        for backend in ["vm", "microvm"] {
+            m.insert(
+                format!("{name}-{backend}"),
+                Template::Spec {
+                    image: image.into(),
+                    backend: Some(backend.into()),
+                },
+            );
+        }
     }
     m
 }

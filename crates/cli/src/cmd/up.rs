@@ -81,7 +81,7 @@ struct GatewayToml {
     /// to the gateway (default `localhost:<gateway port>`, which browsers resolve).
     domain: Option<String>,
     /// E2B template id → image (`"owner/name:tag"`) or `{ image = "…", backend = "vm" }`,
-    /// added to (or replacing) the defaults (`base`, `base-vm`).
+    /// added to (or replacing) the defaults (`base`, `base-vm`, `base-microvm`, …).
     #[serde(default)]
     templates: std::collections::BTreeMap<String, dsec_gateway::Template>,
 }
