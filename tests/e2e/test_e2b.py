@@ -66,15 +66,20 @@ BACKENDS = [pytest.param("base", id="container"), pytest.param("base-vm", id="vm
             pytest.param("base-microvm", id="microvm")]
 
 
-@pytest.fixture(params=BACKENDS)
-def template(request):
-    if request.param.endswith("-microvm"):
+def skip_unless_available(template: str) -> None:
+    """Skips a test of a `-microvm` template on a node whose microvm backend is unavailable."""
+    if template.endswith("-microvm"):
         import json
         st = json.loads(dsec("status", "--data-dir", str(DATA), "--json").stdout)
         nodes = st.get("nodes") or [st]
         mv = [b for n in nodes for b in n.get("backends", []) if b["name"] == "microvm"]
         if not mv or not mv[0]["available"]:
             pytest.skip(f"skipped: the microvm backend is unavailable: {mv[0]['detail'] if mv else 'not reported'}")
+
+
+@pytest.fixture(params=BACKENDS)
+def template(request):
+    skip_unless_available(request.param)
     return request.param
 
 

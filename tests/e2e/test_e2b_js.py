@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from test_e2b import BACKENDS, PORT_SERVER, e2b_env
+from test_e2b import BACKENDS, PORT_SERVER, e2b_env, skip_unless_available
 
 from conftest import E2B_JS_VERSION, JS
 
@@ -26,6 +26,7 @@ def node_e2b():
 
 @pytest.mark.parametrize("template", BACKENDS)
 def test_e2b_npm_package(node_e2b, template):
+    skip_unless_available(template)
     env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
     env.update(e2b_env())
     env["PORT_SERVER"] = PORT_SERVER

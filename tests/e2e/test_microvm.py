@@ -4,6 +4,7 @@
 It needs hardware KVM and a Firecracker v1.16 binary; where the server reports the backend
 unavailable, each test is skipped with the server's reason."""
 
+import os
 import pwd
 import time
 from pathlib import Path
@@ -247,5 +248,43 @@ async def test_microvm_egress_follows_its_rules(client, need_microvm):
         await sb.set_network_rules({})
         r = await sb.exec(["python3", "/tmp/probe.py", "pypi.org"], timeout=90)
         assert r.stdout.startswith("closed"), r
+    finally:
+        await sb.stop()
+
+
+async def test_microvm_sessions_pty_and_streams_over_vsock(client, need_microvm):
+    import asyncio
+
+    from test_runtime import read_until
+
+    sb = await client.run_sandbox(DSecRunArgs(backend="microvm", image="root/py:3.11",
+            memory_limit_mb=256))
+    try:
+        # A persistent shell session keeps its directory and environment.
+        s = await sb.sessions.create()
+        await s.run("cd /var; export A=1")
+        assert (await s.run("pwd; echo $A")).stdout == "/var\n1\n"
+        # A terminal: a REPL, resized, interrupted, exited.
+        p = await sb.pty(["python3", "-i", "-q"], cols=80, rows=24)
+        await p.send_stdin("import os\nprint(6*7)\n")
+        await read_until(p, b"42", timeout=60)
+        await p.resize(120, 40)
+        await p.send_stdin('print("SIZE", os.get_terminal_size(0))\n')
+        await read_until(p, b"SIZE os.terminal_size(columns=120, lines=40)", timeout=30)
+        await p.send_stdin("import time; time.sleep(30)\n")
+        await asyncio.sleep(0.5)
+        await p.send_stdin(b"\x03")
+        await read_until(p, b"KeyboardInterrupt", timeout=20)
+        await p.send_stdin("exit()\n")
+        assert (await asyncio.wait_for(p.wait(), 20)).exit_code == 0
+        # Output streamed as it comes, and a file of a few MiB each way.
+        got = []
+        st = await sb.exec_stream(["sh", "-c", "for i in 1 2 3; do echo line$i; sleep 0.2; done"])
+        async for stream, chunk in st:
+            got.append(chunk)
+        assert b"".join(c if isinstance(c, bytes) else c.encode() for c in got) == b"line1\nline2\nline3\n"
+        blob = os.urandom(3 << 20)
+        await sb.files.write("/root/blob", blob)
+        assert await sb.files.read("/root/blob") == blob
     finally:
         await sb.stop()
