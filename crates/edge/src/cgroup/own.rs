@@ -207,19 +207,13 @@ impl Drop for ChargedApart {
 mod tests {
     use super::*;
 
-    #[test]
-    fn quotas_are_shares_of_the_period_with_a_floor() {
-        assert_eq!(quota_us(0.5), 50_000);
-        assert_eq!(quota_us(2.0), 200_000);
-        assert_eq!(quota_us(0.0001), 1000);
-    }
-
-    #[test]
-    fn a_leaf_gets_its_limits_and_is_removed() {
+    /// A fresh leaf with 256 MiB, half a core and 64 pids: (mode, path, its procs files);
+    /// None (the test skips) where cgroups cannot be made.
+    fn test_leaf() -> Option<(CgroupMode, String, Vec<std::path::PathBuf>)> {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 {
             eprintln!("skipped: making cgroups needs root");
-            return;
+            return None;
         }
         let mode = super::super::detect();
         let mut r = [0u8; 4];
@@ -230,13 +224,27 @@ mod tests {
             cpu_quota_us: 50_000,
             pids: 64,
         };
-        let procs = match create_leaf(mode, &rel, limits) {
-            Ok(p) => p,
+        match create_leaf(mode, &rel, limits) {
+            Ok(p) => Some((mode, rel, p)),
             Err(e) if e.contains("Read-only") || e.contains("Permission denied") => {
                 eprintln!("skipped: cgroups are not writable here: {e}");
-                return;
+                None
             }
             Err(e) => panic!("{e}"),
+        }
+    }
+
+    #[test]
+    fn quotas_are_shares_of_the_period_with_a_floor() {
+        assert_eq!(quota_us(0.5), 50_000);
+        assert_eq!(quota_us(2.0), 200_000);
+        assert_eq!(quota_us(0.0001), 1000);
+    }
+
+    #[test]
+    fn a_leaf_gets_its_limits_and_is_removed() {
+        let Some((mode, rel, procs)) = test_leaf() else {
+            return;
         };
         assert!(
             !procs.is_empty() && procs.iter().all(|p| p.exists()),
@@ -275,26 +283,8 @@ mod tests {
 
     #[test]
     fn a_process_charged_apart_goes_back_and_the_sibling_is_removed() {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
-            eprintln!("skipped: making cgroups needs root");
+        let Some((mode, rel, procs)) = test_leaf() else {
             return;
-        }
-        let mode = super::super::detect();
-        let mut r = [0u8; 4];
-        dsec_common::id::fill_random(&mut r);
-        let rel = format!("/dsec-test-{}", hex::encode(r));
-        let limits = LeafLimits {
-            memory_bytes: 256 << 20,
-            cpu_quota_us: 50_000,
-            pids: 64,
-        };
-        let procs = match create_leaf(mode, &rel, limits) {
-            Ok(p) => p,
-            Err(e) => {
-                eprintln!("skipped: cgroups are not writable here: {e}");
-                return;
-            }
         };
         let mut cmd = Command::new("sleep");
         cmd.arg("30");
