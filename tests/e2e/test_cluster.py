@@ -495,7 +495,7 @@ async def test_vm_fork_and_resume_on_another_edge(cluster):
     under a new id; the old id is gone. The other edge pulls the state over mutual TLS."""
     import shutil
 
-    from test_vm import HOLDER, ask, qemu_processes, wait_for_file
+    from test_vm import ask, qemu_processes, start_holder
 
     if not shutil.which("qemu-system-x86_64"):
         pytest.skip("skipped: qemu-system-x86_64 is not installed")
@@ -504,10 +504,7 @@ async def test_vm_fork_and_resume_on_another_edge(cluster):
                                              ttl_seconds=1800, labels={"test": "vm-move"}))
         made = [sb]
         try:
-            await sb.files.write("/tmp/holder.py", HOLDER.encode())
-            await sb.exec_background(["python3", "/tmp/holder.py"])
-            assert await wait_for_file(sb, "/tmp/cmd")
-            value = await ask(sb, "get 1", 1)
+            value = await start_holder(sb)
             source_edge = _edge_of(sb.id)
             target = next(e for e in EDGES if e != source_edge)
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cgroup_file, leftovers, wait_for
+from conftest import cgroup_file, cgroup_mode, leftovers, wait_for
 from opendsec import DSecRunArgs
-from test_vm import HOLDER, ask, wait_for_file
+from test_vm import ask, smaps_rollup_kib, start_holder
 
 
 def vmm_processes(sandbox_id: str) -> list[int]:
@@ -68,10 +68,7 @@ async def test_microvm_runs_the_seed_example_and_forks_with_memory(client, need_
             assert b"/lib64/ld-linux" not in elf, f"{exe} is the glibc build, without a seccomp policy"
 
         # A process holding a value only in its memory: the copies must have it.
-        await sb.files.write("/tmp/holder.py", HOLDER.encode())
-        await sb.exec_background(["python3", "/tmp/holder.py"])
-        assert await wait_for_file(sb, "/tmp/cmd")
-        value = await ask(sb, "get 1", 1)
+        value = await start_holder(sb)
         t0 = time.monotonic()
         copies = await sb.fork(count=4)
         took = time.monotonic() - t0
@@ -80,12 +77,9 @@ async def test_microvm_runs_the_seed_example_and_forks_with_memory(client, need_
         assert fork["memory_preserved"] is True
         # The snapshot the source's VMM wrote to the RAM directory is not charged to the
         # source's memory limit (it would sit at its limit, OOM-killed on its next save).
-        used = int(cgroup_file("memory", sb.id, "memory.current").read_text()
-                   if cgroup_file("memory", sb.id, "memory.current").exists()
-                   else cgroup_file("memory", sb.id, "memory.usage_in_bytes").read_text())
-        limit_file = cgroup_file("memory", sb.id, "memory.max")
-        limit = int((limit_file if limit_file.exists()
-                     else cgroup_file("memory", sb.id, "memory.limit_in_bytes")).read_text())
+        v2 = cgroup_mode() == "v2"
+        used = int(cgroup_file("memory", sb.id, "memory.current" if v2 else "memory.usage_in_bytes").read_text())
+        limit = int(cgroup_file("memory", sb.id, "memory.max" if v2 else "memory.limit_in_bytes").read_text())
         print(f"source's VMM after the fork: {used >> 20} MiB charged of its {limit >> 20} MiB limit")
         assert used < 0.8 * limit, (used, limit)
         assert all(c.info.forked_from == sb.id for c in copies)
@@ -114,16 +108,9 @@ async def test_microvm_runs_the_seed_example_and_forks_with_memory(client, need_
 
 
 def vmm_memory_kib(sandbox_id: str) -> dict[str, int]:
-    """The smaps_rollup counters (kB) of the sandbox's Firecracker process: `Pss` (its
-    share of every page it maps), `Shared_Clean` + `Shared_Dirty` (pages others map too)."""
-    out: dict[str, int] = {}
-    for pid in vmm_processes(sandbox_id):
-        if b"firecracker" not in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]:
-            continue
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
-            k, v = line.split(":", 1)
-            out[k] = out.get(k, 0) + int(v.split()[0])
-    return out
+    """The smaps_rollup counters (kB) of the sandbox's Firecracker process."""
+    return smaps_rollup_kib(p for p in vmm_processes(sandbox_id)
+                            if b"firecracker" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0])
 
 
 async def test_microvm_fork_of_eight_keeps_memory_reseeds_and_shares_pages(client, need_microvm):
@@ -134,10 +121,7 @@ async def test_microvm_fork_of_eight_keeps_memory_reseeds_and_shares_pages(clien
         # Worth sharing: 128 MiB held by a Python process, next to the value holder.
         await sb.exec_background(["python3", "-c",
                                   "import time; b = bytearray(range(256)) * (512 * 1024); time.sleep(100000)"])
-        await sb.files.write("/tmp/holder.py", HOLDER.encode())
-        await sb.exec_background(["python3", "/tmp/holder.py"])
-        assert await wait_for_file(sb, "/tmp/cmd")
-        value = await ask(sb, "get 1", 1)
+        value = await start_holder(sb)
         source = vmm_memory_kib(sb.id)["Pss"]
         t0 = time.monotonic()
         copies = await sb.fork(count=8)
@@ -184,10 +168,7 @@ async def test_microvm_pause_resume_snapshot_restore_group_and_commit(client, ne
     made = []
     snap = None
     try:
-        await sb.files.write("/tmp/holder.py", HOLDER.encode())
-        await sb.exec_background(["python3", "/tmp/holder.py"])
-        assert await wait_for_file(sb, "/tmp/cmd")
-        value = await ask(sb, "get 1", 1)
+        value = await start_holder(sb)
         # A bare pause and resume: vCPUs stopped in place, then new vsock connections work.
         await sb.pause()
         assert (await client.get_sandbox(sb.id)).info.state == "paused"

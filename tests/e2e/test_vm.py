@@ -115,6 +115,14 @@ while True:
 """
 
 
+async def start_holder(sb) -> int:
+    """Starts HOLDER in `sb` and returns the value it holds."""
+    await sb.files.write("/tmp/holder.py", HOLDER.encode())
+    await sb.exec_background(["python3", "/tmp/holder.py"])
+    assert await wait_for_file(sb, "/tmp/cmd")
+    return await ask(sb, "get 1", 1)
+
+
 async def ask(sb, cmd: str, nonce: int) -> int:
     """Sends `cmd nonce ...` to the holder and returns the value it answers with."""
     script = (
@@ -127,27 +135,29 @@ async def ask(sb, cmd: str, nonce: int) -> int:
     return int(value)
 
 
+def smaps_rollup_kib(pids) -> dict[str, int]:
+    """The smaps_rollup counters (kB) of processes `pids`, summed: `Pss` (their share of
+    every page they map), `Shared_Clean` + `Shared_Dirty` (pages others map too), …"""
+    out: dict[str, int] = {}
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+            k, v = line.split(":", 1)
+            out[k] = out.get(k, 0) + int(v.split()[0])
+    return out
+
+
 def qemu_pss_kib(sandbox_id: str) -> int:
     """PSS of the sandbox's QEMU process (its share of every page it maps)."""
-    total = 0
-    for pid in qemu_processes(sandbox_id):
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        if b"qemu-system" not in cmd:
-            continue
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                total += int(line.split()[1])
-    return total
+    qemu = [p for p in qemu_processes(sandbox_id)
+            if b"qemu-system" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    return smaps_rollup_kib(qemu).get("Pss", 0)
 
 
 async def test_vm_fork_copies_keep_memory_and_then_diverge(client, need_qemu):
     sb = await client.run_sandbox(DSecRunArgs(image="root/py:3.11", backend="vm", memory_limit_mb=512))
     copies = []
     try:
-        await sb.files.write("/tmp/holder.py", HOLDER.encode())
-        await sb.exec_background(["python3", "/tmp/holder.py"])
-        assert await wait_for_file(sb, "/tmp/cmd")
-        value = await ask(sb, "get 1", 1)
+        value = await start_holder(sb)
         print(f"\nsource holds {value}", flush=True)
         t0 = time.monotonic()
         copies = await sb.fork(count=4)
@@ -234,10 +244,7 @@ async def asyncio_sleep(s: float):
 async def test_vm_pause_to_disk_keeps_the_process_and_frees_the_host(client, need_qemu):
     sb = await client.run_sandbox(DSecRunArgs(image="root/py:3.11", backend="vm", memory_limit_mb=512, labels={"job": "vm-pause"}))
     try:
-        await sb.files.write("/tmp/holder.py", HOLDER.encode())
-        await sb.exec_background(["python3", "/tmp/holder.py"])
-        assert await wait_for_file(sb, "/tmp/cmd")
-        value = await ask(sb, "get 1", 1)
+        value = await start_holder(sb)
         # In place: QEMU stays, the guest stops.
         info = await sb.pause()
         assert info.state == "paused" and not info.paused_to_disk
@@ -319,10 +326,7 @@ async def test_vm_snapshot_restores_later_until_deleted(client, need_qemu):
     restored = []
     snap = None
     try:
-        await sb.files.write("/tmp/holder.py", HOLDER.encode())
-        await sb.exec_background(["python3", "/tmp/holder.py"])
-        assert await wait_for_file(sb, "/tmp/cmd")
-        value = await ask(sb, "get 1", 1)
+        value = await start_holder(sb)
         snap = await sb.snapshot()
         assert snap.memory_preserved and snap.source == sb.id and snap.size_bytes > 0, snap
         assert snap.id in [s.id for s in await client.list_snapshots()]
@@ -386,10 +390,7 @@ async def test_vm_on_a_full_pc_machine(need_qemu):
                 r = await sb.exec(["sh", "-c", "ls /sys/bus/pci/devices | wc -l; python3 -c 'print(6*7)'"])
                 pci, answer = r.stdout.split()
                 assert int(pci) > 1 and answer == "42", r
-                await sb.files.write("/tmp/holder.py", HOLDER.encode())
-                await sb.exec_background(["python3", "/tmp/holder.py"])
-                assert await wait_for_file(sb, "/tmp/cmd")
-                value = await ask(sb, "get 1", 1)
+                value = await start_holder(sb)
                 [copy] = await sb.fork(count=1)
                 assert await ask(copy, "get 2", 2) == value
                 print(f"\nq35 machine (TCG): {pci} PCI devices in the guest; fork kept the memory", flush=True)

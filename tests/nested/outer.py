@@ -213,7 +213,7 @@ def ensure_initramfs(kdir: Path) -> Path:
     return out
 
 
-def qemu_supports_svm() -> None:
+def check_host_tools() -> None:
     if not shutil.which("qemu-system-x86_64"):
         raise HarnessError("qemu-system-x86_64 is not installed (apt-get install qemu-system-x86)")
     if not Path(VIRTIOFSD).exists():
@@ -258,7 +258,7 @@ class OuterVm:
         raise HarnessError(f"virtiofsd for {source} did not create its socket")
 
     def run(self) -> int:
-        qemu_supports_svm()
+        check_host_tools()
         kdir = ensure_kernel()
         initrd = ensure_initramfs(kdir)
         release = release_of(kdir)

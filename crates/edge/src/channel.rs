@@ -176,14 +176,10 @@ pub async fn call(sock: &Path, req: &Request, timeout: Duration) -> Result<Respo
     .map_err(|_| deadline_error(timeout))?
 }
 
-/// Waits until aether answers a ping.
-pub async fn wait_ready(sock: &Path, within: Duration) -> Result<(), ApiError> {
-    wait_ready_while(sock, within, || true).await
-}
-
-/// [`wait_ready`], giving up as soon as `alive` says the sandbox's process is gone (a VM
-/// whose guest crashed while booting answers nothing, and would be waited for in vain).
-pub async fn wait_ready_while(
+/// Waits until aether answers a ping, giving up as soon as `alive` says the sandbox's
+/// process is gone (a VM whose guest crashed while booting answers nothing, and would be
+/// waited for in vain).
+pub async fn wait_ready(
     sock: &Path,
     within: Duration,
     alive: impl Fn() -> bool,

@@ -622,10 +622,8 @@ impl Edge {
             blocking(move || b2.create(&r2, &paths, seed.as_deref())).await??;
             phases.mark("backend");
             let ready = async {
-                channel::wait_ready_while(&channel, backend.start_timeout(), || {
-                    !backend.exited(&rec)
-                })
-                .await?;
+                channel::wait_ready(&channel, backend.start_timeout(), || !backend.exited(&rec))
+                    .await?;
                 if restored {
                     tell_restored(&channel, &rec.id, backend.start_timeout()).await?;
                 } else {
@@ -989,7 +987,8 @@ impl Edge {
         if rec.paused_to_disk {
             blocking(move || b2.wake(&r2, &p2)).await??;
             let channel = self.paths(id).channel;
-            channel::wait_ready(&channel, backend.start_timeout()).await?;
+            channel::wait_ready(&channel, backend.start_timeout(), || !backend.exited(&rec))
+                .await?;
         } else {
             blocking(move || b2.resume(&r2)).await??;
         }

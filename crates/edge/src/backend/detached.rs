@@ -17,13 +17,14 @@ pub fn alive(pid: i32) -> bool {
     if unsafe { libc::kill(pid, 0) } != 0 {
         return false;
     }
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            s.rsplit_once(')')
-                .map(|(_, rest)| !rest.trim_start().starts_with('Z'))
-        })
-        .unwrap_or(false)
+    proc_state(Path::new(&format!("/proc/{pid}/stat"))).is_some_and(|s| s != 'Z')
+}
+
+/// The state letter (`R`, `S`, `T`, `Z`, …) in a `/proc/<pid>/stat` or
+/// `/proc/<pid>/task/<tid>/stat` file: the first field after the command's `)`.
+pub fn proc_state(stat: &Path) -> Option<char> {
+    let s = std::fs::read_to_string(stat).ok()?;
+    s.rsplit_once(')')?.1.trim_start().chars().next()
 }
 
 /// Kills the process named by `pid_file` and waits (up to 1 s) until it is gone.

@@ -30,7 +30,7 @@ use dsec_common::ApiError;
 use dsec_common::api::BackendStatus;
 use dsec_image::{ImageStore, guest};
 
-use super::detached::{alive, copy_sparse, kill, read_json, read_pid, write_json};
+use super::detached::{alive, copy_sparse, kill, proc_state, read_json, read_pid, write_json};
 use super::vm::Accel;
 use super::{Backend, SandboxPaths};
 use crate::cgroup::{self, CgroupMode};
@@ -230,15 +230,7 @@ fn signal_threads(pid: i32, sig: i32, within: Duration) -> Result<(), String> {
         let running = std::fs::read_dir(format!("/proc/{pid}/task"))
             .map_err(|e| format!("reading the threads of {pid}: {e}"))?
             .flatten()
-            .filter(|t| {
-                std::fs::read_to_string(t.path().join("stat"))
-                    .ok()
-                    .and_then(|s| {
-                        s.rsplit_once(')')
-                            .and_then(|(_, rest)| rest.trim_start().chars().next())
-                    })
-                    .is_some_and(|state| state != 'T' && state != 't')
-            })
+            .filter(|t| proc_state(&t.path().join("stat")).is_some_and(|s| s != 'T' && s != 't'))
             .count();
         if running == 0 {
             return Ok(());
@@ -656,8 +648,9 @@ impl MicrovmBackend {
         let info: VmInfo = read_json(&self.dir(&rec.id).join(INFO))?;
         std::fs::create_dir_all(dest).map_err(|e| format!("creating {}: {e}", dest.display()))?;
         let c = self.client(&rec.id);
+        let fc_pid = read_pid(&self.dir(&rec.id).join(FC_PID));
         // Paused by `pause` (stopped threads): Firecracker saves only a VM its API paused.
-        if let Some(pid) = read_pid(&self.dir(&rec.id).join(FC_PID)) {
+        if let Some(pid) = fc_pid {
             signal_threads(pid, libc::SIGCONT, STOP_WITHIN)?;
         }
         if !api_paused(&c).map_err(|e| e.to_string())? {
@@ -676,7 +669,7 @@ impl MicrovmBackend {
             vmm.clone()
         };
         // What the VMM writes now is not the guest's memory use: charged apart from its limit.
-        let _apart = match read_pid(&self.dir(&rec.id).join(FC_PID)) {
+        let _apart = match fc_pid {
             Some(pid) => Some(cgroup::own::charge_apart(
                 self.mode,
                 &cgroup::sandbox_cgroup_path(&rec.id),
