@@ -11,6 +11,7 @@ Run with `-s` to see the figures (spread, creates/s, recovery times)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import Counter
 
@@ -489,19 +490,24 @@ async def _assert_invisible(cluster: Cluster, api: str, key: str, info: SandboxI
 # ---- 5. VM state across edges ----------------------------------------------------------
 
 
-async def test_vm_fork_and_resume_on_another_edge(cluster):
+@pytest.mark.parametrize("backend", ["vm", "microvm"])
+async def test_vm_fork_and_resume_on_another_edge(cluster, backend):
     """A VM's memory goes with it to another edge: copies forked there hold the source
     process's value, and a sandbox paused to disk resumes there, same process and value,
-    under a new id; the old id is gone. The other edge pulls the state over mutual TLS."""
-    import shutil
-
+    under a new id; the old id is gone. The other edge pulls the state over mutual TLS.
+    Both VM backends: QEMU (`vm`) and Firecracker (`microvm`, where the edges have KVM)."""
+    from test_microvm import vmm_processes
     from test_vm import ask, qemu_processes, start_holder
 
-    if not shutil.which("qemu-system-x86_64"):
-        pytest.skip("skipped: qemu-system-x86_64 is not installed")
+    st = cluster.status()
+    avail = {b["name"]: b for n in st["nodes"] for b in n.get("backends", []) if b["name"] == backend}
+    if backend not in avail or not avail[backend]["available"]:
+        why = avail[backend]["detail"] if backend in avail else "no edge reports it"
+        pytest.skip(f"skipped: the {backend} backend is unavailable on the edges: {why}")
+    processes = qemu_processes if backend == "vm" else vmm_processes
     async with _client(cluster, "api1") as c:
-        sb = await c.run_sandbox(DSecRunArgs(image="root/py:3.11", backend="vm", memory_limit_mb=256,
-                                             ttl_seconds=1800, labels={"test": "vm-move"}))
+        sb = await c.run_sandbox(DSecRunArgs(image="root/py:3.11", backend=backend, memory_limit_mb=256,
+                                             ttl_seconds=1800, labels={"test": f"{backend}-move"}))
         made = [sb]
         try:
             value = await start_holder(sb)
@@ -530,7 +536,7 @@ async def test_vm_fork_and_resume_on_another_edge(cluster):
 
             old = sb.id
             await sb.pause(to_disk=True)
-            assert not qemu_processes(old)
+            assert not processes(old)
             t0 = time.monotonic()
             info = await sb.resume(edge=target)
             move_s = time.monotonic() - t0
@@ -538,8 +544,9 @@ async def test_vm_fork_and_resume_on_another_edge(cluster):
             assert await ask(sb, "get 3", 3) == value, "the moved sandbox lost its process's memory"
             with pytest.raises(NotFoundError):
                 await c.get_sandbox(old)
-            assert not qemu_processes(old)
-            print(f"\nVM to another edge (TCG): fork of 2 there {fork_s:.2f} s "
+            assert not processes(old)
+            accel = "TCG" if backend == "vm" else "KVM nested under TCG" if os.environ.get("DSEC_NESTED") else "KVM"
+            print(f"\n{backend} to another edge ({accel}): fork of 2 there {fork_s:.2f} s "
                   f"(source paused {sb.last_fork['source_paused_ms']} ms); resume there from disk {move_s:.2f} s",
                   flush=True)
             # Refused clearly: an edge that does not exist.

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cgroup_file, cgroup_mode, leftovers, wait_for
-from opendsec import DSecRunArgs
+from conftest import DATA, cgroup_file, cgroup_mode, leftovers, server_down, server_up, wait_for
+from opendsec import DSecClient, DSecRunArgs
 from test_vm import ask, smaps_rollup_kib, start_holder
 
 
@@ -158,6 +158,59 @@ async def test_microvm_fork_of_eight_keeps_memory_reseeds_and_shares_pages(clien
     for c in [sb, *copies]:
         assert wait_for(lambda: not vmm_processes(c.id), timeout=30), f"Firecracker of {c.id} outlived it"
         assert leftovers(c.id) == []
+
+
+async def test_microvm_diff_snapshots_write_only_the_dirty_pages(client, need_microvm):
+    """With `firecracker_diff_snapshots = true` a VM tracks dirty pages: its first fork
+    writes all its memory (Full); a later one writes only the pages changed since (a Diff,
+    laid over a copy of the first). The copies of each fork hold the memory as it was at
+    their fork, and the 128 MiB left untouched in between is not written again."""
+    import re
+
+    cfg = DATA / "config.toml"
+    assert not cfg.exists(), f"{cfg} is the test's own; remove the stale one"
+    server_down()
+    cfg.write_text("[edge]\nfirecracker_diff_snapshots = true\n")
+    made = []
+    try:
+        server_up()
+        async with DSecClient() as c2:
+            sb = await c2.run_sandbox(DSecRunArgs(backend="microvm", image="root/py:3.11",
+                    memory_limit_mb=512))
+            made.append(sb)
+            await sb.exec_background(["python3", "-c",
+                                      "import time; b = bytearray(range(256)) * (512 * 1024); time.sleep(100000)"])
+            value = await start_holder(sb)
+            first = await sb.fork(count=1)
+            made += first
+            full_ms = sb.last_fork["source_paused_ms"]
+            assert await ask(first[0], "get 10", 10) == value
+            assert await ask(sb, "set 2 424242", 2) == 424242
+            second = await sb.fork(count=2)
+            made += second
+            diff_ms = sb.last_fork["source_paused_ms"]
+            for i, c in enumerate(second):
+                assert await ask(c, f"get {20 + i}", 20 + i) == 424242, "a Diff copy lost the change"
+                r = await c.exec(["sh", "-c", "grep -qs bytearray /proc/[0-9]*/cmdline && echo alive"])
+                assert r.stdout == "alive\n", r
+            assert await ask(first[0], "get 11", 11) == value, "the second fork changed the first's copy"
+            log = (DATA / "dsec.log").read_text(errors="replace")
+            diffs = [int(m.group(1)) for line in log.splitlines() if "Diff snapshot" in line and sb.id in line
+                     for m in [re.search(r"dirty_bytes=(\d+)", line)] if m]
+            assert len(diffs) == 1, f"expected one Diff snapshot of {sb.id}, the log has {diffs}"
+            print(f"\ndiff snapshots (nested under TCG): first fork (Full) paused the source {full_ms} ms; "
+                  f"the second (Diff, {diffs[0] / 2**20:.1f} MiB dirty) {diff_ms} ms", flush=True)
+            assert diffs[0] < 128 * 2**20, f"the Diff wrote {diffs[0]} bytes: more than was changed"
+    finally:
+        async with DSecClient() as c3:
+            for m in made:
+                await (await c3.get_sandbox(m.id)).stop()
+        cfg.unlink()
+        server_down()
+        server_up()
+    for m in made:
+        assert wait_for(lambda: not vmm_processes(m.id), timeout=30)
+        assert leftovers(m.id) == []
 
 
 async def test_microvm_pause_resume_snapshot_restore_group_and_commit(client, need_microvm):

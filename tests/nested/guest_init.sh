@@ -61,4 +61,9 @@ ulimit -n 1048576
 
 echo "nested: outer VM up in $(cut -d' ' -f1 /proc/uptime) s (kernel $release, /dev/kvm ready)"
 bash /nested-io/cmd.sh
-finish $?
+rc=$?
+# The console is quiet (loglevel 3): say what the outer kernel saw go wrong (OOM kills,
+# KVM's complaints), which explains a nested VM that died.
+dmesg --level=emerg,alert,crit,err,warn 2>/dev/null \
+    | grep -iE "out of memory|killed process|oom|kvm|svm" | tail -n 20 | sed 's/^/nested: kernel: /'
+finish $rc

@@ -807,19 +807,23 @@ impl Edge {
         }
         self.touch(e);
         let (b2, p2, s2) = (backend.clone(), self.paths(&src.id), dest.to_path_buf());
-        let t0 = Instant::now();
         let copied = blocking(move || {
+            let t0 = Instant::now();
             b2.pause(&src)?;
             let r = b2.snapshot(&src, &p2, &s2);
             let resumed = b2.resume(&src);
-            r.and(resumed)
+            let paused_ms = t0.elapsed().as_millis() as u64;
+            r.and(resumed)?;
+            b2.finish_snapshot(&src, &s2).map(|()| paused_ms)
         })
         .await?;
-        let paused_ms = t0.elapsed().as_millis() as u64;
-        if let Err(err) = copied {
-            self.discard_seed(backend, dest).await;
-            return Err(err);
-        }
+        let paused_ms = match copied {
+            Ok(ms) => ms,
+            Err(err) => {
+                self.discard_seed(backend, dest).await;
+                return Err(err);
+            }
+        };
         Ok(paused_ms)
     }
 

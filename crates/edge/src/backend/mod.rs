@@ -5,6 +5,7 @@
 pub mod container;
 pub(crate) mod detached;
 pub mod microvm;
+pub(crate) mod moved_disk;
 pub mod vm;
 
 use std::path::{Path, PathBuf};
@@ -22,7 +23,8 @@ pub const SUSPENDED_DIR: &str = "suspended";
 /// another edge.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct SavedFile {
-    /// What the file is (`vm.json`, `dev`, `full`, `ram`, `disk`).
+    /// What the file is: `vm.json`, `dev`, `full`, `ram`, `disk` of a QEMU VM;
+    /// `fc.json`, `vmstate`, `mem`, `disk` of a microVM.
     pub name: String,
     pub size: u64,
     /// Given for files the other edge may already hold (a VM's root disk).
@@ -34,6 +36,22 @@ pub struct SavedFile {
     /// Where it is on the sending edge.
     #[serde(skip)]
     pub path: PathBuf,
+}
+
+impl SavedFile {
+    /// A file of a saved state that travels whole (no local copy is looked for).
+    pub fn at(name: &str, path: PathBuf) -> Result<SavedFile, String> {
+        let size = std::fs::metadata(&path)
+            .map_err(|e| format!("{}: {e}", path.display()))?
+            .len();
+        Ok(SavedFile {
+            name: name.into(),
+            size,
+            sha256: None,
+            hint: None,
+            path,
+        })
+    }
 }
 
 pub struct SandboxPaths {
@@ -77,6 +95,12 @@ pub trait Backend: Send + Sync {
         paths: &SandboxPaths,
         dest: &Path,
     ) -> Result<(), ApiError>;
+    /// The part of [`Backend::snapshot`] that needs no pause, done once the caller has
+    /// resumed the sandbox (a microVM's Diff laid over a copy of the memory it is a diff
+    /// of).
+    fn finish_snapshot(&self, _rec: &SandboxRecord, _dest: &Path) -> Result<(), ApiError> {
+        Ok(())
+    }
     /// Moves what [`Backend::snapshot`] kept outside `dest` into it, for a snapshot kept
     /// for later (not only for the copies of one fork).
     fn keep_snapshot(&self, _dest: &Path) -> Result<(), ApiError> {

@@ -32,7 +32,7 @@ use dsec_image::{ImageStore, guest};
 
 use super::detached::{alive, copy_sparse, kill, proc_state, read_json, read_pid, write_json};
 use super::vm::Accel;
-use super::{Backend, SandboxPaths};
+use super::{Backend, SandboxPaths, SavedFile, moved_disk};
 use crate::cgroup::{self, CgroupMode};
 use crate::registry::SandboxRecord;
 use api::Client;
@@ -677,14 +677,15 @@ impl MicrovmBackend {
             )?),
             None => None,
         };
-        let saved = if info.track_dirty_pages && base.is_file() && mem.parent() == base.parent() {
-            copy_sparse(&base, mem)?;
-            let diff = mem_out_dir.join("out.diff");
-            let r = snapshot_call(&c, api::SnapshotType::Diff, &out_state, &diff)
+        // A Diff holds only the pages written since the base: the source stays paused for
+        // those alone. It becomes the snapshot's memory in `finish_snapshot`, laid over a
+        // copy of the base once the source runs again.
+        let diff = info.track_dirty_pages && base.is_file() && mem.parent() == base.parent();
+        let saved = if diff {
+            let out = mem_out_dir.join("out.diff");
+            snapshot_call(&c, api::SnapshotType::Diff, &out_state, &out)
                 .map_err(|e| e.to_string())
-                .and_then(|()| snapshot::merge_diff(&diff, mem).map(drop));
-            let _ = std::fs::remove_file(&diff);
-            r
+                .and_then(|()| move_file(&out, &snapshot::pending_diff(mem)))
         } else {
             let out_mem = mem_out_dir.join("out.mem");
             snapshot_call(&c, api::SnapshotType::Full, &out_state, &out_mem)
@@ -697,9 +698,10 @@ impl MicrovmBackend {
                 let _ = std::fs::remove_file(vmm.join(f));
                 let _ = std::fs::remove_file(mem_out_dir.join(f));
             }
+            let _ = std::fs::remove_file(snapshot::pending_diff(mem));
             return Err(e);
         }
-        if info.track_dirty_pages {
+        if info.track_dirty_pages && !diff {
             self.set_base(&rec.id, mem);
         }
         let saved = SavedVm {
@@ -869,8 +871,116 @@ impl Backend for MicrovmBackend {
         })
     }
 
+    /// A Diff written while the source was paused becomes the snapshot's memory: laid
+    /// over a fresh copy of the base (never the base itself, which copies may map), which
+    /// the next Diff is then taken against.
+    fn finish_snapshot(&self, rec: &SandboxRecord, dest: &Path) -> Result<(), ApiError> {
+        let fail = |e: String| ApiError::internal(format!("snapshotting the microVM: {e}"));
+        let saved = snapshot::read_meta(dest).map_err(fail)?;
+        let diff = snapshot::pending_diff(&saved.mem);
+        if !diff.is_file() {
+            return Ok(());
+        }
+        let base = snapshot::base_mem(&self.ram_dir, &rec.id);
+        let merged =
+            copy_sparse(&base, &saved.mem).and_then(|()| snapshot::merge_diff(&diff, &saved.mem));
+        let _ = std::fs::remove_file(&diff);
+        let dirty = merged.map_err(fail)?;
+        tracing::info!(sandbox = %rec.id, dirty_bytes = dirty, "microvm: Diff snapshot laid over its base");
+        self.set_base(&rec.id, &saved.mem);
+        Ok(())
+    }
+
+    /// The memory comes into the snapshot's directory, out of the RAM directory's tmpfs
+    /// (copies that mapped it keep their pages); what is restored later maps it from there.
+    fn keep_snapshot(&self, dest: &Path) -> Result<(), ApiError> {
+        let fail = |e: String| ApiError::internal(format!("keeping the microVM snapshot: {e}"));
+        let mut saved = snapshot::read_meta(dest).map_err(fail)?;
+        if !saved.mem.starts_with(dest) {
+            copy_sparse(&saved.mem, &dest.join(snapshot::MEM)).map_err(fail)?;
+            let _ = std::fs::remove_file(&saved.mem);
+            // Relative: the directory is moved into place after this.
+            saved.mem = PathBuf::from(snapshot::MEM);
+            snapshot::write_meta(dest, &saved).map_err(fail)?;
+        }
+        Ok(())
+    }
+
     fn discard_snapshot(&self, dest: &Path) {
         snapshot::discard(dest);
+    }
+
+    fn saved_files(&self, saved: &Path) -> Result<Vec<SavedFile>, ApiError> {
+        let bad = |e: String| ApiError::internal(format!("reading the saved microVM: {e}"));
+        let meta = snapshot::read_meta(saved).map_err(bad)?;
+        Ok(vec![
+            SavedFile::at(snapshot::META, saved.join(snapshot::META)).map_err(bad)?,
+            SavedFile::at(snapshot::VMSTATE, saved.join(snapshot::VMSTATE)).map_err(bad)?,
+            SavedFile::at(snapshot::MEM, meta.mem).map_err(bad)?,
+            moved_disk::saved_file(&meta.disk).map_err(bad)?,
+        ])
+    }
+
+    fn local_copy(&self, f: &SavedFile) -> Option<PathBuf> {
+        moved_disk::local_copy(self.images.root(), f)
+    }
+
+    /// Checks a microVM state fetched from another edge (its files, format, Firecracker
+    /// version and memory size) and points its `fc.json` at its memory and at this edge's
+    /// copy of its disk.
+    fn adopt_saved(
+        &self,
+        staged: &Path,
+        _home: &Path,
+        files: &[SavedFile],
+        have: &std::collections::BTreeMap<String, PathBuf>,
+    ) -> Result<(), ApiError> {
+        let bad =
+            |e: String| ApiError::invalid(format!("the microVM state sent by the other edge: {e}"));
+        let fc = self.unavailable()?;
+        let names = [
+            snapshot::META,
+            snapshot::VMSTATE,
+            snapshot::MEM,
+            moved_disk::NAME,
+        ];
+        if let Some(f) = files.iter().find(|f| !names.contains(&f.name.as_str())) {
+            return Err(bad(format!("unknown file {:?}", f.name)));
+        }
+        for n in [snapshot::META, snapshot::VMSTATE, snapshot::MEM] {
+            if !staged.join(n).is_file() {
+                return Err(bad(format!("{n} is missing")));
+            }
+        }
+        let mut saved = snapshot::read_meta(staged).map_err(bad)?;
+        if saved.format != snapshot::FORMAT {
+            return Err(bad(format!("unknown format {:?}", saved.format)));
+        }
+        if saved.firecracker != fc.version || saved.snapshot_version != fc.snapshot_version {
+            return Err(ApiError::precondition(format!(
+                "the microVM was saved by Firecracker {} (snapshot format {}) and this edge runs {} (format {}); move it to an edge with the same version",
+                saved.firecracker, saved.snapshot_version, fc.version, fc.snapshot_version
+            )));
+        }
+        if saved.mem_mb == 0 || saved.mem_mb > 1 << 20 || saved.cpus == 0 || saved.cpus > 32 {
+            return Err(bad(format!(
+                "{} MiB and {} vCPUs is not a microVM",
+                saved.mem_mb, saved.cpus
+            )));
+        }
+        let len = std::fs::metadata(staged.join(snapshot::MEM))
+            .map_err(|e| bad(e.to_string()))?
+            .len();
+        if len != saved.mem_mb << 20 {
+            return Err(bad(format!(
+                "its memory has {len} bytes, not the guest's {} MiB",
+                saved.mem_mb
+            )));
+        }
+        // Next to `fc.json` wherever `staged` goes (`home`, for a resume).
+        saved.mem = PathBuf::from(snapshot::MEM);
+        saved.disk = moved_disk::place(self.images.root(), staged, files, have).map_err(bad)?;
+        snapshot::write_meta(staged, &saved).map_err(ApiError::internal)
     }
 
     fn suspend(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError> {

@@ -3,7 +3,10 @@
 //! ```text
 //! <seed dir>/vmstate, fc.json        a fork's snapshot (the edge's fork-tmp/<src>-<rand>)
 //! <ram dir>/seed-<seed name>.mem     its guest memory, on the RAM directory's tmpfs
+//! <ram dir>/seed-<seed name>.mem.diff  a Diff's pages, until laid over a copy of the base
 //! <sandbox dir>/suspended/vmstate, mem, fc.json   a VM paused to disk
+//! <snapshot dir>/vmstate, mem, fc.json  a snapshot kept for later (its memory moved
+//!                                    out of the RAM directory)
 //! <ram dir>/<id>.base.mem            a hard link to the memory a VM last saved or was
 //!                                    loaded from: what a Diff snapshot is laid onto
 //! ```
@@ -38,7 +41,9 @@ pub struct SavedVm {
     pub cpus: u64,
     /// Whether the VM tracked dirty pages (Diff snapshots of its copies are possible).
     pub track_dirty_pages: bool,
-    /// The guest memory file (absolute).
+    /// The guest memory file: absolute, or relative to the directory of `fc.json` (a kept
+    /// snapshot's, which is moved into place after it is written). [`read_meta`] gives it
+    /// absolute.
     pub mem: PathBuf,
 }
 
@@ -49,6 +54,14 @@ pub fn seed_mem(ram_dir: &Path, seed: &Path) -> PathBuf {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "seed".into());
     ram_dir.join(format!("seed-{name}.mem"))
+}
+
+/// Where a Diff snapshot's pages wait, next to the memory file `mem` they become part of,
+/// until they are laid over a copy of the base (after the source is resumed).
+pub fn pending_diff(mem: &Path) -> PathBuf {
+    let mut p = mem.as_os_str().to_owned();
+    p.push(".diff");
+    PathBuf::from(p)
 }
 
 /// The hard link a VM keeps to the memory it last saved or loaded (see the module doc).
@@ -69,7 +82,10 @@ pub fn write_meta(dir: &Path, saved: &SavedVm) -> Result<(), String> {
 pub fn read_meta(dir: &Path) -> Result<SavedVm, String> {
     let p = dir.join(META);
     let b = std::fs::read(&p).map_err(|e| format!("reading {}: {e}", p.display()))?;
-    serde_json::from_slice(&b).map_err(|e| format!("{}: {e}", p.display()))
+    let mut saved: SavedVm =
+        serde_json::from_slice(&b).map_err(|e| format!("{}: {e}", p.display()))?;
+    saved.mem = dir.join(&saved.mem);
+    Ok(saved)
 }
 
 /// Checks that `dir` holds a snapshot `fc` can load: the same format and Firecracker, its
@@ -118,6 +134,7 @@ pub fn discard(seed: &Path) {
         && !saved.mem.starts_with(seed)
     {
         let _ = std::fs::remove_file(&saved.mem);
+        let _ = std::fs::remove_file(pending_diff(&saved.mem));
     }
 }
 
@@ -290,6 +307,37 @@ mod tests {
         discard(&susp);
         assert!(susp.join(MEM).exists());
         discard(&d.path().join("no-such-seed"));
+    }
+
+    #[test]
+    fn memory_named_relative_to_its_directory_moves_with_it() {
+        let d = tempfile::tempdir().unwrap();
+        let (part, ram, disk) = (
+            d.path().join(".snap.part"),
+            d.path().join("ram"),
+            d.path().join("root.ext4"),
+        );
+        std::fs::create_dir_all(&ram).unwrap();
+        std::fs::write(&disk, b"disk").unwrap();
+        let saved = make_seed(&part, &ram, &disk);
+        // Kept: the memory comes into the directory under a relative name, and the
+        // directory is then renamed into place.
+        std::fs::rename(&saved.mem, part.join(MEM)).unwrap();
+        write_meta(
+            &part,
+            &SavedVm {
+                mem: PathBuf::from(MEM),
+                ..saved.clone()
+            },
+        )
+        .unwrap();
+        let kept = d.path().join("snap");
+        std::fs::rename(&part, &kept).unwrap();
+        let read = validate(&kept, &fc(Version::new(1, 16, 1))).unwrap();
+        assert_eq!(read.mem, kept.join(MEM));
+        // Not outside its directory: a discard leaves it to whoever removes the directory.
+        discard(&kept);
+        assert!(kept.join(MEM).exists());
     }
 
     #[test]

@@ -22,7 +22,7 @@ mod qmp;
 use qmp::Qmp;
 
 use super::detached::{alive, copy_sparse, kill, read_json, read_pid, write_json};
-use super::{Backend, SandboxPaths, SavedFile};
+use super::{Backend, SandboxPaths, SavedFile, moved_disk};
 use crate::cgroup::{self, CgroupMode};
 use crate::registry::SandboxRecord;
 
@@ -771,68 +771,24 @@ impl Backend for VmBackend {
     fn saved_files(&self, saved: &Path) -> Result<Vec<SavedFile>, ApiError> {
         let bad = |e: String| ApiError::internal(format!("reading the saved VM: {e}"));
         let vm: SavedVm = read_json(&saved.join("vm.json")).map_err(bad)?;
-        let size = |p: &Path| {
-            std::fs::metadata(p)
-                .map(|m| m.len())
-                .map_err(|e| bad(format!("{}: {e}", p.display())))
-        };
-        let mut out = Vec::new();
         let state = if vm.kind == "shared" { "dev" } else { "full" };
-        for (name, path) in [
-            ("vm.json", saved.join("vm.json")),
-            (state, saved.join(state)),
-        ] {
-            out.push(SavedFile {
-                name: name.into(),
-                size: size(&path)?,
-                sha256: None,
-                hint: None,
-                path,
-            });
-        }
+        let mut out = vec![
+            SavedFile::at("vm.json", saved.join("vm.json")).map_err(bad)?,
+            SavedFile::at(state, saved.join(state)).map_err(bad)?,
+        ];
         let ram = vm
             .ram
             .clone()
             .or_else(|| (vm.kind == "shared").then(|| saved.join("ram")));
         if let Some(ram) = ram {
-            out.push(SavedFile {
-                name: "ram".into(),
-                size: size(&ram)?,
-                sha256: None,
-                hint: None,
-                path: ram,
-            });
+            out.push(SavedFile::at("ram", ram).map_err(bad)?);
         }
-        let sha = guest::disk_sha256(&vm.disk).map_err(|e| bad(e.to_string()))?;
-        out.push(SavedFile {
-            name: "disk".into(),
-            size: size(&vm.disk)?,
-            sha256: Some(sha),
-            hint: vm
-                .disk
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned()),
-            path: vm.disk,
-        });
+        out.push(moved_disk::saved_file(&vm.disk).map_err(bad)?);
         Ok(out)
     }
 
-    /// A root disk with the same content, under the sender's name (the same image's
-    /// disk built here) or as one received before.
     fn local_copy(&self, f: &SavedFile) -> Option<PathBuf> {
-        let sha = f.sha256.as_deref().filter(|_| f.name == "disk")?;
-        let dir = guest::disks_dir(self.images.root());
-        let mut candidates = vec![dir.join(format!("imported-{sha}.ext4"))];
-        if let Some(h) = f
-            .hint
-            .as_deref()
-            .filter(|h| h.ends_with(".ext4") && !h.contains('/') && !h.starts_with('.'))
-        {
-            candidates.push(dir.join(h));
-        }
-        candidates
-            .into_iter()
-            .find(|c| c.is_file() && guest::disk_sha256(c).is_ok_and(|s| s == sha))
+        moved_disk::local_copy(self.images.root(), f)
     }
 
     fn adopt_saved(
@@ -885,18 +841,7 @@ impl Backend for VmBackend {
             "shared" => return Err(bad("ram is missing".into())),
             _ => None,
         };
-        vm.disk = match have.get("disk") {
-            Some(p) => p.clone(),
-            None => {
-                let sha = files
-                    .iter()
-                    .find(|f| f.name == "disk")
-                    .and_then(|f| f.sha256.clone())
-                    .ok_or_else(|| bad("the disk has no sha256".into()))?;
-                guest::adopt_disk(self.images.root(), &staged.join("disk"), &sha)
-                    .map_err(|e| bad(e.to_string()))?
-            }
-        };
+        vm.disk = moved_disk::place(self.images.root(), staged, files, have).map_err(bad)?;
         write_json(&staged.join("vm.json"), &vm).map_err(ApiError::internal)
     }
 
