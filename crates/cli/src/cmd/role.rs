@@ -64,6 +64,14 @@ pub struct IamSection {
     /// Where the replica that creates the cluster writes the first admin key.
     #[serde(default)]
     pub bootstrap_key_file: Option<PathBuf>,
+    /// How often the leader tells the others it is there (ms; default 100).
+    #[serde(default)]
+    pub heartbeat_ms: Option<u64>,
+    /// A follower that hears no leader for a random time in [min, max] ms starts an
+    /// election (default [500, 1000]). Raise both, with the heartbeat, where replicas
+    /// share loaded or slow machines, so that a late heartbeat does not start elections.
+    #[serde(default)]
+    pub election_timeout_ms: Option<[u64; 2]>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -192,6 +200,18 @@ async fn run_iam(cfg: RoleConfig, tls: Tls) -> Result<i32> {
     let fresh = !raft_dir.join("raft-log.redb").exists();
     let mut rc = RaftConfig::new(section.id, own, &raft_dir);
     rc.tls = Some(tls.client.clone());
+    if let Some(ms) = section.heartbeat_ms {
+        rc.heartbeat = Duration::from_millis(ms.max(10));
+    }
+    if let Some([lo, hi]) = section.election_timeout_ms {
+        if lo <= rc.heartbeat.as_millis() as u64 || hi <= lo {
+            bail!(
+                "[iam] election_timeout_ms = [{lo}, {hi}]: both must exceed heartbeat_ms ({} ms) and max must exceed min",
+                rc.heartbeat.as_millis()
+            );
+        }
+        rc.election_timeout = (Duration::from_millis(lo), Duration::from_millis(hi));
+    }
     let node = RaftIam::open(rc).await?;
     let app = node
         .router()
@@ -220,18 +240,48 @@ async fn run_iam(cfg: RoleConfig, tls: Tls) -> Result<i32> {
     node.wait_for_leader(Duration::from_secs(120))
         .await
         .context("no IAM leader was elected")?;
-    if let Some(file) = &section.bootstrap_key_file
-        && !file.exists()
-        && node.keys(ROOT).is_ok_and(|k| k.is_empty())
-    {
-        let (key, _) = dsec_iam::create_key(&node, ROOT, ROOT, "admin", PrincipalKind::Human)?;
-        super::up::write_private(file, &format!("{key}\n"))?;
-        tracing::info!(file = %file.display(), "wrote the first admin key");
+    if let Some(file) = &section.bootstrap_key_file {
+        write_bootstrap_key(&node, file).await?;
     }
     tracing::info!(id = section.id, "IAM replica serving");
     server.await??;
     let _ = node.shutdown().await;
     Ok(0)
+}
+
+/// Writes the first admin key to `file`, once: when the file is missing and the cluster has
+/// no keys. Elections can go on for a while after the first leader (replicas on a loaded
+/// host miss each other's heartbeats): a write refused for want of a leader is tried
+/// again, for up to two minutes, rather than ending the replica.
+async fn write_bootstrap_key(node: &RaftIam, file: &Path) -> Result<()> {
+    const WITHIN: Duration = Duration::from_secs(120);
+    let t0 = std::time::Instant::now();
+    // After a failed try the key may still have been made (the answer was lost): make
+    // another rather than leave the cluster with none anyone holds.
+    let mut tried = false;
+    loop {
+        if file.exists() {
+            return Ok(());
+        }
+        let made = match node.keys(ROOT) {
+            Ok(k) if !k.is_empty() && !tried => return Ok(()),
+            Ok(_) => dsec_iam::create_key(node, ROOT, ROOT, "admin", PrincipalKind::Human),
+            Err(e) => Err(e),
+        };
+        match made {
+            Ok((key, _)) => {
+                super::up::write_private(file, &format!("{key}\n"))?;
+                tracing::info!(file = %file.display(), "wrote the first admin key");
+                return Ok(());
+            }
+            Err(dsec_iam::IamError::Storage(m)) if t0.elapsed() < WITHIN => {
+                tracing::warn!("writing the first admin key: {m}; trying again");
+                tried = true;
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => return Err(e).context("writing the first admin key"),
+        }
+    }
 }
 
 async fn run_apiserver(cfg: RoleConfig, tls: Tls) -> Result<i32> {
