@@ -209,7 +209,17 @@ async def node_connect(lab: Netlab, host: str, port: int) -> str:
     return await asyncio.to_thread(lab.node_connect, host, port)
 
 
-PER_SANDBOX = re.compile(r"^\s*(?:set|chain) (?:sb|a|c|p|x|xp)_\w+", re.M)
+# The node's table is fixed: a sandbox is only elements keyed by its interface, `"dsv<k>"`.
+PER_SANDBOX = re.compile(r"^\s*(?:set|chain|map) (?:sb_\w+|(?:a|c|p|x|xp)_\w+|egress \{\s*type ifname : verdict)",
+                         re.M)
+SANDBOX_ELEMENT = re.compile(r'"dsv(\w+)" \. ([^,}\n]+)')
+
+
+def elements(lab: Netlab, set_name: str, sb: Sandbox | None = None) -> list[str]:
+    """The elements of the node's set `set_name` (of `sb` only, when given), each without
+    the interface: `203.0.113.7 . 443`, `192.0.2.1 timeout 30s expires 29s`."""
+    listing = lab.node("nft", "list", "set", "inet", "dsec", set_name).stdout
+    return [rest.strip() for k, rest in SANDBOX_ELEMENT.findall(listing) if sb is None or k == key(sb)]
 
 
 # ---- fixtures --------------------------------------------------------------------------
@@ -389,8 +399,8 @@ async def test_rules_change_at_runtime(lab: Netlab, node: DSecClient):
 async def test_answer_opens_address_for_its_ttl(lab: Netlab, node: DSecClient):
     sb = await node.run_sandbox(DSecRunArgs(**PY, network_rules={"ttl.test": True}))
     first = await probe(sb, ("resolve", "ttl.test"), ("connect", PYPI_IP, HTTP_PORT), parallel=False)
-    learned = lab.node("nft", "list", "set", "inet", "dsec", f"a_{key(sb)}").stdout
-    print(f"\nttl.test (TTL 2) -> {first}; the sandbox's DNS-learned set:\n{learned}", flush=True)
+    learned = elements(lab, "a", sb)
+    print(f"\nttl.test (TTL 2) -> {first}; the sandbox's DNS-learned elements: {learned}", flush=True)
     assert first == [PYPI_IP, "OK"], first
 
     moved = time.monotonic()
@@ -412,8 +422,8 @@ async def test_a_repeated_answer_tells_what_is_left_and_reopens_nothing(lab: Net
     gw = gateway(sb.info.network["address"])
     first, _, again = await probe(sb, ("dns", gw, "pypi.test", "udp", "A", 2.0, True), ("sleep", 3),
                                   ("dns", gw, "files.pypi.test", "udp", "A", 2.0, True), parallel=False)
-    learned = lab.node("nft", "list", "set", "inet", "dsec", f"a_{key(sb)}").stdout
-    print(f"\nfirst {first}, 3 s later under another name {again}; the set:\n{learned}", flush=True)
+    learned = " ".join(elements(lab, "a", sb))
+    print(f"\nfirst {first}, 3 s later under another name {again}; its elements: {learned}", flush=True)
     assert first == {"rcode": 0, "a": [PYPI_IP], "ttls": [30]}, first
     assert again["a"] == [PYPI_IP], again
     # Told what is left of the first opening (30 s less the 3 s slept), not a fresh 30.
@@ -508,14 +518,18 @@ async def test_two_hundred_sandboxes_with_rules_leave_nothing_behind(lab: Netlab
     assert not failed, f"{len(failed)} of {n} creates failed, e.g. {failed[:3]}"
     assert len({s.info.network["address"] for s in ok}) == n
 
-    # Each sandbox has its own chain, and its rule in its own set.
+    # Each sandbox's rule is one element of the node's fixed set `p`, keyed by its
+    # interface; no chain or set per sandbox.
     table = await asyncio.to_thread(lab.nft)
-    egress = lab.node("nft", "list", "map", "inet", "dsec", "egress").stdout
-    assert egress.count("jump sb_") == n, egress[:2000]
-    ports = {k: elems for k, elems in re.findall(r"set p_(\w+) \{[^}]*?elements = \{ ([^}]*?) \}", table)}
+    assert not PER_SANDBOX.findall(table), PER_SANDBOX.findall(table)[:5]
+    listing = lab.node("nft", "list", "set", "inet", "dsec", "p").stdout
+    ports: dict[str, list[str]] = {}
+    for k, rest in SANDBOX_ELEMENT.findall(listing):
+        ports.setdefault(k, []).append(rest.strip())
     for s, (ip, port) in zip(ok, rules):
-        assert re.fullmatch(rf"{re.escape(ip)}(/32)? \. {port}", ports.get(key(s), "").strip()), \
-            f"{s.id}: rule {ip}:{port}, set p_{key(s)} holds {ports.get(key(s))!r}"
+        held = ports.get(key(s), [])
+        assert len(held) == 1 and re.fullmatch(rf"{re.escape(ip)}(/32)? \. {port}", held[0]), \
+            f"{s.id}: rule {ip}:{port}, set p holds {held!r} for it"
 
     t1 = time.monotonic()
 
@@ -529,9 +543,9 @@ async def test_two_hundred_sandboxes_with_rules_leave_nothing_behind(lab: Netlab
 
     table = await asyncio.to_thread(lab.nft)
     left = PER_SANDBOX.findall(table)
-    assert not left, f"per-sandbox sets and chains left in the node's table: {left[:10]}\n{table[:3000]}"
-    egress = lab.node("nft", "list", "map", "inet", "dsec", "egress").stdout
-    assert "elements" not in egress, egress[:2000]
+    assert not left, f"per-sandbox sets and chains in the node's table: {left[:10]}\n{table[:3000]}"
+    for set_name in ("c", "p", "x", "xp"):
+        assert elements(lab, set_name) == [], f"elements left in set {set_name}: {elements(lab, set_name)[:5]}"
     assert netlab.sandbox_namespaces() == []
     # A deleted namespace takes its veth pair with it, but the kernel dismantles namespaces
     # asynchronously: give it a few seconds.

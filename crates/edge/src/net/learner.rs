@@ -1,14 +1,15 @@
 //! Applies the DNS proxy's learned addresses to nftables in batches. Every allowed DNS
-//! answer must open its addresses before it goes out; one `nft` run per answer would put a
-//! process on the hot path of every lookup on the node. One worker thread takes whatever
-//! answers are waiting and applies them as one transaction, so the number of `nft` runs
-//! follows the time a run takes, not the number of answers, and no lock is held meanwhile.
+//! answer must open its addresses before it goes out. One worker thread takes whatever
+//! answers are waiting and applies them as one netlink transaction, so the number of
+//! transactions follows the time one takes, not the number of answers, and no lock is
+//! held meanwhile.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::Ipv4Addr;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use super::nfnl::SetMsg;
 use super::nft;
 
 /// Most jobs taken into one transaction.
@@ -35,7 +36,7 @@ pub struct Learner {
     tx: mpsc::Sender<Job>,
 }
 
-type Apply = dyn Fn(&str) -> Result<(), String> + Send + 'static;
+type Apply = dyn Fn(&[SetMsg]) -> Result<(), String> + Send + 'static;
 
 /// What the learner has put in each sandbox's set, and until when: only it writes the
 /// sets between rule changes, so only it knows which elements to delete (to restart
@@ -44,12 +45,12 @@ type Apply = dyn Fn(&str) -> Result<(), String> + Send + 'static;
 struct Sets(HashMap<String, HashMap<Ipv4Addr, Instant>>);
 
 impl Learner {
-    /// A learner that applies scripts with `nft -f`.
+    /// A learner that writes the kernel's sets over netlink.
     pub fn start() -> Learner {
         Learner::start_with(Box::new(nft::apply))
     }
 
-    /// A learner that applies scripts with `apply`.
+    /// A learner that applies its transactions with `apply`.
     pub fn start_with(apply: Box<Apply>) -> Learner {
         let (tx, rx) = mpsc::channel::<Job>();
         let spawned = std::thread::Builder::new()
@@ -164,12 +165,12 @@ fn flush(
             .collect();
         plans.insert(key, (add, present));
     }
-    let script: String = plans
+    let batch: Vec<SetMsg> = plans
         .iter()
-        .map(|(k, (add, present))| nft::learn(k, add, present))
+        .flat_map(|(k, (add, present))| nft::learn(k, add, present))
         .collect();
     let mut results: HashMap<String, Result<(), String>> = HashMap::new();
-    if apply(&script).is_ok() {
+    if apply(&batch).is_ok() {
         for k in plans.keys() {
             results.insert((*k).clone(), Ok(()));
         }
@@ -204,15 +205,16 @@ mod tests {
     use std::sync::{Arc, Mutex};
 
     use super::*;
+    use crate::net::nfnl::ElemOp;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn answers_waiting_together_go_in_one_transaction() {
-        let runs = Arc::new(Mutex::new(Vec::<String>::new()));
+        let runs = Arc::new(Mutex::new(Vec::<Vec<SetMsg>>::new()));
         let r2 = runs.clone();
-        let l = Arc::new(Learner::start_with(Box::new(move |s: &str| {
-            // as slow as a real `nft` run, so answers pile up behind it
+        let l = Arc::new(Learner::start_with(Box::new(move |m: &[SetMsg]| {
+            // slow, so that answers pile up behind it
             std::thread::sleep(std::time::Duration::from_millis(20));
-            r2.lock().unwrap().push(s.to_string());
+            r2.lock().unwrap().push(m.to_vec());
             Ok(())
         })));
         let answers = 400;
@@ -234,33 +236,31 @@ mod tests {
         let runs = runs.lock().unwrap();
         // Each (set, address) pair once per transaction, never deleted twice in one.
         for r in runs.iter() {
-            let adds: Vec<&str> = r.lines().filter(|l| l.starts_with("add element")).collect();
-            let mut unique = adds.clone();
-            unique.sort();
-            unique.dedup();
-            assert_eq!(adds.len(), unique.len(), "{r}");
-            let dels: Vec<&str> = r
-                .lines()
-                .filter(|l| l.starts_with("delete element"))
-                .collect();
-            let mut unique = dels.clone();
-            unique.sort();
-            unique.dedup();
-            assert_eq!(dels.len(), unique.len(), "{r}");
+            for adding in [true, false] {
+                let keys: Vec<&Vec<u8>> = r
+                    .iter()
+                    .filter(|m| (m.op == ElemOp::Add) == adding)
+                    .flat_map(|m| m.elems.iter().map(|e| &e.key))
+                    .collect();
+                let mut unique = keys.clone();
+                unique.sort();
+                unique.dedup();
+                assert_eq!(keys.len(), unique.len(), "{r:?}");
+            }
         }
         assert!(
             runs.len() < answers / 4,
-            "{} nft runs for {answers} answers",
+            "{} transactions for {answers} answers",
             runs.len()
         );
     }
 
     #[tokio::test]
     async fn an_address_seen_again_is_deleted_and_added_so_its_timeout_restarts() {
-        let runs = Arc::new(Mutex::new(Vec::<String>::new()));
+        let runs = Arc::new(Mutex::new(Vec::<Vec<SetMsg>>::new()));
         let r2 = runs.clone();
-        let l = Learner::start_with(Box::new(move |s: &str| {
-            r2.lock().unwrap().push(s.to_string());
+        let l = Learner::start_with(Box::new(move |m: &[SetMsg]| {
+            r2.lock().unwrap().push(m.to_vec());
             Ok(())
         }));
         let ip = Ipv4Addr::new(198, 51, 100, 1);
@@ -271,15 +271,16 @@ mod tests {
         l.learn("k".into(), vec![(ip, 30)]).await.unwrap();
         let runs = runs.lock().unwrap();
         assert_eq!(runs.len(), 3);
-        assert!(!runs[0].contains("delete element"), "{}", runs[0]);
-        assert!(runs[1].contains("delete element"), "{}", runs[1]);
-        assert!(!runs[2].contains("delete element"), "{}", runs[2]);
+        let deletes = |r: &Vec<SetMsg>| r.iter().any(|m| m.op != ElemOp::Add);
+        assert!(!deletes(&runs[0]), "{:?}", runs[0]);
+        assert!(deletes(&runs[1]), "{:?}", runs[1]);
+        assert!(!deletes(&runs[2]), "{:?}", runs[2]);
     }
 
     #[tokio::test]
     async fn a_failed_batch_falls_back_to_each_set_without_its_deletes() {
-        let l = Learner::start_with(Box::new(|s: &str| {
-            if s.contains("delete element") {
+        let l = Learner::start_with(Box::new(|m: &[SetMsg]| {
+            if m.iter().any(|m| m.op != ElemOp::Add) {
                 Err("No such file or directory".into())
             } else {
                 Ok(())

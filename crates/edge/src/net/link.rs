@@ -1,14 +1,16 @@
-//! A sandbox's network namespace and veth pair, made with iproute2 batches: the namespace
-//! `dsec-<id>` (at `/run/netns/dsec-<id>`, which the OCI runtime joins), `eth0` inside with
-//! the sandbox's address and a default route, `dsv<k>` on the node with the gateway
-//! address, and the namespace's own DNS guard ([`super::guard`]). Each sandbox has a /30
-//! of the pool.
+//! A sandbox's network namespace and veth pair, made in-process over rtnetlink
+//! ([`super::rtnl`]): the namespace `dsec-<id>` (at `/run/netns/dsec-<id>`, which the OCI
+//! runtime joins), `eth0` inside with the sandbox's address and a default route, `dsv<k>`
+//! on the node with the gateway address, and the namespace's own DNS guard
+//! ([`super::guard`]). Each sandbox has a /30 of the pool.
 
 use std::net::Ipv4Addr;
+use std::os::fd::AsFd;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use super::nft::IFACE_PREFIX;
+use super::rtnl::{self, Rtnl, RtnlError};
 use super::rules::Cidr;
 
 /// A sandbox's addresses: the node side (`gateway`) and its own (`ip`), a /30.
@@ -51,43 +53,27 @@ pub fn host_iface(k: &str) -> String {
     format!("{IFACE_PREFIX}{k}")
 }
 
-fn ip_batch(netns: Option<&str>, lines: &str) -> Result<(), String> {
-    let mut cmd = Command::new("ip");
-    if let Some(ns) = netns {
-        cmd.args(["-n", ns]);
-    }
-    cmd.args(["-batch", "-"]);
-    super::run_with_input(cmd, lines, "ip (install iproute2)").map_err(|e| format!("ip: {e}"))
-}
-
 /// Makes the namespace and the veth pair; on failure removes what it made.
 pub fn create(id: &str, k: &str, slot: &Slot) -> Result<(), String> {
-    let ns = netns_name(id);
-    let host = host_iface(k);
-    let made = ip_batch(
-        None,
-        &format!(
-            "netns add {ns}\n\
-             link add name {host} type veth peer name eth0 netns {ns}\n\
-             addr add {gw}/30 dev {host}\n\
-             link set {host} up\n",
-            gw = slot.gateway
-        ),
-    )
-    .and_then(|()| {
-        ip_batch(
-            Some(&ns),
-            &format!(
-                "link set lo up\n\
-                 addr add {ip}/30 dev eth0\n\
-                 link set eth0 up\n\
-                 route add default via {gw}\n",
-                ip = slot.ip,
-                gw = slot.gateway
-            ),
-        )
-    })
-    .and_then(|()| super::guard::install(&netns_path(id)));
+    let made = (|| -> Result<(), RtnlError> {
+        let ns = rtnl::create_netns(&netns_name(id))?;
+        let host = host_iface(k);
+        let mut r = Rtnl::open()?;
+        r.add_veth(&host, "eth0", ns.as_fd())?;
+        let i = rtnl::index(&host)?;
+        r.add_address(i, slot.gateway, 30)?;
+        r.set_up(i)?;
+        let (ip, gw) = (slot.ip, slot.gateway);
+        rtnl::in_netns(&ns, move || {
+            let mut r = Rtnl::open()?;
+            r.set_up(rtnl::index("lo")?)?;
+            let eth0 = rtnl::index("eth0")?;
+            r.add_address(eth0, ip, 30)?;
+            r.set_up(eth0)?;
+            r.add_default_route(gw)?;
+            super::guard::install_here().map_err(RtnlError::Other)
+        })
+    })();
     if let Err(e) = made {
         remove(id, k);
         return Err(format!("setting up the sandbox's network: {e}"));
@@ -100,15 +86,11 @@ pub fn create(id: &str, k: &str, slot: &Slot) -> Result<(), String> {
 /// spares the slow synchronous link delete on the node side.
 pub fn remove(id: &str, k: &str) {
     if netns_path(id).exists() {
-        let _ = Command::new("ip")
-            .args(["netns", "del", &netns_name(id)])
-            .stderr(Stdio::null())
-            .status();
-    } else {
-        let _ = Command::new("ip")
-            .args(["link", "del", &host_iface(k)])
-            .stderr(Stdio::null())
-            .status();
+        if let Err(e) = rtnl::delete_netns(&netns_name(id)) {
+            tracing::warn!(sandbox = %id, "removing its network namespace: {e}");
+        }
+    } else if let Ok(mut r) = Rtnl::open() {
+        let _ = r.delete_link(&host_iface(k));
     }
 }
 

@@ -1,6 +1,7 @@
 //! Sandbox networking: a network namespace per sandbox with a veth to the node and an
 //! address from the node's pool ([`link`]), egress denied unless the sandbox's rules
-//! ([`rules`]) allow it, enforced with nftables ([`nft`]), and a DNS proxy ([`dns`]) that
+//! ([`rules`]) allow it, enforced with nftables ([`nft`], elements of a fixed ruleset
+//! written over netlink, [`nfnl`]), and a DNS proxy ([`dns`]) that
 //! is every sandbox's only resolver: it answers allowed names only and opens the answers'
 //! addresses to the asking sandbox for their TTL.
 
@@ -8,7 +9,9 @@ pub mod dns;
 pub mod guard;
 pub mod learner;
 pub mod link;
+pub mod nfnl;
 pub mod nft;
+pub mod rtnl;
 pub mod rules;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -128,11 +131,16 @@ impl Network {
             forwarding_file: state_dir.join("ip_forward.before"),
         };
         if cfg.enabled {
-            nft::apply(&nft::base(&pool, cfg.dns_port)).map_err(|e| {
+            nft::apply_script(&nft::base(&pool, cfg.dns_port)).map_err(|e| {
                 format!(
                     "{e} (sandbox networking needs nftables; or set [edge.network] enabled = false)"
                 )
             })?;
+            if !nft::probe_destroy() {
+                tracing::info!(
+                    "this kernel has no idempotent nftables element delete (Linux 6.3): a stop deletes elements one by one when some have expired"
+                );
+            }
             let was = std::fs::read_to_string(IP_FORWARD).unwrap_or_default();
             if was.trim() != "1" {
                 if !net.forwarding_file.exists() {
@@ -206,7 +214,7 @@ impl Network {
         let slot = self.slot(index)?;
         let k = key_of(id);
         link::create(id, k, &slot).map_err(ApiError::internal)?;
-        if let Err(e) = nft::apply(&nft::sandbox(k, &policy)) {
+        if let Err(e) = nft::apply(&nft::add_rules(k, &policy)) {
             link::remove(id, k);
             return Err(ApiError::internal(format!(
                 "installing the sandbox's egress rules: {e}"
@@ -216,11 +224,10 @@ impl Network {
         Ok(slot)
     }
 
-    /// Takes back a running sandbox after a restart: its slot, and its rules, reinstalled
-    /// in case the table was lost.
+    /// Takes back a running sandbox after a restart: its slot and rules. [`Network::sweep`]
+    /// then puts the rules of all of them back in one transaction.
     pub fn adopt(&self, id: &str, index: u32, policy: Policy) -> Result<(), ApiError> {
         let slot = self.slot(index)?;
-        nft::apply(&nft::sandbox(key_of(id), &policy)).map_err(ApiError::internal)?;
         self.register(id, slot, policy);
         Ok(())
     }
@@ -229,46 +236,78 @@ impl Network {
     /// idempotent, also for a half-made sandbox).
     pub fn detach(&self, id: &str, index: Option<u32>) {
         let k = key_of(id);
-        remove_rules(k);
+        let gone = {
+            let mut st = self.lock();
+            if let Some(i) = index {
+                st.used.remove(&i);
+            }
+            st.by_key.remove(k).and_then(|ip| st.by_ip.remove(&ip))
+        };
+        if let Some(a) = gone {
+            let learned: Vec<Ipv4Addr> = a.learned.keys().copied().collect();
+            let mut msgs = nft::remove_rules(k, &a.policy);
+            msgs.extend(nft::forget(k, &learned));
+            if let Err(e) = nft::apply_removing(&msgs) {
+                tracing::warn!(sandbox = %id, "removing the sandbox's egress rules: {e}");
+            }
+        }
         self.learner.reset(k, Vec::new());
         link::remove(id, k);
-        let mut st = self.lock();
-        if let Some(ip) = st.by_key.remove(k) {
-            st.by_ip.remove(&ip);
-        }
-        if let Some(i) = index {
-            st.used.remove(&i);
-        }
     }
 
     /// Replaces the rules of a running sandbox. Addresses its DNS answers opened stay open
-    /// while their name is still allowed; the others close at once.
+    /// while their name is still allowed; the others close at once. The node's lock is not
+    /// held while the kernel is written to.
     pub fn set_policy(&self, id: &str, policy: Policy) -> Result<(), ApiError> {
         let k = key_of(id).to_string();
-        let mut st = self.lock();
-        let ip = *st.by_key.get(&k).ok_or_else(|| {
-            ApiError::precondition(format!(
-                "sandbox {id} has no network (created with network \"none\")"
-            ))
-        })?;
-        let a = st
-            .by_ip
-            .get_mut(&ip)
-            .ok_or_else(|| ApiError::internal("network state lost"))?;
-        let now = Instant::now();
-        a.learned
-            .retain(|_, l| l.until > now && policy.allows_name(&l.name));
-        let keep: Vec<(Ipv4Addr, u32)> = a
-            .learned
-            .iter()
-            .map(|(ip, l)| (*ip, l.until.duration_since(now).as_secs().max(1) as u32))
-            .collect();
-        let mut script = nft::cidr_sets(&k, &policy);
-        script.push_str(&nft::flush_learned(&k));
-        script.push_str(&nft::learn(&k, &keep, &[]));
-        nft::apply(&script).map_err(ApiError::internal)?;
+        let (old, closing, keep) = {
+            let mut st = self.lock();
+            let ip = *st.by_key.get(&k).ok_or_else(|| {
+                ApiError::precondition(format!(
+                    "sandbox {id} has no network (created with network \"none\")"
+                ))
+            })?;
+            let a = st
+                .by_ip
+                .get_mut(&ip)
+                .ok_or_else(|| ApiError::internal("network state lost"))?;
+            let now = Instant::now();
+            let closing: Vec<Ipv4Addr> = a
+                .learned
+                .iter()
+                .filter(|(_, l)| l.until > now && !policy.allows_name(&l.name))
+                .map(|(ip, _)| *ip)
+                .collect();
+            a.learned
+                .retain(|_, l| l.until > now && policy.allows_name(&l.name));
+            let keep: Vec<(Ipv4Addr, u32)> = a
+                .learned
+                .iter()
+                .map(|(ip, l)| (*ip, l.until.duration_since(now).as_secs().max(1) as u32))
+                .collect();
+            (a.policy.clone(), closing, keep)
+        };
+        // Only what changes: an element in both the old and the new rules stays in.
+        let before: std::collections::HashSet<_> = nft::rule_elems(&k, &old).into_iter().collect();
+        let after: std::collections::HashSet<_> =
+            nft::rule_elems(&k, &policy).into_iter().collect();
+        let mut msgs = nft::by_set(
+            nft::delete_op(),
+            before.difference(&after).cloned().collect(),
+        );
+        msgs.extend(nft::forget(&k, &closing));
+        msgs.extend(nft::by_set(
+            nfnl::ElemOp::Add,
+            after.difference(&before).cloned().collect(),
+        ));
+        nft::apply_removing(&msgs).map_err(ApiError::internal)?;
         self.learner.reset(&k, keep);
-        a.policy = policy;
+        let mut st = self.lock();
+        if let Some(ip) = st.by_key.get(&k).copied()
+            && let Some(a) = st.by_ip.get_mut(&ip)
+        {
+            a.policy = policy;
+        }
         Ok(())
     }
 
@@ -386,10 +425,25 @@ impl Network {
                     .status();
             }
         }
-        for k in nft::sandbox_chains() {
-            if !keys.contains(k.as_str()) {
-                remove_rules(&k);
+        for k in nft::legacy_chains() {
+            for line in nft::remove_legacy(&k) {
+                let _ = nft::apply_script(&line);
             }
+        }
+        // The rule sets hold exactly the rules of the sandboxes adopted, whatever one that
+        // is gone left (addresses DNS answers opened end with their TTL).
+        let msgs = {
+            let st = self.lock();
+            nft::rebuild_rules(
+                st.by_ip
+                    .values()
+                    .map(|a| (key_of(&a.id), &a.policy))
+                    .collect::<Vec<_>>()
+                    .into_iter(),
+            )
+        };
+        if let Err(e) = nft::apply(&msgs) {
+            tracing::error!("putting the sandboxes' egress rules back: {e}");
         }
     }
 
@@ -398,21 +452,10 @@ impl Network {
         if !self.cfg.enabled || !self.lock().by_ip.is_empty() {
             return;
         }
-        let _ = nft::apply(&nft::drop_table());
+        let _ = nft::apply_script(&nft::drop_table());
         if let Ok(was) = std::fs::read_to_string(&self.forwarding_file) {
             let _ = std::fs::write(IP_FORWARD, was.trim());
             let _ = std::fs::remove_file(&self.forwarding_file);
-        }
-    }
-}
-
-/// Removes a sandbox's map entry, chain and sets: in one transaction when all are there,
-/// piece by piece when some are not (a half-made sandbox).
-fn remove_rules(k: &str) {
-    let lines = nft::remove_sandbox(k);
-    if nft::apply(&lines.concat()).is_err() {
-        for line in lines {
-            let _ = nft::apply(&line);
         }
     }
 }

@@ -1,21 +1,28 @@
-//! The node's nftables table `inet dsec`, written as `nft -f` scripts (each applied as one
-//! atomic transaction). Base chains steer only traffic of sandbox interfaces (`dsv*`):
+//! The node's nftables table `inet dsec`: a fixed ruleset, written once at start with
+//! `nft -f`, in which every sandbox is only set elements keyed by its interface
+//! (`dsv<k>`, `<k>` the random part of its id), written in-process over netlink
+//! ([`super::nfnl`]). Adding the thousandth sandbox costs what adding the first did: no
+//! chain or set per sandbox, no `nft` process, no ruleset read back.
 //!
 //! - forward: packets from one sandbox to another (by interface or by pool address) are
-//!   dropped first, whatever the rules; then a sandbox's packets go through its own chain
-//!   `sb_<k>` (the operator's private services its rules named, then the never-ranges
-//!   dropped, then addresses its DNS answers gave (`a_<k>`, with their TTL), then its CIDR
-//!   rules), else they are dropped; IPv6 is dropped; nothing may open a connection into a
-//!   sandbox; replies pass.
+//!   dropped first, whatever the rules; then a sandbox's packets go through `egress`,
+//!   which accepts (in this order) the operator's private services its rules named
+//!   (`x`, `xp`), drops the never-ranges, then accepts addresses its DNS answers gave
+//!   (`a`, each with its TTL) and its CIDR rules (`c`, `p`); the rest is dropped. IPv6
+//!   is dropped; nothing may open a connection into a sandbox; replies pass.
 //! - input: from a sandbox only DNS to the proxy reaches the node.
 //! - nat: DNS on port 53 to any address is redirected to the proxy; the pool is
 //!   masqueraded behind the node's uplink. Before it (raw priority), each sandbox's DNS
 //!   packets past a rate are dropped by the kernel.
 //!
-//! `<k>` is the random part of the sandbox id (12 characters of `[0-9a-z]`).
+//! Set keys are `iifname . ip daddr [. th dport]`: the interface a packet came in on,
+//! which a sandbox cannot forge (an address it can).
 
+use std::net::Ipv4Addr;
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 
+use super::nfnl::{self, Elem, ElemOp, SetMsg};
 use super::rules::{Cidr, Policy, never};
 
 pub const TABLE: &str = "dsec";
@@ -26,16 +33,256 @@ pub const DNS_PACKETS_PER_S: u32 = 200;
 pub const DNS_PACKETS_BURST: u32 = 400;
 pub const IFACE_PREFIX: &str = "dsv";
 
-/// Runs an `nft -f -` script as one transaction.
-pub fn apply(script: &str) -> Result<(), String> {
+/// The operator's private services a sandbox's rules named: `iifname . ip daddr` ranges,
+/// and with a port.
+pub const PRIVATE: &str = "x";
+pub const PRIVATE_PORT: &str = "xp";
+/// Addresses DNS answers opened, each until its TTL ends.
+pub const LEARNED: &str = "a";
+/// The sandbox's CIDR rules, and with a port.
+pub const CIDRS: &str = "c";
+pub const CIDRS_PORT: &str = "p";
+/// The sets that hold rules (not what DNS answers opened).
+pub const RULE_SETS: [&str; 4] = [PRIVATE, PRIVATE_PORT, CIDRS, CIDRS_PORT];
+
+/// Whether the kernel deletes elements idempotently (`NFT_MSG_DESTROYSETELEM`, Linux
+/// 6.3): found out by [`probe_destroy`] at start.
+static DESTROY: AtomicBool = AtomicBool::new(false);
+
+/// Runs an `nft -f -` script as one transaction (the base ruleset, at start).
+pub fn apply_script(script: &str) -> Result<(), String> {
     let mut cmd = Command::new("nft");
     cmd.args(["-f", "-"]);
     super::run_with_input(cmd, script, "nft (install the nftables package)")
         .map_err(|e| format!("nft refused the ruleset: {e}"))
 }
 
-/// Names of the current per-sandbox chains (`sb_<k>`), to clean up what no sandbox owns.
-pub fn sandbox_chains() -> Vec<String> {
+/// Applies element changes as one transaction, in-process.
+pub fn apply(msgs: &[SetMsg]) -> Result<(), String> {
+    nfnl::apply(msgs).map_err(|e| e.to_string())
+}
+
+/// Applies `msgs`, where an element to delete that is already gone (expired, or the
+/// sandbox was half made) is no error: with the kernel's idempotent delete in one
+/// transaction, else one deletion at a time. What is to be added must go in.
+pub fn apply_removing(msgs: &[SetMsg]) -> Result<(), String> {
+    let first = match nfnl::apply(msgs) {
+        Ok(()) => return Ok(()),
+        Err(e) => e,
+    };
+    if first.errno() != Some(libc::ENOENT) {
+        return Err(first.to_string());
+    }
+    for m in msgs {
+        if m.op == ElemOp::Add || m.elems.is_empty() {
+            nfnl::apply(std::slice::from_ref(m)).map_err(|e| e.to_string())?;
+            continue;
+        }
+        for e in &m.elems {
+            let one = SetMsg {
+                elems: vec![e.clone()],
+                ..m.clone()
+            };
+            match nfnl::apply(&[one]) {
+                Ok(()) => {}
+                Err(err) if err.errno() == Some(libc::ENOENT) => {}
+                Err(err) => return Err(err.to_string()),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Delete, idempotent where the kernel can.
+pub fn delete_op() -> ElemOp {
+    if DESTROY.load(Ordering::Relaxed) {
+        ElemOp::Destroy
+    } else {
+        ElemOp::Delete
+    }
+}
+
+/// Finds out whether the kernel has idempotent deletes: destroys an element no sandbox
+/// has (the table must exist).
+pub fn probe_destroy() -> bool {
+    let probe = SetMsg {
+        op: ElemOp::Destroy,
+        table: TABLE.into(),
+        set: LEARNED.into(),
+        elems: vec![Elem {
+            key: key("probe", Ipv4Addr::UNSPECIFIED, None),
+            key_end: None,
+            timeout_ms: None,
+        }],
+    };
+    let ok = match nfnl::apply(&[probe]) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::debug!("no idempotent set-element delete in this kernel: {e}");
+            false
+        }
+    };
+    DESTROY.store(ok, Ordering::Relaxed);
+    ok
+}
+
+/// The interface of sandbox `k` as a key field: IFNAMSIZ bytes, NUL-padded.
+fn ifname(k: &str) -> [u8; 16] {
+    let mut b = [0u8; 16];
+    let name = format!("{IFACE_PREFIX}{k}");
+    let n = name.len().min(15);
+    b[..n].copy_from_slice(&name.as_bytes()[..n]);
+    b
+}
+
+/// `iifname . ip daddr [. th dport]` as the kernel's registers hold it: each field
+/// padded to 4 bytes, the address and port in network order.
+pub fn key(k: &str, ip: Ipv4Addr, port: Option<u16>) -> Vec<u8> {
+    let mut v = Vec::with_capacity(24);
+    v.extend_from_slice(&ifname(k));
+    v.extend_from_slice(&ip.octets());
+    if let Some(p) = port {
+        v.extend_from_slice(&p.to_be_bytes());
+        v.extend_from_slice(&[0, 0]);
+    }
+    v
+}
+
+/// The rule sets' elements of sandbox `k`: (set, element), each network as a range,
+/// overlapping and adjacent ones merged (an interval set refuses overlaps).
+pub fn rule_elems(k: &str, policy: &Policy) -> Vec<(&'static str, Elem)> {
+    use std::collections::BTreeMap;
+    // (set, port) → address ranges, first to last address
+    type Groups = BTreeMap<(&'static str, Option<u16>), Vec<(u32, u32)>>;
+    let mut groups = Groups::new();
+    let private = policy.private.iter().map(|c| (true, c));
+    let public = policy.cidrs.iter().map(|c| (false, c));
+    for (explicit_private, (cidr, port)) in private.chain(public) {
+        let set = match (explicit_private, port) {
+            (true, None) => PRIVATE,
+            (true, Some(_)) => PRIVATE_PORT,
+            (false, None) => CIDRS,
+            (false, Some(_)) => CIDRS_PORT,
+        };
+        groups.entry((set, *port)).or_default().push(range(cidr));
+    }
+    let mut out = Vec::new();
+    for ((set, port), mut ranges) in groups {
+        ranges.sort();
+        let mut merged: Vec<(u32, u32)> = Vec::new();
+        for (a, b) in ranges {
+            match merged.last_mut() {
+                Some(last) if a <= last.1.saturating_add(1) => last.1 = last.1.max(b),
+                _ => merged.push((a, b)),
+            }
+        }
+        for (a, b) in merged {
+            out.push((
+                set,
+                Elem {
+                    key: key(k, Ipv4Addr::from(a), port),
+                    key_end: Some(key(k, Ipv4Addr::from(b), port)),
+                    timeout_ms: None,
+                },
+            ));
+        }
+    }
+    out
+}
+
+fn range(c: &Cidr) -> (u32, u32) {
+    let start = u32::from(c.addr);
+    let size = if c.prefix == 0 {
+        u32::MAX
+    } else {
+        (1u32 << (32 - c.prefix as u32)) - 1
+    };
+    (start, start | size)
+}
+
+/// Messages doing `op` on `elems`, one per set.
+pub fn by_set(op: ElemOp, elems: Vec<(&'static str, Elem)>) -> Vec<SetMsg> {
+    let mut out: Vec<SetMsg> = Vec::new();
+    for (set, e) in elems {
+        match out.iter_mut().find(|m| m.set == set) {
+            Some(m) => m.elems.push(e),
+            None => out.push(SetMsg {
+                op,
+                table: TABLE.into(),
+                set: set.into(),
+                elems: vec![e],
+            }),
+        }
+    }
+    out
+}
+
+/// Puts sandbox `k`'s rules in.
+pub fn add_rules(k: &str, policy: &Policy) -> Vec<SetMsg> {
+    by_set(ElemOp::Add, rule_elems(k, policy))
+}
+
+/// Takes sandbox `k`'s rules out (for [`apply_removing`]).
+pub fn remove_rules(k: &str, policy: &Policy) -> Vec<SetMsg> {
+    by_set(delete_op(), rule_elems(k, policy))
+}
+
+fn learned_elem(k: &str, ip: Ipv4Addr, ttl_s: Option<u32>) -> (&'static str, Elem) {
+    (
+        LEARNED,
+        Elem {
+            key: key(k, ip, None),
+            key_end: None,
+            timeout_ms: ttl_s.map(|t| t as u64 * 1000),
+        },
+    )
+}
+
+/// Takes addresses DNS answers opened for sandbox `k` out (for [`apply_removing`]).
+pub fn forget(k: &str, addrs: &[Ipv4Addr]) -> Vec<SetMsg> {
+    by_set(
+        delete_op(),
+        addrs.iter().map(|ip| learned_elem(k, *ip, None)).collect(),
+    )
+}
+
+/// Opens DNS-learned addresses to sandbox `k`, each for its TTL. An element that is
+/// already there is deleted first so that its timeout starts again (`present`).
+pub fn learn(k: &str, addrs: &[(Ipv4Addr, u32)], present: &[Ipv4Addr]) -> Vec<SetMsg> {
+    let mut out = forget(k, present);
+    out.extend(by_set(
+        ElemOp::Add,
+        addrs
+            .iter()
+            .map(|(ip, ttl)| learned_elem(k, *ip, Some(*ttl)))
+            .collect(),
+    ));
+    out
+}
+
+/// Empties the rule sets and puts back the rules of `sandboxes` (key, policy), in one
+/// transaction: after a restart, whatever a sandbox that is gone left goes.
+pub fn rebuild_rules<'a>(sandboxes: impl Iterator<Item = (&'a str, &'a Policy)>) -> Vec<SetMsg> {
+    let mut out: Vec<SetMsg> = RULE_SETS
+        .iter()
+        .map(|s| SetMsg {
+            op: ElemOp::Delete,
+            table: TABLE.into(),
+            set: (*s).into(),
+            elems: Vec::new(),
+        })
+        .collect();
+    let mut all = Vec::new();
+    for (k, p) in sandboxes {
+        all.extend(rule_elems(k, p));
+    }
+    out.extend(by_set(ElemOp::Add, all));
+    out
+}
+
+/// Names of per-sandbox chains (`sb_<k>`) an earlier version of the edge made, which
+/// the fixed ruleset replaced: removed at start.
+pub fn legacy_chains() -> Vec<String> {
     let Ok(out) = Command::new("nft")
         .args(["list", "chains", "inet"])
         .stderr(Stdio::null())
@@ -57,8 +304,20 @@ pub fn sandbox_chains() -> Vec<String> {
     chains
 }
 
-/// Creates the table and its base chains, replacing base chains and keeping the sandbox
-/// chains and sets of a table left by an earlier run.
+/// Removes a legacy sandbox chain and its sets; each may already be gone, so the caller
+/// applies this line by line.
+pub fn remove_legacy(k: &str) -> Vec<String> {
+    let mut v = vec![format!("delete chain inet {TABLE} sb_{k}\n")];
+    for set in ["a", "x", "xp", "c", "p"] {
+        v.push(format!("delete set inet {TABLE} {set}_{k}\n"));
+    }
+    v
+}
+
+/// Creates the table, its sets and chains, replacing the chains' rules and keeping the
+/// sets' elements of a table left by an earlier run (sandboxes still running). The
+/// per-sandbox verdict map of an earlier version goes (created first so that the delete
+/// never fails).
 pub fn base(pool: &Cidr, dns_port: u16) -> String {
     let never_elems = never()
         .iter()
@@ -71,17 +330,31 @@ pub fn base(pool: &Cidr, dns_port: u16) -> String {
 add set inet {TABLE} never4 {{ type ipv4_addr; flags interval; }}
 flush set inet {TABLE} never4
 add element inet {TABLE} never4 {{ {never_elems} }}
-add map inet {TABLE} egress {{ type ifname : verdict; }}
+add set inet {TABLE} {PRIVATE} {{ type ifname . ipv4_addr; flags interval; }}
+add set inet {TABLE} {PRIVATE_PORT} {{ type ifname . ipv4_addr . inet_service; flags interval; }}
+add set inet {TABLE} {LEARNED} {{ type ifname . ipv4_addr; flags timeout; }}
+add set inet {TABLE} {CIDRS} {{ type ifname . ipv4_addr; flags interval; }}
+add set inet {TABLE} {CIDRS_PORT} {{ type ifname . ipv4_addr . inet_service; flags interval; }}
+add chain inet {TABLE} egress
+flush chain inet {TABLE} egress
+add rule inet {TABLE} egress iifname . ip daddr @{PRIVATE} accept
+add rule inet {TABLE} egress iifname . ip daddr . th dport @{PRIVATE_PORT} accept
+add rule inet {TABLE} egress ip daddr @never4 drop
+add rule inet {TABLE} egress iifname . ip daddr @{LEARNED} accept
+add rule inet {TABLE} egress iifname . ip daddr @{CIDRS} accept
+add rule inet {TABLE} egress iifname . ip daddr . th dport @{CIDRS_PORT} accept
 add chain inet {TABLE} forward {{ type filter hook forward priority filter; policy accept; }}
 flush chain inet {TABLE} forward
 add rule inet {TABLE} forward iifname \"{p}*\" ct state established,related accept
 add rule inet {TABLE} forward iifname \"{p}*\" meta nfproto ipv6 drop
 add rule inet {TABLE} forward iifname \"{p}*\" oifname \"{p}*\" drop
 add rule inet {TABLE} forward iifname \"{p}*\" ip daddr {pool} drop
-add rule inet {TABLE} forward iifname \"{p}*\" iifname vmap @egress
+add rule inet {TABLE} forward iifname \"{p}*\" jump egress
 add rule inet {TABLE} forward iifname \"{p}*\" drop
 add rule inet {TABLE} forward oifname \"{p}*\" ct state established,related accept
 add rule inet {TABLE} forward oifname \"{p}*\" drop
+add map inet {TABLE} egress {{ type ifname : verdict; }}
+delete map inet {TABLE} egress
 add chain inet {TABLE} input {{ type filter hook input priority filter; policy accept; }}
 flush chain inet {TABLE} input
 add rule inet {TABLE} input iifname \"{p}*\" ct state established,related accept
@@ -106,137 +379,129 @@ pub fn drop_table() -> String {
     format!("delete table inet {TABLE}\n")
 }
 
-/// The sets and chain of sandbox `k` with `policy`, and its entry in the egress map.
-pub fn sandbox(k: &str, policy: &Policy) -> String {
-    let mut s = format!(
-        "add set inet {TABLE} a_{k} {{ type ipv4_addr; flags timeout; }}
-add set inet {TABLE} x_{k} {{ type ipv4_addr; flags interval; }}
-add set inet {TABLE} xp_{k} {{ type ipv4_addr . inet_service; flags interval; }}
-add set inet {TABLE} c_{k} {{ type ipv4_addr; flags interval; }}
-add set inet {TABLE} p_{k} {{ type ipv4_addr . inet_service; flags interval; }}
-add chain inet {TABLE} sb_{k}
-flush chain inet {TABLE} sb_{k}
-add rule inet {TABLE} sb_{k} ip daddr @x_{k} accept
-add rule inet {TABLE} sb_{k} ip daddr . th dport @xp_{k} accept
-add rule inet {TABLE} sb_{k} ip daddr @never4 drop
-add rule inet {TABLE} sb_{k} ip daddr @a_{k} accept
-add rule inet {TABLE} sb_{k} ip daddr @c_{k} accept
-add rule inet {TABLE} sb_{k} ip daddr . th dport @p_{k} accept
-add rule inet {TABLE} sb_{k} drop
-"
-    );
-    s.push_str(&cidr_sets(k, policy));
-    s.push_str(&format!(
-        "add element inet {TABLE} egress {{ \"{IFACE_PREFIX}{k}\" : jump sb_{k} }}\n"
-    ));
-    s
-}
-
-/// Replaces the CIDR sets of sandbox `k` (rules changed while it runs): the operator's
-/// private services in `x`/`xp` (looked at before the never-ranges are dropped), the
-/// tenant's CIDRs in `c`/`p` (after).
-pub fn cidr_sets(k: &str, policy: &Policy) -> String {
-    let mut s = String::new();
-    for set in ["x", "xp", "c", "p"] {
-        s.push_str(&format!("flush set inet {TABLE} {set}_{k}\n"));
-    }
-    let private = policy.private.iter().map(|c| (true, c));
-    let public = policy.cidrs.iter().map(|c| (false, c));
-    for (explicit_private, (cidr, port)) in private.chain(public) {
-        let set = match (explicit_private, port) {
-            (true, None) => "x",
-            (true, Some(_)) => "xp",
-            (false, None) => "c",
-            (false, Some(_)) => "p",
-        };
-        let elem = match port {
-            Some(p) => format!("{cidr} . {p}"),
-            None => cidr.to_string(),
-        };
-        s.push_str(&format!(
-            "add element inet {TABLE} {set}_{k} {{ {elem} }}\n"
-        ));
-    }
-    s
-}
-
-/// Empties the DNS-learned set of sandbox `k`.
-pub fn flush_learned(k: &str) -> String {
-    format!("flush set inet {TABLE} a_{k}\n")
-}
-
-/// Adds DNS-learned addresses to sandbox `k`'s set, each for its TTL. An element that is
-/// already there is deleted first so that its timeout starts again (`present`).
-pub fn learn(
-    k: &str,
-    addrs: &[(std::net::Ipv4Addr, u32)],
-    present: &[std::net::Ipv4Addr],
-) -> String {
-    let mut s = String::new();
-    for ip in present {
-        s.push_str(&format!("delete element inet {TABLE} a_{k} {{ {ip} }}\n"));
-    }
-    for (ip, ttl) in addrs {
-        s.push_str(&format!(
-            "add element inet {TABLE} a_{k} {{ {ip} timeout {ttl}s }}\n"
-        ));
-    }
-    s
-}
-
-/// Removes everything of sandbox `k`. Each piece may already be gone (a half-made
-/// sandbox), so the caller applies this line by line.
-pub fn remove_sandbox(k: &str) -> Vec<String> {
-    let mut v = vec![format!(
-        "delete element inet {TABLE} egress {{ \"{IFACE_PREFIX}{k}\" }}\n"
-    )];
-    v.push(format!("delete chain inet {TABLE} sb_{k}\n"));
-    for set in ["a", "x", "xp", "c", "p"] {
-        v.push(format!("delete set inet {TABLE} {set}_{k}\n"));
-    }
-    v
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::net::rules::{Catalog, compile};
     use std::collections::BTreeMap;
 
-    #[test]
-    fn cidr_rules_go_to_the_right_set() {
-        let rules: BTreeMap<String, bool> = [
-            ("203.0.113.0/24", true),
-            ("198.51.100.7:443", true),
-            ("db", true),
-        ]
-        .iter()
-        .map(|(k, v)| (k.to_string(), *v))
-        .collect();
-        let private = BTreeMap::from([(
-            "db".to_string(),
-            vec!["10.9.0.0/16".to_string(), "169.254.169.254:80".to_string()],
-        )]);
+    fn policy(rules: &[&str], private: &[(&str, &[&str])]) -> Policy {
+        let rules: BTreeMap<String, bool> = rules.iter().map(|k| (k.to_string(), true)).collect();
+        let private = private
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.iter().map(|s| s.to_string()).collect()))
+            .collect();
         let pool = Cidr::parse("10.200.0.0/16").unwrap();
         let catalog = Catalog::new(&BTreeMap::new(), &private, &pool).unwrap();
-        let p = compile(&rules, &catalog).unwrap();
-        let s = cidr_sets("abc", &p);
-        assert!(
-            s.contains("add element inet dsec c_abc { 203.0.113.0/24 }"),
-            "{s}"
+        compile(&rules, &catalog).unwrap()
+    }
+
+    fn ip(key: &[u8]) -> Ipv4Addr {
+        Ipv4Addr::new(key[16], key[17], key[18], key[19])
+    }
+
+    #[test]
+    fn keys_are_the_interface_then_the_address_then_the_port_each_padded() {
+        let k = key("0123456789ab", Ipv4Addr::new(198, 51, 100, 7), Some(443));
+        assert_eq!(k.len(), 24);
+        assert_eq!(&k[..15], b"dsv0123456789ab");
+        assert_eq!(k[15], 0);
+        assert_eq!(&k[16..20], &[198, 51, 100, 7]);
+        assert_eq!(&k[20..], &[0x01, 0xbb, 0, 0]);
+        assert_eq!(key("ab", Ipv4Addr::LOCALHOST, None).len(), 20);
+    }
+
+    #[test]
+    fn cidr_rules_go_to_the_right_set_as_ranges() {
+        let p = policy(
+            &["203.0.113.0/24", "198.51.100.7:443", "db"],
+            &[("db", &["10.9.0.0/16", "169.254.169.254:80"])],
         );
-        assert!(
-            s.contains("add element inet dsec p_abc { 198.51.100.7/32 . 443 }"),
-            "{s}"
+        let e = rule_elems("abc", &p);
+        let find = |set: &str| -> Vec<(Ipv4Addr, Ipv4Addr, Vec<u8>)> {
+            e.iter()
+                .filter(|(s, _)| *s == set)
+                .map(|(_, el)| {
+                    let end = el.key_end.clone().unwrap();
+                    (ip(&el.key), ip(&end), el.key[20..].to_vec())
+                })
+                .collect()
+        };
+        assert_eq!(
+            find(CIDRS),
+            vec![(
+                Ipv4Addr::new(203, 0, 113, 0),
+                Ipv4Addr::new(203, 0, 113, 255),
+                vec![]
+            )]
         );
-        assert!(
-            s.contains("add element inet dsec x_abc { 10.9.0.0/16 }"),
-            "{s}"
+        assert_eq!(
+            find(CIDRS_PORT),
+            vec![(
+                Ipv4Addr::new(198, 51, 100, 7),
+                Ipv4Addr::new(198, 51, 100, 7),
+                vec![1, 187, 0, 0]
+            )]
         );
-        assert!(
-            s.contains("add element inet dsec xp_abc { 169.254.169.254/32 . 80 }"),
-            "{s}"
+        assert_eq!(
+            find(PRIVATE),
+            vec![(
+                Ipv4Addr::new(10, 9, 0, 0),
+                Ipv4Addr::new(10, 9, 255, 255),
+                vec![]
+            )]
         );
+        assert_eq!(
+            find(PRIVATE_PORT),
+            vec![(
+                Ipv4Addr::new(169, 254, 169, 254),
+                Ipv4Addr::new(169, 254, 169, 254),
+                vec![0, 80, 0, 0]
+            )]
+        );
+        // Every key names the sandbox's interface.
+        assert!(e.iter().all(|(_, el)| el.key.starts_with(b"dsvabc\0")));
+    }
+
+    #[test]
+    fn overlapping_and_adjacent_networks_become_one_range_per_port() {
+        let p = policy(
+            &[
+                "203.0.113.0/25",
+                "203.0.113.128/25",
+                "203.0.113.7",
+                "198.51.100.0/24",
+                "198.51.100.9:443",
+                "198.51.100.9:80",
+                "0.0.0.0/0",
+            ],
+            &[],
+        );
+        let c: Vec<(Ipv4Addr, Ipv4Addr)> = rule_elems("k", &p)
+            .into_iter()
+            .filter(|(s, _)| *s == CIDRS)
+            .map(|(_, e)| (ip(&e.key), ip(e.key_end.as_ref().unwrap())))
+            .collect();
+        // 0.0.0.0/0 swallows the rest (the never-ranges are dropped before `c` is read).
+        assert_eq!(c, vec![(Ipv4Addr::UNSPECIFIED, Ipv4Addr::BROADCAST)]);
+        let ports = rule_elems("k", &p)
+            .into_iter()
+            .filter(|(s, _)| *s == CIDRS_PORT)
+            .count();
+        assert_eq!(ports, 2, "one element per port");
+    }
+
+    #[test]
+    fn a_rebuild_empties_the_rule_sets_first_in_the_same_transaction() {
+        let p = policy(&["203.0.113.0/24"], &[]);
+        let msgs = rebuild_rules([("k1", &p), ("k2", &p)].into_iter());
+        for (i, set) in RULE_SETS.iter().enumerate() {
+            assert_eq!(msgs[i].set, *set);
+            assert!(msgs[i].op == ElemOp::Delete && msgs[i].elems.is_empty());
+        }
+        let adds: Vec<&SetMsg> = msgs.iter().filter(|m| m.op == ElemOp::Add).collect();
+        assert_eq!(adds.len(), 1);
+        assert_eq!(adds[0].elems.len(), 2);
     }
 
     #[test]
@@ -247,8 +512,88 @@ mod tests {
             b.find(needle)
                 .unwrap_or_else(|| panic!("{needle} missing from:\n{b}"))
         };
-        let vmap = pos("iifname vmap @egress");
-        assert!(pos("iifname \"dsv*\" oifname \"dsv*\" drop") < vmap);
-        assert!(pos("ip daddr 10.200.0.0/16 drop") < vmap);
+        let jump = pos("forward iifname \"dsv*\" jump egress");
+        assert!(pos("iifname \"dsv*\" oifname \"dsv*\" drop") < jump);
+        assert!(pos("ip daddr 10.200.0.0/16 drop") < jump);
+        // In `egress`, only the operator's private services come before the never-ranges.
+        let never = pos("egress ip daddr @never4 drop");
+        assert!(pos("@x accept") < never && pos("@xp accept") < never);
+        assert!(pos("@a accept") > never && pos("@c accept") > never && pos("@p accept") > never);
+    }
+
+    /// In a network namespace of its own: the base ruleset, then sandboxes' elements put
+    /// in, read back with `nft`, taken out (twice: the second finds them gone, which is
+    /// no error), and a rebuild that leaves only the sandboxes it is given.
+    #[test]
+    fn sandbox_elements_go_in_and_out_of_the_kernels_sets() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 || Command::new("nft").arg("-v").output().is_err() {
+            eprintln!("skipped: needs root and nft");
+            return;
+        }
+        std::thread::spawn(|| {
+            // SAFETY: unshare on this thread only; its namespace ends with the thread.
+            assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0);
+            let list = |set: &str| {
+                let o = Command::new("nft")
+                    .args(["list", "set", "inet", TABLE, set])
+                    .output()
+                    .unwrap();
+                String::from_utf8_lossy(&o.stdout).into_owned()
+            };
+            let pool = Cidr::parse("10.200.0.0/16").unwrap();
+            apply_script(&base(&pool, 10053)).unwrap();
+            let destroy = probe_destroy();
+            eprintln!("idempotent delete: {destroy}");
+            let p = policy(&["203.0.113.0/24", "198.51.100.7:443"], &[]);
+            apply(&add_rules("k1", &p)).unwrap();
+            apply(&add_rules("k2", &p)).unwrap();
+            let c = list(CIDRS);
+            assert!(c.contains("\"dsvk1\" . 203.0.113.0/24"), "{c}");
+            assert!(c.contains("\"dsvk2\" . 203.0.113.0/24"), "{c}");
+            let cp = list(CIDRS_PORT);
+            assert!(cp.contains("\"dsvk1\" . 198.51.100.7 . 443"), "{cp}");
+            let ip = Ipv4Addr::new(192, 0, 2, 1);
+            apply(&learn("k1", &[(ip, 30)], &[])).unwrap();
+            let a = list(LEARNED);
+            assert!(a.contains("\"dsvk1\" . 192.0.2.1 timeout 30s"), "{a}");
+            // Again, deleting it first: its timeout starts again.
+            apply(&learn("k1", &[(ip, 60)], &[ip])).unwrap();
+            assert!(list(LEARNED).contains("timeout 1m"), "{}", list(LEARNED));
+
+            let mut out = remove_rules("k1", &p);
+            out.extend(forget("k1", &[ip]));
+            apply_removing(&out).unwrap();
+            let c = list(CIDRS);
+            assert!(!c.contains("dsvk1") && c.contains("dsvk2"), "{c}");
+            assert!(!list(LEARNED).contains("dsvk1"));
+            apply_removing(&out).unwrap();
+            // As on a kernel without idempotent deletes: one at a time, the gone ones skipped.
+            DESTROY.store(false, Ordering::Relaxed);
+            let mut out = remove_rules("k1", &p);
+            out.extend(remove_rules("k2", &p));
+            assert!(out.iter().all(|m| m.op == ElemOp::Delete));
+            apply_removing(&out).unwrap();
+            assert!(!list(CIDRS).contains("dsvk2"), "{}", list(CIDRS));
+            DESTROY.store(destroy, Ordering::Relaxed);
+
+            apply(&rebuild_rules([("k3", &p)].into_iter())).unwrap();
+            let c = list(CIDRS);
+            assert!(c.contains("dsvk3"), "{c}");
+            apply(&add_rules("k4", &p)).unwrap();
+            apply(&rebuild_rules([("k3", &p)].into_iter())).unwrap();
+            assert!(!list(CIDRS).contains("dsvk4"), "{}", list(CIDRS));
+            // The kernel says what it refused.
+            let e = apply(&[SetMsg {
+                op: ElemOp::Add,
+                table: TABLE.into(),
+                set: "no-such-set".into(),
+                elems: vec![],
+            }])
+            .unwrap_err();
+            assert!(e.contains("no-such-set"), "{e}");
+        })
+        .join()
+        .unwrap();
     }
 }

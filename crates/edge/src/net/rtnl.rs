@@ -1,0 +1,380 @@
+//! Network namespaces, links, addresses and routes made in-process: rtnetlink messages
+//! (`netlink-packet-route`) on a netlink socket of the calling thread's namespace, and a
+//! named namespace made as `ip netns add` makes one (a file under `/run/netns` with the
+//! namespace bind-mounted on it). A sandbox's network costs a handful of messages to the
+//! kernel, no `ip` process.
+
+use std::ffi::CString;
+use std::fs::File;
+use std::io;
+use std::net::Ipv4Addr;
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::path::Path;
+
+use netlink_packet_core::{
+    NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage,
+    NetlinkPayload,
+};
+use netlink_packet_route::address::{AddressAttribute, AddressMessage, AddressScope};
+use netlink_packet_route::link::{
+    InfoData, InfoKind, InfoVeth, LinkAttribute, LinkFlags, LinkInfo, LinkMessage,
+};
+use netlink_packet_route::route::{
+    RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope, RouteType,
+};
+use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+
+/// Where named network namespaces live (shared with iproute2).
+pub const NETNS_DIR: &str = "/run/netns";
+
+#[derive(Debug, thiserror::Error)]
+pub enum RtnlError {
+    #[error("netlink socket: {0}")]
+    Io(#[from] io::Error),
+    #[error("the kernel refused {what}: {source}")]
+    Refused { what: String, source: io::Error },
+    #[error("{0}")]
+    Other(String),
+}
+
+impl RtnlError {
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            RtnlError::Refused { source, .. } => source.raw_os_error(),
+            RtnlError::Io(e) => e.raw_os_error(),
+            RtnlError::Other(_) => None,
+        }
+    }
+}
+
+/// A route netlink socket in the calling thread's network namespace.
+pub struct Rtnl {
+    sock: Socket,
+    seq: u32,
+    buf: Vec<u8>,
+}
+
+impl Rtnl {
+    pub fn open() -> Result<Rtnl, RtnlError> {
+        let mut sock = Socket::new(NETLINK_ROUTE)?;
+        sock.bind_auto()?;
+        sock.connect(&SocketAddr::new(0, 0))?;
+        // The kernel answers at once; a bound keeps a create from hanging on a lost answer.
+        let tv = libc::timeval {
+            tv_sec: 10,
+            tv_usec: 0,
+        };
+        // SAFETY: setsockopt with a timeval of the size given, on a socket we own.
+        let r = unsafe {
+            libc::setsockopt(
+                sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                (&tv as *const libc::timeval).cast(),
+                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            )
+        };
+        if r != 0 {
+            return Err(io::Error::last_os_error().into());
+        }
+        Ok(Rtnl {
+            sock,
+            seq: 0,
+            buf: vec![0; 1 << 16],
+        })
+    }
+
+    /// Sends `msg` asking for an acknowledgement and waits for it; `what` names it in
+    /// an error.
+    fn request(
+        &mut self,
+        msg: RouteNetlinkMessage,
+        flags: u16,
+        what: &str,
+    ) -> Result<(), RtnlError> {
+        self.seq = self.seq.wrapping_add(1);
+        let mut header = NetlinkHeader::default();
+        header.flags = NLM_F_REQUEST | NLM_F_ACK | flags;
+        header.sequence_number = self.seq;
+        let mut packet = NetlinkMessage::new(header, NetlinkPayload::from(msg));
+        packet.finalize();
+        let mut out = vec![0u8; packet.buffer_len()];
+        packet.serialize(&mut out);
+        self.sock.send(&out, 0)?;
+        loop {
+            let n = self.sock.recv(&mut &mut self.buf[..], 0).map_err(|e| {
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) {
+                    RtnlError::Other(format!("no answer from the kernel to {what}"))
+                } else {
+                    RtnlError::Io(e)
+                }
+            })?;
+            let mut at = 0;
+            while at < n {
+                let m = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&self.buf[at..n])
+                    .map_err(|e| RtnlError::Other(format!("a malformed netlink answer: {e}")))?;
+                let len = m.header.length as usize;
+                if m.header.sequence_number == self.seq
+                    && let NetlinkPayload::Error(e) = m.payload
+                {
+                    return match e.code {
+                        None => Ok(()),
+                        Some(code) => Err(RtnlError::Refused {
+                            what: what.to_string(),
+                            source: io::Error::from_raw_os_error(-code.get()),
+                        }),
+                    };
+                }
+                if len == 0 {
+                    break;
+                }
+                at += len.next_multiple_of(4);
+            }
+        }
+    }
+
+    /// A veth pair: `name` here, `peer` in the namespace `peer_ns`.
+    pub fn add_veth(
+        &mut self,
+        name: &str,
+        peer: &str,
+        peer_ns: BorrowedFd<'_>,
+    ) -> Result<(), RtnlError> {
+        let mut p = LinkMessage::default();
+        p.attributes.push(LinkAttribute::IfName(peer.to_string()));
+        p.attributes
+            .push(LinkAttribute::NetNsFd(peer_ns.as_raw_fd()));
+        let mut m = LinkMessage::default();
+        m.attributes.push(LinkAttribute::IfName(name.to_string()));
+        m.attributes.push(LinkAttribute::LinkInfo(vec![
+            LinkInfo::Kind(InfoKind::Veth),
+            LinkInfo::Data(InfoData::Veth(InfoVeth::Peer(p))),
+        ]));
+        self.request(
+            RouteNetlinkMessage::NewLink(m),
+            NLM_F_CREATE | NLM_F_EXCL,
+            &format!("creating veth {name}"),
+        )
+    }
+
+    /// Brings link `index` up.
+    pub fn set_up(&mut self, index: u32) -> Result<(), RtnlError> {
+        let mut m = LinkMessage::default();
+        m.header.index = index;
+        m.header.flags = LinkFlags::Up;
+        m.header.change_mask = LinkFlags::Up;
+        self.request(
+            RouteNetlinkMessage::SetLink(m),
+            0,
+            &format!("bringing up link {index}"),
+        )
+    }
+
+    /// Adds `ip/prefix` to link `index`.
+    pub fn add_address(&mut self, index: u32, ip: Ipv4Addr, prefix: u8) -> Result<(), RtnlError> {
+        let mut m = AddressMessage::default();
+        m.header.family = AddressFamily::Inet;
+        m.header.prefix_len = prefix;
+        m.header.scope = AddressScope::Universe;
+        m.header.index = index;
+        m.attributes.push(AddressAttribute::Local(ip.into()));
+        m.attributes.push(AddressAttribute::Address(ip.into()));
+        self.request(
+            RouteNetlinkMessage::NewAddress(m),
+            NLM_F_CREATE | NLM_F_EXCL,
+            &format!("adding {ip}/{prefix}"),
+        )
+    }
+
+    /// The default route, via `gateway`.
+    pub fn add_default_route(&mut self, gateway: Ipv4Addr) -> Result<(), RtnlError> {
+        let mut m = RouteMessage::default();
+        m.header.address_family = AddressFamily::Inet;
+        m.header.table = RouteHeader::RT_TABLE_MAIN;
+        m.header.protocol = RouteProtocol::Boot;
+        m.header.scope = RouteScope::Universe;
+        m.header.kind = RouteType::Unicast;
+        m.attributes
+            .push(RouteAttribute::Gateway(RouteAddress::Inet(gateway)));
+        self.request(
+            RouteNetlinkMessage::NewRoute(m),
+            NLM_F_CREATE | NLM_F_EXCL,
+            &format!("adding the default route via {gateway}"),
+        )
+    }
+
+    /// Deletes link `name` (its veth peer goes with it).
+    pub fn delete_link(&mut self, name: &str) -> Result<(), RtnlError> {
+        let mut m = LinkMessage::default();
+        m.attributes.push(LinkAttribute::IfName(name.to_string()));
+        self.request(
+            RouteNetlinkMessage::DelLink(m),
+            0,
+            &format!("deleting link {name}"),
+        )
+    }
+}
+
+/// The index of interface `name` in the calling thread's namespace.
+pub fn index(name: &str) -> Result<u32, RtnlError> {
+    let c = CString::new(name).map_err(|_| RtnlError::Other(format!("bad name {name:?}")))?;
+    // SAFETY: `c` is a NUL-terminated string that outlives the call.
+    match unsafe { libc::if_nametoindex(c.as_ptr()) } {
+        0 => Err(RtnlError::Refused {
+            what: format!("looking up interface {name}"),
+            source: io::Error::last_os_error(),
+        }),
+        i => Ok(i),
+    }
+}
+
+fn check(r: libc::c_int, what: impl FnOnce() -> String) -> Result<(), RtnlError> {
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(RtnlError::Refused {
+            what: what(),
+            source: io::Error::last_os_error(),
+        })
+    }
+}
+
+fn cpath(p: &Path) -> Result<CString, RtnlError> {
+    CString::new(p.as_os_str().as_encoded_bytes())
+        .map_err(|_| RtnlError::Other(format!("bad path {}", p.display())))
+}
+
+/// Makes `/run/netns` a shared mount point once, as iproute2 does, so that namespaces
+/// bind-mounted there are seen from every mount namespace (an OCI runtime's included).
+fn netns_dir() -> Result<(), RtnlError> {
+    let dir = Path::new(NETNS_DIR);
+    std::fs::create_dir_all(dir)?;
+    let c = cpath(dir)?;
+    let none = c"none";
+    // SAFETY: mount(2) with NUL-terminated strings that outlive the call.
+    let shared = unsafe {
+        libc::mount(
+            none.as_ptr(),
+            c.as_ptr(),
+            none.as_ptr(),
+            libc::MS_SHARED | libc::MS_REC,
+            std::ptr::null(),
+        )
+    };
+    if shared == 0 {
+        return Ok(());
+    }
+    // Not a mount point yet: bind it onto itself first.
+    // SAFETY: as above.
+    check(
+        unsafe {
+            libc::mount(
+                c.as_ptr(),
+                c.as_ptr(),
+                none.as_ptr(),
+                libc::MS_BIND | libc::MS_REC,
+                std::ptr::null(),
+            )
+        },
+        || format!("bind-mounting {NETNS_DIR}"),
+    )?;
+    // SAFETY: as above.
+    check(
+        unsafe {
+            libc::mount(
+                none.as_ptr(),
+                c.as_ptr(),
+                none.as_ptr(),
+                libc::MS_SHARED | libc::MS_REC,
+                std::ptr::null(),
+            )
+        },
+        || format!("making {NETNS_DIR} shared"),
+    )
+}
+
+/// Creates the named network namespace `/run/netns/<name>` and returns it open. A thread
+/// of its own unshares into the new namespace and bind-mounts it on the file.
+pub fn create_netns(name: &str) -> Result<File, RtnlError> {
+    if name.is_empty() || name.contains('/') || name.starts_with('.') {
+        return Err(RtnlError::Other(format!("bad namespace name {name:?}")));
+    }
+    netns_dir()?;
+    let path = Path::new(NETNS_DIR).join(name);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&path)
+        .map_err(|e| RtnlError::Refused {
+            what: format!("creating {}", path.display()),
+            source: e,
+        })?;
+    let p2 = path.clone();
+    let made = std::thread::Builder::new()
+        .name("dsec-netns".into())
+        .spawn(move || -> Result<(), RtnlError> {
+            // SAFETY: unshare on this thread only; it ends right after.
+            check(unsafe { libc::unshare(libc::CLONE_NEWNET) }, || {
+                "unsharing a network namespace".into()
+            })?;
+            let src = c"/proc/thread-self/ns/net";
+            let dst = cpath(&p2)?;
+            // SAFETY: mount(2) with NUL-terminated strings that outlive the call.
+            check(
+                unsafe {
+                    libc::mount(
+                        src.as_ptr(),
+                        dst.as_ptr(),
+                        c"none".as_ptr(),
+                        libc::MS_BIND,
+                        std::ptr::null(),
+                    )
+                },
+                || format!("bind-mounting the namespace on {}", p2.display()),
+            )
+        })
+        .map_err(RtnlError::Io)?
+        .join()
+        .map_err(|_| RtnlError::Other("the namespace thread panicked".into()))
+        .and_then(|r| r);
+    if let Err(e) = made {
+        let _ = std::fs::remove_file(&path);
+        return Err(e);
+    }
+    File::open(&path).map_err(RtnlError::Io)
+}
+
+/// Deletes the named network namespace (as `ip netns del`): unmounts and removes its
+/// file. The kernel tears the namespace and its interfaces down once nothing uses it.
+pub fn delete_netns(name: &str) -> Result<(), RtnlError> {
+    let path = Path::new(NETNS_DIR).join(name);
+    let c = cpath(&path)?;
+    // SAFETY: umount2 with a NUL-terminated path that outlives the call.
+    let _ = unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+    std::fs::remove_file(&path).map_err(RtnlError::Io)
+}
+
+/// Runs `f` on a thread that has joined the namespace `ns` (it ends with `f`).
+pub fn in_netns<T: Send + 'static>(
+    ns: &File,
+    f: impl FnOnce() -> Result<T, RtnlError> + Send + 'static,
+) -> Result<T, RtnlError> {
+    let ns = ns.try_clone()?;
+    std::thread::Builder::new()
+        .name("dsec-netns".into())
+        .spawn(move || {
+            // SAFETY: setns on this thread only; the thread ends after `f`.
+            check(
+                unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) },
+                || "joining the namespace".into(),
+            )?;
+            f()
+        })
+        .map_err(RtnlError::Io)?
+        .join()
+        .map_err(|_| RtnlError::Other("the namespace thread panicked".into()))?
+}
