@@ -191,6 +191,28 @@ async def test_writable_layer_cannot_grow_past_disk_limit(client):
         await sb.stop()
 
 
+async def test_stop_kills_what_the_runtime_lost(client):
+    """A container whose OCI runtime state is gone (a runtime that crashed, a state
+    directory wiped) still dies at stop: the sandbox's cgroup is emptied by the edge, so
+    no process of it is left running unowned, also while it is paused."""
+    import shutil
+
+    sb = await client.run_sandbox(DSecRunArgs(image="root/base"))
+    await sb.run_shell("sleep 1000 >/dev/null 2>&1 & echo started")
+    pids = [int(p) for p in cgroup_file("pids", sb.id, "cgroup.procs").read_text().split()]
+    assert len(pids) >= 2
+    await sb.pause()
+    # The runtime's own state directory for the container (`<state>/runtime/<runtime>/`).
+    states = list((DATA / "edge/runtime").glob(f"*/dsec-{sb.id}"))
+    assert states, f"no runtime state for {sb.id} under {DATA / 'edge/runtime'}"
+    for d in states:
+        shutil.rmtree(d)
+    await sb.stop()
+    assert wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in pids), 15), \
+        f"processes of {sb.id} outlived its stop: {[p for p in pids if Path(f'/proc/{p}').exists()]}"
+    assert leftovers(sb.id) == []
+
+
 async def test_stop_removes_everything(client):
     sb = await client.run_sandbox(DSecRunArgs(image="root/py:3.11"))
     await sb.run_shell("sleep 1000 >/dev/null 2>&1 & echo started")

@@ -145,6 +145,8 @@ async def test_fork_copies_files_not_memory_and_copies_are_independent(client):
 
 async def test_restart_keeps_sandboxes_running(client):
     sb = await client.run_sandbox(DSecRunArgs(image="root/py:3.11"))
+    # One that dies while the server is down: the restart finds it gone and cleans up.
+    dead = await client.run_sandbox(DSecRunArgs(image="root/base"))
     await sb.run_shell("echo kept > /root/file; (sleep 1000 >/dev/null 2>&1 &)")
     # A graceful restart that keeps sandboxes, then a kill -9 of the server.
     server_down("--keep-sandboxes")
@@ -164,8 +166,13 @@ async def test_restart_keeps_sandboxes_running(client):
     (half / "state.json").write_text(json.dumps(state))
     (DATA / "edge/sandboxes/garbage-dir").mkdir()
     assert wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 10)
+    init = int((DATA / f"edge/sandboxes/{dead.id}/init.pid").read_text())
+    os.kill(init, signal.SIGKILL)
+    assert wait_for(lambda: not os.path.exists(f"/proc/{init}"), 10)
     server_up()
     assert not half.exists() and not (DATA / "edge/sandboxes/garbage-dir").exists()
+    assert leftovers(dead.id) == [], "the sandbox that died while the server was down left these"
+
     async with DSecClient() as c3:
         assert [s.id for s in await c3.list_sandboxes()] == [sb.id]
         r = await (await c3.get_sandbox(sb.id)).run_shell(f"cat /root/file; {COUNT_SLEEPS}")

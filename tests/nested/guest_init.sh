@@ -65,5 +65,5 @@ rc=$?
 # The console is quiet (loglevel 3): say what the outer kernel saw go wrong (OOM kills,
 # KVM's complaints), which explains a nested VM that died.
 dmesg --level=emerg,alert,crit,err,warn 2>/dev/null \
-    | grep -iE "out of memory|killed process|oom|kvm|svm" | tail -n 20 | sed 's/^/nested: kernel: /'
+    | grep -iE "out of memory|killed process|oom|kvm|svm" | grep -v "Unhandled WRMSR" | tail -n 20 | sed 's/^/nested: kernel: /'
 finish $rc

@@ -177,7 +177,7 @@ pub fn run(spec: ExecSpec, table: &Table, base: &Env) -> Result<ExecResult, Stri
     let mut child = {
         let mut managed = table.lock();
         let child = cmd.spawn().map_err(|e| spawn_error(&spec, e))?;
-        managed.insert(child.id());
+        table.register(&mut managed, child.id());
         child
     };
     let pid = child.id();

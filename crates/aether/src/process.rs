@@ -361,7 +361,7 @@ impl Procs {
         let mut child = {
             let mut managed = table.lock();
             let child = cmd.spawn().map_err(|e| exec::spawn_error(&spec.exec, e))?;
-            managed.insert(child.id());
+            table.register(&mut managed, child.id());
             child
         };
         drop(cmd);

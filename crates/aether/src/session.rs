@@ -159,7 +159,7 @@ impl Session {
                     format!("cannot start the session's shell: {e}"),
                 )
             })?;
-            managed.insert(c.id());
+            table.register(&mut managed, c.id());
             c
         };
         let pid = child.id();

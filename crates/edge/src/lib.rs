@@ -229,6 +229,7 @@ impl Edge {
             cfg.aether_binary.as_deref(),
             images.clone(),
             mode,
+            &cfg.state_dir.join("sandboxes"),
         ));
         let vm: Arc<dyn Backend> = Arc::new(backend::vm::VmBackend::new(
             backend::container::find_aether(cfg.aether_binary.as_deref()),

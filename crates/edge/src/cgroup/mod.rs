@@ -126,6 +126,9 @@ pub fn empty_and_remove(mode: CgroupMode, rel: &str, within: std::time::Duration
             return;
         }
         for d in &dirs {
+            // A frozen task takes its SIGKILL only once thawed (a paused sandbox).
+            let _ = std::fs::write(d.join("cgroup.freeze"), "0");
+            let _ = std::fs::write(d.join("freezer.state"), "THAWED");
             // cgroup.kill (v2, Linux 5.14) also takes processes forking at the moment.
             if std::fs::write(d.join("cgroup.kill"), "1").is_err() {
                 for pid in std::fs::read_to_string(d.join("cgroup.procs"))

@@ -19,6 +19,7 @@ use dsec_image::ImageStore;
 pub use oci::{ALLOWED_SYSCALLS, CAPABILITIES};
 pub use runtime::OciRuntime;
 
+use super::detached::read_pid;
 use super::{Backend, SandboxPaths};
 use crate::cgroup::{self, CgroupMode};
 use crate::registry::SandboxRecord;
@@ -28,10 +29,26 @@ pub struct ContainerBackend {
     aether: Result<PathBuf, String>,
     images: ImageStore,
     mode: CgroupMode,
+    /// Where each sandbox's directory is (`<sandboxes>/<id>`).
+    sandboxes: PathBuf,
 }
 
 fn cid(rec: &SandboxRecord) -> String {
     format!("dsec-{}", rec.id)
+}
+
+/// The container's init pid, written by the OCI runtime, in the sandbox's directory.
+const INIT_PID: &str = "init.pid";
+
+/// Whether process `pid` is alive and in sandbox `id`'s cgroup (`/proc/<pid>/cgroup`
+/// names it in every hierarchy the process is in).
+fn init_in_cgroup(pid: i32, id: &str) -> bool {
+    let want = crate::cgroup::sandbox_cgroup_path(id);
+    std::fs::read_to_string(format!("/proc/{pid}/cgroup")).is_ok_and(|t| {
+        t.lines()
+            .filter_map(|l| l.rsplit(':').next())
+            .any(|path| path == want || path.starts_with(&format!("{want}/")))
+    })
 }
 
 /// Whether an ELF file has no program interpreter, i.e. runs without a dynamic loader.
@@ -127,12 +144,14 @@ impl ContainerBackend {
         aether: Option<&Path>,
         images: ImageStore,
         mode: CgroupMode,
+        sandboxes: &Path,
     ) -> ContainerBackend {
         ContainerBackend {
             runtime: OciRuntime::resolve(runtime_choice, runtime_state, mode),
             aether: find_aether(aether),
             images,
             mode,
+            sandboxes: sandboxes.to_path_buf(),
         }
     }
 
@@ -219,6 +238,7 @@ impl ContainerBackend {
             dir,
             listener.as_raw_fd(),
             &dir.join("console.log"),
+            &dir.join(INIT_PID),
         )?;
         Ok(())
     }
@@ -268,7 +288,15 @@ impl Backend for ContainerBackend {
         }
     }
 
+    /// From the container's init pid (written by the runtime at create): alive while that
+    /// process exists in the sandbox's cgroup, which a reused pid is not. No runtime
+    /// process per sandbox, so a restart re-adopts thousands at once. A container made
+    /// before pid files were written is asked of the runtime.
     fn is_alive(&self, rec: &SandboxRecord) -> bool {
+        let dir = self.sandboxes.join(&rec.id);
+        if let Some(pid) = read_pid(&dir.join(INIT_PID)) {
+            return init_in_cgroup(pid, &rec.id);
+        }
         let Ok(rt) = self.rt() else { return false };
         matches!(
             rt.state(&cid(rec)).as_deref(),
@@ -320,6 +348,13 @@ impl Backend for ContainerBackend {
                 tracing::warn!(sandbox = %rec.id, "{e}");
             }
         }
+        // Whatever the runtime could not end (it failed, or lost the container's state)
+        // is killed through the sandbox's cgroup: nothing of it outlives a stop.
+        cgroup::empty_and_remove(
+            self.mode,
+            &cgroup::sandbox_cgroup_path(&rec.id),
+            Duration::from_secs(10),
+        );
         let dir = &paths.dir;
         let mut problems = Vec::new();
         for m in [dir.join("rootfs"), dir.join("disk")] {
@@ -327,7 +362,6 @@ impl Backend for ContainerBackend {
                 problems.push(e);
             }
         }
-        cgroup::remove(self.mode, &cgroup::sandbox_cgroup_path(&rec.id));
         if problems.is_empty() {
             let _ = Command::new("rm")
                 .arg("-rf")

@@ -159,13 +159,14 @@ impl OciRuntime {
     }
 
     /// `run --detach`: the container's stdio goes to `log`; `listen_fd` is handed to its
-    /// first process as fd 3.
+    /// first process as fd 3; its pid is written to `pid_file`.
     pub fn run_detached(
         &self,
         cid: &str,
         bundle: &Path,
         listen_fd: RawFd,
         log: &Path,
+        pid_file: &Path,
     ) -> Result<(), String> {
         let logf = std::fs::OpenOptions::new()
             .create(true)
@@ -175,7 +176,9 @@ impl OciRuntime {
         let logf2 = logf.try_clone().map_err(|e| e.to_string())?;
         let status = self
             .command(Some(listen_fd))
-            .args(["run", "--detach", "--preserve-fds", "1", "--bundle"])
+            .args(["run", "--detach", "--preserve-fds", "1", "--pid-file"])
+            .arg(pid_file)
+            .arg("--bundle")
             .arg(bundle)
             .arg(cid)
             .stdin(Stdio::null())
