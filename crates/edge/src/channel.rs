@@ -59,8 +59,8 @@ impl Conn {
             .map_err(|e| ApiError::unavailable(format!("sandbox agent unreachable: {e}")))?;
         let (r, w) = s.into_split();
         let mut c = Conn {
-            r: BufReader::with_capacity(256 << 10, r),
-            w: BufWriter::with_capacity(256 << 10, w),
+            r: BufReader::with_capacity(64 << 10, r),
+            w: BufWriter::with_capacity(64 << 10, w),
             output_cap: output_cap(req),
         };
         let mut line = serde_json::to_vec(req)
