@@ -330,7 +330,22 @@ impl Backend for ContainerBackend {
 
     fn destroy(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError> {
         let id = cid(rec);
-        if let Ok(rt) = self.rt()
+        let rel = cgroup::sandbox_cgroup_path(&rec.id);
+        if let Some(pid) = read_pid(&paths.dir.join(INIT_PID)) {
+            // Known init: everything in the cgroup is killed here (thawed first; the
+            // cgroup goes once its processes have), and the runtime is asked once, to
+            // forget the container. A stop of thousands then costs one runtime process
+            // each, not a loop of state queries.
+            cgroup::empty_and_remove(self.mode, &rel, Duration::from_secs(10));
+            if init_in_cgroup(pid, &rec.id) {
+                tracing::warn!(sandbox = %rec.id, pid, "the container's init outlived its cgroup's SIGKILL");
+            }
+            if let Ok(rt) = self.rt()
+                && let Err(e) = rt.delete_force(&id)
+            {
+                tracing::debug!(sandbox = %rec.id, "{e}");
+            }
+        } else if let Ok(rt) = self.rt()
             && let Some(state) = rt.state(&id)
         {
             // A frozen container cannot die; thaw it first.
@@ -350,11 +365,7 @@ impl Backend for ContainerBackend {
         }
         // Whatever the runtime could not end (it failed, or lost the container's state)
         // is killed through the sandbox's cgroup: nothing of it outlives a stop.
-        cgroup::empty_and_remove(
-            self.mode,
-            &cgroup::sandbox_cgroup_path(&rec.id),
-            Duration::from_secs(10),
-        );
+        cgroup::empty_and_remove(self.mode, &rel, Duration::from_secs(10));
         let dir = &paths.dir;
         let mut problems = Vec::new();
         for m in [dir.join("rootfs"), dir.join("disk")] {
