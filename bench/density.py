@@ -74,7 +74,7 @@ def host_leftovers() -> dict[str, int]:
     ns = [p for p in Path("/run/netns").glob("dsec-*")] if Path("/run/netns").is_dir() else []
     ifaces = [p for p in Path("/sys/class/net").iterdir() if p.name.startswith("dsv")]
     elems = 0
-    for s in ("c", "p", "x", "xp"):
+    for s in ("c", "p", "x", "xp", "c1", "p1", "x1", "xp1"):
         r = subprocess.run(["nft", "list", "set", "inet", "dsec", s], capture_output=True, text=True)
         elems += r.stdout.count('"dsv')
     cgroups = 0

@@ -518,18 +518,18 @@ async def test_two_hundred_sandboxes_with_rules_leave_nothing_behind(lab: Netlab
     assert not failed, f"{len(failed)} of {n} creates failed, e.g. {failed[:3]}"
     assert len({s.info.network["address"] for s in ok}) == n
 
-    # Each sandbox's rule is one element of the node's fixed set `p`, keyed by its
-    # interface; no chain or set per sandbox.
+    # Each sandbox's rule is one element of the node's fixed set `p1` (one address and a
+    # port), keyed by its interface; no chain or set per sandbox.
     table = await asyncio.to_thread(lab.nft)
     assert not PER_SANDBOX.findall(table), PER_SANDBOX.findall(table)[:5]
-    listing = lab.node("nft", "list", "set", "inet", "dsec", "p").stdout
+    listing = lab.node("nft", "list", "set", "inet", "dsec", "p1").stdout
     ports: dict[str, list[str]] = {}
     for k, rest in SANDBOX_ELEMENT.findall(listing):
         ports.setdefault(k, []).append(rest.strip())
     for s, (ip, port) in zip(ok, rules):
         held = ports.get(key(s), [])
         assert len(held) == 1 and re.fullmatch(rf"{re.escape(ip)}(/32)? \. {port}", held[0]), \
-            f"{s.id}: rule {ip}:{port}, set p holds {held!r} for it"
+            f"{s.id}: rule {ip}:{port}, set p1 holds {held!r} for it"
 
     t1 = time.monotonic()
 
@@ -544,7 +544,7 @@ async def test_two_hundred_sandboxes_with_rules_leave_nothing_behind(lab: Netlab
     table = await asyncio.to_thread(lab.nft)
     left = PER_SANDBOX.findall(table)
     assert not left, f"per-sandbox sets and chains in the node's table: {left[:10]}\n{table[:3000]}"
-    for set_name in ("c", "p", "x", "xp"):
+    for set_name in ("c", "p", "x", "xp", "c1", "p1", "x1", "xp1"):
         assert elements(lab, set_name) == [], f"elements left in set {set_name}: {elements(lab, set_name)[:5]}"
     assert netlab.sandbox_namespaces() == []
     # A deleted namespace takes its veth pair with it, but the kernel dismantles namespaces

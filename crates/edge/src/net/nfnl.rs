@@ -161,7 +161,9 @@ impl Msg {
 
     pub fn close(&mut self) -> &mut Msg {
         if let Some(at) = self.nests.pop() {
-            let len = (self.buf.len() - at) as u16;
+            // An attribute's length is 16 bits: callers keep nests smaller (see
+            // `nft::by_set`); saturating makes an oversized one a refusal, not a wrap.
+            let len = u16::try_from(self.buf.len() - at).unwrap_or(u16::MAX);
             self.buf[at..at + 2].copy_from_slice(&len.to_ne_bytes());
         }
         self
@@ -276,6 +278,19 @@ fn socket() -> io::Result<OwnedFd> {
             std::mem::size_of::<libc::c_int>(),
         );
     }
+    // Acknowledgements without a copy of the request: an error about a batch of thousands
+    // of elements would otherwise be too big for any receive buffer, and be lost.
+    let one: libc::c_int = 1;
+    // SAFETY: `one` is a readable c_int for the call's duration.
+    check(unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_NETLINK,
+            libc::NETLINK_CAP_ACK,
+            &one as *const libc::c_int as *const libc::c_void,
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    })?;
     let tv = libc::timeval {
         tv_sec: ANSWER_WITHIN.as_secs() as libc::time_t,
         tv_usec: 0,

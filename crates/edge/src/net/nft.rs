@@ -42,8 +42,35 @@ pub const LEARNED: &str = "a";
 /// The sandbox's CIDR rules, and with a port.
 pub const CIDRS: &str = "c";
 pub const CIDRS_PORT: &str = "p";
+/// Each of the four above for single addresses: hash sets, whose inserts cost the same
+/// however many elements they hold. An interval set (the kernel's pipapo, for
+/// concatenations) rebuilds its lookup tables on every insert, which made putting 3,000
+/// sandboxes' rules back after a restart take over 10 s; most rules are one address.
+pub const PRIVATE_ONE: &str = "x1";
+pub const PRIVATE_PORT_ONE: &str = "xp1";
+pub const CIDRS_ONE: &str = "c1";
+pub const CIDRS_PORT_ONE: &str = "p1";
 /// The sets that hold rules (not what DNS answers opened).
-pub const RULE_SETS: [&str; 4] = [PRIVATE, PRIVATE_PORT, CIDRS, CIDRS_PORT];
+pub const RULE_SETS: [&str; 8] = [
+    PRIVATE,
+    PRIVATE_PORT,
+    CIDRS,
+    CIDRS_PORT,
+    PRIVATE_ONE,
+    PRIVATE_PORT_ONE,
+    CIDRS_ONE,
+    CIDRS_PORT_ONE,
+];
+
+/// The hash set that holds single addresses of interval set `set`.
+fn one_of(set: &'static str) -> &'static str {
+    match set {
+        PRIVATE => PRIVATE_ONE,
+        PRIVATE_PORT => PRIVATE_PORT_ONE,
+        CIDRS => CIDRS_ONE,
+        _ => CIDRS_PORT_ONE,
+    }
+}
 
 /// Whether the kernel deletes elements idempotently (`NFT_MSG_DESTROYSETELEM`, Linux
 /// 6.3): found out by [`probe_destroy`] at start.
@@ -149,7 +176,8 @@ pub fn key(k: &str, ip: Ipv4Addr, port: Option<u16>) -> Vec<u8> {
 }
 
 /// The rule sets' elements of sandbox `k`: (set, element), each network as a range,
-/// overlapping and adjacent ones merged (an interval set refuses overlaps).
+/// overlapping and adjacent ones merged (an interval set refuses overlaps); a range of one
+/// address goes to the matching hash set instead.
 pub fn rule_elems(k: &str, policy: &Policy) -> Vec<(&'static str, Elem)> {
     use std::collections::BTreeMap;
     // (set, port) → address ranges, first to last address
@@ -177,11 +205,16 @@ pub fn rule_elems(k: &str, policy: &Policy) -> Vec<(&'static str, Elem)> {
             }
         }
         for (a, b) in merged {
+            let (set, key_end) = if a == b {
+                (one_of(set), None)
+            } else {
+                (set, Some(key(k, Ipv4Addr::from(b), port)))
+            };
             out.push((
                 set,
                 Elem {
                     key: key(k, Ipv4Addr::from(a), port),
-                    key_end: Some(key(k, Ipv4Addr::from(b), port)),
+                    key_end,
                     timeout_ms: None,
                 },
             ));
@@ -200,11 +233,19 @@ fn range(c: &Cidr) -> (u32, u32) {
     (start, start | size)
 }
 
-/// Messages doing `op` on `elems`, one per set.
+/// Most elements in one message: their list is one netlink attribute, whose length is
+/// 16 bits (a bigger one wraps and the kernel reads garbage).
+const ELEMS_PER_MESSAGE: usize = 256;
+
+/// Messages doing `op` on `elems`: per set, at most [`ELEMS_PER_MESSAGE`] elements each.
 pub fn by_set(op: ElemOp, elems: Vec<(&'static str, Elem)>) -> Vec<SetMsg> {
     let mut out: Vec<SetMsg> = Vec::new();
     for (set, e) in elems {
-        match out.iter_mut().find(|m| m.set == set) {
+        match out
+            .iter_mut()
+            .rev()
+            .find(|m| m.set == set && m.elems.len() < ELEMS_PER_MESSAGE)
+        {
             Some(m) => m.elems.push(e),
             None => out.push(SetMsg {
                 op,
@@ -260,24 +301,19 @@ pub fn learn(k: &str, addrs: &[(Ipv4Addr, u32)], present: &[Ipv4Addr]) -> Vec<Se
     out
 }
 
-/// Empties the rule sets and puts back the rules of `sandboxes` (key, policy), in one
-/// transaction: after a restart, whatever a sandbox that is gone left goes.
+/// Puts back the rules of `sandboxes` (key, policy) after a restart, in one transaction.
+/// Elements still there are left as they are (adding an element that is there is no
+/// error). Elements of sandboxes that are gone stay too: keyed by an interface that no
+/// longer exists they match no packet, and every new sandbox has a new key; the table goes
+/// when the last sandbox does. (Emptying the sets first in the same transaction also
+/// works, but costs 30 times as much: 440 ms against 15 ms for 3,000 sandboxes, measured,
+/// on the way to the API answering after a restart.)
 pub fn rebuild_rules<'a>(sandboxes: impl Iterator<Item = (&'a str, &'a Policy)>) -> Vec<SetMsg> {
-    let mut out: Vec<SetMsg> = RULE_SETS
-        .iter()
-        .map(|s| SetMsg {
-            op: ElemOp::Delete,
-            table: TABLE.into(),
-            set: (*s).into(),
-            elems: Vec::new(),
-        })
-        .collect();
     let mut all = Vec::new();
     for (k, p) in sandboxes {
         all.extend(rule_elems(k, p));
     }
-    out.extend(by_set(ElemOp::Add, all));
-    out
+    by_set(ElemOp::Add, all)
 }
 
 /// Names of per-sandbox chains (`sb_<k>`) an earlier version of the edge made, which
@@ -335,14 +371,22 @@ add set inet {TABLE} {PRIVATE_PORT} {{ type ifname . ipv4_addr . inet_service; f
 add set inet {TABLE} {LEARNED} {{ type ifname . ipv4_addr; flags timeout; }}
 add set inet {TABLE} {CIDRS} {{ type ifname . ipv4_addr; flags interval; }}
 add set inet {TABLE} {CIDRS_PORT} {{ type ifname . ipv4_addr . inet_service; flags interval; }}
+add set inet {TABLE} {PRIVATE_ONE} {{ type ifname . ipv4_addr; }}
+add set inet {TABLE} {PRIVATE_PORT_ONE} {{ type ifname . ipv4_addr . inet_service; }}
+add set inet {TABLE} {CIDRS_ONE} {{ type ifname . ipv4_addr; }}
+add set inet {TABLE} {CIDRS_PORT_ONE} {{ type ifname . ipv4_addr . inet_service; }}
 add chain inet {TABLE} egress
 flush chain inet {TABLE} egress
 add rule inet {TABLE} egress iifname . ip daddr @{PRIVATE} accept
+add rule inet {TABLE} egress iifname . ip daddr @{PRIVATE_ONE} accept
 add rule inet {TABLE} egress iifname . ip daddr . th dport @{PRIVATE_PORT} accept
+add rule inet {TABLE} egress iifname . ip daddr . th dport @{PRIVATE_PORT_ONE} accept
 add rule inet {TABLE} egress ip daddr @never4 drop
 add rule inet {TABLE} egress iifname . ip daddr @{LEARNED} accept
 add rule inet {TABLE} egress iifname . ip daddr @{CIDRS} accept
+add rule inet {TABLE} egress iifname . ip daddr @{CIDRS_ONE} accept
 add rule inet {TABLE} egress iifname . ip daddr . th dport @{CIDRS_PORT} accept
+add rule inet {TABLE} egress iifname . ip daddr . th dport @{CIDRS_PORT_ONE} accept
 add chain inet {TABLE} forward {{ type filter hook forward priority filter; policy accept; }}
 flush chain inet {TABLE} forward
 add rule inet {TABLE} forward iifname \"{p}*\" ct state established,related accept
@@ -422,7 +466,8 @@ mod tests {
             e.iter()
                 .filter(|(s, _)| *s == set)
                 .map(|(_, el)| {
-                    let end = el.key_end.clone().unwrap();
+                    // A single address has no end key (a hash set's element).
+                    let end = el.key_end.clone().unwrap_or_else(|| el.key.clone());
                     (ip(&el.key), ip(&end), el.key[20..].to_vec())
                 })
                 .collect()
@@ -435,8 +480,9 @@ mod tests {
                 vec![]
             )]
         );
+        assert_eq!(find(CIDRS_PORT), vec![]);
         assert_eq!(
-            find(CIDRS_PORT),
+            find(CIDRS_PORT_ONE),
             vec![(
                 Ipv4Addr::new(198, 51, 100, 7),
                 Ipv4Addr::new(198, 51, 100, 7),
@@ -452,7 +498,7 @@ mod tests {
             )]
         );
         assert_eq!(
-            find(PRIVATE_PORT),
+            find(PRIVATE_PORT_ONE),
             vec![(
                 Ipv4Addr::new(169, 254, 169, 254),
                 Ipv4Addr::new(169, 254, 169, 254),
@@ -486,22 +532,18 @@ mod tests {
         assert_eq!(c, vec![(Ipv4Addr::UNSPECIFIED, Ipv4Addr::BROADCAST)]);
         let ports = rule_elems("k", &p)
             .into_iter()
-            .filter(|(s, _)| *s == CIDRS_PORT)
+            .filter(|(s, _)| *s == CIDRS_PORT_ONE)
             .count();
         assert_eq!(ports, 2, "one element per port");
     }
 
     #[test]
-    fn a_rebuild_empties_the_rule_sets_first_in_the_same_transaction() {
+    fn a_rebuild_adds_every_sandboxs_rules_in_one_message_per_set() {
         let p = policy(&["203.0.113.0/24"], &[]);
         let msgs = rebuild_rules([("k1", &p), ("k2", &p)].into_iter());
-        for (i, set) in RULE_SETS.iter().enumerate() {
-            assert_eq!(msgs[i].set, *set);
-            assert!(msgs[i].op == ElemOp::Delete && msgs[i].elems.is_empty());
-        }
-        let adds: Vec<&SetMsg> = msgs.iter().filter(|m| m.op == ElemOp::Add).collect();
-        assert_eq!(adds.len(), 1);
-        assert_eq!(adds[0].elems.len(), 2);
+        assert!(msgs.iter().all(|m| m.op == ElemOp::Add));
+        assert_eq!(msgs.len(), 1);
+        assert_eq!(msgs[0].elems.len(), 2);
     }
 
     #[test]
@@ -518,7 +560,16 @@ mod tests {
         // In `egress`, only the operator's private services come before the never-ranges.
         let never = pos("egress ip daddr @never4 drop");
         assert!(pos("@x accept") < never && pos("@xp accept") < never);
-        assert!(pos("@a accept") > never && pos("@c accept") > never && pos("@p accept") > never);
+        assert!(pos("@x1 accept") < never && pos("@xp1 accept") < never);
+        for tenant in [
+            "@a accept",
+            "@c accept",
+            "@p accept",
+            "@c1 accept",
+            "@p1 accept",
+        ] {
+            assert!(pos(tenant) > never, "{tenant}");
+        }
     }
 
     /// In a network namespace of its own: the base ruleset, then sandboxes' elements put
@@ -551,8 +602,14 @@ mod tests {
             let c = list(CIDRS);
             assert!(c.contains("\"dsvk1\" . 203.0.113.0/24"), "{c}");
             assert!(c.contains("\"dsvk2\" . 203.0.113.0/24"), "{c}");
-            let cp = list(CIDRS_PORT);
+            let cp = list(CIDRS_PORT_ONE);
             assert!(cp.contains("\"dsvk1\" . 198.51.100.7 . 443"), "{cp}");
+            // A range of ports' worth of addresses stays in the interval set.
+            let wide = policy(&["198.51.100.0/24:443"], &[]);
+            apply(&add_rules("k1", &wide)).unwrap();
+            let cpr = list(CIDRS_PORT);
+            assert!(cpr.contains("\"dsvk1\" . 198.51.100.0/24 . 443"), "{cpr}");
+            apply_removing(&remove_rules("k1", &wide)).unwrap();
             let ip = Ipv4Addr::new(192, 0, 2, 1);
             apply(&learn("k1", &[(ip, 30)], &[])).unwrap();
             let a = list(LEARNED);
@@ -580,9 +637,8 @@ mod tests {
             apply(&rebuild_rules([("k3", &p)].into_iter())).unwrap();
             let c = list(CIDRS);
             assert!(c.contains("dsvk3"), "{c}");
-            apply(&add_rules("k4", &p)).unwrap();
+            // Again: what is there already is no error.
             apply(&rebuild_rules([("k3", &p)].into_iter())).unwrap();
-            assert!(!list(CIDRS).contains("dsvk4"), "{}", list(CIDRS));
             // The kernel says what it refused.
             let e = apply(&[SetMsg {
                 op: ElemOp::Add,
@@ -591,6 +647,65 @@ mod tests {
                 elems: vec![],
             }])
             .unwrap_err();
+            assert!(e.contains("no-such-set"), "{e}");
+        })
+        .join()
+        .unwrap();
+    }
+
+    /// A restart puts back the rules of thousands of sandboxes in one transaction; the
+    /// kernel's answer (an error echoes the whole request unless acknowledgements are
+    /// capped) must come back whole.
+    #[test]
+    fn a_rebuild_of_thousands_goes_in_as_one_transaction() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 || Command::new("nft").arg("-v").output().is_err() {
+            eprintln!("skipped: needs root and nft");
+            return;
+        }
+        std::thread::spawn(|| {
+            // SAFETY: unshare on this thread only; its namespace ends with the thread.
+            assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0);
+            let pool = Cidr::parse("10.200.0.0/16").unwrap();
+            apply_script(&base(&pool, 10053)).unwrap();
+            let keys: Vec<String> = (0..3000).map(|i| format!("{i:012}")).collect();
+            let policies: Vec<Policy> = (0..3000)
+                .map(|i| {
+                    policy(
+                        &[
+                            &format!("203.0.{}.{}:443", i / 256 % 256, i % 256),
+                            "198.51.100.0/24",
+                        ],
+                        &[],
+                    )
+                })
+                .collect();
+            for (k, p) in keys.iter().zip(&policies).take(1000) {
+                apply(&add_rules(k, p)).unwrap();
+            }
+            let t0 = std::time::Instant::now();
+            apply(&rebuild_rules(
+                keys.iter().map(String::as_str).zip(policies.iter()),
+            ))
+            .unwrap();
+            eprintln!("rebuild of 3000 sandboxes' rules: {:?}", t0.elapsed());
+            let o = Command::new("nft")
+                .args(["list", "set", "inet", TABLE, CIDRS_PORT_ONE])
+                .output()
+                .unwrap();
+            assert_eq!(
+                String::from_utf8_lossy(&o.stdout).matches("\"dsv").count(),
+                3000
+            );
+            // A refusal inside a big batch is reported, not waited for.
+            let mut bad = rebuild_rules(keys.iter().map(String::as_str).zip(policies.iter()));
+            bad.push(SetMsg {
+                op: ElemOp::Add,
+                table: TABLE.into(),
+                set: "no-such-set".into(),
+                elems: vec![],
+            });
+            let e = apply(&bad).unwrap_err();
             assert!(e.contains("no-such-set"), "{e}");
         })
         .join()
