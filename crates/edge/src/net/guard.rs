@@ -9,13 +9,8 @@
 //! namespace (a VM's guest cannot reach it at all), so it cannot remove the table.
 //!
 //! The table is written over `NETLINK_NETFILTER` in-process (one batch, as `nft -f` would
-//! send it), from a short-lived thread that joins the namespace: no `nft` process per
-//! sandbox.
-
-use std::fs::File;
-use std::io;
-use std::os::fd::AsRawFd;
-use std::path::Path;
+//! send it), by the thread that sets up the sandbox's namespace from inside it
+//! (`link::create`): no `nft` process per sandbox.
 
 /// The rate (and burst) of packets to port 53 past which a sandbox's own namespace drops
 /// them: the node's `dnslimit` chain's, held one step earlier. Above the node proxy's own
@@ -116,31 +111,13 @@ pub fn install_here() -> Result<(), String> {
     .map_err(|e| format!("guarding the sandbox's namespace: nftables over netlink: {e}"))
 }
 
-/// Writes the guard table into the namespace at `netns` (a `/run/netns/<name>` file).
-/// Runs on a thread of its own, which joins the namespace and ends with it.
-pub fn install(netns: &Path) -> Result<(), String> {
-    let ns = File::open(netns).map_err(|e| format!("opening {}: {e}", netns.display()))?;
-    std::thread::Builder::new()
-        .name("dsec-netguard".into())
-        .spawn(move || {
-            // SAFETY: setns on this thread only; the thread ends after the batch.
-            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                return Err(format!(
-                    "joining the namespace: {}",
-                    io::Error::last_os_error()
-                ));
-            }
-            install_here()
-        })
-        .map_err(|e| format!("starting a thread: {e}"))?
-        .join()
-        .map_err(|_| "the namespace guard's thread panicked".to_string())?
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs::File;
     use std::net::UdpSocket;
+    use std::os::fd::AsRawFd;
+    use std::path::Path;
     use std::process::Command;
     use std::time::Duration;
 
@@ -217,7 +194,11 @@ mod tests {
         );
         let path = Path::new("/run/netns").join(&ns.0);
         assert_eq!(delivered(&path, 53, 3000), 3000, "before the guard");
-        install(&path).unwrap();
+        let ns = File::open(&path).unwrap();
+        crate::net::rtnl::in_netns(&ns, || {
+            install_here().map_err(crate::net::netlink::NetlinkError::Other)
+        })
+        .unwrap();
         let dns = delivered(&path, 53, 3000);
         assert!(
             dns >= DNS_PACKETS_BURST as usize && dns < 1500,

@@ -9,8 +9,9 @@ use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::process::Command;
 
+use super::netlink::NetlinkError;
 use super::nft::IFACE_PREFIX;
-use super::rtnl::{self, Rtnl, RtnlError};
+use super::rtnl::{self, Rtnl};
 use super::rules::Cidr;
 
 /// A sandbox's addresses: the node side (`gateway`) and its own (`ip`), a /30.
@@ -55,7 +56,7 @@ pub fn host_iface(k: &str) -> String {
 
 /// Makes the namespace and the veth pair; on failure removes what it made.
 pub fn create(id: &str, k: &str, slot: &Slot) -> Result<(), String> {
-    let made = (|| -> Result<(), RtnlError> {
+    let made = (|| -> Result<(), NetlinkError> {
         let ns = rtnl::create_netns(&netns_name(id))?;
         let host = host_iface(k);
         let mut r = Rtnl::open()?;
@@ -71,7 +72,7 @@ pub fn create(id: &str, k: &str, slot: &Slot) -> Result<(), String> {
             r.add_address(eth0, ip, 30)?;
             r.set_up(eth0)?;
             r.add_default_route(gw)?;
-            super::guard::install_here().map_err(RtnlError::Other)
+            super::guard::install_here().map_err(NetlinkError::Other)
         })
     })();
     if let Err(e) = made {

@@ -9,6 +9,7 @@ pub mod dns;
 pub mod guard;
 pub mod learner;
 pub mod link;
+pub mod netlink;
 pub mod nfnl;
 pub mod nft;
 pub mod rtnl;
@@ -430,17 +431,11 @@ impl Network {
                 let _ = nft::apply_script(&line);
             }
         }
-        // The rule sets hold exactly the rules of the sandboxes adopted, whatever one that
-        // is gone left (addresses DNS answers opened end with their TTL).
+        // The rules of every sandbox adopted, back in case the table was lost (what is there
+        // already is no error; see `nft::rebuild_rules` for what a gone sandbox left).
         let msgs = {
             let st = self.lock();
-            nft::rebuild_rules(
-                st.by_ip
-                    .values()
-                    .map(|a| (key_of(&a.id), &a.policy))
-                    .collect::<Vec<_>>()
-                    .into_iter(),
-            )
+            nft::rebuild_rules(st.by_ip.values().map(|a| (key_of(&a.id), &a.policy)))
         };
         if let Err(e) = nft::apply(&msgs) {
             tracing::error!("putting the sandboxes' egress rules back: {e}");

@@ -12,6 +12,8 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::time::Duration;
 
+use super::netlink::NetlinkError;
+
 // From <linux/netfilter/nfnetlink.h>, <linux/netfilter/nf_tables.h>, <linux/netlink.h>.
 const NETLINK_NETFILTER: libc::c_int = 12;
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
@@ -47,27 +49,6 @@ const ANSWER_WITHIN: Duration = Duration::from_secs(10);
 /// Socket buffers big enough for a batch that rewrites every sandbox's elements at once
 /// (a restart with thousands running) and for its acknowledgements.
 const BUFFER_BYTES: libc::c_int = 32 << 20;
-
-#[derive(Debug, thiserror::Error)]
-pub enum NfnlError {
-    #[error("netlink socket: {0}")]
-    Io(#[from] io::Error),
-    /// The kernel refused the batch: the first message it refused, and why.
-    #[error("the kernel refused {what}: {source}")]
-    Refused { what: String, source: io::Error },
-    #[error("no answer from the kernel within {0:?}")]
-    Timeout(Duration),
-}
-
-impl NfnlError {
-    /// The errno of a refusal (`ENOENT`: the set or element is not there).
-    pub fn errno(&self) -> Option<i32> {
-        match self {
-            NfnlError::Refused { source, .. } => source.raw_os_error(),
-            _ => None,
-        }
-    }
-}
 
 /// What a message does to its set's elements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -336,7 +317,7 @@ pub fn transact(
     seq: u32,
     n: u32,
     what: impl Fn(usize) -> String,
-) -> Result<(), NfnlError> {
+) -> Result<(), NetlinkError> {
     let fd = socket()?;
     // SAFETY: `batch` is readable for its length; a netlink socket sends to the kernel.
     let sent = unsafe {
@@ -348,14 +329,16 @@ pub fn transact(
         )
     };
     if sent < 0 {
-        return Err(NfnlError::Io(io::Error::last_os_error()));
+        return Err(NetlinkError::Io(io::Error::last_os_error()));
     }
     if sent as usize != batch.len() {
-        return Err(NfnlError::Io(io::Error::other("the batch was cut short")));
+        return Err(NetlinkError::Io(io::Error::other(
+            "the batch was cut short",
+        )));
     }
     let (first, last) = (seq + 1, seq + n);
     let mut acked = 0u32;
-    let mut refused: Option<NfnlError> = None;
+    let mut refused: Option<NetlinkError> = None;
     let mut buf = vec![0u8; 1 << 16];
     while acked < n {
         // SAFETY: `buf` is writable for its length.
@@ -370,17 +353,17 @@ pub fn transact(
         if got < 0 {
             let e = io::Error::last_os_error();
             return Err(match e.kind() {
-                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
-                    NfnlError::Timeout(ANSWER_WITHIN)
-                }
-                _ => NfnlError::Io(e),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => NetlinkError::Timeout {
+                    what: format!("a batch of {n} message(s) within {ANSWER_WITHIN:?}"),
+                },
+                _ => NetlinkError::Io(e),
             });
         }
         for (s, errno) in acks(&buf[..got as usize]) {
             if !(first..=last).contains(&s) {
                 // An answer about the batch itself (its framing, or no memory for it).
                 if errno != 0 {
-                    return Err(NfnlError::Refused {
+                    return Err(NetlinkError::Refused {
                         what: "the batch".into(),
                         source: io::Error::from_raw_os_error(errno),
                     });
@@ -389,7 +372,7 @@ pub fn transact(
             }
             acked += 1;
             if errno != 0 && refused.is_none() {
-                refused = Some(NfnlError::Refused {
+                refused = Some(NetlinkError::Refused {
                     what: what((s - first) as usize),
                     source: io::Error::from_raw_os_error(errno),
                 });
@@ -403,7 +386,7 @@ pub fn transact(
 }
 
 /// Applies `msgs` as one transaction. Nothing to do is no call at all.
-pub fn apply(msgs: &[SetMsg]) -> Result<(), NfnlError> {
+pub fn apply(msgs: &[SetMsg]) -> Result<(), NetlinkError> {
     if msgs.is_empty() {
         return Ok(());
     }

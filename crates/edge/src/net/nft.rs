@@ -572,11 +572,9 @@ mod tests {
         }
     }
 
-    /// In a network namespace of its own: the base ruleset, then sandboxes' elements put
-    /// in, read back with `nft`, taken out (twice: the second finds them gone, which is
-    /// no error), and a rebuild that leaves only the sandboxes it is given.
-    #[test]
-    fn sandbox_elements_go_in_and_out_of_the_kernels_sets() {
+    /// Runs `f` on a thread in a network namespace of its own (gone with the thread), with
+    /// the node's base ruleset in it; skipped without root or `nft`.
+    fn in_own_netns(f: impl FnOnce() + Send + 'static) {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 || Command::new("nft").arg("-v").output().is_err() {
             eprintln!("skipped: needs root and nft");
@@ -585,6 +583,20 @@ mod tests {
         std::thread::spawn(|| {
             // SAFETY: unshare on this thread only; its namespace ends with the thread.
             assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0);
+            let pool = Cidr::parse("10.200.0.0/16").unwrap();
+            apply_script(&base(&pool, 10053)).unwrap();
+            f()
+        })
+        .join()
+        .unwrap();
+    }
+
+    /// In a network namespace of its own: the base ruleset, then sandboxes' elements put
+    /// in, read back with `nft`, taken out (twice: the second finds them gone, which is
+    /// no error), and a rebuild, twice (what is there already is no error).
+    #[test]
+    fn sandbox_elements_go_in_and_out_of_the_kernels_sets() {
+        in_own_netns(|| {
             let list = |set: &str| {
                 let o = Command::new("nft")
                     .args(["list", "set", "inet", TABLE, set])
@@ -592,8 +604,6 @@ mod tests {
                     .unwrap();
                 String::from_utf8_lossy(&o.stdout).into_owned()
             };
-            let pool = Cidr::parse("10.200.0.0/16").unwrap();
-            apply_script(&base(&pool, 10053)).unwrap();
             let destroy = probe_destroy();
             eprintln!("idempotent delete: {destroy}");
             let p = policy(&["203.0.113.0/24", "198.51.100.7:443"], &[]);
@@ -648,9 +658,7 @@ mod tests {
             }])
             .unwrap_err();
             assert!(e.contains("no-such-set"), "{e}");
-        })
-        .join()
-        .unwrap();
+        });
     }
 
     /// A restart puts back the rules of thousands of sandboxes in one transaction; the
@@ -658,16 +666,7 @@ mod tests {
     /// capped) must come back whole.
     #[test]
     fn a_rebuild_of_thousands_goes_in_as_one_transaction() {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 || Command::new("nft").arg("-v").output().is_err() {
-            eprintln!("skipped: needs root and nft");
-            return;
-        }
-        std::thread::spawn(|| {
-            // SAFETY: unshare on this thread only; its namespace ends with the thread.
-            assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0);
-            let pool = Cidr::parse("10.200.0.0/16").unwrap();
-            apply_script(&base(&pool, 10053)).unwrap();
+        in_own_netns(|| {
             let keys: Vec<String> = (0..3000).map(|i| format!("{i:012}")).collect();
             let policies: Vec<Policy> = (0..3000)
                 .map(|i| {
@@ -707,8 +706,6 @@ mod tests {
             });
             let e = apply(&bad).unwrap_err();
             assert!(e.contains("no-such-set"), "{e}");
-        })
-        .join()
-        .unwrap();
+        });
     }
 }

@@ -25,28 +25,10 @@ use netlink_packet_route::route::{
 use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
+use super::netlink::NetlinkError;
+
 /// Where named network namespaces live (shared with iproute2).
 pub const NETNS_DIR: &str = "/run/netns";
-
-#[derive(Debug, thiserror::Error)]
-pub enum RtnlError {
-    #[error("netlink socket: {0}")]
-    Io(#[from] io::Error),
-    #[error("the kernel refused {what}: {source}")]
-    Refused { what: String, source: io::Error },
-    #[error("{0}")]
-    Other(String),
-}
-
-impl RtnlError {
-    pub fn errno(&self) -> Option<i32> {
-        match self {
-            RtnlError::Refused { source, .. } => source.raw_os_error(),
-            RtnlError::Io(e) => e.raw_os_error(),
-            RtnlError::Other(_) => None,
-        }
-    }
-}
 
 /// A route netlink socket in the calling thread's network namespace.
 pub struct Rtnl {
@@ -56,7 +38,7 @@ pub struct Rtnl {
 }
 
 impl Rtnl {
-    pub fn open() -> Result<Rtnl, RtnlError> {
+    pub fn open() -> Result<Rtnl, NetlinkError> {
         let mut sock = Socket::new(NETLINK_ROUTE)?;
         sock.bind_auto()?;
         sock.connect(&SocketAddr::new(0, 0))?;
@@ -92,7 +74,7 @@ impl Rtnl {
         msg: RouteNetlinkMessage,
         flags: u16,
         what: &str,
-    ) -> Result<(), RtnlError> {
+    ) -> Result<(), NetlinkError> {
         self.seq = self.seq.wrapping_add(1);
         let mut header = NetlinkHeader::default();
         header.flags = NLM_F_REQUEST | NLM_F_ACK | flags;
@@ -108,22 +90,24 @@ impl Rtnl {
                     e.kind(),
                     io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
                 ) {
-                    RtnlError::Other(format!("no answer from the kernel to {what}"))
+                    NetlinkError::Timeout {
+                        what: what.to_string(),
+                    }
                 } else {
-                    RtnlError::Io(e)
+                    NetlinkError::Io(e)
                 }
             })?;
             let mut at = 0;
             while at < n {
                 let m = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&self.buf[at..n])
-                    .map_err(|e| RtnlError::Other(format!("a malformed netlink answer: {e}")))?;
+                    .map_err(|e| NetlinkError::Other(format!("a malformed netlink answer: {e}")))?;
                 let len = m.header.length as usize;
                 if m.header.sequence_number == self.seq
                     && let NetlinkPayload::Error(e) = m.payload
                 {
                     return match e.code {
                         None => Ok(()),
-                        Some(code) => Err(RtnlError::Refused {
+                        Some(code) => Err(NetlinkError::Refused {
                             what: what.to_string(),
                             source: io::Error::from_raw_os_error(-code.get()),
                         }),
@@ -143,7 +127,7 @@ impl Rtnl {
         name: &str,
         peer: &str,
         peer_ns: BorrowedFd<'_>,
-    ) -> Result<(), RtnlError> {
+    ) -> Result<(), NetlinkError> {
         let mut p = LinkMessage::default();
         p.attributes.push(LinkAttribute::IfName(peer.to_string()));
         p.attributes
@@ -162,7 +146,7 @@ impl Rtnl {
     }
 
     /// Brings link `index` up.
-    pub fn set_up(&mut self, index: u32) -> Result<(), RtnlError> {
+    pub fn set_up(&mut self, index: u32) -> Result<(), NetlinkError> {
         let mut m = LinkMessage::default();
         m.header.index = index;
         m.header.flags = LinkFlags::Up;
@@ -175,7 +159,12 @@ impl Rtnl {
     }
 
     /// Adds `ip/prefix` to link `index`.
-    pub fn add_address(&mut self, index: u32, ip: Ipv4Addr, prefix: u8) -> Result<(), RtnlError> {
+    pub fn add_address(
+        &mut self,
+        index: u32,
+        ip: Ipv4Addr,
+        prefix: u8,
+    ) -> Result<(), NetlinkError> {
         let mut m = AddressMessage::default();
         m.header.family = AddressFamily::Inet;
         m.header.prefix_len = prefix;
@@ -191,7 +180,7 @@ impl Rtnl {
     }
 
     /// The default route, via `gateway`.
-    pub fn add_default_route(&mut self, gateway: Ipv4Addr) -> Result<(), RtnlError> {
+    pub fn add_default_route(&mut self, gateway: Ipv4Addr) -> Result<(), NetlinkError> {
         let mut m = RouteMessage::default();
         m.header.address_family = AddressFamily::Inet;
         m.header.table = RouteHeader::RT_TABLE_MAIN;
@@ -208,7 +197,7 @@ impl Rtnl {
     }
 
     /// Deletes link `name` (its veth peer goes with it).
-    pub fn delete_link(&mut self, name: &str) -> Result<(), RtnlError> {
+    pub fn delete_link(&mut self, name: &str) -> Result<(), NetlinkError> {
         let mut m = LinkMessage::default();
         m.attributes.push(LinkAttribute::IfName(name.to_string()));
         self.request(
@@ -220,11 +209,11 @@ impl Rtnl {
 }
 
 /// The index of interface `name` in the calling thread's namespace.
-pub fn index(name: &str) -> Result<u32, RtnlError> {
-    let c = CString::new(name).map_err(|_| RtnlError::Other(format!("bad name {name:?}")))?;
+pub fn index(name: &str) -> Result<u32, NetlinkError> {
+    let c = CString::new(name).map_err(|_| NetlinkError::Other(format!("bad name {name:?}")))?;
     // SAFETY: `c` is a NUL-terminated string that outlives the call.
     match unsafe { libc::if_nametoindex(c.as_ptr()) } {
-        0 => Err(RtnlError::Refused {
+        0 => Err(NetlinkError::Refused {
             what: format!("looking up interface {name}"),
             source: io::Error::last_os_error(),
         }),
@@ -232,76 +221,74 @@ pub fn index(name: &str) -> Result<u32, RtnlError> {
     }
 }
 
-fn check(r: libc::c_int, what: impl FnOnce() -> String) -> Result<(), RtnlError> {
+fn check(r: libc::c_int, what: impl FnOnce() -> String) -> Result<(), NetlinkError> {
     if r == 0 {
         Ok(())
     } else {
-        Err(RtnlError::Refused {
+        Err(NetlinkError::Refused {
             what: what(),
             source: io::Error::last_os_error(),
         })
     }
 }
 
-fn cpath(p: &Path) -> Result<CString, RtnlError> {
+fn cpath(p: &Path) -> Result<CString, NetlinkError> {
     CString::new(p.as_os_str().as_encoded_bytes())
-        .map_err(|_| RtnlError::Other(format!("bad path {}", p.display())))
+        .map_err(|_| NetlinkError::Other(format!("bad path {}", p.display())))
 }
 
-/// Makes `/run/netns` a shared mount point once, as iproute2 does, so that namespaces
+/// mount(2) with no data; `what` names it in an error.
+fn mount(
+    src: &std::ffi::CStr,
+    dst: &std::ffi::CStr,
+    flags: libc::c_ulong,
+    what: impl FnOnce() -> String,
+) -> Result<(), NetlinkError> {
+    // SAFETY: NUL-terminated strings that outlive the call; no data argument.
+    check(
+        unsafe {
+            libc::mount(
+                src.as_ptr(),
+                dst.as_ptr(),
+                c"none".as_ptr(),
+                flags,
+                std::ptr::null(),
+            )
+        },
+        what,
+    )
+}
+
+/// Makes `/run/netns` a shared mount point, as iproute2 does, so that namespaces
 /// bind-mounted there are seen from every mount namespace (an OCI runtime's included).
-fn netns_dir() -> Result<(), RtnlError> {
+/// Once per process: making it shared again is recursive over every namespace mounted
+/// under it, a cost per create that grew with the number of sandboxes.
+fn netns_dir() -> Result<(), NetlinkError> {
+    static SHARED: std::sync::Mutex<bool> = std::sync::Mutex::new(false);
+    let mut done = SHARED.lock().unwrap_or_else(|p| p.into_inner());
+    if *done {
+        return Ok(());
+    }
     let dir = Path::new(NETNS_DIR);
     std::fs::create_dir_all(dir)?;
     let c = cpath(dir)?;
-    let none = c"none";
-    // SAFETY: mount(2) with NUL-terminated strings that outlive the call.
-    let shared = unsafe {
-        libc::mount(
-            none.as_ptr(),
-            c.as_ptr(),
-            none.as_ptr(),
-            libc::MS_SHARED | libc::MS_REC,
-            std::ptr::null(),
-        )
-    };
-    if shared == 0 {
-        return Ok(());
+    let shared = libc::MS_SHARED | libc::MS_REC;
+    if mount(c"none", &c, shared, String::new).is_err() {
+        // Not a mount point yet: bind it onto itself first.
+        mount(&c, &c, libc::MS_BIND | libc::MS_REC, || {
+            format!("bind-mounting {NETNS_DIR}")
+        })?;
+        mount(c"none", &c, shared, || format!("making {NETNS_DIR} shared"))?;
     }
-    // Not a mount point yet: bind it onto itself first.
-    // SAFETY: as above.
-    check(
-        unsafe {
-            libc::mount(
-                c.as_ptr(),
-                c.as_ptr(),
-                none.as_ptr(),
-                libc::MS_BIND | libc::MS_REC,
-                std::ptr::null(),
-            )
-        },
-        || format!("bind-mounting {NETNS_DIR}"),
-    )?;
-    // SAFETY: as above.
-    check(
-        unsafe {
-            libc::mount(
-                none.as_ptr(),
-                c.as_ptr(),
-                none.as_ptr(),
-                libc::MS_SHARED | libc::MS_REC,
-                std::ptr::null(),
-            )
-        },
-        || format!("making {NETNS_DIR} shared"),
-    )
+    *done = true;
+    Ok(())
 }
 
 /// Creates the named network namespace `/run/netns/<name>` and returns it open. A thread
 /// of its own unshares into the new namespace and bind-mounts it on the file.
-pub fn create_netns(name: &str) -> Result<File, RtnlError> {
+pub fn create_netns(name: &str) -> Result<File, NetlinkError> {
     if name.is_empty() || name.contains('/') || name.starts_with('.') {
-        return Err(RtnlError::Other(format!("bad namespace name {name:?}")));
+        return Err(NetlinkError::Other(format!("bad namespace name {name:?}")));
     }
     netns_dir()?;
     let path = Path::new(NETNS_DIR).join(name);
@@ -309,60 +296,49 @@ pub fn create_netns(name: &str) -> Result<File, RtnlError> {
         .write(true)
         .create_new(true)
         .open(&path)
-        .map_err(|e| RtnlError::Refused {
+        .map_err(|e| NetlinkError::Refused {
             what: format!("creating {}", path.display()),
             source: e,
         })?;
     let p2 = path.clone();
     let made = std::thread::Builder::new()
         .name("dsec-netns".into())
-        .spawn(move || -> Result<(), RtnlError> {
+        .spawn(move || -> Result<(), NetlinkError> {
             // SAFETY: unshare on this thread only; it ends right after.
             check(unsafe { libc::unshare(libc::CLONE_NEWNET) }, || {
                 "unsharing a network namespace".into()
             })?;
-            let src = c"/proc/thread-self/ns/net";
             let dst = cpath(&p2)?;
-            // SAFETY: mount(2) with NUL-terminated strings that outlive the call.
-            check(
-                unsafe {
-                    libc::mount(
-                        src.as_ptr(),
-                        dst.as_ptr(),
-                        c"none".as_ptr(),
-                        libc::MS_BIND,
-                        std::ptr::null(),
-                    )
-                },
-                || format!("bind-mounting the namespace on {}", p2.display()),
-            )
+            mount(c"/proc/thread-self/ns/net", &dst, libc::MS_BIND, || {
+                format!("bind-mounting the namespace on {}", p2.display())
+            })
         })
-        .map_err(RtnlError::Io)?
+        .map_err(NetlinkError::Io)?
         .join()
-        .map_err(|_| RtnlError::Other("the namespace thread panicked".into()))
+        .map_err(|_| NetlinkError::Other("the namespace thread panicked".into()))
         .and_then(|r| r);
     if let Err(e) = made {
         let _ = std::fs::remove_file(&path);
         return Err(e);
     }
-    File::open(&path).map_err(RtnlError::Io)
+    File::open(&path).map_err(NetlinkError::Io)
 }
 
 /// Deletes the named network namespace (as `ip netns del`): unmounts and removes its
 /// file. The kernel tears the namespace and its interfaces down once nothing uses it.
-pub fn delete_netns(name: &str) -> Result<(), RtnlError> {
+pub fn delete_netns(name: &str) -> Result<(), NetlinkError> {
     let path = Path::new(NETNS_DIR).join(name);
     let c = cpath(&path)?;
     // SAFETY: umount2 with a NUL-terminated path that outlives the call.
     let _ = unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
-    std::fs::remove_file(&path).map_err(RtnlError::Io)
+    std::fs::remove_file(&path).map_err(NetlinkError::Io)
 }
 
 /// Runs `f` on a thread that has joined the namespace `ns` (it ends with `f`).
 pub fn in_netns<T: Send + 'static>(
     ns: &File,
-    f: impl FnOnce() -> Result<T, RtnlError> + Send + 'static,
-) -> Result<T, RtnlError> {
+    f: impl FnOnce() -> Result<T, NetlinkError> + Send + 'static,
+) -> Result<T, NetlinkError> {
     let ns = ns.try_clone()?;
     std::thread::Builder::new()
         .name("dsec-netns".into())
@@ -374,7 +350,7 @@ pub fn in_netns<T: Send + 'static>(
             )?;
             f()
         })
-        .map_err(RtnlError::Io)?
+        .map_err(NetlinkError::Io)?
         .join()
-        .map_err(|_| RtnlError::Other("the namespace thread panicked".into()))?
+        .map_err(|_| NetlinkError::Other("the namespace thread panicked".into()))?
 }

@@ -10,7 +10,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use dsec_common::ApiError;
 use dsec_common::api::BackendStatus;
@@ -43,11 +43,12 @@ const INIT_PID: &str = "init.pid";
 /// Whether process `pid` is alive and in sandbox `id`'s cgroup (`/proc/<pid>/cgroup`
 /// names it in every hierarchy the process is in).
 fn init_in_cgroup(pid: i32, id: &str) -> bool {
-    let want = crate::cgroup::sandbox_cgroup_path(id);
+    let want = cgroup::sandbox_cgroup_path(id);
+    let below = format!("{want}/");
     std::fs::read_to_string(format!("/proc/{pid}/cgroup")).is_ok_and(|t| {
         t.lines()
             .filter_map(|l| l.rsplit(':').next())
-            .any(|path| path == want || path.starts_with(&format!("{want}/")))
+            .any(|path| path == want || path.starts_with(&below))
     })
 }
 
@@ -329,43 +330,21 @@ impl Backend for ContainerBackend {
     }
 
     fn destroy(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError> {
-        let id = cid(rec);
-        let rel = cgroup::sandbox_cgroup_path(&rec.id);
-        if let Some(pid) = read_pid(&paths.dir.join(INIT_PID)) {
-            // Known init: everything in the cgroup is killed here (thawed first; the
-            // cgroup goes once its processes have), and the runtime is asked once, to
-            // forget the container. A stop of thousands then costs one runtime process
-            // each, not a loop of state queries.
-            cgroup::empty_and_remove(self.mode, &rel, Duration::from_secs(10));
-            if init_in_cgroup(pid, &rec.id) {
-                tracing::warn!(sandbox = %rec.id, pid, "the container's init outlived its cgroup's SIGKILL");
-            }
-            if let Ok(rt) = self.rt()
-                && let Err(e) = rt.delete_force(&id)
-            {
-                tracing::debug!(sandbox = %rec.id, "{e}");
-            }
-        } else if let Ok(rt) = self.rt()
-            && let Some(state) = rt.state(&id)
+        // Every process of the container is in the sandbox's cgroup: killed here (thawed
+        // first; the cgroup goes once they have), whatever the runtime knows of them, also
+        // when it lost the container's state. Then the runtime is asked once to forget the
+        // container: a stop of thousands costs one runtime process each.
+        cgroup::empty_and_remove(
+            self.mode,
+            &cgroup::sandbox_cgroup_path(&rec.id),
+            Duration::from_secs(10),
+        );
+        if let Ok(rt) = self.rt()
+            && let Err(e) = rt.delete_force(&cid(rec))
         {
-            // A frozen container cannot die; thaw it first.
-            if state == "paused" {
-                let _ = rt.resume(&id);
-            }
-            let _ = rt.kill_all(&id);
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while matches!(rt.state(&id).as_deref(), Some("running" | "paused"))
-                && Instant::now() < deadline
-            {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            if let Err(e) = rt.delete_force(&id) {
-                tracing::warn!(sandbox = %rec.id, "{e}");
-            }
+            // Also what a container that was never started answers.
+            tracing::debug!(sandbox = %rec.id, "{e}");
         }
-        // Whatever the runtime could not end (it failed, or lost the container's state)
-        // is killed through the sandbox's cgroup: nothing of it outlives a stop.
-        cgroup::empty_and_remove(self.mode, &rel, Duration::from_secs(10));
         let dir = &paths.dir;
         let mut problems = Vec::new();
         for m in [dir.join("rootfs"), dir.join("disk")] {

@@ -205,10 +205,6 @@ impl OciRuntime {
         v.get("status").and_then(|s| s.as_str()).map(str::to_string)
     }
 
-    pub fn kill_all(&self, cid: &str) -> Result<(), String> {
-        self.run_quiet(&["kill", "--all", cid, "KILL"]).map(|_| ())
-    }
-
     pub fn delete_force(&self, cid: &str) -> Result<(), String> {
         self.run_quiet(&["delete", "--force", cid]).map(|_| ())
     }

@@ -214,6 +214,16 @@ mod tests {
         saved
     }
 
+    /// A seed named `name` in `dir`, its memory in `dir/ram`, its disk `dir/root.ext4`:
+    /// (seed, ram, disk, what `fc.json` says).
+    fn fixture(dir: &Path, name: &str) -> (PathBuf, PathBuf, PathBuf, SavedVm) {
+        let (seed, ram, disk) = (dir.join(name), dir.join("ram"), dir.join("root.ext4"));
+        std::fs::create_dir_all(&ram).unwrap();
+        std::fs::write(&disk, b"disk").unwrap();
+        let saved = make_seed(&seed, &ram, &disk);
+        (seed, ram, disk, saved)
+    }
+
     #[test]
     fn names_and_places() {
         let ram = Path::new("/dev/shm/dsec-vm");
@@ -234,14 +244,7 @@ mod tests {
     #[test]
     fn a_saved_vm_validates_only_against_its_own_firecracker() {
         let d = tempfile::tempdir().unwrap();
-        let (seed, ram, disk) = (
-            d.path().join("seed"),
-            d.path().join("ram"),
-            d.path().join("root.ext4"),
-        );
-        std::fs::create_dir_all(&ram).unwrap();
-        std::fs::write(&disk, b"disk").unwrap();
-        let saved = make_seed(&seed, &ram, &disk);
+        let (seed, _, _, saved) = fixture(d.path(), "seed");
         assert_eq!(validate(&seed, &fc(Version::new(1, 16, 1))).unwrap(), saved);
 
         let e = validate(&seed, &fc(Version::new(1, 17, 0))).unwrap_err();
@@ -277,14 +280,7 @@ mod tests {
     #[test]
     fn discard_removes_the_memory_outside_the_seed_only() {
         let d = tempfile::tempdir().unwrap();
-        let (seed, ram, disk) = (
-            d.path().join("seed"),
-            d.path().join("ram"),
-            d.path().join("root.ext4"),
-        );
-        std::fs::create_dir_all(&ram).unwrap();
-        std::fs::write(&disk, b"disk").unwrap();
-        let saved = make_seed(&seed, &ram, &disk);
+        let (seed, ram, disk, saved) = fixture(d.path(), "seed");
         // A copy's base link to the same memory survives the discard.
         let base = base_mem(&ram, "local-copy");
         std::fs::hard_link(&saved.mem, &base).unwrap();
@@ -312,14 +308,7 @@ mod tests {
     #[test]
     fn memory_named_relative_to_its_directory_moves_with_it() {
         let d = tempfile::tempdir().unwrap();
-        let (part, ram, disk) = (
-            d.path().join(".snap.part"),
-            d.path().join("ram"),
-            d.path().join("root.ext4"),
-        );
-        std::fs::create_dir_all(&ram).unwrap();
-        std::fs::write(&disk, b"disk").unwrap();
-        let saved = make_seed(&part, &ram, &disk);
+        let (part, _, _, saved) = fixture(d.path(), ".snap.part");
         // Kept: the memory comes into the directory under a relative name, and the
         // directory is then renamed into place.
         std::fs::rename(&saved.mem, part.join(MEM)).unwrap();
