@@ -9,7 +9,9 @@ anything left.
     python3 bench/density.py -n 3000 -c 16
 
 Prints creates/s of the first and the last 500 (the cost of a create as the node fills:
-the ratio should stay near 1), where the server's side of those creates went (its
+the ratio should stay near 1) next to the floor measured in the same run: a plain
+`<runtime> run /bin/true` on an overlay of the same image, sequential, on the empty node
+and with all N running (what the kernel's own cost of one more container becomes), where the server's side of those creates went (its
 `phases=` log lines), node memory per sandbox, exec latency with all running, the time
 until the API answers after the restart, the time `dsec down` took, and what was left.
 JSON goes to bench/results/.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import statistics
@@ -31,6 +34,7 @@ import httpx
 
 from benchlib import DSEC, credentials, pct, run, server_up, store_of, write_result  # noqa: E402 (puts the SDK on the path)
 from opendsec import DSecClient, DSecRunArgs  # noqa: E402
+from create_latency import bench_oci  # noqa: E402
 
 
 def mem_available_mib() -> float:
@@ -68,10 +72,28 @@ def mean_phases(per: dict[str, dict[str, float]], ids: list[str]) -> dict[str, f
     return {k: round(statistics.mean(v), 2) for k, v in steps.items()}
 
 
-def host_leftovers() -> dict[str, int]:
+def host_mounts() -> int:
+    """Entries in the host's mount table (every new mount namespace copies them)."""
+    return len(Path("/proc/self/mountinfo").read_text().splitlines())
+
+
+def mountns_holders() -> list[int]:
+    """Processes holding a sandboxes' mount namespace (`dsec-mountns`)."""
+    pids = []
+    for p in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if p.read_bytes().startswith(b"dsec-mountns\0"):
+                pids.append(int(p.parent.name))
+        except OSError:
+            pass
+    return pids
+
+
+def host_leftovers(data: Path) -> dict[str, int]:
     """What sandboxes leave on a host, counted: network namespaces, node-side interfaces,
-    elements in the node's nftables sets, sandbox cgroups."""
-    ns = [p for p in Path("/run/netns").glob("dsec-*")] if Path("/run/netns").is_dir() else []
+    elements in the node's nftables sets, sandbox cgroups, mounts under the data directory
+    and holders of the sandboxes' mount namespace."""
+    ns = list(Path("/run/dsec/netns").glob("dsec-*"))
     ifaces = [p for p in Path("/sys/class/net").iterdir() if p.name.startswith("dsv")]
     elems = 0
     for s in ("c", "p", "x", "xp", "c1", "p1", "x1", "xp1"):
@@ -82,7 +104,10 @@ def host_leftovers() -> dict[str, int]:
         d = root / "dsec"
         if d.is_dir():
             cgroups += sum(1 for c in d.iterdir() if c.is_dir())
-    return {"netns": len(ns), "interfaces": len(ifaces), "nft_elements": elems, "cgroups": cgroups}
+    mounts = sum(1 for line in Path("/proc/self/mountinfo").read_text().splitlines()
+                 if line.split()[4].startswith(str(data) + "/"))
+    return {"netns": len(ns), "interfaces": len(ifaces), "nft_elements": elems, "cgroups": cgroups,
+            "mounts": mounts, "mountns_holders": len(mountns_holders())}
 
 
 async def create_all(client: DSecClient, n: int, c: int, memory_mb: int) -> tuple[list[str], list[float], list[float], int]:
@@ -172,6 +197,13 @@ def restart(data: Path, listen: str, store: Path, runtime: str) -> dict:
     return {"api_answers_s": round(api_s, 2) if api_s is not None else None, "up_returned_s": round(up_s, 2)}
 
 
+def floor_p50_ms(a: argparse.Namespace, store: Path) -> float:
+    """p50 of 20 sequential plain runtime runs of /bin/true on an overlay of root/base."""
+    m = json.loads(run([DSEC, "image", "inspect", "root/base:latest", "--store", str(store)]).stdout)["manifest"]
+    hybrid = Path("/sys/fs/cgroup/unified/cgroup.controllers").exists() and a.runtime.endswith("crun")
+    return bench_oci(a.runtime, [store / "layers" / l for l in m["layers"]], 20, 1, hybrid)["p50_ms"]
+
+
 async def main_async(a: argparse.Namespace) -> dict:
     data = Path(a.data_dir)
     store = store_of(data, a.image_store)
@@ -180,7 +212,9 @@ async def main_async(a: argparse.Namespace) -> dict:
                  "runtime": a.runtime, "host_cpus": os.cpu_count()}
     log = data / "dsec.log"
     since = log.stat().st_size if log.exists() else 0
+    floor0 = floor_p50_ms(a, store)
     mem0 = mem_available_mib()
+    mounts0 = host_mounts()
     print(f"creating {a.n} sandboxes ({a.memory_mb} MiB, one CIDR rule each), {a.c} at a time", flush=True)
     async with DSecClient(api_url=url, api_key=key, timeout=300) as client:
         t0 = time.perf_counter()
@@ -198,6 +232,11 @@ async def main_async(a: argparse.Namespace) -> dict:
             "phases_first_ms": mean_phases(per, ids[:w]), "phases_last_ms": mean_phases(per, ids[-w:]),
         }
         out["node_memory_per_sandbox_mib"] = round((mem0 - mem1) / max(len(ids), 1), 2)
+        out["host_mount_table"] = {"before": mounts0, "all_running": host_mounts()}
+        print(f"  the floor again with all {len(ids)} running", flush=True)
+        floor1 = floor_p50_ms(a, store)
+        out["floor_runtime_run_p50_ms"] = {"empty": floor0, "all_running": floor1,
+                                           "full_over_empty": round(floor1 / floor0, 2)}
         print(f"  exec in each of the {len(ids)}", flush=True)
         elat, bad = await exec_all(client, ids, a.c)
         out["exec_all_running"] = {"p50_ms": round(pct(elat, 50) * 1000, 2) if elat else None,
@@ -214,7 +253,7 @@ async def main_async(a: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     run([DSEC, "down", "--data-dir", str(data)], timeout=3600)
     out["stop_all_s"] = round(time.perf_counter() - t0, 1)
-    out["left_on_host"] = host_leftovers()
+    out["left_on_host"] = host_leftovers(data)
     return out
 
 
@@ -234,12 +273,17 @@ def main() -> None:
     print(f"creates/s, first {c['window']}: {c['first_per_s']}; last {c['window']}: {c['last_per_s']} "
           f"(last/first {c['last_over_first']})")
     print(f"create p50 {c['p50_ms']} ms, p99 {c['p99_ms']} ms")
+    f = out["floor_runtime_run_p50_ms"]
+    print(f"floor, plain `{a.runtime} run` p50: {f['empty']} ms on the empty node, {f['all_running']} ms "
+          f"with all running (x{f['full_over_empty']})")
     steps = sorted(set(c["phases_first_ms"]) | set(c["phases_last_ms"]))
     if steps:
         print(f"\nthe server's side of a create (mean ms):\n{'':10} {'first':>8} {'last':>8}")
         for k in steps:
             print(f"{k:10} {c['phases_first_ms'].get(k, 0):8.2f} {c['phases_last_ms'].get(k, 0):8.2f}")
     print(f"\nnode memory per sandbox: {out['node_memory_per_sandbox_mib']} MiB")
+    m = out["host_mount_table"]
+    print(f"host mount table: {m['before']} entries before, {m['all_running']} with all running")
     e = out["exec_all_running"]
     print(f"exec with all running: p50 {e['p50_ms']} ms, p99 {e['p99_ms']} ms, wrong answers {e['wrong']}")
     r = out["restart"]

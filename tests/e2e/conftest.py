@@ -21,6 +21,9 @@ DATA = Path(os.environ.get("DSEC_TEST_DIR", "/var/tmp/dsec-test"))
 LISTEN = os.environ.get("DSEC_TEST_LISTEN", "127.0.0.1:7611")
 
 sys.path.insert(0, str(ROOT / "sdk/python"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import hostclean  # noqa: E402
 
 from opendsec import DSecClient  # noqa: E402
 
@@ -54,10 +57,11 @@ def leftovers(sandbox_id: str | None = None) -> list[str]:
     """Everything a sandbox (or any, with None) could leave on the host."""
     pat = sandbox_id or "*"
     out: list[str] = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        mp = line.split()[4]
-        if mp.startswith(str(DATA / "edge/sandboxes")) and (sandbox_id is None or sandbox_id in mp):
-            out.append(f"mount {mp}")
+    # Sandboxes mount in a namespace of their own; the host's is checked too.
+    for pid in ["self", *hostclean.mountns_holders(DATA)]:
+        for mp in hostclean.mounts_under(DATA / "edge/sandboxes", pid):
+            if sandbox_id is None or sandbox_id in mp:
+                out.append(f"mount {mp}" + ("" if pid == "self" else " (sandboxes' namespace)"))
     cg = glob.glob(f"/sys/fs/cgroup/*/dsec/{pat}") + glob.glob(f"/sys/fs/cgroup/dsec/{pat}")
     out += [f"cgroup {p}" for p in cg if os.path.isdir(p)]
     out += [f"dir {p}" for p in glob.glob(str(DATA / "edge/sandboxes" / pat))]
@@ -121,6 +125,7 @@ def server():
     left = leftovers()
     assert not left, f"left behind after the session: {left}"
     assert not aether_processes(), "sandbox processes outlived the server"
+    assert not hostclean.mountns_holders(DATA), "the sandboxes' mount namespace outlived the server"
 
 
 @pytest.fixture

@@ -12,10 +12,28 @@ import time
 from pathlib import Path
 
 
-def mounts_under(root: Path) -> list[str]:
-    """Mount points at or below `root`."""
+def mountns_holders(base: Path) -> list[int]:
+    """Live holders of the sandboxes' mount namespace of edges whose state is under `base`
+    (the process named `dsec-mountns` each names in its `mountns.pid`)."""
+    pids = []
+    for f in glob.glob(f"{base}/**/mountns.pid", recursive=True):
+        try:
+            pid = int(Path(f).read_text().split()[0])
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"dsec-mountns\0"):
+                pids.append(pid)
+        except (OSError, ValueError, IndexError):
+            pass
+    return pids
+
+
+def mounts_under(root: Path, pid: int | str = "self") -> list[str]:
+    """Mount points at or below `root`, in the mount namespace of process `pid`."""
     out = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+    try:
+        text = Path(f"/proc/{pid}/mountinfo").read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
         mp = line.split()[4].encode().decode("unicode_escape")  # \040 etc.
         if mp == str(root) or mp.startswith(str(root) + "/"):
             out.append(mp)
@@ -81,4 +99,12 @@ def sweep(namespaces: list[str], cgroups: list[str], base: Path) -> list[str]:
     for mp in sorted(mounts_under(base), key=len, reverse=True):
         found.append(f"mount {mp}")
         subprocess.run(["umount", "-l", mp], capture_output=True, check=False)
+    # The sandboxes' mounts are in their own namespace, gone with its holder.
+    for pid in mountns_holders(base):
+        found += [f"mount {mp} (sandboxes' namespace)" for mp in mounts_under(base, pid)]
+        found.append(f"mount namespace holder {pid}")
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     return found

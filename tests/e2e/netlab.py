@@ -128,9 +128,15 @@ def lab_namespaces() -> list[str]:
     return [ns for ns in _netns_list() if ns in NAMESPACES]
 
 
+SANDBOX_NETNS = Path("/run/dsec/netns")
+
+
 def sandbox_namespaces() -> list[str]:
-    """Namespaces of the lab node's sandboxes (`dsec-netlab-<k>`)."""
-    return [ns for ns in _netns_list() if ns.startswith(f"dsec-{NODE_NAME}-")]
+    """Namespaces of the lab node's sandboxes (`dsec-netlab-<k>`): files in /run/dsec/netns
+    (their pins are mounted in the sandboxes' mount namespace, not the host's)."""
+    if not SANDBOX_NETNS.is_dir():
+        return []
+    return sorted(p.name for p in SANDBOX_NETNS.glob(f"dsec-{NODE_NAME}-*"))
 
 
 def _sandbox_cgroups() -> list[str]:
@@ -145,7 +151,7 @@ def sweep_host() -> list[str]:
     found = hostclean.sweep(lab_namespaces(), _sandbox_cgroups(), BASE)
     for ns in sandbox_namespaces():
         found.append(f"sandbox namespace {ns}")
-        _run("ip", "netns", "del", ns, check=False)
+        (SANDBOX_NETNS / ns).unlink(missing_ok=True)
     for ns in lab_namespaces():
         _run("ip", "netns", "del", ns, check=False)
     if Path(f"/sys/class/net/{ROOT_VETH}").exists():

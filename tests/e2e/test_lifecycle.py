@@ -226,3 +226,28 @@ async def test_container_snapshot_keeps_files_for_later(client):
         for r in restored:
             await r.stop()
         await sb.stop()
+
+
+async def test_a_sandbox_whose_init_dies_is_stopped_and_cleaned_up(client):
+    """The kernel tells the server (a pidfd per container init) when a sandbox's PID 1
+    exits, also for a sandbox adopted after a restart: it is stopped and leaves nothing."""
+
+    async def stopped_after_init_killed(c: DSecClient, sid: str) -> bool:
+        init = int((DATA / f"edge/sandboxes/{sid}/init.pid").read_text())
+        os.kill(init, signal.SIGKILL)
+        for _ in range(100):
+            if sid not in [s.id for s in await c.list_sandboxes()]:
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
+    sb = await client.run_sandbox(DSecRunArgs(image="root/base"))
+    kept = await client.run_sandbox(DSecRunArgs(image="root/base"))
+    assert await stopped_after_init_killed(client, sb.id), "a dead sandbox is still listed"
+    assert wait_for(lambda: leftovers(sb.id) == [], 10), leftovers(sb.id)
+    server_down("--keep-sandboxes")
+    server_up()
+    async with DSecClient() as c2:
+        assert (await c2.get_sandbox(kept.id)).info.state == "running"
+        assert await stopped_after_init_killed(c2, kept.id), "a dead adopted sandbox is still listed"
+    assert wait_for(lambda: leftovers(kept.id) == [], 10), leftovers(kept.id)

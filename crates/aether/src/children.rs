@@ -59,11 +59,13 @@ pub fn start_reaper(table: Arc<Table>) {
                 // living descendant) until one is spawned. Wait for that, not in a sleep
                 // loop: a thousand idle sandboxes would otherwise wake the node 50 000
                 // times a second. Checked again under the lock spawners hold from fork to
-                // registration, so no spawn is missed; a child started outside the table
-                // is seen within a second.
+                // registration, so no spawn is missed. Only a process that entered the
+                // sandbox from outside (`crun exec`) can leave us an orphan without a
+                // spawn of ours; its zombie is reaped at the next spawn or within a minute
+                // (a shorter bound woke every idle sandbox on the node once a second).
                 let g = table.lock();
                 if childless() {
-                    let _ = table.spawned.wait_timeout(g, Duration::from_secs(1));
+                    let _ = table.spawned.wait_timeout(g, Duration::from_secs(60));
                 }
                 continue;
             }

@@ -8,7 +8,9 @@ pub mod cgroup;
 pub mod channel;
 mod commit;
 pub mod config;
+mod deaths;
 pub mod host;
+pub mod mountns;
 pub mod net;
 pub mod registry;
 pub mod runtime;
@@ -89,6 +91,10 @@ pub struct Edge {
     /// The other edges of the cluster; unset on a single machine.
     peers: std::sync::OnceLock<Arc<dyn transfer::Peers>>,
     snapshot_locks: snapshots::Locks,
+    /// Sandboxes whose first process the kernel watches (the others' agents are polled),
+    /// and where their deaths arrive until the reaper takes them.
+    deaths: Option<Arc<deaths::Deaths>>,
+    died: Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<String>>>,
 }
 
 /// Runs an operation that changes a sandbox as a task of its own, so it ends in a
@@ -268,6 +274,15 @@ impl Edge {
         } else {
             (None, Vec::new())
         };
+        // Late in the start, so that a start that fails (the network's ports taken) leaves
+        // no holder behind.
+        mountns::init(&cfg.state_dir).map_err(ApiError::internal)?;
+        let (died_tx, died_rx) = tokio::sync::mpsc::unbounded_channel();
+        let deaths = deaths::Deaths::start(died_tx)
+            .inspect_err(|e| {
+                tracing::warn!("cannot watch sandbox processes ({e}); their agents are polled")
+            })
+            .ok();
         let edge = Arc::new(Edge {
             cfg,
             images,
@@ -284,6 +299,8 @@ impl Edge {
             offers: transfer::Offers::default(),
             peers: std::sync::OnceLock::new(),
             snapshot_locks: snapshots::Locks::default(),
+            deaths,
+            died: Mutex::new(Some(died_rx)),
         });
         let e2 = edge.clone();
         blocking(move || e2.adopt()).await?;
@@ -372,6 +389,15 @@ impl Edge {
     }
 
     fn insert(&self, rec: SandboxRecord) -> Arc<Entry> {
+        if let Some(d) = &self.deaths
+            && let Some(pid) = self
+                .backends
+                .get(rec.backend.as_str())
+                .and_then(|b| b.main_pid(&rec))
+            && let Err(e) = d.watch(&rec.id, pid)
+        {
+            tracing::warn!(sandbox = %rec.id, "cannot watch its process ({e}); its agent is polled");
+        }
         let e = Arc::new(Entry {
             rec: Mutex::new(rec.clone()),
             op: tokio::sync::Mutex::new(()),
@@ -1057,6 +1083,9 @@ impl Edge {
     pub async fn stop(self: &Arc<Self>, id: &str) -> Result<(), ApiError> {
         let e = self.entry(id)?;
         let _g = e.op.lock().await;
+        if let Some(d) = &self.deaths {
+            d.unwatch(id);
+        }
         let rec = e.update(|r| {
             r.state = SandboxState::Stopping;
             r.clone()
@@ -1127,19 +1156,40 @@ impl Edge {
     /// whose agent has gone.
     pub async fn reap_once(self: &Arc<Self>, check_alive: bool) {
         let now = now_ms();
-        // A sandbox in the middle of an operation (a pause, a fork) is not judged: its
-        // agent may be stopped on purpose.
-        let entries: Vec<(String, SandboxRecord, bool)> = {
+        // Read in place under the lock (no record is copied): this runs twice a second
+        // over every sandbox on the node. Only a running sandbox's time runs (a preempted
+        // job resumes later); one in the middle of an operation (a pause, a fork) is not
+        // judged dead: its agent may be stopped on purpose. A sandbox the kernel watches
+        // for its death (`deaths.rs`) is not polled.
+        let mut due: Vec<(String, &'static str)> = Vec::new();
+        let mut polled: Vec<(String, String)> = Vec::new();
+        {
             let map = self.sandboxes.lock().unwrap_or_else(|p| p.into_inner());
-            map.iter()
-                .map(|(k, e)| (k.clone(), e.snapshot(), e.op.try_lock().is_err()))
-                .collect()
-        };
+            for (id, e) in map.iter() {
+                let r = e.rec.lock().unwrap_or_else(|p| p.into_inner());
+                if r.state != SandboxState::Running {
+                    continue;
+                }
+                if now >= r.expires_at_ms {
+                    due.push((id.clone(), "ttl expired"));
+                } else if r
+                    .idle_timeout_seconds
+                    .is_some_and(|s| now >= r.last_activity_ms + s * 1000)
+                {
+                    due.push((id.clone(), "idle timeout"));
+                } else if check_alive
+                    && e.op.try_lock().is_ok()
+                    && !self.deaths.as_ref().is_some_and(|d| d.watching(id))
+                {
+                    polled.push((id.clone(), r.backend.clone()));
+                }
+            }
+        }
         if check_alive {
-            let work: Vec<(Arc<dyn Backend>, SandboxPaths)> = entries
+            let work: Vec<(Arc<dyn Backend>, SandboxPaths)> = polled
                 .iter()
-                .filter(|(_, r, _)| r.backend != "container")
-                .filter_map(|(id, r, _)| Some((self.backend(&r.backend).ok()?, self.paths(id))))
+                .filter(|(_, b)| b != "container")
+                .filter_map(|(id, b)| Some((self.backend(b).ok()?, self.paths(id))))
                 .collect();
             if !work.is_empty() {
                 let _ = blocking(move || {
@@ -1149,40 +1199,56 @@ impl Edge {
                 })
                 .await;
             }
+            for (id, _) in polled {
+                if !agent_alive(&self.paths(&id).channel) {
+                    due.push((id, "sandbox died"));
+                }
+            }
         }
-        for (id, rec, busy) in entries {
-            // A paused sandbox's time does not run (a preempted job resumes later).
-            if rec.state != SandboxState::Running {
-                continue;
-            }
-            let expired = now >= rec.expires_at_ms;
-            let idle = rec
-                .idle_timeout_seconds
-                .is_some_and(|s| now >= rec.last_activity_ms + s * 1000);
-            let dead =
-                check_alive && !busy && !expired && !idle && !agent_alive(&self.paths(&id).channel);
-            if expired || idle || dead {
-                let why = if expired {
-                    "ttl expired"
-                } else if idle {
-                    "idle timeout"
-                } else {
-                    "sandbox died"
-                };
-                tracing::info!(sandbox = %id, "{why}; stopping");
-                let edge = self.clone();
-                tokio::spawn(async move {
-                    if let Err(e) = edge.stop(&id).await {
-                        tracing::warn!(sandbox = %id, "stopping: {}", e.message);
-                    }
-                });
-            }
+        for (id, why) in due {
+            tracing::info!(sandbox = %id, "{why}; stopping");
+            let edge = self.clone();
+            tokio::spawn(async move {
+                if let Err(e) = edge.stop(&id).await {
+                    tracing::warn!(sandbox = %id, "stopping: {}", e.message);
+                }
+            });
         }
     }
 
-    /// Runs the TTL reaper until the process ends.
+    /// A watched sandbox's first process exited: it is stopped once no operation holds it
+    /// (a pause or a fork may be under way), if it is still running by then.
+    async fn on_death(self: &Arc<Self>, id: String) {
+        loop {
+            let Ok(e) = self.entry(&id) else { return };
+            if e.op.try_lock().is_err() {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+            if e.snapshot().state != SandboxState::Running {
+                return;
+            }
+            tracing::info!(sandbox = %id, "sandbox died; stopping");
+            if let Err(e) = self.stop(&id).await {
+                tracing::warn!(sandbox = %id, "stopping: {}", e.message);
+            }
+            return;
+        }
+    }
+
+    /// Runs the TTL reaper, and stops sandboxes as they die, until the process ends.
     pub fn spawn_reaper(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
         let edge = self.clone();
+        let died = self.died.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(mut died) = died {
+            let edge = self.clone();
+            tokio::spawn(async move {
+                while let Some(id) = died.recv().await {
+                    let edge = edge.clone();
+                    tokio::spawn(async move { edge.on_death(id).await });
+                }
+            });
+        }
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(500));
             for n in 0u64.. {
@@ -1222,6 +1288,9 @@ impl Edge {
             cgroup::remove_parents(self.mode);
             if let Some(n) = self.net.clone() {
                 let _ = blocking(move || n.shutdown()).await;
+            }
+            if let Ok(ns) = mountns::get() {
+                ns.stop();
             }
             for t in &self.dns {
                 t.abort();

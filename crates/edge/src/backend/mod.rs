@@ -154,6 +154,11 @@ pub trait Backend: Send + Sync {
     fn destroy(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError>;
     /// OOM kills counted for the sandbox so far.
     fn oom_kills(&self, rec: &SandboxRecord) -> u64;
+    /// The sandbox's first process on the host, whose exit is the sandbox's death (watched
+    /// by [`crate::deaths`]); None where the agent is polled instead.
+    fn main_pid(&self, _rec: &SandboxRecord) -> Option<i32> {
+        None
+    }
     /// Periodic upkeep of a running sandbox's files on the host (a VM's console log is
     /// kept under its cap).
     fn housekeeping(&self, _paths: &SandboxPaths) {}

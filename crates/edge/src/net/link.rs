@@ -1,12 +1,12 @@
 //! A sandbox's network namespace and veth pair, made in-process over rtnetlink
-//! ([`super::rtnl`]): the namespace `dsec-<id>` (at `/run/netns/dsec-<id>`, which the OCI
-//! runtime joins), `eth0` inside with the sandbox's address and a default route, `dsv<k>`
+//! ([`super::rtnl`]): the namespace `dsec-<id>` (pinned at `/run/dsec/netns/dsec-<id>` in the
+//! sandboxes' mount namespace; the OCI runtime joins it at [`netns_path`]), `eth0` inside with the sandbox's address and a default route, `dsv<k>`
 //! on the node with the gateway address, and the namespace's own DNS guard
 //! ([`super::guard`]). Each sandbox has a /30 of the pool.
 
 use std::net::Ipv4Addr;
 use std::os::fd::AsFd;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use super::netlink::NetlinkError;
@@ -46,8 +46,9 @@ pub fn netns_name(id: &str) -> String {
     format!("dsec-{id}")
 }
 
-pub fn netns_path(id: &str) -> PathBuf {
-    PathBuf::from("/run/netns").join(netns_name(id))
+/// Where the host opens sandbox `id`'s network namespace.
+pub fn netns_path(id: &str) -> Result<PathBuf, String> {
+    rtnl::netns_path(&netns_name(id)).map_err(|e| e.to_string())
 }
 
 pub fn host_iface(k: &str) -> String {
@@ -86,7 +87,7 @@ pub fn create(id: &str, k: &str, slot: &Slot) -> Result<(), String> {
 /// namespace takes the pair with it (the kernel tears it down once nothing uses it), which
 /// spares the slow synchronous link delete on the node side.
 pub fn remove(id: &str, k: &str) {
-    if netns_path(id).exists() {
+    if Path::new(rtnl::NETNS_DIR).join(netns_name(id)).exists() {
         if let Err(e) = rtnl::delete_netns(&netns_name(id)) {
             tracing::warn!(sandbox = %id, "removing its network namespace: {e}");
         }
@@ -95,9 +96,9 @@ pub fn remove(id: &str, k: &str) {
     }
 }
 
-/// Namespaces `dsec-<id>` present on the node (from `/run/netns`).
+/// Namespaces `dsec-<id>` present on the node (from [`rtnl::NETNS_DIR`]).
 pub fn namespaces() -> Vec<String> {
-    std::fs::read_dir("/run/netns")
+    std::fs::read_dir(rtnl::NETNS_DIR)
         .map(|d| {
             d.filter_map(|e| e.ok())
                 .filter_map(|e| {

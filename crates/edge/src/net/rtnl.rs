@@ -1,8 +1,9 @@
 //! Network namespaces, links, addresses and routes made in-process: rtnetlink messages
 //! (`netlink-packet-route`) on a netlink socket of the calling thread's namespace, and a
-//! named namespace made as `ip netns add` makes one (a file under `/run/netns` with the
-//! namespace bind-mounted on it). A sandbox's network costs a handful of messages to the
-//! kernel, no `ip` process.
+//! named namespace: a file under [`NETNS_DIR`] with the namespace bind-mounted on it in
+//! the sandboxes' mount namespace ([`crate::mountns`]), so that a node of thousands of
+//! sandboxes has no mount of theirs in its own table. A sandbox's network costs a
+//! handful of messages to the kernel, no `ip` process.
 
 use std::ffi::CString;
 use std::fs::File;
@@ -27,8 +28,9 @@ use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
 use super::netlink::NetlinkError;
 
-/// Where named network namespaces live (shared with iproute2).
-pub const NETNS_DIR: &str = "/run/netns";
+/// Where sandbox network namespaces are pinned (the mounts are in the sandboxes' mount
+/// namespace: the host sees empty files; [`netns_path`] is where it reaches them).
+pub const NETNS_DIR: &str = "/run/dsec/netns";
 
 /// A route netlink socket in the calling thread's network namespace.
 pub struct Rtnl {
@@ -259,38 +261,24 @@ fn mount(
     )
 }
 
-/// Makes `/run/netns` a shared mount point, as iproute2 does, so that namespaces
-/// bind-mounted there are seen from every mount namespace (an OCI runtime's included).
-/// Once per process: making it shared again is recursive over every namespace mounted
-/// under it, a cost per create that grew with the number of sandboxes.
-fn netns_dir() -> Result<(), NetlinkError> {
-    static SHARED: std::sync::Mutex<bool> = std::sync::Mutex::new(false);
-    let mut done = SHARED.lock().unwrap_or_else(|p| p.into_inner());
-    if *done {
-        return Ok(());
-    }
-    let dir = Path::new(NETNS_DIR);
-    std::fs::create_dir_all(dir)?;
-    let c = cpath(dir)?;
-    let shared = libc::MS_SHARED | libc::MS_REC;
-    if mount(c"none", &c, shared, String::new).is_err() {
-        // Not a mount point yet: bind it onto itself first.
-        mount(&c, &c, libc::MS_BIND | libc::MS_REC, || {
-            format!("bind-mounting {NETNS_DIR}")
-        })?;
-        mount(c"none", &c, shared, || format!("making {NETNS_DIR} shared"))?;
-    }
-    *done = true;
-    Ok(())
+fn sandboxes_ns() -> Result<&'static crate::mountns::MountNs, NetlinkError> {
+    crate::mountns::get().map_err(NetlinkError::Other)
 }
 
-/// Creates the named network namespace `/run/netns/<name>` and returns it open. A thread
-/// of its own unshares into the new namespace and bind-mounts it on the file.
+/// Where the host opens the named namespace `name`.
+pub fn netns_path(name: &str) -> Result<std::path::PathBuf, NetlinkError> {
+    Ok(sandboxes_ns()?.view(&Path::new(NETNS_DIR).join(name)))
+}
+
+/// Creates the named network namespace `name` and returns it open. A thread of its own,
+/// in the sandboxes' mount namespace, unshares into the new network namespace and
+/// bind-mounts it on its file.
 pub fn create_netns(name: &str) -> Result<File, NetlinkError> {
     if name.is_empty() || name.contains('/') || name.starts_with('.') {
         return Err(NetlinkError::Other(format!("bad namespace name {name:?}")));
     }
-    netns_dir()?;
+    let ns = sandboxes_ns()?;
+    std::fs::create_dir_all(NETNS_DIR)?;
     let path = Path::new(NETNS_DIR).join(name);
     std::fs::OpenOptions::new()
         .write(true)
@@ -300,28 +288,24 @@ pub fn create_netns(name: &str) -> Result<File, NetlinkError> {
             what: format!("creating {}", path.display()),
             source: e,
         })?;
-    let p2 = path.clone();
-    let made = std::thread::Builder::new()
-        .name("dsec-netns".into())
-        .spawn(move || -> Result<(), NetlinkError> {
+    let made = ns
+        .run(|| -> Result<File, NetlinkError> {
             // SAFETY: unshare on this thread only; it ends right after.
             check(unsafe { libc::unshare(libc::CLONE_NEWNET) }, || {
                 "unsharing a network namespace".into()
             })?;
-            let dst = cpath(&p2)?;
+            let dst = cpath(&path)?;
             mount(c"/proc/thread-self/ns/net", &dst, libc::MS_BIND, || {
-                format!("bind-mounting the namespace on {}", p2.display())
-            })
+                format!("bind-mounting the namespace on {}", path.display())
+            })?;
+            File::open(&path).map_err(NetlinkError::Io)
         })
-        .map_err(NetlinkError::Io)?
-        .join()
-        .map_err(|_| NetlinkError::Other("the namespace thread panicked".into()))
+        .map_err(NetlinkError::Other)
         .and_then(|r| r);
-    if let Err(e) = made {
+    if made.is_err() {
         let _ = std::fs::remove_file(&path);
-        return Err(e);
     }
-    File::open(&path).map_err(NetlinkError::Io)
+    made
 }
 
 /// Deletes the named network namespace (as `ip netns del`): unmounts and removes its
@@ -329,8 +313,12 @@ pub fn create_netns(name: &str) -> Result<File, NetlinkError> {
 pub fn delete_netns(name: &str) -> Result<(), NetlinkError> {
     let path = Path::new(NETNS_DIR).join(name);
     let c = cpath(&path)?;
-    // SAFETY: umount2 with a NUL-terminated path that outlives the call.
-    let _ = unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+    sandboxes_ns()?
+        .run(|| {
+            // SAFETY: umount2 with a NUL-terminated path that outlives the call.
+            let _ = unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        })
+        .map_err(NetlinkError::Other)?;
     std::fs::remove_file(&path).map_err(NetlinkError::Io)
 }
 

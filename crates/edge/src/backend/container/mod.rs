@@ -6,7 +6,7 @@ mod oci;
 mod rootfs;
 mod runtime;
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -173,19 +173,25 @@ impl ContainerBackend {
         let dir = &paths.dir;
         let disk = dir.join("disk");
         let rootfs = dir.join("rootfs");
-        rootfs::mount_disk(&disk, rec.limits.disk_mb)?;
-        if let Some(seed) = seed {
-            copy_tree(seed, &disk.join("upper")).map_err(|e| {
-                format!("copying the fork source's files (disk_limit_mb too small?): {e}")
-            })?;
-        }
         let lowers: Vec<PathBuf> = rec
             .layers
             .iter()
             .rev()
             .map(|l| self.images.layer_path(l))
             .collect();
-        rootfs::mount_overlay(&lowers, &disk, &rootfs)?;
+        let disk_mb = rec.limits.disk_mb;
+        // The disk and the overlay are made in the sandboxes' mount namespace; the overlay
+        // leaves it detached, for the runtime's call to attach (see `rootfs.rs`).
+        let root_fd = crate::mountns::get()?.run(|| -> Result<OwnedFd, String> {
+            rootfs::mount_disk(&disk, disk_mb)?;
+            if let Some(seed) = seed {
+                copy_tree(seed, &disk.join("upper")).map_err(|e| {
+                    format!("copying the fork source's files (disk_limit_mb too small?): {e}")
+                })?;
+            }
+            rootfs::mount_overlay(&lowers, &disk, &rootfs)?;
+            rootfs::detach(&rootfs)
+        })??;
         let hosts = dir.join("hosts");
         std::fs::write(
             &hosts,
@@ -197,7 +203,8 @@ impl ContainerBackend {
         let netns = rec
             .network
             .as_ref()
-            .map(|_| crate::net::link::netns_path(&rec.id));
+            .map(|_| crate::net::link::netns_path(&rec.id))
+            .transpose()?;
         let resolv = dir.join("resolv.conf");
         let gateway = rec.network.as_ref().and_then(|n| n.gateway.clone());
         if let Some(gw) = &gateway {
@@ -237,6 +244,7 @@ impl ContainerBackend {
         rt.run_detached(
             &cid(rec),
             dir,
+            root_fd.as_raw_fd(),
             listener.as_raw_fd(),
             &dir.join("console.log"),
             &dir.join(INIT_PID),
@@ -305,6 +313,12 @@ impl Backend for ContainerBackend {
         )
     }
 
+    /// The container's init (aether, its PID 1: the container ends with it).
+    fn main_pid(&self, rec: &SandboxRecord) -> Option<i32> {
+        let pid = read_pid(&self.sandboxes.join(&rec.id).join(INIT_PID))?;
+        init_in_cgroup(pid, &rec.id).then_some(pid)
+    }
+
     fn pause(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
         self.rt()?
             .pause(&cid(rec))
@@ -325,7 +339,7 @@ impl Backend for ContainerBackend {
     ) -> Result<(), ApiError> {
         std::fs::create_dir_all(dest)
             .map_err(|e| ApiError::internal(format!("creating {}: {e}", dest.display())))?;
-        copy_tree(&paths.dir.join("disk/upper"), dest)
+        copy_tree(&upper(paths)?, dest)
             .map_err(|e| ApiError::internal(format!("copying the writable layer: {e}")))
     }
 
@@ -347,11 +361,19 @@ impl Backend for ContainerBackend {
         }
         let dir = &paths.dir;
         let mut problems = Vec::new();
-        for m in [dir.join("rootfs"), dir.join("disk")] {
-            if let Err(e) = rootfs::unmount(&m) {
-                problems.push(e);
-            }
+        let (rootfs, disk) = (dir.join("rootfs"), dir.join("disk"));
+        let unmount_both = || {
+            [&rootfs, &disk]
+                .into_iter()
+                .filter_map(|m| rootfs::unmount(m).err())
+                .collect::<Vec<_>>()
+        };
+        match crate::mountns::get().and_then(|ns| ns.run(unmount_both)) {
+            Ok(p) => problems.extend(p),
+            Err(e) => problems.push(e),
         }
+        // A sandbox of an edge that mounted in the host's namespace.
+        problems.extend(unmount_both());
         if problems.is_empty() {
             let _ = Command::new("rm")
                 .arg("-rf")
@@ -378,10 +400,43 @@ impl Backend for ContainerBackend {
         paths: &SandboxPaths,
         dest: &Path,
     ) -> Result<(), ApiError> {
-        copy_tree(&paths.dir.join("disk/upper"), dest)
+        copy_tree(&upper(paths)?, dest)
             .map_err(|e| ApiError::internal(format!("copying the writable layer: {e}")))?;
         remove_mount_point_files(dest)
     }
+}
+
+/// The sandbox's writable layer, as the host reaches it: in the sandboxes' mount namespace,
+/// or in the host's for a sandbox an older edge made. Never a directory the disk is not
+/// mounted on, whose (empty) contents would pass for the sandbox's.
+fn upper(paths: &SandboxPaths) -> Result<PathBuf, ApiError> {
+    let disk = paths.dir.join("disk");
+    let mut places = Vec::new();
+    if let Ok(ns) = crate::mountns::get() {
+        places.push(ns.view(&disk));
+    }
+    places.push(disk);
+    places
+        .into_iter()
+        .find(|d| is_mounted_tmpfs(d))
+        .map(|d| d.join("upper"))
+        .ok_or_else(|| ApiError::internal("the sandbox's disk is not mounted"))
+}
+
+/// Whether a tmpfs is mounted at `p` (not merely a directory on one).
+fn is_mounted_tmpfs(p: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let dev = |p: &Path| std::fs::metadata(p).map(|m| m.dev()).ok();
+    let parent = p.parent().and_then(dev);
+    if dev(p).is_none() || dev(p) == parent {
+        return false;
+    }
+    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    // SAFETY: statfs fills the struct from a NUL-terminated path.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    unsafe { libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type == libc::TMPFS_MAGIC }
 }
 
 /// Removes the files the runtime made in the upper as mount points for its bind mounts

@@ -514,6 +514,8 @@ mod tests {
             "kexec_load",
             "init_module",
             "keyctl",
+            "add_key",
+            "request_key",
             "perf_event_open",
             "userfaultfd",
             "modify_ldt",

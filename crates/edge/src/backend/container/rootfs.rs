@@ -1,8 +1,16 @@
 //! The sandbox root filesystem: a size-limited tmpfs holding the overlay's upper and work
-//! directories, and the overlay (read-only image layers + that upper) mounted at `rootfs/`.
+//! directories, and the overlay (read-only image layers + that upper). Both are made in
+//! the sandboxes' mount namespace ([`crate::mountns`]); the overlay then leaves it as a
+//! detached mount ([`detach`]) that the OCI runtime's call attaches at `rootfs/` in a
+//! namespace of its own ([`attach`]), so it is only ever mounted where the container is.
 
 use std::ffi::CString;
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
+
+// From <linux/mount.h>.
+const OPEN_TREE_CLONE: libc::c_uint = 1;
+const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 4;
 
 fn cstr(p: &Path) -> Result<CString, String> {
     CString::new(p.as_os_str().as_encoded_bytes())
@@ -79,6 +87,53 @@ pub fn mount_overlay(
         ));
     }
     mount("overlay", target, "overlay", &data)
+}
+
+/// A copy of the mount at `target` that is attached nowhere, open; the mount at `target`
+/// is then taken away. The copy lives as long as the descriptor, or as the tree it is
+/// attached to by [`attach`].
+pub fn detach(target: &Path) -> Result<OwnedFd, String> {
+    let t = cstr(target)?;
+    // SAFETY: open_tree(2) with a NUL-terminated path; it returns a new descriptor.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_open_tree,
+            libc::AT_FDCWD,
+            t.as_ptr(),
+            OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
+        )
+    };
+    if fd < 0 {
+        return Err(format!(
+            "copying the mount at {}: {}",
+            target.display(),
+            std::io::Error::last_os_error()
+        ));
+    }
+    // SAFETY: a descriptor open_tree just returned, owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+    unmount(target)?;
+    Ok(fd)
+}
+
+/// Attaches the detached mount `fd` at `target` (a NUL-terminated path) in the calling
+/// process's mount namespace. Async-signal-safe: it runs between fork and exec.
+pub fn attach(fd: RawFd, target: &std::ffi::CStr) -> std::io::Result<()> {
+    // SAFETY: move_mount(2) with a valid descriptor and NUL-terminated strings.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_move_mount,
+            fd,
+            c"".as_ptr(),
+            libc::AT_FDCWD,
+            target.as_ptr(),
+            MOVE_MOUNT_F_EMPTY_PATH,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Unmounts `p` if mounted; lazily if it is busy. Tried directly, not looked up in

@@ -1,7 +1,8 @@
 //! Driving an OCI runtime binary (crun, runc, or any compatible one). On hybrid cgroup
 //! hosts crun refuses to run while `/sys/fs/cgroup/unified` has controllers, so every crun
 //! call there runs in a private mount namespace with that mount detached: crun then sees
-//! a plain v1 host. Nothing outside the call is affected.
+//! a plain v1 host. Nothing outside the call is affected. A `run` always has a namespace of
+//! its own: the container's root filesystem is attached there (see `rootfs.rs`).
 
 use std::ffi::CString;
 use std::os::fd::RawFd;
@@ -98,26 +99,20 @@ impl OciRuntime {
     }
 
     /// A command for one runtime call, detached from our session so signals to the
-    /// edge's process group never reach sandboxes; `pass_fd` becomes fd 3.
-    fn command(&self, pass_fd: Option<RawFd>) -> Command {
+    /// edge's process group never reach sandboxes; `pass_fd` becomes fd 3; `rootfs` is a
+    /// detached mount attached at its path in the call's own mount namespace.
+    fn command(&self, pass_fd: Option<RawFd>, rootfs: Option<(RawFd, CString)>) -> Command {
         let mut c = Command::new(&self.path);
         c.arg("--root").arg(&self.root);
         let hide = self.hide_unified;
+        let own_ns = hide || rootfs.is_some();
         let root = CString::new("/").unwrap_or_default();
         let unified = CString::new("/sys/fs/cgroup/unified").unwrap_or_default();
         // SAFETY: only async-signal-safe syscalls run between fork and exec.
         unsafe {
             c.pre_exec(move || {
                 libc::setsid();
-                if let Some(fd) = pass_fd {
-                    if fd == 3 {
-                        let flags = libc::fcntl(3, libc::F_GETFD);
-                        libc::fcntl(3, libc::F_SETFD, flags & !libc::FD_CLOEXEC);
-                    } else if libc::dup2(fd, 3) < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                if hide {
+                if own_ns {
                     if libc::unshare(libc::CLONE_NEWNS) != 0 {
                         return Err(std::io::Error::last_os_error());
                     }
@@ -131,7 +126,21 @@ impl OciRuntime {
                     {
                         return Err(std::io::Error::last_os_error());
                     }
-                    libc::umount2(unified.as_ptr(), libc::MNT_DETACH);
+                    if hide {
+                        libc::umount2(unified.as_ptr(), libc::MNT_DETACH);
+                    }
+                    if let Some((fd, target)) = &rootfs {
+                        super::rootfs::attach(*fd, target)?;
+                    }
+                }
+                // After the attach: the root's descriptor may be the 3 this overwrites.
+                if let Some(fd) = pass_fd {
+                    if fd == 3 {
+                        let flags = libc::fcntl(3, libc::F_GETFD);
+                        libc::fcntl(3, libc::F_SETFD, flags & !libc::FD_CLOEXEC);
+                    } else if libc::dup2(fd, 3) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
                 }
                 Ok(())
             });
@@ -141,7 +150,7 @@ impl OciRuntime {
 
     fn run_quiet(&self, args: &[&str]) -> Result<String, String> {
         let out = self
-            .command(None)
+            .command(None, None)
             .args(args)
             .stdin(Stdio::null())
             .output()
@@ -159,11 +168,13 @@ impl OciRuntime {
     }
 
     /// `run --detach`: the container's stdio goes to `log`; `listen_fd` is handed to its
-    /// first process as fd 3; its pid is written to `pid_file`.
+    /// first process as fd 3; its pid is written to `pid_file`; `rootfs`, a detached
+    /// mount, is its root filesystem (attached at `bundle/rootfs`).
     pub fn run_detached(
         &self,
         cid: &str,
         bundle: &Path,
+        rootfs: RawFd,
         listen_fd: RawFd,
         log: &Path,
         pid_file: &Path,
@@ -174,9 +185,13 @@ impl OciRuntime {
             .open(log)
             .map_err(|e| format!("opening {}: {e}", log.display()))?;
         let logf2 = logf.try_clone().map_err(|e| e.to_string())?;
+        let target = CString::new(bundle.join("rootfs").as_os_str().as_encoded_bytes())
+            .map_err(|_| format!("bundle path {} has a NUL byte", bundle.display()))?;
         let status = self
-            .command(Some(listen_fd))
-            .args(["run", "--detach", "--preserve-fds", "1", "--pid-file"])
+            .command(Some(listen_fd), Some((rootfs, target)))
+            .args(["run", "--detach", "--preserve-fds", "1"])
+            .args(self.no_keyring())
+            .arg("--pid-file")
             .arg(pid_file)
             .arg("--bundle")
             .arg(bundle)
@@ -196,6 +211,17 @@ impl OciRuntime {
             self.version,
             tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
         ))
+    }
+
+    /// No session keyring of the container's own: the kernel finds a named keyring by
+    /// walking every keyring of the user namespace, so on a node of thousands of sandboxes
+    /// each new one cost more. The sandbox cannot reach a keyring anyway: its seccomp
+    /// policy refuses `keyctl`, `add_key` and `request_key` (see `oci.rs`).
+    fn no_keyring(&self) -> &'static [&'static str] {
+        match self.kind {
+            Kind::Crun | Kind::Runc => &["--no-new-keyring"],
+            Kind::Other => &[],
+        }
     }
 
     /// The runtime's status string (`running`, `paused`, `stopped`, …), None if unknown.

@@ -456,7 +456,7 @@ impl MicrovmBackend {
                     netns::TAP,
                     run_as.map(|o| (o.uid, o.gid)),
                 )?;
-                std::fs::File::open(crate::net::link::netns_path(&rec.id))
+                std::fs::File::open(crate::net::link::netns_path(&rec.id)?)
                     .map_err(|e| format!("opening the sandbox's network namespace {ns}: {e}"))?
             }
             None => {

@@ -430,7 +430,7 @@ impl VmBackend {
                 .and_then(|n| n.gateway.clone())
                 .ok_or("the VM has a network device, so it needs a network (it was saved with one; not network \"none\")")?;
             net::setup(&crate::net::link::netns_name(&rec.id), &node_side)?;
-            let f = std::fs::File::open(crate::net::link::netns_path(&rec.id))
+            let f = std::fs::File::open(crate::net::link::netns_path(&rec.id)?)
                 .map_err(|e| format!("opening the sandbox's network namespace: {e}"))?;
             let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
             // SAFETY: setns(2) between fork and exec on a descriptor that stays open

@@ -21,9 +21,14 @@ pub fn cmdline() -> String {
     format!("dsec.net={GUEST_CIDR},{TAP_ADDR}")
 }
 
+/// Runs `argv` in the sandbox network namespace `ns` (pinned out of the host's mount
+/// table, so not one `ip netns exec` sees).
 fn run(ns: &str, argv: &[&str], input: Option<&str>) -> Result<(), String> {
-    let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", ns]).args(argv);
+    let path = crate::net::rtnl::netns_path(ns).map_err(|e| e.to_string())?;
+    let mut cmd = Command::new("nsenter");
+    cmd.arg(format!("--net={}", path.display()))
+        .arg("--")
+        .args(argv);
     let out = match input {
         Some(text) => {
             use std::io::Write;

@@ -1,0 +1,283 @@
+//! The sandboxes' mount namespace. What each sandbox mounts (its disk, and the pin that
+//! keeps its network namespace) is mounted here, never in the host's mount namespace:
+//! every new mount namespace (each OCI runtime call, each container) starts as a copy of
+//! its creator's, so a host mount table that grew with every sandbox made each create
+//! cost more than the one before (and a plain `crun run` on the same node too).
+//!
+//! A holder process (`sleep infinity`, named `dsec-mountns`) lives in the namespace and
+//! keeps it across edge restarts, as sandboxes outlive the edge. The edge works in it
+//! from short-lived threads that join it ([`MountNs::run`]), and reaches its files through
+//! `/proc/<holder>/root` ([`MountNs::view`]). If the holder dies while the edge runs, a new
+//! one joins the same namespace.
+
+use std::ffi::CString;
+use std::fs::File;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+
+/// The holder's `argv[0]`, which tells it apart from other processes at adoption.
+pub const HOLDER_NAME: &str = "dsec-mountns";
+const PID_FILE: &str = "mountns.pid";
+
+pub struct MountNs {
+    /// The namespace, open: joined by [`MountNs::run`], and by a replacement holder.
+    ns: File,
+    pid_file: PathBuf,
+    holder: Mutex<Holder>,
+}
+
+struct Holder {
+    pid: i32,
+    /// Set when this edge started it (and so reaps it).
+    child: Option<Child>,
+}
+
+static NS: OnceLock<MountNs> = OnceLock::new();
+
+/// Starts the namespace, or adopts the one a previous edge on `state_dir` left with its
+/// sandboxes. Once per process; later calls return the first.
+pub fn init(state_dir: &Path) -> Result<&'static MountNs, String> {
+    if let Some(ns) = NS.get() {
+        return Ok(ns);
+    }
+    let ns = MountNs::start_or_adopt(&state_dir.join(PID_FILE))?;
+    Ok(NS.get_or_init(|| ns))
+}
+
+/// The namespace [`init`] made.
+pub fn get() -> Result<&'static MountNs, String> {
+    NS.get()
+        .ok_or_else(|| "the sandboxes' mount namespace was not started".to_string())
+}
+
+/// Whether `pid` is a live holder (not this process's own namespace).
+fn is_holder(pid: i32) -> bool {
+    let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    if !cmd.starts_with(format!("{HOLDER_NAME}\0").as_bytes()) {
+        return false;
+    }
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The state follows the command name in parentheses; a zombie holds no namespace.
+    let state = stat.rsplit(") ").next().and_then(|s| s.chars().next());
+    state.is_some_and(|s| s != 'Z' && s != 'X')
+}
+
+fn cstr(s: &str) -> CString {
+    CString::new(s).unwrap_or_default()
+}
+
+/// Starts a holder: in a new mount namespace copied from this one with every mount made
+/// private (nothing mounted there reaches the host, nor the reverse), or, with `join`, in
+/// that namespace.
+fn spawn_holder(join: Option<RawFd>) -> Result<Child, String> {
+    let root = cstr("/");
+    let mut cmd = Command::new("sleep");
+    cmd.arg0(HOLDER_NAME)
+        .arg("infinity")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    // SAFETY: only async-signal-safe system calls run between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::setsid();
+            if let Some(fd) = join {
+                if libc::setns(fd, libc::CLONE_NEWNS) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                return Ok(());
+            }
+            if libc::unshare(libc::CLONE_NEWNS) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::mount(
+                std::ptr::null(),
+                root.as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null(),
+            ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd.spawn()
+        .map_err(|e| format!("starting the sandboxes' mount namespace (sleep): {e}"))
+}
+
+impl MountNs {
+    fn start_or_adopt(pid_file: &Path) -> Result<MountNs, String> {
+        let old = std::fs::read_to_string(pid_file)
+            .ok()
+            .and_then(|s| s.trim().parse::<i32>().ok())
+            .filter(|&p| is_holder(p));
+        let (pid, child) = match old {
+            Some(pid) => {
+                tracing::info!(pid, "adopted the sandboxes' mount namespace");
+                (pid, None)
+            }
+            None => {
+                let c = spawn_holder(None)?;
+                (c.id() as i32, Some(c))
+            }
+        };
+        let ns_path = format!("/proc/{pid}/ns/mnt");
+        let ns = File::open(&ns_path).map_err(|e| format!("opening {ns_path}: {e}"))?;
+        std::fs::write(pid_file, format!("{pid}\n"))
+            .map_err(|e| format!("writing {}: {e}", pid_file.display()))?;
+        Ok(MountNs {
+            ns,
+            pid_file: pid_file.to_path_buf(),
+            holder: Mutex::new(Holder { pid, child }),
+        })
+    }
+
+    fn holder(&self) -> std::sync::MutexGuard<'_, Holder> {
+        self.holder.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The holder's pid; a new holder joins the namespace if the last one is gone.
+    pub fn pid(&self) -> i32 {
+        let mut h = self.holder();
+        let exited = match h.child.as_mut() {
+            Some(c) => !matches!(c.try_wait(), Ok(None)),
+            None => !is_holder(h.pid),
+        };
+        if exited {
+            match spawn_holder(Some(self.ns.as_raw_fd())) {
+                Ok(c) => {
+                    tracing::warn!(
+                        old = h.pid,
+                        new = c.id(),
+                        "the mount namespace's holder was gone; a new one holds it"
+                    );
+                    h.pid = c.id() as i32;
+                    h.child = Some(c);
+                    let _ = std::fs::write(&self.pid_file, format!("{}\n", h.pid));
+                }
+                Err(e) => tracing::error!("{e}"),
+            }
+        }
+        h.pid
+    }
+
+    /// Where the absolute path `p` of the namespace is seen from the host.
+    pub fn view(&self, p: &Path) -> PathBuf {
+        let rel = p.strip_prefix("/").unwrap_or(p);
+        PathBuf::from(format!("/proc/{}/root", self.pid())).join(rel)
+    }
+
+    /// Runs `f` on a thread in the namespace (it ends with `f`); processes `f` starts are
+    /// in the namespace too.
+    pub fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> Result<T, String> {
+        let fd = self.ns.as_raw_fd();
+        std::thread::scope(|s| {
+            std::thread::Builder::new()
+                .name("dsec-mountns".into())
+                .spawn_scoped(s, move || {
+                    // SAFETY: unshare and setns on this thread only, which ends after `f`;
+                    // `fd` stays open for the scope.
+                    unsafe {
+                        if libc::unshare(libc::CLONE_FS) != 0
+                            || libc::setns(fd, libc::CLONE_NEWNS) != 0
+                        {
+                            return Err(format!(
+                                "joining the sandboxes' mount namespace: {}",
+                                std::io::Error::last_os_error()
+                            ));
+                        }
+                    }
+                    Ok(f())
+                })
+                .map_err(|e| format!("starting a thread: {e}"))?
+                .join()
+                .map_err(|_| "a thread in the mount namespace panicked".to_string())?
+        })
+    }
+
+    /// Ends the holder, and with it the namespace and whatever is still mounted there
+    /// (for `dsec down` once no sandbox is left).
+    pub fn stop(&self) {
+        let mut h = self.holder();
+        // SAFETY: kill(2) of the holder's pid, checked to be the holder just before.
+        if h.child.is_some() || is_holder(h.pid) {
+            unsafe { libc::kill(h.pid, libc::SIGKILL) };
+        }
+        if let Some(c) = h.child.as_mut() {
+            let _ = c.wait();
+        }
+        let _ = std::fs::remove_file(&self.pid_file);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn root() -> bool {
+        // SAFETY: geteuid has no preconditions.
+        unsafe { libc::geteuid() == 0 }
+    }
+
+    fn mounted_in(pid: &str, target: &Path) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))
+            .unwrap_or_default()
+            .lines()
+            .any(|l| l.split(' ').nth(4) == Some(&*target.to_string_lossy()))
+    }
+
+    /// A tmpfs mounted in the namespace is there (and seen through `view`), not in the
+    /// host's table; it survives the holder being killed (a new one joins), and goes when
+    /// the namespace is stopped.
+    #[test]
+    fn mounts_stay_out_of_the_host_and_outlive_a_holder() {
+        if !root() {
+            eprintln!("skipped: mount namespaces need root");
+            return;
+        }
+        let t = tempfile::tempdir().unwrap();
+        let ns = MountNs::start_or_adopt(&t.path().join(PID_FILE)).unwrap();
+        let target = t.path().join("disk");
+        std::fs::create_dir(&target).unwrap();
+        let tgt = target.clone();
+        ns.run(move || {
+            let (src, dst, fs) = (cstr("t"), cstr(&tgt.to_string_lossy()), cstr("tmpfs"));
+            // SAFETY: NUL-terminated strings that outlive the call.
+            let rc = unsafe {
+                libc::mount(src.as_ptr(), dst.as_ptr(), fs.as_ptr(), 0, std::ptr::null())
+            };
+            assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+            std::fs::write(tgt.join("f"), "in the namespace").unwrap();
+        })
+        .unwrap();
+        assert!(!mounted_in("self", &target), "the host sees the mount");
+        assert!(!target.join("f").exists());
+        let pid = ns.pid();
+        assert!(mounted_in(&pid.to_string(), &target));
+        assert_eq!(
+            std::fs::read_to_string(ns.view(&target).join("f")).unwrap(),
+            "in the namespace"
+        );
+        // SAFETY: kill of the holder this test started.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let again = ns.pid();
+        assert_ne!(again, pid);
+        assert_eq!(
+            std::fs::read_to_string(ns.view(&target).join("f")).unwrap(),
+            "in the namespace",
+            "the new holder is not in the same namespace"
+        );
+        // A second start on the same state adopts the holder instead of making another.
+        let adopted = MountNs::start_or_adopt(&t.path().join(PID_FILE)).unwrap();
+        assert_eq!(adopted.pid(), again);
+        ns.stop();
+        assert!(!is_holder(again));
+        assert!(!t.path().join(PID_FILE).exists());
+    }
+}
