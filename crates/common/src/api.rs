@@ -171,6 +171,9 @@ pub struct SandboxInfo {
     /// The id it had on the edge it was resumed away from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moved_from: Option<String>,
+    /// The warm pool (`[[edge.pools]]`) it was taken from, made before the create asked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_pool: Option<String>,
 }
 
 /// `POST /v1/sandboxes/{id}/pause`.
@@ -374,6 +377,20 @@ pub struct NodeStatus {
     /// Sandboxes per project.
     #[serde(default)]
     pub projects: BTreeMap<String, u64>,
+    /// Warm pools: how many members wait in each, of how many.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pools: Vec<PoolStatus>,
+}
+
+/// A warm pool's state in [`NodeStatus`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PoolStatus {
+    pub name: String,
+    pub image: String,
+    pub backend: String,
+    pub size: u32,
+    /// Made and waiting to be handed out.
+    pub ready: u32,
 }
 
 impl NodeStatus {
@@ -393,6 +410,7 @@ impl NodeStatus {
             committed_memory_mb: 0,
             max_sandboxes: 0,
             projects: BTreeMap::new(),
+            pools: Vec::new(),
         }
     }
 }

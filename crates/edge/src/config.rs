@@ -54,6 +54,43 @@ pub struct EdgeConfig {
     /// from the VMM lands there. Empty keeps it root, which can leave the jail's chroot:
     /// for debugging only.
     pub firecracker_run_as: String,
+    /// Warm pools (`[[edge.pools]]`): sandboxes made ahead, each handed to one create that
+    /// asks for what they are (see `pools.rs`).
+    pub pools: Vec<PoolConfig>,
+}
+
+/// `[[edge.pools]]`: `size` sandboxes of `image` with these limits, kept made. A create of
+/// the same image (same digest), backend and limits, with a network, gets one of them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// `[a-z0-9-]`, 1-32 characters; shown as `from_pool` on the sandboxes it hands out.
+    pub name: String,
+    pub image: String,
+    #[serde(default = "container_backend")]
+    pub backend: String,
+    /// Limits as a create gives them; left out: the node's defaults.
+    #[serde(default)]
+    pub cpu_cores: Option<f64>,
+    #[serde(default)]
+    pub memory_mb: Option<u64>,
+    #[serde(default)]
+    pub disk_mb: Option<u64>,
+    #[serde(default)]
+    pub pids: Option<u64>,
+    pub size: u32,
+    /// Members made per second at most while refilling (also only while no other create is
+    /// under way on the node, so a pool never starves them).
+    #[serde(default = "default_refill_per_second")]
+    pub refill_per_second: f64,
+}
+
+fn container_backend() -> String {
+    "container".into()
+}
+
+fn default_refill_per_second() -> f64 {
+    20.0
 }
 
 /// `[edge.vm]`: how the `vm` backend builds its VMs.
@@ -167,6 +204,7 @@ impl Default for EdgeConfig {
             firecracker_binary: None,
             firecracker_diff_snapshots: false,
             firecracker_run_as: "nobody".into(),
+            pools: Vec::new(),
         }
     }
 }

@@ -12,6 +12,7 @@ mod deaths;
 pub mod host;
 pub mod mountns;
 pub mod net;
+mod pools;
 pub mod registry;
 pub mod runtime;
 mod snapshots;
@@ -95,6 +96,8 @@ pub struct Edge {
     /// and where their deaths arrive until the reaper takes them.
     deaths: Option<Arc<deaths::Deaths>>,
     died: Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<String>>>,
+    /// Warm pools (`[[edge.pools]]`).
+    pools: pools::Pools,
 }
 
 /// Runs an operation that changes a sandbox as a task of its own, so it ends in a
@@ -276,6 +279,7 @@ impl Edge {
         };
         // Late in the start, so that a start that fails (the network's ports taken) leaves
         // no holder behind.
+        let pools = pools::Pools::new(&cfg).map_err(ApiError::invalid)?;
         mountns::init(&cfg.state_dir).map_err(ApiError::internal)?;
         let (died_tx, died_rx) = tokio::sync::mpsc::unbounded_channel();
         let deaths = deaths::Deaths::start(died_tx)
@@ -301,6 +305,7 @@ impl Edge {
             snapshot_locks: snapshots::Locks::default(),
             deaths,
             died: Mutex::new(Some(died_rx)),
+            pools,
         });
         let e2 = edge.clone();
         blocking(move || e2.adopt()).await?;
@@ -308,8 +313,25 @@ impl Edge {
             let (name, ids) = (edge.cfg.name.clone(), edge.ids());
             blocking(move || n.sweep(&name, &ids)).await?;
         }
+        // Pool members back in their pools; those of a pool no longer configured go.
+        let waiting: Vec<SandboxRecord> = edge
+            .sandboxes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .map(|e| e.snapshot())
+            .filter(|r| r.pool_waiting.is_some())
+            .collect();
+        for r in waiting {
+            let pool = r.pool_waiting.clone().unwrap_or_default();
+            if !edge.pools.adopt(&pool, &r.id, &r) {
+                tracing::info!(sandbox = %r.id, pool = %pool, "a member of a pool no longer configured; stopping");
+                let _ = edge.stop(&r.id).await;
+            }
+        }
         if let Some(q) = &edge.quotas {
-            let mut live = edge.ids();
+            // A waiting pool member holds no reservation; it takes one when handed out.
+            let mut live = edge.listed_ids();
             live.extend(edge.snapshot_ids());
             let e2 = edge.clone();
             live.extend(blocking(move || e2.image_hold_ids()).await?);
@@ -379,6 +401,17 @@ impl Edge {
     }
 
     /// Ids of the sandboxes this edge runs.
+    /// Sandboxes that belong to a project (not pool members still waiting).
+    fn listed_ids(&self) -> Vec<String> {
+        self.sandboxes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|(_, e)| e.snapshot().pool_waiting.is_none())
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+
     fn ids(&self) -> Vec<String> {
         self.sandboxes
             .lock()
@@ -409,7 +442,19 @@ impl Edge {
         e
     }
 
+    /// A sandbox of the API's: a pool member still waiting is nobody's, so not found.
     fn entry(&self, id: &str) -> Result<Arc<Entry>, ApiError> {
+        let e = self.entry_any(id)?;
+        if e.snapshot().pool_waiting.is_some() {
+            return Err(ApiError::not_found(format!(
+                "sandbox {id} does not exist (it may have been stopped or its TTL ran out)"
+            )));
+        }
+        Ok(e)
+    }
+
+    /// Any sandbox of the node, pool members included.
+    fn entry_any(&self, id: &str) -> Result<Arc<Entry>, ApiError> {
         SandboxId::parse(id).map_err(|e| ApiError::invalid(e.to_string()))?;
         self.sandboxes
             .lock()
@@ -474,6 +519,27 @@ impl Edge {
     ) -> Result<SandboxInfo, ApiError> {
         let backend = self.backend(&req.backend)?;
         let network = self.network_for(&req)?;
+        if let Some(info) = self
+            .take_pooled(&req, &v, &digest, backend.name(), network.is_some())
+            .await?
+        {
+            return Ok(info);
+        }
+        self.create_new(req, v, image, digest, manifest, None).await
+    }
+
+    /// Makes a sandbox for `req`; with `pool`, a member of that warm pool (`pools.rs`).
+    pub(crate) async fn create_new(
+        self: &Arc<Self>,
+        req: CreateSandboxRequest,
+        v: validate::CreateParams,
+        image: ImageRef,
+        digest: String,
+        manifest: dsec_image::Manifest,
+        pool: Option<String>,
+    ) -> Result<SandboxInfo, ApiError> {
+        let backend = self.backend(&req.backend)?;
+        let network = self.network_for(&req)?;
         let now = now_ms();
         let mut env = manifest.env.clone();
         env.extend(req.env.clone());
@@ -505,6 +571,8 @@ impl Edge {
             paused_at_ms: None,
             paused_to_disk: false,
             moved_from: None,
+            pool_waiting: pool,
+            from_pool: None,
         };
         // To the end even if the caller goes away: a half-made sandbox is never left.
         let edge = self.clone();
@@ -634,7 +702,10 @@ impl Edge {
         let result = async {
             self.admit()?;
             phases.mark("admit");
-            if let Some(q) = &self.quotas {
+            // A pool member is nobody's until handed out, when it takes its reservation.
+            if let Some(q) = &self.quotas
+                && rec.pool_waiting.is_none()
+            {
                 q.reserve(&rec)?;
             }
             phases.mark("reserve");
@@ -709,6 +780,7 @@ impl Edge {
         let mut out: Vec<SandboxInfo> = map
             .values()
             .map(|e| e.snapshot())
+            .filter(|r| r.pool_waiting.is_none())
             .filter(|r| labels.iter().all(|(k, v)| r.labels.get(k) == Some(v)))
             .map(|r| r.info())
             .collect();
@@ -907,6 +979,8 @@ impl Edge {
                 paused_at_ms: None,
                 paused_to_disk: false,
                 moved_from: None,
+                pool_waiting: None,
+                from_pool: None,
                 ..src.clone()
             };
             let (edge, b, s) = (self.clone(), backend.clone(), seed.to_path_buf());
@@ -1081,7 +1155,7 @@ impl Edge {
     }
 
     pub async fn stop(self: &Arc<Self>, id: &str) -> Result<(), ApiError> {
-        let e = self.entry(id)?;
+        let e = self.entry_any(id)?;
         let _g = e.op.lock().await;
         if let Some(d) = &self.deaths {
             d.unwatch(id);
@@ -1132,7 +1206,9 @@ impl Edge {
         let mut projects = BTreeMap::new();
         let (cpu, mem) = map.values().fold((0.0, 0), |(c, m), e| {
             let r = e.snapshot();
-            *projects.entry(r.project.clone()).or_insert(0) += 1;
+            if r.pool_waiting.is_none() {
+                *projects.entry(r.project.clone()).or_insert(0) += 1;
+            }
             (c + r.limits.cpu_cores, m + r.limits.memory_mb)
         });
         NodeStatus {
@@ -1149,6 +1225,7 @@ impl Edge {
             committed_memory_mb: mem,
             max_sandboxes: self.cfg.max_sandboxes,
             projects,
+            pools: self.pools.status(),
         }
     }
 
@@ -1239,6 +1316,7 @@ impl Edge {
     /// Runs the TTL reaper, and stops sandboxes as they die, until the process ends.
     pub fn spawn_reaper(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
         let edge = self.clone();
+        self.spawn_pools();
         let died = self.died.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(mut died) = died {
             let edge = self.clone();
@@ -1262,6 +1340,15 @@ impl Edge {
     /// queue on the same cores and locks), calling `progress(left, total)` as each ends.
     pub async fn stop_all(self: &Arc<Self>, progress: impl Fn(usize, usize)) {
         use futures_util::StreamExt;
+        // No pool refills from here on; a member being made is waited for (a minute at
+        // most), so that it is stopped with the rest.
+        self.pools.close();
+        for _ in 0..600 {
+            if self.pools.filling.load(Ordering::SeqCst) == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
         let ids = self.ids();
         let total = ids.len();
         let left = std::sync::atomic::AtomicUsize::new(total);

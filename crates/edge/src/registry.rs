@@ -50,6 +50,12 @@ pub struct SandboxRecord {
     /// The id it had on the edge it was resumed away from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moved_from: Option<String>,
+    /// The warm pool it waits in, unlisted, until a create takes it (`pools.rs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool_waiting: Option<String>,
+    /// The warm pool a create took it from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_pool: Option<String>,
 }
 
 /// A sandbox's place in the node's network.
@@ -81,6 +87,7 @@ impl SandboxRecord {
             project: self.project.clone(),
             paused_to_disk: self.paused_to_disk,
             moved_from: self.moved_from.clone(),
+            from_pool: self.from_pool.clone(),
             network: match &self.network {
                 Some(n) => dsec_common::api::NetworkInfo {
                     mode: "rules".into(),

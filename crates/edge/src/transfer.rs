@@ -512,6 +512,8 @@ impl Edge {
             paused_to_disk: true,
             paused_at_ms: old.paused_at_ms.or(Some(now)),
             moved_from: Some(old.id.clone()),
+            pool_waiting: None,
+            from_pool: None,
             port_token: port_token(),
             // Its rules come along; its place in this node's network is new.
             network: old.network.as_ref().map(|n| crate::registry::NetRecord {

@@ -123,6 +123,8 @@ class SandboxInfo:
     paused_to_disk: bool = False
     # The id it had on the edge it was resumed away from (``resume(edge=...)``).
     moved_from: str | None = None
+    # The warm pool (``[[edge.pools]]``) the sandbox was taken from, made before the create.
+    from_pool: str | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "SandboxInfo":

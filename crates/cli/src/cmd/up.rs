@@ -823,6 +823,27 @@ pub async fn status(a: StatusArgs) -> Result<i32> {
         "{}",
         output::table(&["node", "backend", "available", "detail"], rows)
     );
+    let rows: Vec<Vec<String>> = s
+        .nodes
+        .iter()
+        .flat_map(|n| {
+            n.pools.iter().map(move |p| {
+                vec![
+                    n.name.clone(),
+                    p.name.clone(),
+                    p.image.clone(),
+                    p.backend.clone(),
+                    format!("{}/{}", p.ready, p.size),
+                ]
+            })
+        })
+        .collect();
+    if !rows.is_empty() {
+        println!(
+            "{}",
+            output::table(&["node", "pool", "image", "backend", "ready"], rows)
+        );
+    }
     Ok(0)
 }
 

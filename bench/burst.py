@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: AGPL-3.0-only
+"""A burst of creates submitted at once, each followed by one exec, through the SDK:
+served from a warm pool of the same size (`[[edge.pools]]`) and without one, next to
+the floor measured in the same run, a plain `<runtime> run /bin/true` of the same image
+for the same number at once.
+
+    python3 bench/burst.py -n 1000
+
+Prints, for each: p50 and p99 of create -> first exec, when the first was ready, and the
+wall time of the burst; and a single create's time (what the first of a burst should be
+near). JSON goes to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+from benchlib import DSEC, lat_summary, run, server_down, server_up, store_of, write_result  # noqa: E402
+from create_latency import bench_oci  # noqa: E402
+from opendsec import DSecClient, DSecRunArgs  # noqa: E402
+
+POOL = "burst"
+# The pool's limits: the burst asks for exactly these, so it matches.
+MEMORY_MB = 64
+CPU = 0.1
+
+
+def args() -> DSecRunArgs:
+    return DSecRunArgs(image="root/base", memory_limit_mb=MEMORY_MB, cpu_cores_limit=CPU,
+                       labels={"bench": "burst"})
+
+
+async def pool_ready(c: DSecClient) -> int:
+    pools = (await c.status())["nodes"][0].get("pools", [])
+    return next((p["ready"] for p in pools if p["name"] == POOL), 0)
+
+
+async def burst(url: str, key: str, n: int) -> dict:
+    """n creates at once, each then `true`; all stopped after."""
+    async with DSecClient(api_url=url, api_key=key, timeout=600) as c:
+        lat: list[float] = []
+        ready_at: list[float] = []
+        pooled = 0
+        failures = 0
+        t0 = time.perf_counter()
+
+        async def one() -> str | None:
+            nonlocal pooled, failures
+            s = time.perf_counter()
+            try:
+                sb = await c.run_sandbox(args())
+                await sb.exec(["true"])
+            except Exception:  # noqa: BLE001 (counted, and the burst goes on)
+                failures += 1
+                return None
+            e = time.perf_counter()
+            lat.append(e - s)
+            ready_at.append(e - t0)
+            pooled += sb.info.from_pool == POOL
+            return sb.id
+
+        ids = await asyncio.gather(*(one() for _ in range(n)))
+        wall = time.perf_counter() - t0
+        sem = asyncio.Semaphore(16)
+
+        async def stop(i: str) -> None:
+            async with sem:
+                await (await c.get_sandbox(i)).stop()
+
+        await asyncio.gather(*(stop(i) for i in ids if i))
+    out = lat_summary(lat) if lat else {}
+    out.update(wall_s=round(wall, 2), first_ready_s=round(min(ready_at), 3) if ready_at else None,
+               from_pool=pooled, failures=failures)
+    return out
+
+
+async def single(url: str, key: str, n: int = 10) -> float:
+    """p50 of a single create -> first exec on a quiet node, in seconds."""
+    async with DSecClient(api_url=url, api_key=key, timeout=120) as c:
+        lat = []
+        for _ in range(n):
+            s = time.perf_counter()
+            sb = await c.run_sandbox(DSecRunArgs(image="root/base", memory_limit_mb=MEMORY_MB + 1))
+            await sb.exec(["true"])
+            lat.append(time.perf_counter() - s)
+            await sb.stop()
+    return sorted(lat)[len(lat) // 2]
+
+
+async def fill(url: str, key: str, n: int) -> float:
+    async with DSecClient(api_url=url, api_key=key, timeout=60) as c:
+        t0 = time.perf_counter()
+        while await pool_ready(c) < n:
+            await asyncio.sleep(0.5)
+        return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", type=int, default=1000, help="creates in the burst (and the pool's size)")
+    ap.add_argument("--floor-n", type=int, default=100, help="plain runtime runs at once, for the floor")
+    ap.add_argument("--runtime", default="crun")
+    ap.add_argument("--data-dir", default="/var/tmp/dsec-burst")
+    ap.add_argument("--image-store", default=None, help="default: <data-dir>/images (built if missing)")
+    ap.add_argument("--listen", default="127.0.0.1:7615")
+    a = ap.parse_args()
+    data = Path(a.data_dir)
+    data.mkdir(parents=True, exist_ok=True)
+    store = store_of(data, a.image_store)
+    cfg = data / "config.toml"
+    out: dict = {"bench": "burst", "n": a.n, "runtime": a.runtime}
+    try:
+        cfg.unlink(missing_ok=True)
+        url, key = server_up(data, a.listen, store, "--oci-runtime", a.runtime)
+        print("single create -> first exec, quiet node", flush=True)
+        out["single_create_p50_ms"] = round(asyncio.run(single(url, key)) * 1000, 1)
+        print(f"{a.n} creates at once, no pool", flush=True)
+        out["no_pool"] = asyncio.run(burst(url, key, a.n))
+        cfg.write_text(f'[[edge.pools]]\nname = "{POOL}"\nimage = "root/base"\nmemory_mb = {MEMORY_MB}\n'
+                       f'cpu_cores = {CPU}\nsize = {a.n}\nrefill_per_second = 1000\n')
+        url, key = server_up(data, a.listen, store, "--oci-runtime", a.runtime)
+        print(f"filling a pool of {a.n}", flush=True)
+        out["pool_fill_s"] = round(asyncio.run(fill(url, key, a.n)), 1)
+        print(f"{a.n} creates at once, from the pool", flush=True)
+        out["pool"] = asyncio.run(burst(url, key, a.n))
+    finally:
+        subprocess_down(data)
+        cfg.unlink(missing_ok=True)
+    m = json.loads(run([DSEC, "image", "inspect", "root/base:latest", "--store", str(store)]).stdout)["manifest"]
+    hybrid = Path("/sys/fs/cgroup/unified/cgroup.controllers").exists() and a.runtime.endswith("crun")
+    print(f"floor: {a.floor_n} plain `{a.runtime} run` at once", flush=True)
+    t0 = time.perf_counter()
+    o = bench_oci(a.runtime, [store / "layers" / l for l in m["layers"]], a.floor_n, a.floor_n, hybrid)
+    out["floor"] = {"n": a.floor_n, "wall_s": round(time.perf_counter() - t0, 2), "p50_ms": o["p50_ms"]}
+
+    print(f"\nsingle create -> first exec (quiet node): p50 {out['single_create_p50_ms']} ms")
+    for k in ("no_pool", "pool"):
+        b = out[k]
+        print(f"{a.n} at once, {k.replace('_', ' ')}: p50 {b.get('p50_ms')} ms, p99 {b.get('p99_ms')} ms, "
+              f"first ready {b['first_ready_s']} s, all in {b['wall_s']} s "
+              f"({b['from_pool']} from the pool, {b['failures']} failed)")
+    print(f"pool of {a.n} filled in {out['pool_fill_s']} s")
+    f = out["floor"]
+    print(f"floor: {f['n']} plain `{a.runtime} run` at once in {f['wall_s']} s (p50 {f['p50_ms']} ms)")
+    write_result("burst", out)
+
+
+def subprocess_down(data: Path) -> None:
+    try:
+        server_down(data)
+    except Exception:  # noqa: BLE001 (already down)
+        pass
+
+
+if __name__ == "__main__":
+    main()
