@@ -7,12 +7,14 @@ rules and environment."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import signal
 import subprocess
 
 import pytest
 
-from conftest import DATA, server_down, server_up
+from conftest import DATA, leftovers, server_down, server_up
 from opendsec import DSecClient, DSecRunArgs, NotFoundError, ResourceExhaustedError
 
 # No other test asks for this memory limit, so only this file's creates match the pool.
@@ -138,3 +140,37 @@ async def test_members_wait_again_after_a_restart(client):
             assert (await sb.run_shell("echo ok")).stdout == "ok\n"
         finally:
             await sb.stop()
+
+
+def waiting_members() -> list[str]:
+    """Ids of the pool's members now waiting (from their records on disk)."""
+    out = []
+    for st in (DATA / "edge/sandboxes").glob("*/state.json"):
+        try:
+            if json.loads(st.read_text()).get("pool_waiting") == POOL:
+                out.append(st.parent.name)
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+async def test_a_member_that_dies_while_waiting_is_replaced_not_handed_out(client):
+    await wait_full(client)
+    dead = waiting_members()[0]
+    init = int((DATA / f"edge/sandboxes/{dead}/init.pid").read_text())
+    os.kill(init, signal.SIGKILL)
+    for _ in range(100):
+        if dead not in waiting_members() and not (DATA / f"edge/sandboxes/{dead}").exists():
+            break
+        await asyncio.sleep(0.1)
+    assert dead not in waiting_members(), "a dead member still waits in the pool"
+    assert leftovers(dead) == [], leftovers(dead)
+    await wait_full(client)
+    made = [await client.run_sandbox(pooled()) for _ in range(2)]
+    try:
+        assert all(s.info.from_pool == POOL and s.id != dead for s in made)
+        for s in made:
+            assert (await s.run_shell("echo ok")).stdout == "ok\n"
+    finally:
+        for s in made:
+            await s.stop()

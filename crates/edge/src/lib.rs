@@ -400,7 +400,6 @@ impl Edge {
         }
     }
 
-    /// Ids of the sandboxes this edge runs.
     /// Sandboxes that belong to a project (not pool members still waiting).
     fn listed_ids(&self) -> Vec<String> {
         self.sandboxes
@@ -412,6 +411,7 @@ impl Edge {
             .collect()
     }
 
+    /// Ids of the sandboxes this edge runs.
     fn ids(&self) -> Vec<String> {
         self.sandboxes
             .lock()
@@ -525,10 +525,13 @@ impl Edge {
         {
             return Ok(info);
         }
-        self.create_new(req, v, image, digest, manifest, None).await
+        self.create_new(req, v, image, digest, manifest, network, None)
+            .await
     }
 
-    /// Makes a sandbox for `req`; with `pool`, a member of that warm pool (`pools.rs`).
+    /// Makes a sandbox for `req`, with `network` (what [`Edge::network_for`] made of
+    /// it); with `pool`, a member of that warm pool (`pools.rs`).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn create_new(
         self: &Arc<Self>,
         req: CreateSandboxRequest,
@@ -536,10 +539,10 @@ impl Edge {
         image: ImageRef,
         digest: String,
         manifest: dsec_image::Manifest,
+        network: Option<registry::NetRecord>,
         pool: Option<String>,
     ) -> Result<SandboxInfo, ApiError> {
         let backend = self.backend(&req.backend)?;
-        let network = self.network_for(&req)?;
         let now = now_ms();
         let mut env = manifest.env.clone();
         env.extend(req.env.clone());
@@ -1164,6 +1167,9 @@ impl Edge {
             r.state = SandboxState::Stopping;
             r.clone()
         });
+        if let Some(pool) = &rec.pool_waiting {
+            self.pools.forget(pool, id);
+        }
         let _ = self.registry.save(&rec);
         let backend = self.backends.get(rec.backend.as_str()).cloned();
         if let Some(b) = backend {
@@ -1297,7 +1303,8 @@ impl Edge {
     /// (a pause or a fork may be under way), if it is still running by then.
     async fn on_death(self: &Arc<Self>, id: String) {
         loop {
-            let Ok(e) = self.entry(&id) else { return };
+            // Pool members included: a dead one must not be handed out.
+            let Ok(e) = self.entry_any(&id) else { return };
             if e.op.try_lock().is_err() {
                 tokio::time::sleep(Duration::from_millis(500)).await;
                 continue;

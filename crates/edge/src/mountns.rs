@@ -10,7 +10,6 @@
 //! `/proc/<holder>/root` ([`MountNs::view`]). If the holder dies while the edge runs, a new
 //! one joins the same namespace.
 
-use std::ffi::CString;
 use std::fs::File;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::process::CommandExt;
@@ -65,15 +64,31 @@ fn is_holder(pid: i32) -> bool {
     state.is_some_and(|s| s != 'Z' && s != 'X')
 }
 
-fn cstr(s: &str) -> CString {
-    CString::new(s).unwrap_or_default()
+/// Moves the calling process into a new mount namespace, a copy of its own with every
+/// mount made private (nothing mounted there reaches the old one, nor the reverse).
+/// Async-signal-safe: it runs between fork and exec.
+pub fn unshare_private() -> std::io::Result<()> {
+    // SAFETY: unshare(2) and mount(2) with a static NUL-terminated path and no data.
+    unsafe {
+        if libc::unshare(libc::CLONE_NEWNS) != 0
+            || libc::mount(
+                std::ptr::null(),
+                c"/".as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null(),
+            ) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }
 
 /// Starts a holder: in a new mount namespace copied from this one with every mount made
 /// private (nothing mounted there reaches the host, nor the reverse), or, with `join`, in
 /// that namespace.
 fn spawn_holder(join: Option<RawFd>) -> Result<Child, String> {
-    let root = cstr("/");
     let mut cmd = Command::new("sleep");
     cmd.arg0(HOLDER_NAME)
         .arg("infinity")
@@ -90,20 +105,7 @@ fn spawn_holder(join: Option<RawFd>) -> Result<Child, String> {
                 }
                 return Ok(());
             }
-            if libc::unshare(libc::CLONE_NEWNS) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            if libc::mount(
-                std::ptr::null(),
-                root.as_ptr(),
-                std::ptr::null(),
-                libc::MS_REC | libc::MS_PRIVATE,
-                std::ptr::null(),
-            ) != 0
-            {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
+            unshare_private()
         });
     }
     cmd.spawn()
@@ -218,6 +220,11 @@ impl MountNs {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::ffi::CString;
+
+    fn cstr(s: &str) -> CString {
+        CString::new(s).unwrap()
+    }
 
     fn root() -> bool {
         // SAFETY: geteuid has no preconditions.

@@ -183,6 +183,15 @@ impl Pools {
         }
     }
 
+    /// A waiting member is gone (it died, or was stopped): out of its pool's queue, which
+    /// its refill then tops up.
+    pub(crate) fn forget(&self, pool: &str, id: &str) {
+        if let Some(p) = self.lock().get_mut(pool) {
+            p.ready.retain(|r| r.id != id);
+        }
+        self.changed.notify_waiters();
+    }
+
     /// A create asked for a sandbox (pooled or not).
     pub(crate) fn asked(&self) {
         *self.last_ask.lock().unwrap_or_else(|p| p.into_inner()) = std::time::Instant::now();
@@ -330,6 +339,7 @@ impl Edge {
     async fn fill_one(self: &Arc<Self>, cfg: &PoolConfig) -> Result<(), ApiError> {
         let req = request(cfg, &self.cfg);
         let v = validate::create(&self.cfg, &req)?;
+        let network = self.network_for(&req)?;
         let image = ImageRef::parse(&cfg.image).map_err(|e| ApiError::invalid(e.to_string()))?;
         let (images, image2) = (self.images.clone(), image.clone());
         let (digest, manifest) = blocking(move || images.resolve(&image2))
@@ -358,6 +368,7 @@ impl Edge {
                 image,
                 digest.clone(),
                 manifest,
+                network,
                 Some(cfg.name.clone()),
             )
             .await;

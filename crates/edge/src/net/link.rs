@@ -1,7 +1,8 @@
 //! A sandbox's network namespace and veth pair, made in-process over rtnetlink
-//! ([`super::rtnl`]): the namespace `dsec-<id>` (pinned at `/run/dsec/netns/dsec-<id>` in the
-//! sandboxes' mount namespace; the OCI runtime joins it at [`netns_path`]), `eth0` inside with the sandbox's address and a default route, `dsv<k>`
-//! on the node with the gateway address, and the namespace's own DNS guard
+//! ([`super::rtnl`]): the namespace `dsec-<id>` (pinned at `/run/dsec/netns/dsec-<id>` in
+//! the sandboxes' mount namespace; the OCI runtime joins it at [`netns_path`]), `eth0`
+//! inside with the sandbox's address and a default route, `dsv<k>` on the node with the
+//! gateway address, and the namespace's own DNS guard
 //! ([`super::guard`]). Each sandbox has a /30 of the pool.
 
 use std::net::Ipv4Addr;

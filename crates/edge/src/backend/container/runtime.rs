@@ -106,26 +106,13 @@ impl OciRuntime {
         c.arg("--root").arg(&self.root);
         let hide = self.hide_unified;
         let own_ns = hide || rootfs.is_some();
-        let root = CString::new("/").unwrap_or_default();
         let unified = CString::new("/sys/fs/cgroup/unified").unwrap_or_default();
         // SAFETY: only async-signal-safe syscalls run between fork and exec.
         unsafe {
             c.pre_exec(move || {
                 libc::setsid();
                 if own_ns {
-                    if libc::unshare(libc::CLONE_NEWNS) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    if libc::mount(
-                        std::ptr::null(),
-                        root.as_ptr(),
-                        std::ptr::null(),
-                        libc::MS_REC | libc::MS_PRIVATE,
-                        std::ptr::null(),
-                    ) != 0
-                    {
-                        return Err(std::io::Error::last_os_error());
-                    }
+                    crate::mountns::unshare_private()?;
                     if hide {
                         libc::umount2(unified.as_ptr(), libc::MNT_DETACH);
                     }
