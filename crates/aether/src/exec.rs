@@ -2,10 +2,10 @@
 //! (the whole process group is killed), exit status.
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Command, Stdio};
-use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use dsec_common::api::ExecResult;
@@ -33,12 +33,6 @@ pub fn with_defaults(mut env: Env) -> Env {
     env
 }
 
-#[derive(Default)]
-struct Capture {
-    data: Vec<u8>,
-    truncated: bool,
-}
-
 /// Starts a helper thread; fails (instead of panicking) when the pids limit is reached.
 pub fn spawn(f: impl FnOnce() + Send + 'static) -> Result<(), String> {
     std::thread::Builder::new()
@@ -47,76 +41,20 @@ pub fn spawn(f: impl FnOnce() + Send + 'static) -> Result<(), String> {
         .map_err(|e| format!("the sandbox is at its process limit (pids_limit): {e}"))
 }
 
-/// A thread that will read one pipe, started before the command so that a sandbox at its
-/// pids limit fails the request before anything runs; it gets its pipe through the sender.
-type Reader = Box<dyn Read + Send>;
-
-/// What one pipe's reader has so far, and whether it reached end of file. Shared, so a
-/// command whose background child keeps the pipe open still returns what it printed.
-#[derive(Default)]
-struct Captured {
-    out: std::sync::Mutex<Capture>,
-    eof: std::sync::Condvar,
-    done: std::sync::atomic::AtomicBool,
-}
-
-impl Captured {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Capture> {
-        self.out.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Waits until end of file or `deadline`, then takes what was read.
-    fn take(&self, deadline: Instant) -> Capture {
-        let mut g = self.lock();
-        while !self.done.load(std::sync::atomic::Ordering::SeqCst) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            g = match self.eof.wait_timeout(g, left) {
-                Ok((g, _)) => g,
-                Err(p) => p.into_inner().0,
-            };
-        }
-        std::mem::take(&mut *g)
-    }
-}
-
-fn capture(cap: u64) -> Result<(mpsc::Sender<Reader>, Arc<Captured>), String> {
-    let (pipe_tx, pipe_rx) = mpsc::channel::<Reader>();
-    let shared = Arc::new(Captured::default());
-    let out = shared.clone();
-    spawn(move || {
-        let Ok(mut r) = pipe_rx.recv() else { return };
-        let mut buf = [0u8; 64 * 1024];
-        loop {
-            match r.read(&mut buf) {
-                Ok(0) => break,
-                Ok(n) => {
-                    let mut o = out.lock();
-                    let room = (cap as usize).saturating_sub(o.data.len());
-                    if n > room {
-                        o.truncated = true;
-                    }
-                    o.data.extend_from_slice(&buf[..n.min(room)]);
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(_) => break,
-            }
-        }
-        let _g = out.lock();
-        out.done.store(true, std::sync::atomic::Ordering::SeqCst);
-        out.eof.notify_all();
-    })?;
-    Ok((pipe_tx, shared))
-}
-
 /// The command for `spec` (argv, environment, cwd, user), not yet started.
 pub fn command(spec: &ExecSpec, base: &Env) -> Result<Command, String> {
     let Some(program) = spec.argv.first() else {
         return Err("empty argv".into());
     };
-    let mut cmd = Command::new(program);
+    let path = spec.env.get("PATH").or(base.get("PATH"));
+    let mut cmd = match resolve(program, path).filter(|_| spec.user.is_none()) {
+        Some(p) => {
+            let mut c = Command::new(p);
+            c.arg0(program);
+            c
+        }
+        None => Command::new(program),
+    };
     cmd.args(&spec.argv[1..]).env_clear().envs(base);
     if let Some(user) = &spec.user {
         let u = crate::user::lookup(user)?;
@@ -126,7 +64,12 @@ pub fn command(spec: &ExecSpec, base: &Env) -> Result<Command, String> {
             .env("LOGNAME", &u.name);
     }
     cmd.envs(&spec.env);
-    cmd.current_dir(spec.cwd.as_deref().unwrap_or("/"));
+    let cwd = spec.cwd.as_deref().unwrap_or("/");
+    // aether's own cwd is `/`; naming it again would keep the standard library from
+    // using posix_spawn (the static libc has no posix_spawn_file_actions_addchdir_np).
+    if cwd != "/" || std::env::current_dir().is_ok_and(|d| d != std::path::Path::new("/")) {
+        cmd.current_dir(cwd);
+    }
     Ok(cmd)
 }
 
@@ -145,6 +88,124 @@ pub fn spawn_error(spec: &ExecSpec, e: std::io::Error) -> String {
     }
 }
 
+/// One output pipe of a command, read until end of file into at most `cap` bytes.
+struct Output {
+    pipe: Option<OwnedFd>,
+    data: Vec<u8>,
+    cap: usize,
+    truncated: bool,
+}
+
+impl Output {
+    fn new(pipe: Option<OwnedFd>, cap: u64) -> Output {
+        Output {
+            pipe,
+            data: Vec::new(),
+            cap: cap as usize,
+            truncated: false,
+        }
+    }
+
+    /// Reads what the pipe has now; closes it at end of file or on an error.
+    fn drain(&mut self) {
+        let Some(fd) = &self.pipe else { return };
+        let mut buf = [0u8; 64 * 1024];
+        loop {
+            // SAFETY: reading into a buffer we own from a pipe we own.
+            let n = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            if n > 0 {
+                let n = n as usize;
+                let room = self.cap.saturating_sub(self.data.len());
+                if n > room {
+                    self.truncated = true;
+                }
+                self.data.extend_from_slice(&buf[..n.min(room)]);
+                continue;
+            }
+            let e = std::io::Error::last_os_error();
+            if n < 0 && e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            if n < 0 && e.kind() == std::io::ErrorKind::WouldBlock {
+                return;
+            }
+            self.pipe = None;
+            return;
+        }
+    }
+}
+
+/// The command's stdin and what is left to write to it.
+struct Input {
+    pipe: OwnedFd,
+    data: Vec<u8>,
+    at: usize,
+}
+
+impl Input {
+    /// Writes what the pipe takes now; `false` once everything is written (or the
+    /// command closed its end), when the pipe should be closed.
+    fn feed(&mut self) -> bool {
+        while self.at < self.data.len() {
+            let rest = &self.data[self.at..];
+            // SAFETY: writing from a buffer we own to a pipe we own.
+            let n = unsafe { libc::write(self.pipe.as_raw_fd(), rest.as_ptr().cast(), rest.len()) };
+            if n >= 0 {
+                self.at += n as usize;
+                continue;
+            }
+            match std::io::Error::last_os_error().kind() {
+                std::io::ErrorKind::Interrupted => continue,
+                std::io::ErrorKind::WouldBlock => return true,
+                _ => return false,
+            }
+        }
+        false
+    }
+}
+
+fn nonblocking(fd: &impl AsRawFd) {
+    // SAFETY: fcntl on a descriptor we own.
+    unsafe {
+        let flags = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
+        libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK);
+    }
+}
+
+/// A pidfd for `pid` (a child not yet waited for), readable once it exits; `None` on
+/// kernels without pidfd_open (before 5.3), where the exit is polled instead.
+fn pidfd(pid: u32) -> Option<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    // SAFETY: a descriptor the kernel just gave us, owned from here on.
+    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// `program` as the path `execvp` would run, searching `path` (the command's `PATH`), when
+/// it is found in an absolute directory: spawning an explicit path lets the standard library
+/// use `posix_spawn` (a vfork, no copy of aether's page tables) rather than fork. `None`
+/// leaves the search to exec (a relative `PATH` entry depends on the command's cwd).
+fn resolve(program: &str, path: Option<&String>) -> Option<std::path::PathBuf> {
+    if program.contains('/') || program.is_empty() {
+        return None;
+    }
+    for dir in path?.split(':') {
+        if !dir.starts_with('/') {
+            return None;
+        }
+        let p = std::path::Path::new(dir).join(program);
+        if let Ok(m) = std::fs::metadata(&p)
+            && m.is_file()
+            && m.permissions().mode() & 0o111 != 0
+        {
+            return Some(p);
+        }
+    }
+    None
+}
+
+/// Runs one command to its end in the calling thread: its pipes and its exit (a pidfd)
+/// are waited for together with poll(2), so a command costs no helper thread.
 pub fn run(spec: ExecSpec, table: &Table, base: &Env) -> Result<ExecResult, String> {
     let mut cmd = command(&spec, base)?;
     cmd.stdin(if spec.stdin.is_some() {
@@ -155,24 +216,6 @@ pub fn run(spec: ExecSpec, table: &Table, base: &Env) -> Result<ExecResult, Stri
     .stdout(Stdio::piped())
     .stderr(Stdio::piped())
     .process_group(0);
-    // Every helper thread first: once the command runs, it may use up the pids limit.
-    let (out_pipe, out_rx) = capture(spec.max_output_bytes)?;
-    let (err_pipe, err_rx) = capture(spec.max_output_bytes)?;
-    let (stdin_tx, stdin_rx) = mpsc::channel::<std::process::ChildStdin>();
-    if let Some(data) = spec.stdin.clone() {
-        spawn(move || {
-            if let Ok(mut stdin) = stdin_rx.recv() {
-                let _ = stdin.write_all(data.as_bytes());
-            }
-        })?;
-    }
-    let (child_tx, child_rx) = mpsc::channel::<std::process::Child>();
-    let (done_tx, done_rx) = mpsc::channel();
-    spawn(move || {
-        if let Ok(mut child) = child_rx.recv() {
-            let _ = done_tx.send(child.wait());
-        }
-    })?;
     let started = Instant::now();
     let mut child = {
         let mut managed = table.lock();
@@ -183,47 +226,122 @@ pub fn run(spec: ExecSpec, table: &Table, base: &Env) -> Result<ExecResult, Stri
     let pid = child.id();
     let kill_group = || unsafe {
         // SAFETY: signalling the process group we created for this command.
-        libc::kill(-(pid as i32), libc::SIGKILL);
+        libc::kill(-(pid as i32), libc::SIGKILL)
     };
-    if let Some(o) = child.stdout.take() {
-        let _ = out_pipe.send(Box::new(o));
+    let mut out = Output::new(
+        child.stdout.take().map(OwnedFd::from),
+        spec.max_output_bytes,
+    );
+    let mut err = Output::new(
+        child.stderr.take().map(OwnedFd::from),
+        spec.max_output_bytes,
+    );
+    let mut input = child.stdin.take().map(|i| Input {
+        pipe: OwnedFd::from(i),
+        data: spec.stdin.clone().unwrap_or_default().into_bytes(),
+        at: 0,
+    });
+    for fd in [&out.pipe, &err.pipe].into_iter().flatten() {
+        nonblocking(fd);
     }
-    if let Some(e) = child.stderr.take() {
-        let _ = err_pipe.send(Box::new(e));
+    if let Some(i) = &input {
+        nonblocking(&i.pipe);
     }
-    if let Some(i) = child.stdin.take() {
-        let _ = stdin_tx.send(i);
-    }
-    drop((out_pipe, err_pipe, stdin_tx));
-    let _ = child_tx.send(child);
+    let exited_fd = pidfd(pid);
+    let deadline = spec
+        .timeout_ms
+        .map(|ms| started + Duration::from_millis(ms));
     let mut timed_out = false;
-    let status = match spec.timeout_ms {
-        Some(ms) => match done_rx.recv_timeout(Duration::from_millis(ms)) {
-            Ok(s) => s,
-            Err(_) => {
-                timed_out = true;
-                kill_group();
-                done_rx.recv().map_err(|e| e.to_string())?
+    let mut status = None;
+    // Once the command has exited: how long its pipes may stay open (a background child
+    // of its may hold them).
+    let mut grace: Option<Instant> = None;
+    loop {
+        if status.is_none() {
+            match child.try_wait() {
+                Ok(Some(s)) => {
+                    status = Some(Ok(s));
+                    grace = Some(Instant::now() + PIPE_GRACE);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    status = Some(Err(e));
+                    grace = Some(Instant::now());
+                }
             }
-        },
-        None => done_rx.recv().map_err(|e| e.to_string())?,
-    };
+        }
+        if status.is_some() && out.pipe.is_none() && err.pipe.is_none() {
+            break;
+        }
+        let now = Instant::now();
+        let until = match (status.is_some(), grace, deadline) {
+            (true, Some(g), _) => g,
+            (false, _, Some(d)) => d,
+            _ => now + Duration::from_secs(3600),
+        };
+        if now >= until {
+            if status.is_some() {
+                break;
+            }
+            timed_out = true;
+            kill_group();
+            status = Some(child.wait());
+            grace = Some(Instant::now() + PIPE_GRACE);
+            continue;
+        }
+        let mut fds: Vec<libc::pollfd> = Vec::with_capacity(4);
+        let watch = |fds: &mut Vec<libc::pollfd>, fd: i32, events: i16| {
+            fds.push(libc::pollfd {
+                fd,
+                events,
+                revents: 0,
+            })
+        };
+        for o in [&out, &err] {
+            if let Some(p) = &o.pipe {
+                watch(&mut fds, p.as_raw_fd(), libc::POLLIN);
+            }
+        }
+        if let Some(i) = &input {
+            watch(&mut fds, i.pipe.as_raw_fd(), libc::POLLOUT);
+        }
+        // Without a pidfd the exit is looked for every few milliseconds.
+        let mut wait_ms = (until - now).as_millis().clamp(1, i32::MAX as u128) as i32;
+        match (&exited_fd, status.is_none()) {
+            (Some(p), true) => watch(&mut fds, p.as_raw_fd(), libc::POLLIN),
+            (None, true) => wait_ms = wait_ms.min(5),
+            _ => {}
+        }
+        // SAFETY: fds is a valid array of pollfd of the length given.
+        let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait_ms) };
+        if rc < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            return Err(format!(
+                "waiting for the command: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        out.drain();
+        err.drain();
+        if let Some(i) = &mut input
+            && !i.feed()
+        {
+            input = None;
+        }
+    }
     table.release(pid);
-    let status = status.map_err(|e| format!("waiting for the command: {e}"))?;
+    let status = status
+        .unwrap_or_else(|| child.wait())
+        .map_err(|e| format!("waiting for the command: {e}"))?;
     if timed_out {
         // Whatever the command left behind in its group goes too. Members may still be
         // forking while the signal goes out (a fork bomb), so repeat until none is left.
         for _ in 0..500 {
-            // SAFETY: as in kill_group.
-            if unsafe { libc::kill(-(pid as i32), libc::SIGKILL) } != 0 {
+            if kill_group() != 0 {
                 break;
             }
             std::thread::sleep(Duration::from_millis(10));
         }
     }
-    let deadline = Instant::now() + PIPE_GRACE;
-    let out = out_rx.take(deadline);
-    let err = err_rx.take(deadline);
     let signal = status.signal();
     Ok(ExecResult {
         stdout: String::from_utf8_lossy(&out.data).into_owned(),

@@ -160,25 +160,38 @@ fn invalid(message: String) -> Response {
     Response::error(ErrorCode::InvalidArgument, message)
 }
 
+/// Serves one connection: request after request for as long as each has a single reply
+/// (the edge keeps such connections open between calls); a request that streams or hands
+/// the connection over ends it.
 fn serve(stream: UnixStream, ctx: &Ctx) {
     let Ok(read_half) = stream.try_clone() else {
         return;
     };
-    let mut input = BufReader::new(read_half);
+    let mut conn = (BufReader::new(read_half), stream);
+    while let Some(next) = serve_one(conn.0, conn.1, ctx) {
+        conn = next;
+    }
+}
+
+/// One request; the connection back when it may carry another.
+fn serve_one(
+    mut input: BufReader<UnixStream>,
+    mut out: UnixStream,
+    ctx: &Ctx,
+) -> Option<(BufReader<UnixStream>, UnixStream)> {
     let mut line = Vec::new();
     match (&mut input)
         .take(MAX_REQUEST_BYTES)
         .read_until(b'\n', &mut line)
     {
-        Ok(0) | Err(_) => return,
+        Ok(0) | Err(_) => return None,
         Ok(_) => {}
     }
-    let mut out = stream;
     let req = match serde_json::from_slice::<Request>(&line) {
         Ok(r) => r,
         Err(e) => {
             let _ = write_json(&mut out, &invalid(format!("malformed request: {e}")));
-            return;
+            return None;
         }
     };
     let reply = match req {
@@ -236,12 +249,12 @@ fn serve(stream: UnixStream, ctx: &Ctx) {
             match ctx.procs.start(spec, &ctx.table, &ctx.env()) {
                 Ok(p) => {
                     if write_json(&mut out, &Response::Started { pid: p.pid }).is_err() {
-                        return;
+                        return None;
                     }
                     if attach {
                         stream_output(p.attach(), &mut out);
                     }
-                    return;
+                    return None;
                 }
                 Err(message) => invalid(message),
             }
@@ -251,7 +264,7 @@ fn serve(stream: UnixStream, ctx: &Ctx) {
                 if write_json(&mut out, &Response::Started { pid }).is_ok() {
                     stream_output(p.attach(), &mut out);
                 }
-                return;
+                return None;
             }
             Err(e) => err(e),
         },
@@ -266,7 +279,7 @@ fn serve(stream: UnixStream, ctx: &Ctx) {
                             failure = p.write_stdin(&d).err();
                         }
                     }
-                    _ => return,
+                    _ => return None,
                 }
             }
             match (p, failure) {
@@ -307,7 +320,7 @@ fn serve(stream: UnixStream, ctx: &Ctx) {
                         let _ = files::send_file(f, &mut w);
                         let _ = w.flush();
                     }
-                    return;
+                    return None;
                 }
                 Err(e) => err(e),
             }
@@ -329,7 +342,7 @@ fn serve(stream: UnixStream, ctx: &Ctx) {
                 Ok((p, s)) if s.kind == "dir" => {
                     let mut w = BufWriter::with_capacity(dsec_common::channel::CHUNK + 64, out);
                     if write_json(&mut w, &Response::Ok).is_err() {
-                        return;
+                        return None;
                     }
                     // The sandbox's own mount points are not part of its changes.
                     let end = match dsec_common::tree::export(&p, EXPORT_SKIP, &mut w) {
@@ -340,11 +353,11 @@ fn serve(stream: UnixStream, ctx: &Ctx) {
                         Err(dsec_common::tree::ExportError::Tree(m)) => {
                             Response::error(ErrorCode::FailedPrecondition, m)
                         }
-                        Err(dsec_common::tree::ExportError::Write(_)) => return,
+                        Err(dsec_common::tree::ExportError::Write(_)) => return None,
                     };
                     let _ = write_json(&mut w, &end);
                     let _ = w.flush();
-                    return;
+                    return None;
                 }
                 Ok((p, _)) => invalid(format!("{} is not a directory", p.display())),
                 Err(e) => err(e),
@@ -374,7 +387,7 @@ fn serve(stream: UnixStream, ctx: &Ctx) {
         }
         Request::Watch { path, recursive } => {
             match files::check_path(&path).and_then(|p| watch::run(&p, recursive, &mut out)) {
-                Ok(()) => return,
+                Ok(()) => return None,
                 Err(e) => err(e),
             }
         }
@@ -425,12 +438,16 @@ fn serve(stream: UnixStream, ctx: &Ctx) {
                 if write_json(&mut out, &Response::Ok).is_ok() {
                     forward::splice(input, out, tcp);
                 }
-                return;
+                return None;
             }
             Err(e) => err(e),
         },
     };
-    let _ = write_reply(&mut out, reply);
+    // One write for the whole reply, so the edge wakes once for it.
+    let mut w = BufWriter::new(&mut out);
+    write_reply(&mut w, reply).and_then(|_| w.flush()).ok()?;
+    drop(w);
+    Some((input, out))
 }
 
 fn fs_reply(

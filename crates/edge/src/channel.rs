@@ -61,14 +61,20 @@ impl Conn {
         let mut c = Conn {
             r: BufReader::with_capacity(64 << 10, r),
             w: BufWriter::with_capacity(64 << 10, w),
-            output_cap: output_cap(req),
+            output_cap: 0,
         };
+        c.send(req).await?;
+        Ok(c)
+    }
+
+    /// Sends a request line on this connection.
+    async fn send(&mut self, req: &Request) -> Result<(), ApiError> {
+        self.output_cap = output_cap(req);
         let mut line = serde_json::to_vec(req)
             .map_err(|e| ApiError::internal(format!("encoding request: {e}")))?;
         line.push(b'\n');
-        c.w.write_all(&line).await.map_err(gone)?;
-        c.w.flush().await.map_err(gone)?;
-        Ok(c)
+        self.w.write_all(&line).await.map_err(gone)?;
+        self.w.flush().await.map_err(gone)
     }
 
     /// The next frame; `None` when the agent closed the connection.
@@ -104,6 +110,12 @@ impl Conn {
     /// The next reply: the output frames ahead of it (up to the request's cap per
     /// stream), then a JSON frame; agent errors become `Err`.
     pub async fn reply(&mut self) -> Result<Response, ApiError> {
+        check(self.whole_reply().await?)
+    }
+
+    /// [`Conn::reply`] with an agent's error reply left as it is: `Ok` means the reply
+    /// was read to its end, and the connection can carry another request.
+    async fn whole_reply(&mut self) -> Result<Response, ApiError> {
         let (mut out, mut err) = (Vec::new(), Vec::new());
         loop {
             match self.frame().await? {
@@ -111,7 +123,7 @@ impl Conn {
                     let r = serde_json::from_slice(&body).map_err(|e| {
                         ApiError::internal(format!("malformed reply from the sandbox agent: {e}"))
                     })?;
-                    return check(merge_output(r, &out, &err));
+                    return Ok(merge_output(r, &out, &err));
                 }
                 Some((k @ (FRAME_STDOUT | FRAME_STDERR), body)) => {
                     let buf = if k == FRAME_STDOUT {
@@ -171,6 +183,59 @@ fn deadline_error(timeout: Duration) -> ApiError {
 pub async fn call(sock: &Path, req: &Request, timeout: Duration) -> Result<Response, ApiError> {
     tokio::time::timeout(timeout, async {
         Conn::open(sock, req).await?.reply().await
+    })
+    .await
+    .map_err(|_| deadline_error(timeout))?
+}
+
+/// Agent connections of one sandbox kept open between calls: aether serves request after
+/// request on a connection until the edge closes it, so a call on a kept connection costs
+/// no connect, and aether no new thread. Each kept connection is an idle thread in the
+/// sandbox (counted against its pids limit), so few are kept.
+#[derive(Default)]
+pub struct Kept(std::sync::Mutex<Vec<Conn>>);
+
+const KEPT_MAX: usize = 2;
+
+impl Kept {
+    fn take(&self) -> Option<Conn> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).pop()
+    }
+
+    fn put(&self, c: Conn) {
+        let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if kept.len() < KEPT_MAX {
+            kept.push(c);
+        }
+    }
+
+    /// Closes the kept connections (the sandbox stopped, or its agent was replaced).
+    pub fn clear(&self) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+}
+
+/// [`call`] on a kept connection of the sandbox when there is one. A kept connection the
+/// agent has closed (it restarted, or an older aether that answers one request per
+/// connection) refuses the request line at once (EPIPE), before anything ran, so the
+/// request goes out again on a new connection; it is never sent twice.
+pub async fn call_kept(
+    kept: &Kept,
+    sock: &Path,
+    req: &Request,
+    timeout: Duration,
+) -> Result<Response, ApiError> {
+    tokio::time::timeout(timeout, async {
+        let mut conn = match kept.take() {
+            Some(mut c) => match c.send(req).await {
+                Ok(()) => c,
+                Err(_) => Conn::open(sock, req).await?,
+            },
+            None => Conn::open(sock, req).await?,
+        };
+        let r = conn.whole_reply().await?;
+        kept.put(conn);
+        check(r)
     })
     .await
     .map_err(|_| deadline_error(timeout))?
@@ -303,5 +368,77 @@ mod tests {
             .await
             .unwrap_err();
         assert!(e.message.contains("more than 0 bytes"), "{}", e.message);
+    }
+
+    /// An agent on a fresh socket that answers `Pong` to each request line, serving
+    /// `per_conn` requests per connection (1: an older aether) and counting connections
+    /// and requests.
+    fn counting_agent(
+        per_conn: usize,
+    ) -> (
+        tempfile::TempDir,
+        std::path::PathBuf,
+        Arc<std::sync::atomic::AtomicUsize>,
+        Arc<std::sync::atomic::AtomicUsize>,
+    ) {
+        use std::io::BufRead;
+        use std::sync::atomic::Ordering::SeqCst;
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("aether.sock");
+        let l = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        let (conns, reqs) = (Arc::default(), Arc::default());
+        let (c2, r2): (
+            Arc<std::sync::atomic::AtomicUsize>,
+            Arc<std::sync::atomic::AtomicUsize>,
+        ) = (Arc::clone(&conns), Arc::clone(&reqs));
+        std::thread::spawn(move || {
+            for c in l.incoming() {
+                let Ok(mut c) = c else { return };
+                c2.fetch_add(1, SeqCst);
+                let mut r = std::io::BufReader::new(c.try_clone().unwrap());
+                for _ in 0..per_conn {
+                    let mut line = String::new();
+                    if r.read_line(&mut line).unwrap_or(0) == 0 {
+                        break;
+                    }
+                    r2.fetch_add(1, SeqCst);
+                    let pong = Response::Pong { version: 3, pid: 1 };
+                    if write_reply(&mut c, pong).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        (dir, sock, conns, reqs)
+    }
+
+    use std::sync::Arc;
+
+    #[tokio::test]
+    async fn a_kept_connection_carries_the_next_call() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let (_d, sock, conns, reqs) = counting_agent(usize::MAX);
+        let kept = Kept::default();
+        for _ in 0..5 {
+            let r = call_kept(&kept, &sock, &Request::Ping, Duration::from_secs(10)).await;
+            assert!(matches!(r, Ok(Response::Pong { .. })), "{r:?}");
+        }
+        assert_eq!((conns.load(SeqCst), reqs.load(SeqCst)), (1, 5));
+    }
+
+    /// An agent that closes after each reply: every call still gets its answer, on a
+    /// new connection, and no request is sent twice.
+    #[tokio::test]
+    async fn a_connection_the_agent_closed_is_replaced_without_sending_twice() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let (_d, sock, conns, reqs) = counting_agent(1);
+        let kept = Kept::default();
+        for _ in 0..5 {
+            let r = call_kept(&kept, &sock, &Request::Ping, Duration::from_secs(10)).await;
+            assert!(matches!(r, Ok(Response::Pong { .. })), "{r:?}");
+            // Let the agent's side of the last connection close before the next call.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!((conns.load(SeqCst), reqs.load(SeqCst)), (5, 5));
     }
 }

@@ -62,6 +62,8 @@ pub(crate) struct Entry {
     /// Serialises stop and fork. Exec takes no lock: a stop must never wait for a
     /// long-running command (it kills it).
     op: tokio::sync::Mutex<()>,
+    /// Agent connections kept open between execs.
+    agent: channel::Kept,
 }
 
 impl Entry {
@@ -200,6 +202,25 @@ pub(crate) async fn blocking<T: Send + 'static>(
         .map_err(|e| ApiError::internal(format!("worker failed: {e}")))
 }
 
+/// Raises this process's soft limit on open files to its hard limit: each sandbox holds
+/// a few descriptors open here (its init's pidfd, its trajectory log, agent connections),
+/// and a soft limit of 1024 would stop a node at a few hundred sandboxes.
+fn raise_nofile() {
+    // SAFETY: getrlimit/setrlimit with a struct we own.
+    unsafe {
+        let mut r: libc::rlimit = std::mem::zeroed();
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
+            r.rlim_cur = r.rlim_max;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &r) != 0 {
+                tracing::warn!(
+                    "cannot raise the open-file limit: {}",
+                    std::io::Error::last_os_error()
+                );
+            }
+        }
+    }
+}
+
 impl Edge {
     /// Opens the edge's state, probes backends and re-adopts sandboxes left running by a
     /// previous edge process (cleaning up any that died or were half-created).
@@ -224,6 +245,7 @@ impl Edge {
                 "edge state directory {state} must be at most {MAX_STATE_DIR_LEN} characters (unix socket paths are short) and contain no ',' or ':'"
             )));
         }
+        raise_nofile();
         let images = ImageStore::open(&cfg.image_store)
             .map_err(|e| ApiError::internal(format!("opening image store: {e}")))?;
         let registry = Registry::open(&cfg.state_dir.join("sandboxes"))?;
@@ -434,6 +456,7 @@ impl Edge {
         let e = Arc::new(Entry {
             rec: Mutex::new(rec.clone()),
             op: tokio::sync::Mutex::new(()),
+            agent: channel::Kept::default(),
         });
         self.sandboxes
             .lock()
@@ -800,10 +823,16 @@ impl Edge {
         let spec = validate::exec(&self.cfg, &req)?;
         let rec = e.snapshot();
         let backend = self.backend(&rec.backend)?;
-        let (b2, r2) = (backend.clone(), rec.clone());
-        let before = blocking(move || b2.oom_kills(&r2)).await?;
+        // A cgroup file read: microseconds, cheaper than a hop to a blocking thread.
+        let before = backend.oom_kills(&rec);
         let wait = Duration::from_millis(spec.timeout_ms.unwrap_or(0)) + Duration::from_secs(30);
-        let resp = match channel::call(&sock, &Request::Exec(spec), wait).await {
+        let req = Request::Exec(spec);
+        let resp = if backend.keeps_agent_connections() {
+            channel::call_kept(&e.agent, &sock, &req, wait).await
+        } else {
+            channel::call(&sock, &req, wait).await
+        };
+        let resp = match resp {
             Ok(r) => r,
             Err(_) if e.snapshot().state != SandboxState::Running => {
                 return Err(ApiError::precondition(format!(
@@ -812,8 +841,7 @@ impl Edge {
             }
             Err(err) => return Err(err),
         };
-        let (b2, r2) = (backend.clone(), rec.clone());
-        let after = blocking(move || b2.oom_kills(&r2)).await?;
+        let after = backend.oom_kills(&rec);
         self.touch(&e);
         match resp {
             Response::Exec(mut r) => {

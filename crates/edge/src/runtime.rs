@@ -64,7 +64,7 @@ impl ProcessStream {
                 }) {
                     Ok(Response::Exit(mut r)) => {
                         if let Some((b, rec, before)) = self.oom.take() {
-                            let after = blocking(move || b.oom_kills(&rec)).await.unwrap_or(0);
+                            let after = b.oom_kills(&rec);
                             r.oom_killed = after > before;
                         }
                         ProcEvent::Exit(r)
@@ -256,8 +256,7 @@ impl Edge {
         let spec = self.start_spec(&req, true)?;
         let rec = e.snapshot();
         let backend = self.backend(&rec.backend)?;
-        let (b2, r2) = (backend.clone(), rec.clone());
-        let before = blocking(move || b2.oom_kills(&r2)).await?;
+        let before = backend.oom_kills(&rec);
         let mut conn = Conn::open(&sock, &Request::Start(spec)).await?;
         match conn.reply().await? {
             Response::Started { pid } => Ok(ProcessStream {

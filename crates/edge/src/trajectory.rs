@@ -133,6 +133,9 @@ struct Log {
     /// The next step number.
     next: u64,
     durable: bool,
+    /// Open for appending after the first line written: a step is two appends, and
+    /// opening (with its directory checks) each time cost more than the write.
+    file: Option<std::fs::File>,
 }
 
 /// The lines of a log file with their offsets (a torn last line, from a crash mid-write,
@@ -221,6 +224,7 @@ impl Log {
             index,
             next,
             durable,
+            file: None,
         }
     }
 
@@ -229,18 +233,25 @@ impl Log {
         std::fs::metadata(&self.path).map(|m| m.len()).unwrap_or(0)
     }
 
-    fn append(&self, line: &Line) -> Result<(), ApiError> {
+    fn append(&mut self, line: &Line) -> Result<(), ApiError> {
+        let path = &self.path;
         let fail = |e: std::io::Error| {
             ApiError::internal(format!(
                 "writing the trajectory log {}: {e}",
-                self.path.display()
+                path.display()
             ))
         };
-        if let Some(dir) = self.path.parent() {
-            dsec_common::private::dir(dir).map_err(fail)?;
-        }
-        // Commands and their output: root's alone.
-        let mut f = dsec_common::private::open(&self.path, true).map_err(fail)?;
+        let f = match &mut self.file {
+            Some(f) => f,
+            None => {
+                if let Some(dir) = path.parent() {
+                    dsec_common::private::dir(dir).map_err(fail)?;
+                }
+                // Commands and their output: root's alone.
+                self.file
+                    .insert(dsec_common::private::open(path, true).map_err(fail)?)
+            }
+        };
         let mut buf = serde_json::to_vec(line).map_err(|e| ApiError::internal(e.to_string()))?;
         buf.push(b'\n');
         f.write_all(&buf).map_err(fail)?;

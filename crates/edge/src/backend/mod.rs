@@ -71,6 +71,11 @@ pub trait Backend: Send + Sync {
     }
     /// Whether fork carries process memory.
     fn fork_preserves_memory(&self) -> bool;
+    /// Whether agent connections may be kept open between calls. Not for VMs: a kept
+    /// connection would be inside the guest's memory when it is snapshotted or forked.
+    fn keeps_agent_connections(&self) -> bool {
+        false
+    }
     /// Starts the sandbox; `seed` is a filesystem snapshot (from [`Backend::snapshot_fs`])
     /// to start from. Must leave nothing behind on error.
     fn create(

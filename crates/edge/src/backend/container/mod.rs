@@ -277,6 +277,10 @@ impl Backend for ContainerBackend {
         false
     }
 
+    fn keeps_agent_connections(&self) -> bool {
+        true
+    }
+
     fn create(
         &self,
         rec: &SandboxRecord,
