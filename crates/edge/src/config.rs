@@ -57,6 +57,11 @@ pub struct EdgeConfig {
     /// Warm pools (`[[edge.pools]]`): sandboxes made ahead, each handed to one create that
     /// asks for what they are (see `pools.rs`).
     pub pools: Vec<PoolConfig>,
+    /// How many creates (and forks) start sandboxes at once; the rest wait their turn in
+    /// arrival order. 0 (the default): twice the node's CPUs. A burst of a thousand then
+    /// runs a few at a time, so the first is ready about as soon as a lone create would
+    /// be, instead of all of them sharing the CPUs until the end.
+    pub create_parallelism: u32,
 }
 
 /// `[[edge.pools]]`: `size` sandboxes of `image` with these limits, kept made. A create of
@@ -205,6 +210,7 @@ impl Default for EdgeConfig {
             firecracker_diff_snapshots: false,
             firecracker_run_as: "nobody".into(),
             pools: Vec::new(),
+            create_parallelism: 0,
         }
     }
 }

@@ -85,6 +85,8 @@ pub struct Edge {
     creating: AtomicU64,
     fork_tmp: PathBuf,
     trajectories: trajectory::Logs,
+    /// Turns to start a sandbox (`create_parallelism`), given in arrival order.
+    create_turns: tokio::sync::Semaphore,
     quotas: Option<Arc<dyn Quotas>>,
     /// Sandbox networking; `None` when `[edge.network] enabled = false`.
     net: Option<Arc<net::Network>>,
@@ -202,6 +204,14 @@ pub(crate) async fn blocking<T: Send + 'static>(
         .map_err(|e| ApiError::internal(format!("worker failed: {e}")))
 }
 
+/// Creates that may start sandboxes at once: `configured`, else twice the CPUs.
+fn create_parallelism(configured: u32) -> usize {
+    match configured {
+        0 => 2 * std::thread::available_parallelism().map_or(2, |n| n.get()),
+        n => n as usize,
+    }
+}
+
 /// Raises this process's soft limit on open files to its hard limit: each sandbox holds
 /// a few descriptors open here (its init's pidfd, its trajectory log, agent connections),
 /// and a soft limit of 1024 would stop a node at a few hundred sandboxes.
@@ -302,6 +312,7 @@ impl Edge {
         // Late in the start, so that a start that fails (the network's ports taken) leaves
         // no holder behind.
         let pools = pools::Pools::new(&cfg).map_err(ApiError::invalid)?;
+        let turns = create_parallelism(cfg.create_parallelism);
         mountns::init(&cfg.state_dir).map_err(ApiError::internal)?;
         let (died_tx, died_rx) = tokio::sync::mpsc::unbounded_channel();
         let deaths = deaths::Deaths::start(died_tx)
@@ -319,6 +330,7 @@ impl Edge {
             creating: AtomicU64::new(0),
             fork_tmp,
             trajectories: trajectory::Logs::default(),
+            create_turns: tokio::sync::Semaphore::new(turns),
             quotas,
             net,
             dns,
@@ -726,6 +738,18 @@ impl Edge {
         self.creating.fetch_add(1, Ordering::SeqCst);
         let mut phases = Phases::start();
         let result = async {
+            // Creates take turns; a fork's copies start together (the source waits for
+            // them). The semaphore is never closed, so acquiring only waits.
+            let _turn = match seed {
+                None => Some(
+                    self.create_turns
+                        .acquire()
+                        .await
+                        .map_err(|_| ApiError::unavailable("the edge is shutting down"))?,
+                ),
+                Some(_) => None,
+            };
+            phases.mark("queued");
             self.admit()?;
             phases.mark("admit");
             // A pool member is nobody's until handed out, when it takes its reservation.
