@@ -6,7 +6,7 @@ AETHER := target/$(AETHER_TARGET)/release/dsec-aether
 DSEC_TEST_DIR ?= /var/tmp/dsec-test
 CARGO_PROFILE_FLAG := $(if $(filter release,$(PROFILE)),--release,)
 
-.PHONY: build aether dsec test test-rust test-e2e test-nested lint images bench bench-runtime bench-cluster bench-network bench-vm bench-gateway bench-tenant bench-guest bench-vm-nested clean-test
+.PHONY: build aether dsec test test-rust test-e2e test-nested lint images bench bench-runtime bench-cluster bench-network bench-vm bench-gateway bench-tenant bench-guest bench-vm-nested bench-burst bench-functions clean-test
 
 build: dsec aether
 
@@ -68,6 +68,12 @@ bench-vm-nested: build
 	python3 tests/nested/outer.py --share $(DSEC_TEST_DIR)/images:/var/tmp/dsec-bench/images \
 		--out $(CURDIR)/bench/results -- env DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec \
 		DSEC_AETHER=$(CURDIR)/$(AETHER) python3 bench/vm_lifecycle.py $(NESTED_BENCH_ARGS)
+
+bench-burst: build
+	DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec DSEC_AETHER=$(CURDIR)/$(AETHER) python3 bench/burst.py $(BENCH_ARGS)
+
+bench-functions: build
+	DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec DSEC_AETHER=$(CURDIR)/$(AETHER) python3 bench/functions.py $(BENCH_ARGS)
 
 bench-network: build
 	DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec DSEC_AETHER=$(CURDIR)/$(AETHER) python3 bench/network.py $(BENCH_ARGS)

@@ -152,6 +152,8 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/v1/images", get(images))
         .route("/v1/images/builds", post(build_image))
+        .route("/v1/functions", get(functions))
+        .route("/v1/functions/{call}", post(call_function))
         .merge(runtime::routes())
         .merge(snapshots::routes())
         .merge(iam::routes().with_state(state.iam.clone()))
@@ -588,6 +590,45 @@ async fn images(
     Ok(json(StatusCode::OK, &serde_json::json!({ "images": list })))
 }
 
+/// `GET /v1/functions`: the functions this key may call.
+async fn functions(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+) -> ApiResult<Response> {
+    let list = st.edge.functions(&p.project);
+    Ok(json(
+        StatusCode::OK,
+        &serde_json::json!({ "functions": list }),
+    ))
+}
+
+/// `POST /v1/functions/{name}:call`.
+async fn call_function(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+    Path(call): Path<String>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    let Some(name) = call.strip_suffix(":call") else {
+        return Err(ApiError::not_found(format!(
+            "no such endpoint: POST /v1/functions/{call}; to call a function, POST /v1/functions/NAME:call"
+        ))
+        .into());
+    };
+    let req: dsec_common::api::FunctionCallRequest = body(&bytes, "function call")?;
+    if let Some(project) = &req.project
+        && !dsec_iam::within(project, &p.project)
+    {
+        return Err(ApiError::not_found(format!(
+            "project {project} does not exist (this key can use {} and the projects inside it)",
+            p.project
+        ))
+        .into());
+    }
+    let r = st.edge.call_function(name, &p.project, req).await?;
+    Ok(json(StatusCode::OK, &r))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -704,6 +745,8 @@ mod tests {
             "/v1/sandboxes/{id}/files/watch",
             "/v1/sandboxes/{id}/sessions/{sid}/run",
             "/v1/sandboxes/{id}/trajectories/{name}",
+            "/v1/functions",
+            "/v1/functions/{name}:call",
         ] {
             assert!(v["paths"].get(p).is_some(), "{p} missing from openapi.json");
         }

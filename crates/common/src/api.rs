@@ -502,3 +502,52 @@ pub struct SessionRunRequest {
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub background: bool,
 }
+
+/// `POST /v1/functions/{name}:call`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FunctionCallRequest {
+    /// Given to the function as JSON on its stdin (`null` when left out).
+    #[serde(default)]
+    pub input: serde_json::Value,
+    /// At most the function's own limit (its `timeout_seconds`), which is the default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_seconds: Option<f64>,
+    /// The project the call's sandbox counts against (default: the key's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project: Option<String>,
+}
+
+/// What a function call returned. A function that exits non-zero still answers 200 with
+/// its exit code and stderr: the call worked, the function failed.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct FunctionCallResult {
+    pub function: String,
+    /// The function's stdout parsed as JSON; its text as a string when it is not JSON.
+    pub output: serde_json::Value,
+    pub stderr: String,
+    pub exit_code: i32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<i32>,
+    /// From the request reaching the node to the answer, sandbox included.
+    pub duration_ms: u64,
+    /// The entry point's own run time, as the sandbox's agent measured it.
+    pub run_ms: u64,
+    /// The sandbox the call ran in (stopped once it answered).
+    pub sandbox_id: String,
+    /// The warm pool that sandbox came from, if it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_pool: Option<String>,
+}
+
+/// An entry of `GET /v1/functions`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct FunctionInfo {
+    pub name: String,
+    pub image: String,
+    pub backend: String,
+    pub entry: Vec<String>,
+    pub timeout_seconds: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<String>,
+}

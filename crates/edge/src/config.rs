@@ -57,6 +57,9 @@ pub struct EdgeConfig {
     /// Warm pools (`[[edge.pools]]`): sandboxes made ahead, each handed to one create that
     /// asks for what they are (see `pools.rs`).
     pub pools: Vec<PoolConfig>,
+    /// Functions (`[[edge.functions]]`): an image and an entry point that
+    /// `POST /v1/functions/{name}:call` runs in a sandbox of its own (see `functions.rs`).
+    pub functions: Vec<FunctionConfig>,
     /// How many creates (and forks) start sandboxes at once; the rest wait their turn in
     /// arrival order. 0 (the default): twice the node's CPUs. A burst of a thousand then
     /// runs a few at a time, so the first is ready about as soon as a lone create would
@@ -88,6 +91,35 @@ pub struct PoolConfig {
     /// under way on the node, so a pool never starves them).
     #[serde(default = "default_refill_per_second")]
     pub refill_per_second: f64,
+}
+
+/// `[[edge.functions]]`: a function callable by name. Each call runs `entry` in a new
+/// sandbox (a member of `pool` when one is ready, so a call costs no create), with the
+/// call's input as JSON on stdin; its stdout is the result. The sandbox is stopped after.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FunctionConfig {
+    /// `[a-z0-9-]`, 1-32 characters.
+    pub name: String,
+    /// The program and its arguments, run in the sandbox.
+    pub entry: Vec<String>,
+    /// A `[[edge.pools]]` whose members run the calls (its image, backend and limits).
+    #[serde(default)]
+    pub pool: Option<String>,
+    /// Without a pool: the image the calls' sandboxes are made of (the node's default
+    /// limits).
+    #[serde(default)]
+    pub image: Option<String>,
+    /// Longest a call may run when it asks for no limit, and the most it may ask for.
+    #[serde(default = "default_function_timeout")]
+    pub timeout_seconds: f64,
+    /// Projects whose keys may call it (each with the projects inside it); empty: all.
+    #[serde(default)]
+    pub projects: Vec<String>,
+}
+
+fn default_function_timeout() -> f64 {
+    60.0
 }
 
 fn container_backend() -> String {
@@ -210,6 +242,7 @@ impl Default for EdgeConfig {
             firecracker_diff_snapshots: false,
             firecracker_run_as: "nobody".into(),
             pools: Vec::new(),
+            functions: Vec::new(),
             create_parallelism: 0,
         }
     }

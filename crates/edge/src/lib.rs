@@ -9,6 +9,7 @@ pub mod channel;
 mod commit;
 pub mod config;
 mod deaths;
+pub mod functions;
 pub mod host;
 pub mod mountns;
 pub mod net;
@@ -87,6 +88,7 @@ pub struct Edge {
     trajectories: trajectory::Logs,
     /// Turns to start a sandbox (`create_parallelism`), given in arrival order.
     create_turns: tokio::sync::Semaphore,
+    functions: functions::Functions,
     quotas: Option<Arc<dyn Quotas>>,
     /// Sandbox networking; `None` when `[edge.network] enabled = false`.
     net: Option<Arc<net::Network>>,
@@ -313,6 +315,7 @@ impl Edge {
         // no holder behind.
         let pools = pools::Pools::new(&cfg).map_err(ApiError::invalid)?;
         let turns = create_parallelism(cfg.create_parallelism);
+        let functions = functions::Functions::new(&cfg).map_err(ApiError::invalid)?;
         mountns::init(&cfg.state_dir).map_err(ApiError::internal)?;
         let (died_tx, died_rx) = tokio::sync::mpsc::unbounded_channel();
         let deaths = deaths::Deaths::start(died_tx)
@@ -331,6 +334,7 @@ impl Edge {
             fork_tmp,
             trajectories: trajectory::Logs::default(),
             create_turns: tokio::sync::Semaphore::new(turns),
+            functions,
             quotas,
             net,
             dns,

@@ -57,7 +57,7 @@ pub(crate) struct Pools {
 const QUIET: Duration = Duration::from_millis(200);
 
 /// The create a pool's members are made by.
-fn request(cfg: &PoolConfig, edge: &EdgeConfig) -> CreateSandboxRequest {
+pub(crate) fn request(cfg: &PoolConfig, edge: &EdgeConfig) -> CreateSandboxRequest {
     CreateSandboxRequest {
         backend: cfg.backend.clone(),
         image: cfg.image.clone(),

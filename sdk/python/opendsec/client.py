@@ -17,11 +17,12 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator, BinaryIO, Iterable, Union
+from urllib.parse import quote
 
 import httpx
 
 from . import config
-from .errors import DSecError, PreconditionError, UnavailableError, from_event, from_response
+from .errors import DSecError, FunctionError, PreconditionError, UnavailableError, from_event, from_response
 
 # Extra time over a command's own timeout before the HTTP call gives up.
 _EXEC_SLACK_S = 60.0
@@ -171,6 +172,28 @@ class SnapshotInfo:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
+@dataclass
+class FunctionResult:
+    """What a function call returned (``DSecClient.call``)."""
+
+    function: str
+    # The function's stdout parsed as JSON (its text when it is not JSON).
+    output: Any
+    stderr: str
+    exit_code: int
+    # Request at the node to answer, sandbox included; and the entry point's own time.
+    duration_ms: int
+    run_ms: int
+    # The sandbox it ran in (stopped after) and the warm pool that sandbox came from.
+    sandbox_id: str
+    from_pool: str | None = None
+    signal: int | None = None
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "FunctionResult":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
 class DSecClient:
     """Async client for the OpenDsec API.
 
@@ -257,6 +280,34 @@ class DSecClient:
 
     async def status(self) -> dict[str, Any]:
         return await self._request("GET", "/v1/status")
+
+    async def functions(self) -> list[dict[str, Any]]:
+        """The functions this key may call (the node's ``[[edge.functions]]``)."""
+        return (await self._request("GET", "/v1/functions"))["functions"]
+
+    async def call(self, name: str, input: Any = None, *, timeout: float | None = None,
+                   project: str | None = None, check: bool = True) -> FunctionResult:
+        """Calls function ``name`` with ``input`` (any JSON value, given to it on stdin)
+        and returns what it wrote to stdout as ``.output``. Each call runs in a sandbox of
+        its own, from the function's warm pool when one is ready.
+
+        A function that exits non-zero raises ``FunctionError`` (``check=False`` returns
+        its result instead); one past ``timeout`` seconds raises ``DeadlineExceededError``.
+
+            r = await client.call("add", {"a": 1, "b": 2})
+            print(r.output)
+        """
+        body: dict[str, Any] = {"input": input}
+        if timeout is not None:
+            body["timeout_seconds"] = timeout
+        if project is not None:
+            body["project"] = project
+        wait = None if timeout is None else timeout + 60
+        r = FunctionResult.from_json(await self._request(
+            "POST", f"/v1/functions/{quote(name, safe='')}:call", json=body, timeout=wait))
+        if check and r.exit_code != 0:
+            raise FunctionError(r)
+        return r
 
     async def list_snapshots(self) -> list[SnapshotInfo]:
         r = await self._request("GET", "/v1/snapshots")

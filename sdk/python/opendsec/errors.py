@@ -47,6 +47,22 @@ class UnavailableError(DSecError):
     pass
 
 
+class DeadlineExceededError(DSecError):
+    """Something did not finish in time (e.g. a function call past its timeout)."""
+
+
+class FunctionError(DSecError):
+    """A called function ran and exited non-zero; ``result`` is its ``FunctionResult``
+    (exit code, stderr, output)."""
+
+    def __init__(self, result: object):
+        r = result
+        super().__init__("function_failed",
+                         f"function {getattr(r, 'function', '?')!r} exited with {getattr(r, 'exit_code', '?')}: "
+                         f"{str(getattr(r, 'stderr', '')).strip()[-500:]}", 200)
+        self.result = result
+
+
 _BY_CODE = {
     "invalid_argument": InvalidArgumentError,
     "unauthenticated": AuthenticationError,
@@ -56,6 +72,7 @@ _BY_CODE = {
     "failed_precondition": PreconditionError,
     "resource_exhausted": ResourceExhaustedError,
     "unavailable": UnavailableError,
+    "deadline_exceeded": DeadlineExceededError,
 }
 
 
