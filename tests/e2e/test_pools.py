@@ -15,11 +15,13 @@ import subprocess
 import pytest
 
 from conftest import DATA, leftovers, server_down, server_up
+from test_e2b import e2b  # noqa: F401 (the fixture: the released e2b SDK, set up for the gateway)
 from opendsec import DSecClient, DSecRunArgs, NotFoundError, ResourceExhaustedError
 
 # No other test asks for this memory limit, so only this file's creates match the pool.
 POOL_MB = 80
 POOL = "small"
+E2B_POOL = "e2b"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -27,7 +29,10 @@ def pooled_node():
     cfg = DATA / "config.toml"
     assert not cfg.exists(), f"{cfg} is the test's own; remove the stale one"
     server_down()
-    cfg.write_text(f'[[edge.pools]]\nname = "{POOL}"\nimage = "root/base"\nmemory_mb = {POOL_MB}\nsize = 2\n')
+    cfg.write_text(f'[[edge.pools]]\nname = "{POOL}"\nimage = "root/base"\nmemory_mb = {POOL_MB}\nsize = 2\n'
+                   # What the E2B gateway's `base` template asks for: its image, the node's
+                   # default limits.
+                   f'\n[[edge.pools]]\nname = "{E2B_POOL}"\nimage = "root/py:3.11"\nsize = 1\n')
     try:
         server_up()
         yield
@@ -37,9 +42,9 @@ def pooled_node():
         server_up()
 
 
-async def ready(c: DSecClient) -> int:
+async def ready(c: DSecClient, pool: str = POOL) -> int:
     pools = (await c.status())["nodes"][0].get("pools", [])
-    return next(p["ready"] for p in pools if p["name"] == POOL)
+    return next(p["ready"] for p in pools if p["name"] == pool)
 
 
 async def wait_full(c: DSecClient, timeout: float = 60) -> None:
@@ -174,3 +179,20 @@ async def test_a_member_that_dies_while_waiting_is_replaced_not_handed_out(clien
     finally:
         for s in made:
             await s.stop()
+
+
+async def test_an_e2b_create_takes_a_member_of_a_matching_pool(client, e2b):  # noqa: F811
+    for _ in range(600):
+        if await ready(client, E2B_POOL) == 1:
+            break
+        await asyncio.sleep(0.1)
+    assert await ready(client, E2B_POOL) == 1, "the e2b pool did not fill"
+    sb = await asyncio.to_thread(e2b.Sandbox.create, timeout=60)
+    try:
+        info = (await client.get_sandbox(sb.sandbox_id)).info
+        assert info.from_pool == E2B_POOL, info
+        assert info.project == "root/e2b" and info.labels.get("e2b.template") == "base", info
+        r = await asyncio.to_thread(sb.commands.run, "echo from-e2b")
+        assert r.stdout == "from-e2b\n"
+    finally:
+        await asyncio.to_thread(sb.kill)
