@@ -6,7 +6,7 @@ AETHER := target/$(AETHER_TARGET)/release/dsec-aether
 DSEC_TEST_DIR ?= /var/tmp/dsec-test
 CARGO_PROFILE_FLAG := $(if $(filter release,$(PROFILE)),--release,)
 
-.PHONY: build aether dsec test test-rust test-e2e test-nested lint images bench bench-runtime bench-cluster bench-network bench-vm bench-gateway bench-tenant bench-guest bench-vm-nested bench-burst bench-functions clean-test
+.PHONY: build aether dsec test test-rust test-e2e test-nested lint images bench bench-runtime bench-cluster bench-network bench-vm bench-gateway bench-tenant bench-guest bench-vm-nested bench-burst bench-functions bench-vm-pool clean-test
 
 build: dsec aether
 
@@ -74,6 +74,9 @@ bench-burst: build
 
 bench-functions: build
 	DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec DSEC_AETHER=$(CURDIR)/$(AETHER) python3 bench/functions.py $(BENCH_ARGS)
+
+bench-vm-pool: build
+	DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec DSEC_AETHER=$(CURDIR)/$(AETHER) python3 bench/vm_pool.py $(BENCH_ARGS)
 
 bench-network: build
 	DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec DSEC_AETHER=$(CURDIR)/$(AETHER) python3 bench/network.py $(BENCH_ARGS)

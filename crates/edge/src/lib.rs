@@ -89,6 +89,8 @@ pub struct Edge {
     /// Turns to start a sandbox (`create_parallelism`), given in arrival order.
     create_turns: tokio::sync::Semaphore,
     functions: functions::Functions,
+    /// Quota calls under way at once (see [`Edge::quota`]).
+    quota_turns: tokio::sync::Semaphore,
     quotas: Option<Arc<dyn Quotas>>,
     /// Sandbox networking; `None` when `[edge.network] enabled = false`.
     net: Option<Arc<net::Network>>,
@@ -206,6 +208,23 @@ pub(crate) async fn blocking<T: Send + 'static>(
         .map_err(|e| ApiError::internal(format!("worker failed: {e}")))
 }
 
+/// Quota calls (IAM writes, each waiting for its commit) run at once on blocking threads.
+const QUOTA_CALLS_AT_ONCE: usize = 16;
+
+/// Runs `f`, which blocks waiting for work done on the async workers, on a blocking
+/// thread once `turns` gives it a turn: never on a worker, and never on more blocking
+/// threads than `turns` has, so the work it waits for always has threads to run on.
+async fn off_workers<R: Send + 'static>(
+    turns: &tokio::sync::Semaphore,
+    f: impl FnOnce() -> R + Send + 'static,
+) -> Result<R, ApiError> {
+    let _turn = turns
+        .acquire()
+        .await
+        .map_err(|_| ApiError::unavailable("the edge is shutting down"))?;
+    blocking(f).await
+}
+
 /// Creates that may start sandboxes at once: `configured`, else twice the CPUs.
 fn create_parallelism(configured: u32) -> usize {
     match configured {
@@ -234,6 +253,23 @@ fn raise_nofile() {
 }
 
 impl Edge {
+    /// Runs a quota call (`None` without quotas). Each is an IAM write that blocks until
+    /// it is committed, which on an async worker would take the worker (`block_in_place`),
+    /// and a burst of them (a thousand creates or stops at once) took every thread the
+    /// runtime has, the IAM writes included: the node stopped. So they run on blocking
+    /// threads, a few at a time, and the workers stay free for the writes themselves.
+    pub(crate) async fn quota<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&dyn Quotas) -> R + Send + 'static,
+    ) -> Result<Option<R>, ApiError> {
+        let Some(q) = self.quotas.clone() else {
+            return Ok(None);
+        };
+        off_workers(&self.quota_turns, move || f(q.as_ref()))
+            .await
+            .map(Some)
+    }
+
     /// Opens the edge's state, probes backends and re-adopts sandboxes left running by a
     /// previous edge process (cleaning up any that died or were half-created).
     pub async fn start(cfg: EdgeConfig) -> Result<Arc<Edge>, ApiError> {
@@ -335,6 +371,7 @@ impl Edge {
             trajectories: trajectory::Logs::default(),
             create_turns: tokio::sync::Semaphore::new(turns),
             functions,
+            quota_turns: tokio::sync::Semaphore::new(QUOTA_CALLS_AT_ONCE),
             quotas,
             net,
             dns,
@@ -564,7 +601,7 @@ impl Edge {
         {
             return Ok(info);
         }
-        self.create_new(req, v, image, digest, manifest, network, None)
+        self.create_new(req, v, image, digest, manifest, network, None, None)
             .await
     }
 
@@ -580,6 +617,7 @@ impl Edge {
         manifest: dsec_image::Manifest,
         network: Option<registry::NetRecord>,
         pool: Option<String>,
+        seed: Option<PathBuf>,
     ) -> Result<SandboxInfo, ApiError> {
         let backend = self.backend(&req.backend)?;
         let now = now_ms();
@@ -618,7 +656,7 @@ impl Edge {
         };
         // To the end even if the caller goes away: a half-made sandbox is never left.
         let edge = self.clone();
-        finish(async move { edge.launch(backend, rec, None).await }).await
+        finish(async move { edge.launch(backend, rec, seed).await }).await
     }
 
     /// Gives a sandbox whose record asks for a network its slot, namespace and rules,
@@ -757,10 +795,9 @@ impl Edge {
             self.admit()?;
             phases.mark("admit");
             // A pool member is nobody's until handed out, when it takes its reservation.
-            if let Some(q) = &self.quotas
-                && rec.pool_waiting.is_none()
-            {
-                q.reserve(&rec)?;
+            if rec.pool_waiting.is_none() {
+                let r = rec.clone();
+                self.quota(move |q| q.reserve(&r)).await?.transpose()?;
             }
             phases.mark("reserve");
             self.registry.save(&rec)?;
@@ -816,9 +853,8 @@ impl Edge {
                 }
                 let _ = std::fs::remove_dir_all(self.registry.dir(&rec.id));
                 // Idempotent: also right when the reservation itself was refused.
-                if let Some(q) = &self.quotas {
-                    q.release(&rec.id);
-                }
+                let id = rec.id.clone();
+                let _ = self.quota(move |q| q.release(&id)).await;
                 Err(e)
             }
         }
@@ -986,7 +1022,7 @@ impl Edge {
     }
 
     /// Removes a fork's snapshot.
-    async fn discard_seed(&self, backend: &Arc<dyn Backend>, seed: &Path) {
+    pub(crate) async fn discard_seed(&self, backend: &Arc<dyn Backend>, seed: &Path) {
         let (b2, s2) = (backend.clone(), seed.to_path_buf());
         let _ = blocking(move || {
             b2.discard_snapshot(&s2);
@@ -1239,8 +1275,9 @@ impl Edge {
         }
         let _ = std::fs::remove_dir_all(self.registry.dir(id));
         self.trajectories.forget(&self.registry.dir(id));
-        if let Some(q) = &self.quotas {
-            q.release(id);
+        let id2 = id.to_string();
+        if let Err(e) = self.quota(move |q| q.release(&id2)).await {
+            tracing::warn!(sandbox = %id, "releasing its quota reservation: {}", e.message);
         }
         self.sandboxes
             .lock()
@@ -1412,6 +1449,7 @@ impl Edge {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+        self.discard_pool_seeds().await;
         let ids = self.ids();
         let total = ids.len();
         let left = std::sync::atomic::AtomicUsize::new(total);
@@ -1520,5 +1558,52 @@ fn agent_alive(sock: &Path) -> bool {
             e.kind() != std::io::ErrorKind::ConnectionRefused
                 && e.kind() != std::io::ErrorKind::NotFound
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What an IAM write through `Iam::apply` does: spawn the write on the runtime and
+    /// block (in `block_in_place`) until it answers.
+    fn blocking_write() -> u32 {
+        let (tx, rx) = std::sync::mpsc::channel();
+        tokio::runtime::Handle::current().spawn(async move {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            let _ = tx.send(7);
+        });
+        tokio::task::block_in_place(|| rx.recv().unwrap_or(0))
+    }
+
+    /// Far more quota calls at once than the runtime has threads: every one completes.
+    /// Called on the workers themselves (as before), a burst like this took every thread,
+    /// the writes they waited for included, and never finished.
+    #[test]
+    fn a_burst_of_blocking_quota_calls_cannot_take_every_thread() {
+        // On its own thread, watched from this one: a runtime out of threads cannot even
+        // run its own timers, so only a wait from outside can say it is stuck.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .max_blocking_threads(4)
+                .enable_all()
+                .build()
+                .unwrap();
+            let done = rt.block_on(async {
+                let turns = Arc::new(tokio::sync::Semaphore::new(2));
+                let calls = (0..64).map(|_| {
+                    let turns = turns.clone();
+                    tokio::spawn(async move { off_workers(&turns, blocking_write).await })
+                });
+                futures_util::future::join_all(calls).await
+            });
+            let _ = tx.send(done.into_iter().filter(|r| matches!(r, Ok(Ok(7)))).count());
+        });
+        let done = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the quota calls did not finish: the runtime ran out of threads");
+        assert_eq!(done, 64);
     }
 }

@@ -14,6 +14,7 @@
 //! are never starved by a refill.
 
 use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -39,6 +40,15 @@ struct Pool {
     ready: VecDeque<Ready>,
     /// Members being made now.
     filling: u32,
+    /// VM pools: the saved state of a booted member, restored to make the next ones.
+    seed: Option<Seed>,
+}
+
+/// A snapshot of a booted member (`save_running`, as a fork's), of one image digest.
+#[derive(Clone)]
+struct Seed {
+    dir: PathBuf,
+    digest: String,
 }
 
 pub(crate) struct Pools {
@@ -101,6 +111,7 @@ impl Pools {
                 limits: v.limits,
                 ready: VecDeque::new(),
                 filling: 0,
+                seed: None,
             };
             if pools.insert(p.name.clone(), pool).is_some() {
                 return Err(format!("[[edge.pools]] {} is named twice", p.name));
@@ -255,8 +266,11 @@ impl Edge {
             if let Some(nr) = &mut rec.network {
                 nr.rules = req.network_rules.clone();
             }
-            if let Some(q) = &self.quotas
-                && let Err(err) = q.reserve(&rec)
+            let r = rec.clone();
+            if let Err(err) = self
+                .quota(move |q| q.reserve(&r))
+                .await
+                .and_then(|r| r.transpose())
             {
                 // Still the pool's: back where it was.
                 self.pools.push(
@@ -292,6 +306,64 @@ impl Edge {
             self.pools.changed.notify_waiters(); // its refill
             tracing::info!(sandbox = %id, pool = %pool, "sandbox handed out from a warm pool");
             return Ok(Some(rec.info()));
+        }
+    }
+
+    /// Saves member `id` of a VM pool as the pool's seed; without one (it failed) the
+    /// pool boots its members.
+    async fn make_seed(
+        self: &Arc<Self>,
+        pool: &str,
+        backend: &Arc<dyn crate::backend::Backend>,
+        id: &str,
+        digest: &str,
+    ) {
+        let Ok(e) = self.entry_any(id) else { return };
+        let dir = self
+            .fork_tmp
+            .join(format!("pool-{pool}-{}", dsec_common::id::random_hex(8)));
+        match self
+            .save_running(&e, backend, &dir, "saved for its pool")
+            .await
+        {
+            Ok(paused_ms) => {
+                tracing::info!(pool, sandbox = %id, paused_ms, "pool seed saved: the next members are restored from it");
+                let kept = match self.pools.lock().get_mut(pool) {
+                    Some(p) if p.seed.is_none() => {
+                        p.seed = Some(Seed {
+                            dir: dir.clone(),
+                            digest: digest.to_string(),
+                        });
+                        true
+                    }
+                    _ => false,
+                };
+                if !kept {
+                    self.discard_seed(backend, &dir).await;
+                }
+            }
+            Err(err) => {
+                tracing::warn!(
+                    pool,
+                    "saving a seed for the pool ({}); its members are booted",
+                    err.message
+                );
+            }
+        }
+    }
+
+    /// Removes every pool's seed (for `dsec down`).
+    pub(crate) async fn discard_pool_seeds(self: &Arc<Self>) {
+        let seeds: Vec<(String, Seed)> = self
+            .pools
+            .lock()
+            .values_mut()
+            .filter_map(|p| p.seed.take().map(|s| (p.cfg.backend.clone(), s)))
+            .collect();
+        for (backend, s) in seeds {
+            if let Ok(b) = self.backend(&backend) {
+                self.discard_seed(&b, &s.dir).await;
+            }
         }
     }
 
@@ -345,7 +417,7 @@ impl Edge {
         let (digest, manifest) = blocking(move || images.resolve(&image2))
             .await?
             .map_err(|e| ApiError::not_found(e.to_string()))?;
-        let stale: Vec<String> = {
+        let (stale, old_seed, seed) = {
             let mut pools = self.pools.lock();
             let Some(p) = pools.get_mut(&cfg.name) else {
                 return Ok(());
@@ -354,13 +426,23 @@ impl Edge {
                 p.ready.drain(..).partition(|r| r.digest == digest);
             p.ready = keep;
             p.filling += 1;
-            stale.into_iter().map(|r| r.id).collect()
+            let old_seed = p.seed.take_if(|s| s.digest != digest);
+            let stale: Vec<String> = stale.into_iter().map(|r| r.id).collect();
+            (stale, old_seed, p.seed.clone())
         };
         for id in stale {
             tracing::info!(sandbox = %id, pool = %cfg.name, "its image was replaced; stopping the pool member");
             let _ = self.stop(&id).await;
         }
+        let backend = self.backend(&cfg.backend)?;
+        if let Some(s) = old_seed {
+            self.discard_seed(&backend, &s.dir).await;
+        }
         self.pools.filling.fetch_add(1, Ordering::SeqCst);
+        // A VM pool boots one member, saves it as the seed, and restores the rest from
+        // it: boot once per image, restore many (a restore answers in a fraction of a
+        // boot; each copy gets its own id, clock and random seed, as a fork's copies do).
+        let restored = seed.is_some();
         let made = self
             .create_new(
                 req,
@@ -370,8 +452,16 @@ impl Edge {
                 manifest,
                 network,
                 Some(cfg.name.clone()),
+                seed.map(|s| s.dir),
             )
             .await;
+        if let Ok(info) = &made
+            && !restored
+            && backend.fork_preserves_memory()
+            && !self.pools.closing.load(Ordering::SeqCst)
+        {
+            self.make_seed(&cfg.name, &backend, &info.id, &digest).await;
+        }
         self.pools.filling.fetch_sub(1, Ordering::SeqCst);
         let info = {
             let mut pools = self.pools.lock();

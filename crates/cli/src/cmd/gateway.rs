@@ -67,7 +67,7 @@ pub async fn run(a: GatewayArgs) -> Result<i32> {
         );
     }
     let secret = super::up::gateway_secret(&a.secret_file)?;
-    let listener = tokio::net::TcpListener::bind(a.listen)
+    let listener = super::listen(a.listen)
         .await
         .with_context(|| format!("cannot listen on {}", a.listen))?;
     let bound = listener.local_addr()?;

@@ -137,7 +137,7 @@ async fn stop_signal() -> bool {
 }
 
 async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener> {
-    tokio::net::TcpListener::bind(addr)
+    super::listen(addr)
         .await
         .with_context(|| format!("cannot listen on {addr}"))
 }

@@ -352,11 +352,9 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
         _ => dsec_iam::create_key(iam.as_ref(), ROOT, ROOT, "admin", PrincipalKind::Human)?.0,
     };
     let e2b_key = e2b_key(iam.as_ref(), &dir)?;
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
-        .with_context(|| {
-            format!("cannot listen on {listen} (is another dsec running? use --listen)")
-        })?;
+    let listener = super::listen(listen).await.with_context(|| {
+        format!("cannot listen on {listen} (is another dsec running? use --listen)")
+    })?;
     let node = Arc::new(std::sync::OnceLock::new());
     let builder: Arc<dyn dsec_gateway::Builder> = Arc::new(NodeBuilder {
         edge: node.clone(),
@@ -580,7 +578,7 @@ async fn bind_gateway(
             }
         },
     };
-    let listener = match tokio::net::TcpListener::bind(addr).await {
+    let listener = match super::listen(addr).await {
         Ok(l) => l,
         Err(e) if !explicit => {
             tracing::warn!("no E2B gateway: cannot listen on {addr} ({e}); use --e2b-listen");

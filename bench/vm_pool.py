@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: AGPL-3.0-only
+"""A warm pool of `vm` sandboxes (`[[edge.pools]]` with `backend = "vm"`): its first member
+boots and is saved, the rest are restored from the save. Prints, in one run: a cold `vm`
+create -> first exec (a boot), how long the pool takes to make each member by restoring
+(its refill after a batch is taken), and a create served by the pool -> first exec.
+
+    python3 bench/vm_pool.py -n 4
+
+QEMU runs under TCG on hosts without hardware virtualisation (the figures say which).
+JSON goes to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from pathlib import Path
+
+from benchlib import lat_summary, server_down, server_up, store_of, write_result  # noqa: E402
+from opendsec import DSecClient, DSecRunArgs  # noqa: E402
+
+POOL = "vms"
+POOL_MB = 320
+
+
+def args(memory: int = POOL_MB) -> DSecRunArgs:
+    return DSecRunArgs(image="root/base", backend="vm", memory_limit_mb=memory)
+
+
+async def ready(c: DSecClient) -> int:
+    pools = (await c.status())["nodes"][0].get("pools", [])
+    return next((p["ready"] for p in pools if p["name"] == POOL), 0)
+
+
+async def wait_ready(c: DSecClient, n: int, timeout: float = 900) -> float:
+    t0 = time.perf_counter()
+    while await ready(c) < n:
+        if time.perf_counter() - t0 > timeout:
+            raise SystemExit(f"the pool did not reach {n} ready members in {timeout} s")
+        await asyncio.sleep(0.05)
+    return time.perf_counter() - t0
+
+
+async def bench(url: str, key: str, n: int) -> dict:
+    out: dict = {}
+    async with DSecClient(api_url=url, api_key=key, timeout=600) as c:
+        vm = [b for b in (await c.status())["nodes"][0]["backends"] if b["name"] == "vm"][0]
+        out["vm_backend"] = vm["detail"]
+        print(f"vm backend: {vm['detail']}", flush=True)
+        out["first_fill_s"] = round(await wait_ready(c, n), 2)
+        # Cold creates (another memory size, so the pool does not serve them).
+        cold = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            sb = await c.run_sandbox(args(POOL_MB + 16))
+            await sb.exec(["true"])
+            cold.append(time.perf_counter() - t0)
+            await sb.stop()
+        out["cold_create_to_first_exec"] = lat_summary(cold)
+        # Creates served by the pool, one after another.
+        pooled, taken = [], []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            sb = await c.run_sandbox(args())
+            await sb.exec(["true"])
+            pooled.append(time.perf_counter() - t0)
+            assert sb.info.from_pool == POOL, sb.info
+            taken.append(sb)
+        out["pooled_create_to_first_exec"] = lat_summary(pooled)
+        # The pool makes n members again, each restored from its save.
+        refill = await wait_ready(c, n)
+        out["refill_s"] = round(refill, 2)
+        out["refill_per_member_ms"] = round(refill / n * 1000, 1)
+        for sb in taken:
+            await sb.stop()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", type=int, default=4, help="the pool's size, and creates served from it")
+    ap.add_argument("--data-dir", default="/var/tmp/dsec-vm-pool")
+    ap.add_argument("--image-store", default=None, help="default: <data-dir>/images (built if missing)")
+    ap.add_argument("--listen", default="127.0.0.1:7617")
+    a = ap.parse_args()
+    data = Path(a.data_dir)
+    data.mkdir(parents=True, exist_ok=True)
+    store = store_of(data, a.image_store)
+    cfg = data / "config.toml"
+    try:
+        cfg.write_text(f'[[edge.pools]]\nname = "{POOL}"\nimage = "root/base"\nbackend = "vm"\n'
+                       f'memory_mb = {POOL_MB}\nsize = {a.n}\nrefill_per_second = 100\n')
+        url, key = server_up(data, a.listen, store)
+        out = {"bench": "vm_pool", "n": a.n, **asyncio.run(bench(url, key, a.n))}
+    finally:
+        try:
+            server_down(data)
+        finally:
+            cfg.unlink(missing_ok=True)
+    print(f"\nvm pool of {a.n} ({out['vm_backend']}):")
+    print(f"  first fill (one boot, then restores): {out['first_fill_s']} s")
+    c, p = out["cold_create_to_first_exec"], out["pooled_create_to_first_exec"]
+    print(f"  cold create -> first exec (boot):     p50 {c['p50_ms']:.0f} ms")
+    print(f"  pooled create -> first exec:          p50 {p['p50_ms']:.1f} ms, max {p['max_ms']:.1f} ms")
+    print(f"  refill, per member (a restore):       {out['refill_per_member_ms']} ms")
+    write_result("vm_pool", out)
+
+
+if __name__ == "__main__":
+    main()
