@@ -150,10 +150,13 @@ impl Edge {
         // an image of that name committed before held).
         let hold = image_hold_id(&self.cfg.name, &target);
         let existed = self.images.exists(&target);
-        if let Some(q) = &self.quotas {
+        if self.quotas.is_some() {
             let t = tmp.path().to_path_buf();
             let bytes = blocking(move || crate::snapshots::dir_size(&t)).await?;
-            q.hold_disk(&hold, &target.project(), &self.cfg.name, bytes)?;
+            let (h, p, n) = (hold.clone(), target.project(), self.cfg.name.clone());
+            self.quota(move |q| q.hold_disk(&h, &p, &n, bytes))
+                .await?
+                .transpose()?;
         }
         let images = self.images.clone();
         let dir = tmp.keep();
@@ -163,20 +166,24 @@ impl Edge {
             "commit of a sandbox of project {} (from {})",
             src.project, src.image
         );
-        let (digest, manifest) = blocking(move || {
+        let committed = blocking(move || {
             let r = images.commit(&base, &dir, &target2, overwrite, source);
             if r.is_err() {
                 let _ = remove_tree(&dir);
             }
             r
         })
-        .await?
-        .map_err(|e| {
-            if !existed && let Some(q) = &self.quotas {
-                q.release(&hold);
+        .await?;
+        let (digest, manifest) = match committed {
+            Ok(c) => c,
+            Err(e) => {
+                if !existed {
+                    let h = hold.clone();
+                    let _ = self.quota(move |q| q.release(&h)).await;
+                }
+                return Err(image_error(e));
             }
-            image_error(e)
-        })?;
+        };
         tracing::info!(sandbox = %id, image = %target, digest = %digest, "sandbox committed");
         Ok(CommitResponse {
             image: target.to_string(),

@@ -404,13 +404,14 @@ impl Edge {
                 let _ = edge.stop(&r.id).await;
             }
         }
-        if let Some(q) = &edge.quotas {
+        if edge.quotas.is_some() {
             // A waiting pool member holds no reservation; it takes one when handed out.
             let mut live = edge.listed_ids();
             live.extend(edge.snapshot_ids());
             let e2 = edge.clone();
             live.extend(blocking(move || e2.image_hold_ids()).await?);
-            q.reconcile(&edge.cfg.name, live);
+            let name = edge.cfg.name.clone();
+            edge.quota(move |q| q.reconcile(&name, live)).await?;
         }
         Ok(edge)
     }

@@ -146,13 +146,18 @@ impl Edge {
             std::fs::write(part.join("meta.json"), bytes)
                 .map_err(|e| ApiError::internal(format!("writing meta.json: {e}")))?;
             // What it keeps counts against its project's disk quota from now on.
-            if let Some(q) = &self.quotas {
-                q.hold_disk(&sid, &src.project, &self.cfg.name, info.size_bytes)?;
-            }
+            let (s2, p2, n2, size) = (
+                sid.clone(),
+                src.project.clone(),
+                self.cfg.name.clone(),
+                info.size_bytes,
+            );
+            self.quota(move |q| q.hold_disk(&s2, &p2, &n2, size))
+                .await?
+                .transpose()?;
             if let Err(e) = std::fs::rename(&part, &dir) {
-                if let Some(q) = &self.quotas {
-                    q.release(&sid);
-                }
+                let s2 = sid.clone();
+                let _ = self.quota(move |q| q.release(&s2)).await;
                 return Err(ApiError::internal(format!("keeping the snapshot: {e}")));
             }
             Ok(info)
@@ -212,9 +217,8 @@ impl Edge {
             .map_err(|e| ApiError::internal(format!("removing snapshot {id}: {e}")))?;
         self.discard_seed(&backend, &gone.join("state")).await;
         let _ = blocking(move || std::fs::remove_dir_all(&gone)).await;
-        if let Some(q) = &self.quotas {
-            q.release(id);
-        }
+        let id2 = id.to_string();
+        self.quota(move |q| q.release(&id2)).await?;
         self.snapshot_locks.forget(id);
         tracing::info!(snapshot = %id, "snapshot deleted");
         Ok(())

@@ -526,9 +526,8 @@ impl Edge {
             ..old
         };
         self.admit()?;
-        if let Some(q) = &self.quotas {
-            q.reserve(&rec)?;
-        }
+        let r2 = rec.clone();
+        self.quota(move |q| q.reserve(&r2)).await?.transpose()?;
         let paths = self.paths(&rec.id);
         let home = paths.dir.join(SUSPENDED_DIR);
         let placed = async {
@@ -546,9 +545,8 @@ impl Edge {
                 let _ = blocking(move || n.detach(&id, nr.slot)).await;
             }
             let _ = std::fs::remove_dir_all(&paths.dir);
-            if let Some(q) = &self.quotas {
-                q.release(&rec.id);
-            }
+            let id = rec.id.clone();
+            let _ = self.quota(move |q| q.release(&id)).await;
             return Err(e);
         }
         let id = rec.id.clone();
