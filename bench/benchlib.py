@@ -4,6 +4,7 @@ own (`dsec up` on a data dir, images built if missing) and where results go."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -63,6 +64,28 @@ def credentials(data: Path) -> tuple[str, str]:
 
 def server_down(data: Path) -> None:
     run([DSEC, "down", "--data-dir", str(data)])
+
+
+@contextlib.contextmanager
+def configured_server(data: Path, listen: str, store: Path, config: str, *extra: str):
+    """`server_up` with `config` as <data>/config.toml; yields the API URL and key, and
+    stops the server and removes the file after."""
+    cfg = data / "config.toml"
+    cfg.write_text(config)
+    try:
+        yield server_up(data, listen, store, *extra)
+    finally:
+        try:
+            server_down(data)
+        finally:
+            cfg.unlink(missing_ok=True)
+
+
+async def pool_ready(c, pool: str) -> int:
+    """Ready members of warm pool `pool` (0 if the node has no such pool); `c` is a
+    `DSecClient`."""
+    pools = (await c.status())["nodes"][0].get("pools", [])
+    return next((p["ready"] for p in pools if p["name"] == pool), 0)
 
 
 def proc_cpu(pid: int) -> float:

@@ -20,7 +20,7 @@ import json
 import time
 from pathlib import Path
 
-from benchlib import DSEC, lat_summary, run, server_down, server_up, store_of, write_result  # noqa: E402
+from benchlib import DSEC, lat_summary, pool_ready, run, server_down, server_up, store_of, write_result  # noqa: E402
 from create_latency import bench_oci  # noqa: E402
 from opendsec import DSecClient, DSecRunArgs  # noqa: E402
 
@@ -33,11 +33,6 @@ CPU = 0.1
 def args() -> DSecRunArgs:
     return DSecRunArgs(image="root/base", memory_limit_mb=MEMORY_MB, cpu_cores_limit=CPU,
                        labels={"bench": "burst"})
-
-
-async def pool_ready(c: DSecClient) -> int:
-    pools = (await c.status())["nodes"][0].get("pools", [])
-    return next((p["ready"] for p in pools if p["name"] == POOL), 0)
 
 
 async def burst(url: str, key: str, n: int) -> dict:
@@ -95,7 +90,7 @@ async def single(url: str, key: str, n: int = 10) -> float:
 async def fill(url: str, key: str, n: int) -> float:
     async with DSecClient(api_url=url, api_key=key, timeout=60) as c:
         t0 = time.perf_counter()
-        while await pool_ready(c) < n:
+        while await pool_ready(c, POOL) < n:
             await asyncio.sleep(0.5)
         return time.perf_counter() - t0
 

@@ -20,7 +20,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from benchlib import lat_summary, server_down, server_up, store_of, write_result  # noqa: E402
+from benchlib import configured_server, lat_summary, pool_ready, store_of, write_result  # noqa: E402
 from opendsec import DSecClient, DSecRunArgs  # noqa: E402
 
 POOL = "fn"
@@ -54,7 +54,7 @@ async def calls(url: str, key: str, name: str, n: int, pool_size: int) -> dict:
         for _ in range(n):
             if pool_size:
                 # Calls one after another, each given a ready member: what a pool is for.
-                while (await pool_ready(c)) < 1:
+                while (await pool_ready(c, POOL)) < 1:
                     await asyncio.sleep(0.01)
             t0 = time.perf_counter()
             r = await c.call(name, INPUT)
@@ -83,11 +83,6 @@ async def exec_in_running(url: str, key: str, n: int) -> dict:
             await sb.stop()
 
 
-async def pool_ready(c: DSecClient) -> int:
-    pools = (await c.status())["nodes"][0].get("pools", [])
-    return next((p["ready"] for p in pools if p["name"] == POOL), 0)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=200, help="calls per kind")
@@ -99,24 +94,16 @@ def main() -> None:
     data = Path(a.data_dir)
     data.mkdir(parents=True, exist_ok=True)
     store = store_of(data, a.image_store)
-    cfg = data / "config.toml"
     out: dict = {"bench": "functions", "n": a.n, "pool_size": a.pool_size}
     print(f"floor: the entry point run directly on the host x {a.n}", flush=True)
     out["direct"] = direct(a.n)
-    try:
-        cfg.write_text(config(a.pool_size))
-        url, key = server_up(data, a.listen, store)
+    with configured_server(data, a.listen, store, config(a.pool_size)) as (url, key):
         print(f"exec of the entry point in a running sandbox x {a.n}", flush=True)
         out["exec_in_running"] = asyncio.run(exec_in_running(url, key, a.n))
         print(f"calls served by a pool of {a.pool_size} x {a.n}", flush=True)
         out["pooled"] = asyncio.run(calls(url, key, "echo-pooled", a.n, a.pool_size))
         print(f"calls without a pool x {a.n}", flush=True)
         out["cold"] = asyncio.run(calls(url, key, "echo-cold", a.n, 0))
-    finally:
-        try:
-            server_down(data)
-        finally:
-            cfg.unlink(missing_ok=True)
     d = out["direct"]["p50_ms"]
     print(f"\n{'per call':28} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}  over direct")
     for k, label in (("direct", "direct on the host (floor)"), ("exec_in_running", "exec, running sandbox"),

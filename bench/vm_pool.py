@@ -18,7 +18,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from benchlib import lat_summary, server_down, server_up, store_of, write_result  # noqa: E402
+from benchlib import configured_server, lat_summary, pool_ready, store_of, write_result  # noqa: E402
 from opendsec import DSecClient, DSecRunArgs  # noqa: E402
 
 POOL = "vms"
@@ -29,14 +29,9 @@ def args(memory: int = POOL_MB) -> DSecRunArgs:
     return DSecRunArgs(image="root/base", backend="vm", memory_limit_mb=memory)
 
 
-async def ready(c: DSecClient) -> int:
-    pools = (await c.status())["nodes"][0].get("pools", [])
-    return next((p["ready"] for p in pools if p["name"] == POOL), 0)
-
-
 async def wait_ready(c: DSecClient, n: int, timeout: float = 900) -> float:
     t0 = time.perf_counter()
-    while await ready(c) < n:
+    while await pool_ready(c, POOL) < n:
         if time.perf_counter() - t0 > timeout:
             raise SystemExit(f"the pool did not reach {n} ready members in {timeout} s")
         await asyncio.sleep(0.05)
@@ -88,17 +83,10 @@ def main() -> None:
     data = Path(a.data_dir)
     data.mkdir(parents=True, exist_ok=True)
     store = store_of(data, a.image_store)
-    cfg = data / "config.toml"
-    try:
-        cfg.write_text(f'[[edge.pools]]\nname = "{POOL}"\nimage = "root/base"\nbackend = "vm"\n'
-                       f'memory_mb = {POOL_MB}\nsize = {a.n}\nrefill_per_second = 100\n')
-        url, key = server_up(data, a.listen, store)
+    config = (f'[[edge.pools]]\nname = "{POOL}"\nimage = "root/base"\nbackend = "vm"\n'
+              f'memory_mb = {POOL_MB}\nsize = {a.n}\nrefill_per_second = 100\n')
+    with configured_server(data, a.listen, store, config) as (url, key):
         out = {"bench": "vm_pool", "n": a.n, **asyncio.run(bench(url, key, a.n))}
-    finally:
-        try:
-            server_down(data)
-        finally:
-            cfg.unlink(missing_ok=True)
     print(f"\nvm pool of {a.n} ({out['vm_backend']}):")
     print(f"  first fill (one boot, then restores): {out['first_fill_s']} s")
     c, p = out["cold_create_to_first_exec"], out["pooled_create_to_first_exec"]

@@ -4,6 +4,8 @@ once and kept between runs, and leak checks that look at the host itself."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import glob
 import json
 import os
@@ -106,6 +108,39 @@ def server_up(extra: tuple[str, ...] = ()) -> None:
 
 def server_down(*extra: str) -> None:
     dsec("down", "--data-dir", str(DATA), *extra, check=False, timeout=180)
+
+
+@contextlib.contextmanager
+def node_config(text: str):
+    """The test server restarted with `text` as its <data-dir>/config.toml, and restarted
+    without it after (for a module fixture)."""
+    cfg = DATA / "config.toml"
+    assert not cfg.exists(), f"{cfg} is the test's own; remove the stale one"
+    server_down()
+    cfg.write_text(text)
+    try:
+        server_up()
+        yield
+    finally:
+        server_down()
+        cfg.unlink(missing_ok=True)
+        server_up()
+
+
+async def pool_ready(c: DSecClient, pool: str) -> int:
+    """How many members of warm pool `pool` are ready (from `dsec status`)."""
+    pools = (await c.status())["nodes"][0].get("pools", [])
+    return next(p["ready"] for p in pools if p["name"] == pool)
+
+
+async def wait_pool(c: DSecClient, pool: str, n: int, timeout: float = 60) -> float:
+    """Waits until pool `pool` has `n` members ready; returns the seconds it took."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if await pool_ready(c, pool) == n:
+            return time.monotonic() - t0
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"pool {pool} did not fill: {await pool_ready(c, pool)} of {n} ready")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -15,7 +15,7 @@ import os
 import httpx
 import pytest
 
-from conftest import DATA, server_down, server_up
+from conftest import node_config, pool_ready, wait_pool
 from opendsec import (
     DeadlineExceededError,
     DSecClient,
@@ -49,34 +49,16 @@ def toml_value(v: object) -> str:
 
 @pytest.fixture(scope="module", autouse=True)
 def node_with_functions():
-    cfg = DATA / "config.toml"
-    assert not cfg.exists(), f"{cfg} is the test's own; remove the stale one"
-    server_down()
     text = f'[[edge.pools]]\nname = "{POOL}"\nimage = "root/base"\nmemory_mb = {POOL_MB}\nsize = 2\n'
     for name, f in FUNCTIONS.items():
         text += f'\n[[edge.functions]]\nname = "{name}"\n'
         text += "".join(f"{k} = {toml_value(v)}\n" for k, v in f.items())
-    cfg.write_text(text)
-    try:
-        server_up()
+    with node_config(text):
         yield
-    finally:
-        server_down()
-        cfg.unlink(missing_ok=True)
-        server_up()
 
 
-async def pool_ready(c: DSecClient) -> int:
-    pools = (await c.status())["nodes"][0].get("pools", [])
-    return next(p["ready"] for p in pools if p["name"] == POOL)
-
-
-async def wait_full(c: DSecClient, timeout: float = 60) -> None:
-    for _ in range(int(timeout * 10)):
-        if await pool_ready(c) == 2:
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"the pool did not fill: {await pool_ready(c)} of 2 ready")
+async def wait_full(c: DSecClient) -> None:
+    await wait_pool(c, POOL, 2)
 
 
 async def gone(c: DSecClient, sandbox_id: str, timeout: float = 30) -> bool:
@@ -173,7 +155,7 @@ async def test_quota_and_projects_apply_to_calls(client):
         try:
             with pytest.raises(ResourceExhaustedError):
                 await team.call("echo", 1)
-            assert await pool_ready(client) == 2, "a refused call used up a pool member"
+            assert await pool_ready(client, POOL) == 2, "a refused call used up a pool member"
         finally:
             await held.stop()
         # Another project's key cannot charge a call to this project.

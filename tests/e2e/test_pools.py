@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from conftest import DATA, leftovers, server_down, server_up
+from conftest import DATA, leftovers, node_config, pool_ready, server_down, server_up, wait_pool
 from test_e2b import e2b  # noqa: F401 (the fixture: the released e2b SDK, set up for the gateway)
 from opendsec import DSecClient, DSecRunArgs, NotFoundError, ResourceExhaustedError
 
@@ -26,33 +26,19 @@ E2B_POOL = "e2b"
 
 @pytest.fixture(scope="module", autouse=True)
 def pooled_node():
-    cfg = DATA / "config.toml"
-    assert not cfg.exists(), f"{cfg} is the test's own; remove the stale one"
-    server_down()
-    cfg.write_text(f'[[edge.pools]]\nname = "{POOL}"\nimage = "root/base"\nmemory_mb = {POOL_MB}\nsize = 2\n'
-                   # What the E2B gateway's `base` template asks for: its image, the node's
-                   # default limits.
-                   f'\n[[edge.pools]]\nname = "{E2B_POOL}"\nimage = "root/py:3.11"\nsize = 1\n')
-    try:
-        server_up()
+    with node_config(f'[[edge.pools]]\nname = "{POOL}"\nimage = "root/base"\nmemory_mb = {POOL_MB}\nsize = 2\n'
+                     # What the E2B gateway's `base` template asks for: its image, the
+                     # node's default limits.
+                     f'\n[[edge.pools]]\nname = "{E2B_POOL}"\nimage = "root/py:3.11"\nsize = 1\n'):
         yield
-    finally:
-        server_down()
-        cfg.unlink(missing_ok=True)
-        server_up()
 
 
 async def ready(c: DSecClient, pool: str = POOL) -> int:
-    pools = (await c.status())["nodes"][0].get("pools", [])
-    return next(p["ready"] for p in pools if p["name"] == pool)
+    return await pool_ready(c, pool)
 
 
-async def wait_full(c: DSecClient, timeout: float = 60) -> None:
-    for _ in range(int(timeout * 10)):
-        if await ready(c) == 2:
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"the pool did not fill: {await ready(c)} of 2 ready")
+async def wait_full(c: DSecClient) -> None:
+    await wait_pool(c, POOL, 2)
 
 
 def pooled(**kw) -> DSecRunArgs:
@@ -182,11 +168,7 @@ async def test_a_member_that_dies_while_waiting_is_replaced_not_handed_out(clien
 
 
 async def test_an_e2b_create_takes_a_member_of_a_matching_pool(client, e2b):  # noqa: F811
-    for _ in range(600):
-        if await ready(client, E2B_POOL) == 1:
-            break
-        await asyncio.sleep(0.1)
-    assert await ready(client, E2B_POOL) == 1, "the e2b pool did not fill"
+    await wait_pool(client, E2B_POOL, 1)
     sb = await asyncio.to_thread(e2b.Sandbox.create, timeout=60)
     try:
         info = (await client.get_sandbox(sb.sandbox_id)).info

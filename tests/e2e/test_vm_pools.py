@@ -7,14 +7,13 @@ the host's time. Skipped where QEMU is missing."""
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import DATA, leftovers, server_down, server_up
+from conftest import DATA, leftovers, node_config, server_down, server_up, wait_pool
 from opendsec import DSecClient, DSecRunArgs
 
 POOL = "vms"
@@ -26,32 +25,14 @@ POOL_MB = 320
 def vm_pool_node():
     if not shutil.which("qemu-system-x86_64"):
         pytest.skip("skipped: qemu-system-x86_64 is not installed")
-    cfg = DATA / "config.toml"
-    assert not cfg.exists(), f"{cfg} is the test's own; remove the stale one"
-    server_down()
-    cfg.write_text(f'[[edge.pools]]\nname = "{POOL}"\nimage = "root/base"\nbackend = "vm"\n'
-                   f'memory_mb = {POOL_MB}\nsize = 2\n')
-    try:
-        server_up()
+    with node_config(f'[[edge.pools]]\nname = "{POOL}"\nimage = "root/base"\nbackend = "vm"\n'
+                     f'memory_mb = {POOL_MB}\nsize = 2\n'):
         yield
-    finally:
-        server_down()
-        cfg.unlink(missing_ok=True)
-        server_up()
 
 
-async def ready(c: DSecClient) -> int:
-    pools = (await c.status())["nodes"][0].get("pools", [])
-    return next(p["ready"] for p in pools if p["name"] == POOL)
-
-
-async def wait_full(c: DSecClient, timeout: float = 300) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if await ready(c) == 2:
-            return time.monotonic() - t0
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"the vm pool did not fill: {await ready(c)} of 2 ready")
+async def wait_full(c: DSecClient) -> float:
+    # Booting the first member under TCG takes a while.
+    return await wait_pool(c, POOL, 2, timeout=300)
 
 
 def pooled() -> DSecRunArgs:

@@ -65,9 +65,9 @@ pub fn command(spec: &ExecSpec, base: &Env) -> Result<Command, String> {
     }
     cmd.envs(&spec.env);
     let cwd = spec.cwd.as_deref().unwrap_or("/");
-    // aether's own cwd is `/`; naming it again would keep the standard library from
-    // using posix_spawn (the static libc has no posix_spawn_file_actions_addchdir_np).
-    if cwd != "/" || std::env::current_dir().is_ok_and(|d| d != std::path::Path::new("/")) {
+    // Naming aether's own cwd again would keep the standard library from using
+    // posix_spawn (the static libc has no posix_spawn_file_actions_addchdir_np).
+    if cwd != "/" || !at_root() {
         cmd.current_dir(cwd);
     }
     Ok(cmd)
@@ -86,6 +86,12 @@ pub fn spawn_error(spec: &ExecSpec, e: std::io::Error) -> String {
         }
         _ => format!("cannot run {program:?}: {e}"),
     }
+}
+
+/// Whether aether's own working directory is `/` (it never changes it; asked once).
+fn at_root() -> bool {
+    static AT_ROOT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AT_ROOT.get_or_init(|| std::env::current_dir().is_ok_and(|d| d == std::path::Path::new("/")))
 }
 
 /// One output pipe of a command, read until end of file into at most `cap` bytes.
@@ -315,10 +321,12 @@ pub fn run(spec: ExecSpec, table: &Table, base: &Env) -> Result<ExecResult, Stri
         // SAFETY: fds is a valid array of pollfd of the length given.
         let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait_ms) };
         if rc < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
-            return Err(format!(
-                "waiting for the command: {}",
-                std::io::Error::last_os_error()
-            ));
+            let e = std::io::Error::last_os_error();
+            // Not left running, nor a zombie the reaper must leave to us.
+            kill_group();
+            let _ = child.wait();
+            table.release(pid);
+            return Err(format!("waiting for the command: {e}"));
         }
         out.drain();
         err.drain();

@@ -294,16 +294,23 @@ pub(crate) fn status_for(p: &Principal, mut s: ClusterStatus) -> ClusterStatus {
 }
 
 /// A create body, parsed, in the caller's project (or one inside it; 404 otherwise).
+/// A project the key may put sandboxes in: its own or one inside it; any other is as
+/// unknown as a missing one (404).
+fn usable_project(p: &Principal, project: &str) -> ApiResult<()> {
+    if dsec_iam::within(project, &p.project) {
+        return Ok(());
+    }
+    Err(ApiError::not_found(format!(
+        "project {project} does not exist (this key can use {} and the projects inside it)",
+        p.project
+    ))
+    .into())
+}
+
 pub(crate) fn create_request(bytes: &Bytes, p: &Principal) -> ApiResult<CreateSandboxRequest> {
     let mut req: CreateSandboxRequest = body(bytes, "create sandbox")?;
     let project = req.project.clone().unwrap_or_else(|| p.project.clone());
-    if !dsec_iam::within(&project, &p.project) {
-        return Err(ApiError::not_found(format!(
-            "project {project} does not exist (this key can use {} and the projects inside it)",
-            p.project
-        ))
-        .into());
-    }
+    usable_project(p, &project)?;
     images::check_read(p, &req.image)?;
     req.project = Some(project);
     Ok(req)
@@ -616,14 +623,8 @@ async fn call_function(
         .into());
     };
     let req: dsec_common::api::FunctionCallRequest = body(&bytes, "function call")?;
-    if let Some(project) = &req.project
-        && !dsec_iam::within(project, &p.project)
-    {
-        return Err(ApiError::not_found(format!(
-            "project {project} does not exist (this key can use {} and the projects inside it)",
-            p.project
-        ))
-        .into());
+    if let Some(project) = &req.project {
+        usable_project(&p, project)?;
     }
     let r = st.edge.call_function(name, &p.project, req).await?;
     Ok(json(StatusCode::OK, &r))

@@ -208,11 +208,6 @@ impl Kept {
             kept.push(c);
         }
     }
-
-    /// Closes the kept connections (the sandbox stopped, or its agent was replaced).
-    pub fn clear(&self) {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).clear();
-    }
 }
 
 /// [`call`] on a kept connection of the sandbox when there is one. A kept connection the

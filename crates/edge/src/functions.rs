@@ -30,19 +30,13 @@ pub(crate) struct Functions {
     by_name: HashMap<String, (FunctionConfig, CreateSandboxRequest)>,
 }
 
-fn valid_name(n: &str) -> bool {
-    (1..=32).contains(&n.len())
-        && n.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-}
-
 impl Functions {
     /// The configured functions, each checked (an error names the function).
     pub(crate) fn new(cfg: &EdgeConfig) -> Result<Functions, String> {
         let mut by_name = HashMap::new();
         for f in &cfg.functions {
             let bad = |m: String| format!("[[edge.functions]] {:?}: {m}", f.name);
-            if !valid_name(&f.name) {
+            if !pools::valid_name(&f.name) {
                 return Err(bad("name: use 1-32 of a-z, 0-9 and -".into()));
             }
             if f.entry.is_empty() || f.entry.iter().any(|a| a.contains('\0')) {

@@ -81,7 +81,8 @@ pub(crate) fn request(cfg: &PoolConfig, edge: &EdgeConfig) -> CreateSandboxReque
     }
 }
 
-fn valid_name(n: &str) -> bool {
+/// A pool's or a function's name: 1-32 of `[a-z0-9-]`.
+pub(crate) fn valid_name(n: &str) -> bool {
     (1..=32).contains(&n.len())
         && n.bytes()
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
@@ -398,7 +399,18 @@ impl Edge {
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 continue;
             }
-            if let Err(e) = self.fill_one(&cfg).await {
+            // Counted as being made before closing is looked at: `dsec down` closes, then
+            // waits until none is being made, so it either waits for this member (and
+            // stops it with the rest) or this fill sees it closing. Counted any later,
+            // a member could start after `dsec down` had listed what to stop, and outlive it.
+            self.pools.filling.fetch_add(1, Ordering::SeqCst);
+            let made = if self.pools.closing.load(Ordering::SeqCst) {
+                Ok(())
+            } else {
+                self.fill_one(&cfg).await
+            };
+            self.pools.filling.fetch_sub(1, Ordering::SeqCst);
+            if let Err(e) = made {
                 tracing::warn!(pool = %name, "making a pool member: {}", e.message);
                 tokio::time::sleep(Duration::from_secs(5)).await;
             }
@@ -417,6 +429,8 @@ impl Edge {
         let (digest, manifest) = blocking(move || images.resolve(&image2))
             .await?
             .map_err(|e| ApiError::not_found(e.to_string()))?;
+        // Before the member is counted as being made: nothing to undo if it fails.
+        let backend = self.backend(&cfg.backend)?;
         let (stale, old_seed, seed) = {
             let mut pools = self.pools.lock();
             let Some(p) = pools.get_mut(&cfg.name) else {
@@ -434,11 +448,9 @@ impl Edge {
             tracing::info!(sandbox = %id, pool = %cfg.name, "its image was replaced; stopping the pool member");
             let _ = self.stop(&id).await;
         }
-        let backend = self.backend(&cfg.backend)?;
         if let Some(s) = old_seed {
             self.discard_seed(&backend, &s.dir).await;
         }
-        self.pools.filling.fetch_add(1, Ordering::SeqCst);
         // A VM pool boots one member, saves it as the seed, and restores the rest from
         // it: boot once per image, restore many (a restore answers in a fraction of a
         // boot; each copy gets its own id, clock and random seed, as a fork's copies do).
@@ -462,7 +474,6 @@ impl Edge {
         {
             self.make_seed(&cfg.name, &backend, &info.id, &digest).await;
         }
-        self.pools.filling.fetch_sub(1, Ordering::SeqCst);
         let info = {
             let mut pools = self.pools.lock();
             if let Some(p) = pools.get_mut(&cfg.name) {
