@@ -3,7 +3,10 @@
 """A warm pool of `vm` sandboxes (`[[edge.pools]]` with `backend = "vm"`): its first member
 boots and is saved, the rest are restored from the save. Prints, in one run: a cold `vm`
 create -> first exec (a boot), how long the pool takes to make each member by restoring
-(its refill after a batch is taken), and a create served by the pool -> first exec.
+(its refill after a batch is taken), and a create served by the pool -> first exec, next
+to the floor: a raw QEMU restore of the same save, by hand (the command line a pool
+member runs, the same QMP steps as the edge's: x-ignore-shared, an `fd:` migration of the
+device state, `cont`), timed from starting QEMU to the guest running.
 
     python3 bench/vm_pool.py -n 4
 
@@ -15,6 +18,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +48,116 @@ async def wait_ready(c: DSecClient, n: int, timeout: float = 900) -> float:
     return time.perf_counter() - t0
 
 
-async def bench(url: str, key: str, n: int) -> dict:
+def member_commands() -> list[list[str]]:
+    """The command lines of the QEMU processes restored from a save (pool members)."""
+    out = []
+    for p in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            a = p.read_bytes().split(b"\0")[:-1]
+        except OSError:
+            continue
+        if a and b"qemu-system" in a[0] and b"-incoming" in a:
+            out.append([x.decode() for x in a])
+    return out
+
+
+class Qmp:
+    """Just enough of QMP for the floor, written here so the floor shares no code with
+    the edge."""
+
+    def __init__(self, path: Path):
+        self.s = socket.socket(socket.AF_UNIX)
+        self.s.connect(str(path))
+        self.f = self.s.makefile("rb")
+        self.read()  # the greeting
+        self.call("qmp_capabilities")
+
+    def read(self) -> dict:
+        while True:
+            line = self.f.readline()
+            if not line:
+                raise RuntimeError("QEMU closed QMP")
+            v = json.loads(line)
+            if "event" not in v:
+                return v
+
+    def call(self, cmd: str, args: dict | None = None, fd: int | None = None) -> dict:
+        line = json.dumps({"execute": cmd, **({"arguments": args} if args else {})}).encode() + b"\n"
+        if fd is None:
+            self.s.sendall(line)
+        else:
+            socket.send_fds(self.s, [line], [fd])
+        v = self.read()
+        if "error" in v:
+            raise RuntimeError(f"QMP {cmd}: {v['error']}")
+        return v["return"]
+
+
+def raw_restore(cmd: list[str], dev: Path, netns: str) -> float:
+    """Seconds from starting QEMU to the guest running again, restored from the device
+    state `dev` over the memory file the member maps (`cmd` names it). The member's own
+    files (pid, sockets, console) are replaced by a scratch directory's; QEMU runs in the
+    network namespace `netns`, made for the floor with a tap of the member's name."""
+    work = Path(tempfile.mkdtemp(prefix="dsec-raw-restore-", dir="/var/tmp"))
+    sdir = str(Path(cmd[cmd.index("-pidfile") + 1]).parent)
+    args = [a.replace(sdir, str(work)) for a in cmd]
+    ns_fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def enter_netns() -> None:
+        if libc.setns(ns_fd, 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), "setns")
+
+    if "-runas" in args:
+        i = args.index("-runas")
+        del args[i:i + 2]
+    qmp = Path(args[args.index("-qmp") + 1].split(",")[0].removeprefix("unix:"))
+    t0 = time.perf_counter()
+    p = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, start_new_session=True, preexec_fn=enter_netns,
+                         pass_fds=(ns_fd,))
+    try:
+        while not qmp.exists():
+            if p.poll() is not None:
+                raise SystemExit(f"raw QEMU did not start: {p.stderr.read().decode()[-2000:]}")
+            time.sleep(0.002)
+        q = Qmp(qmp)
+        q.call("migrate-set-capabilities", {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
+        with open(dev, "rb") as f:
+            q.call("getfd", {"fdname": "raw"}, fd=f.fileno())
+        q.call("migrate-incoming", {"uri": "fd:raw"})
+        while q.call("query-status")["status"] == "inmigrate":
+            time.sleep(0.002)
+        q.call("cont")
+        took = time.perf_counter() - t0
+        q.call("quit")
+        p.wait(timeout=30)
+        return took
+    except (OSError, RuntimeError) as e:
+        p.kill()
+        raise SystemExit(f"raw QEMU restore failed ({e}): {p.stderr.read().decode()[-2000:]}")
+    finally:
+        os.close(ns_fd)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def raw_floor(cmd: list[str], dev: Path, n: int = 5) -> list[float]:
+    """`raw_restore` n times in a network namespace of its own (removed after)."""
+    netns = f"dsec-raw-restore-{os.getpid()}"
+    tap = next((o.split("=", 1)[1] for a in cmd for o in a.split(",") if o.startswith("ifname=")), None)
+    subprocess.run(["ip", "netns", "add", netns], check=True)
+    try:
+        if tap:
+            subprocess.run(["ip", "-n", netns, "tuntap", "add", "dev", tap, "mode", "tap", "vnet_hdr"], check=True)
+        return [raw_restore(cmd, dev, netns) for _ in range(n)]
+    finally:
+        subprocess.run(["ip", "netns", "del", netns])
+
+
+async def bench(url: str, key: str, n: int, data: Path) -> dict:
     out: dict = {}
     async with DSecClient(api_url=url, api_key=key, timeout=600) as c:
         vm = [b for b in (await c.status())["nodes"][0]["backends"] if b["name"] == "vm"][0]
@@ -55,19 +174,40 @@ async def bench(url: str, key: str, n: int) -> dict:
             await sb.stop()
         out["cold_create_to_first_exec"] = lat_summary(cold)
         # Creates served by the pool, one after another.
-        pooled, taken = [], []
+        pooled, handed, first, again, taken = [], [], [], [], []
         for _ in range(n):
             t0 = time.perf_counter()
             sb = await c.run_sandbox(args())
+            t1 = time.perf_counter()
             await sb.exec(["true"])
-            pooled.append(time.perf_counter() - t0)
+            t2 = time.perf_counter()
+            await sb.exec(["true"])
+            pooled.append(t2 - t0)
+            handed.append(t1 - t0)
+            first.append(t2 - t1)
+            again.append(time.perf_counter() - t2)
             assert sb.info.from_pool == POOL, sb.info
             taken.append(sb)
         out["pooled_create_to_first_exec"] = lat_summary(pooled)
+        # Where it goes: the create's answer, the first exec, and a second exec (what an
+        # exec of `true` costs in a running guest, which a restore by hand would pay too).
+        out["pooled_create_answer"] = lat_summary(handed)
+        out["pooled_first_exec"] = lat_summary(first)
+        out["exec_in_running_vm"] = lat_summary(again)
         # The pool makes n members again, each restored from its save.
         refill = await wait_ready(c, n)
         out["refill_s"] = round(refill, 2)
         out["refill_per_member_ms"] = round(refill / n * 1000, 1)
+        # The floor, while the pool's members run: the same save restored by hand.
+        seeds = sorted(data.glob(f"edge/fork-tmp/pool-{POOL}-*/dev"))
+        members = member_commands()
+        if seeds and members:
+            raw = raw_floor(members[0], seeds[0])
+            out["raw_qemu_restore_to_running"] = lat_summary(raw)
+            out["pooled_over_raw_restore"] = round(
+                out["pooled_create_to_first_exec"]["p50_ms"] / out["raw_qemu_restore_to_running"]["p50_ms"], 2)
+        else:
+            print(f"  no floor: seeds {seeds}, restored QEMU processes {len(members)}", flush=True)
         for sb in taken:
             await sb.stop()
     return out
@@ -86,13 +226,20 @@ def main() -> None:
     config = (f'[[edge.pools]]\nname = "{POOL}"\nimage = "root/base"\nbackend = "vm"\n'
               f'memory_mb = {POOL_MB}\nsize = {a.n}\nrefill_per_second = 100\n')
     with configured_server(data, a.listen, store, config) as (url, key):
-        out = {"bench": "vm_pool", "n": a.n, **asyncio.run(bench(url, key, a.n))}
+        out = {"bench": "vm_pool", "n": a.n, **asyncio.run(bench(url, key, a.n, data))}
     print(f"\nvm pool of {a.n} ({out['vm_backend']}):")
     print(f"  first fill (one boot, then restores): {out['first_fill_s']} s")
     c, p = out["cold_create_to_first_exec"], out["pooled_create_to_first_exec"]
     print(f"  cold create -> first exec (boot):     p50 {c['p50_ms']:.0f} ms")
     print(f"  pooled create -> first exec:          p50 {p['p50_ms']:.1f} ms, max {p['max_ms']:.1f} ms")
+    print(f"    of which the create's answer:       p50 {out['pooled_create_answer']['p50_ms']:.1f} ms")
+    print(f"    and the first exec:                 p50 {out['pooled_first_exec']['p50_ms']:.1f} ms")
+    print(f"  an exec of `true` in a running VM:    p50 {out['exec_in_running_vm']['p50_ms']:.1f} ms")
     print(f"  refill, per member (a restore):       {out['refill_per_member_ms']} ms")
+    if "raw_qemu_restore_to_running" in out:
+        r = out["raw_qemu_restore_to_running"]
+        print(f"  floor, raw QEMU restore of the save:  p50 {r['p50_ms']:.0f} ms (to running; "
+              f"pooled/raw {out['pooled_over_raw_restore']})")
     write_result("vm_pool", out)
 
 

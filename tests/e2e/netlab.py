@@ -371,18 +371,6 @@ class Netlab:
         names = [line.split(": ")[1].split("@")[0] for line in out.splitlines() if ": " in line]
         return [n for n in names if n.startswith("dsv")]
 
-    def link_local(self, iface: str) -> str:
-        """The node's IPv6 link-local address on `iface`, once duplicate address detection
-        is done with it."""
-        end = time.monotonic() + 10
-        while True:
-            out = self.node("ip", "-6", "-o", "addr", "show", "dev", iface, "scope", "link").stdout
-            if out and "tentative" not in out:
-                return out.split("inet6 ")[1].split("/")[0]
-            if time.monotonic() > end:
-                raise TimeoutError(f"no usable link-local address on {iface} in the node: {out!r}")
-            time.sleep(0.2)
-
     def set_zone(self, name: str, records: list) -> None:
         zone = json.loads(ZONE_FILE.read_text())
         zone[name] = records

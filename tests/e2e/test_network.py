@@ -469,9 +469,19 @@ async def test_cname_out_of_the_allowed_names_is_refused(lab: Netlab, node: DSec
 async def test_no_ipv6(lab: Netlab, node: DSecClient):
     sb = await node.run_sandbox(DSecRunArgs(**PY, network_rules={"pypi": True}))
     iface = f"dsv{key(sb)}"
-    node_ll = await asyncio.to_thread(lab.link_local, iface)
-    # The node's service answers on that address (from the node itself).
-    assert await node_connect(lab, f"{node_ll}%{iface}", HOST_PORT) == "OK"
+    # The node's side of the pair has no IPv6 at all: no address a sandbox could reach,
+    # no route of its own in the node's table.
+    knob = lab.node("cat", f"/proc/sys/net/ipv6/conf/{iface}/disable_ipv6").stdout.strip()
+    assert knob == "1", knob
+    assert lab.node("ip", "-6", "-o", "addr", "show", "dev", iface).stdout == ""
+    # The node's service listens on IPv6 (it answers on the node's own loopback) ...
+    assert await node_connect(lab, "::1", HOST_PORT) == "OK"
+    # ... and the sandbox aims at the link-local address the node's side would have had
+    # (the EUI-64 of its MAC), which nothing answers on.
+    mac = lab.node("ip", "-o", "link", "show", "dev", iface).stdout.split("link/ether ")[1].split()[0]
+    b = [int(x, 16) for x in mac.split(":")]
+    b = [b[0] ^ 2, *b[1:3], 0xFF, 0xFE, *b[3:]]
+    node_ll = "fe80::" + ":".join(f"{b[i] << 8 | b[i + 1]:x}" for i in range(0, 8, 2))
     lab.clear_logs()
     got = await probe_named(sb, "IPv6", {
         "getaddrinfo(pypi.test, AF_INET6)": ("resolve6", "pypi.test"),

@@ -32,7 +32,16 @@ struct Watcher {
 }
 
 impl Watcher {
-    fn add(&mut self, dir: &Path) -> Result<(), FsError> {
+    /// Watches `dir` (and, when recursive, the directories in it). `found`, for a directory
+    /// that has just appeared: what is already in it gets a `create` there, since it may
+    /// have been made before the watch was in place (`mkdir -p a/b && touch a/b/c` is over
+    /// before the event for `a` is read); a change made meanwhile may then be told twice,
+    /// never missed.
+    fn add(
+        &mut self,
+        dir: &Path,
+        mut found: Option<&mut Vec<(u32, FsEvent)>>,
+    ) -> Result<(), FsError> {
         if self.dirs.len() >= MAX_DIRS {
             return Err((
                 ErrorCode::ResourceExhausted,
@@ -51,8 +60,20 @@ impl Watcher {
             && let Ok(rd) = std::fs::read_dir(dir)
         {
             for e in rd.flatten() {
-                if e.file_type().is_ok_and(|t| t.is_dir()) {
-                    self.add(&e.path())?;
+                let is_dir = e.file_type().is_ok_and(|t| t.is_dir());
+                if let Some(f) = found.as_deref_mut() {
+                    f.push((
+                        0,
+                        FsEvent {
+                            kind: "create".into(),
+                            path: e.path().display().to_string(),
+                            is_dir,
+                            from: None,
+                        },
+                    ));
+                }
+                if is_dir {
+                    self.add(&e.path(), found.as_deref_mut())?;
                 }
             }
         }
@@ -92,7 +113,7 @@ pub fn run(path: &Path, recursive: bool, out: &mut UnixStream) -> Result<(), FsE
         dirs: HashMap::new(),
         recursive,
     };
-    w.add(&root)?;
+    w.add(&root, None)?;
     if write_json(out, &Response::Ready).is_err() {
         return Ok(());
     }
@@ -165,9 +186,6 @@ pub fn run(path: &Path, recursive: bool, out: &mut UnixStream) -> Result<(), FsE
             } else {
                 continue;
             };
-            if is_dir && recursive && (kind == "create" || kind == "moved_to") {
-                let _ = w.add(&path);
-            }
             events.push((
                 ev.cookie,
                 FsEvent {
@@ -177,6 +195,9 @@ pub fn run(path: &Path, recursive: bool, out: &mut UnixStream) -> Result<(), FsE
                     from: None,
                 },
             ));
+            if is_dir && recursive && (kind == "create" || kind == "moved_to") {
+                let _ = w.add(&path, Some(&mut events));
+            }
         }
         for ev in pair_renames(events) {
             if write_json(out, &Response::Event(ev)).is_err() {
@@ -232,6 +253,39 @@ mod tests {
             is_dir: false,
             from: None,
         }
+    }
+
+    #[test]
+    fn a_new_directory_tells_what_was_made_in_it_before_its_watch() {
+        let root = std::env::temp_dir().join(format!("aether-watch-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(&root).unwrap();
+        // SAFETY: plain syscall; the fd is owned below.
+        let fd = unsafe { libc::inotify_init1(libc::IN_CLOEXEC | libc::IN_NONBLOCK) };
+        assert!(fd >= 0);
+        let mut w = Watcher {
+            // SAFETY: inotify_init1 returned a fresh fd.
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+            dirs: HashMap::new(),
+            recursive: true,
+        };
+        w.add(&root, None).unwrap();
+        // All made before the event for `d` is handled, as `mkdir -p d/e && touch d/e/y`.
+        std::fs::create_dir_all(root.join("d/e")).unwrap();
+        std::fs::write(root.join("d/e/y"), "1").unwrap();
+        let mut found = Vec::new();
+        w.add(&root.join("d"), Some(&mut found)).unwrap();
+        let mut told: Vec<(String, bool)> = found
+            .iter()
+            .map(|(_, e)| (e.path.clone(), e.is_dir))
+            .collect();
+        told.sort();
+        let p = |s: &str| root.join(s).display().to_string();
+        assert_eq!(told, [(p("d/e"), true), (p("d/e/y"), false)]);
+        assert!(found.iter().all(|(_, e)| e.kind == "create"));
+        // And both directories are watched from now on.
+        assert_eq!(w.dirs.len(), 3);
+        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]

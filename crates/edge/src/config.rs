@@ -65,6 +65,12 @@ pub struct EdgeConfig {
     /// runs a few at a time, so the first is ready about as soon as a lone create would
     /// be, instead of all of them sharing the CPUs until the end.
     pub create_parallelism: u32,
+    /// Turn on cgroup2's `favordynmods` at start (on the cgroup2 mount of a v2 or hybrid
+    /// host; see `cgroup::favor_dynmods`). Moving a process into a cgroup, which each
+    /// create does, otherwise waits for an RCU grace period: about half of a lone create
+    /// here. The setting is the kernel's, for the whole host, and stays on after `dsec
+    /// down`; `false` leaves the host as it is.
+    pub cgroup_favor_dynmods: bool,
 }
 
 /// `[[edge.pools]]`: `size` sandboxes of `image` with these limits, kept made. A create of
@@ -244,6 +250,7 @@ impl Default for EdgeConfig {
             pools: Vec::new(),
             functions: Vec::new(),
             create_parallelism: 0,
+            cgroup_favor_dynmods: true,
         }
     }
 }

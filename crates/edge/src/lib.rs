@@ -17,6 +17,7 @@ mod pools;
 pub mod registry;
 pub mod runtime;
 mod snapshots;
+pub mod spawn;
 pub mod trajectory;
 pub mod transfer;
 mod validate;
@@ -302,6 +303,18 @@ impl Edge {
         std::fs::create_dir_all(&fork_tmp)
             .map_err(|e| ApiError::internal(format!("creating {}: {e}", fork_tmp.display())))?;
         let mode = cgroup::detect();
+        cgroup::prepare_parents(mode);
+        if cfg.cgroup_favor_dynmods {
+            match cgroup::favor_dynmods(mode, true) {
+                Ok(true) => tracing::info!(
+                    "cgroup2 favordynmods turned on: a process moved into a cgroup no longer waits for an RCU grace period (cgroup_favor_dynmods = false leaves it off)"
+                ),
+                Ok(false) => {}
+                Err(e) => tracing::warn!(
+                    "cannot turn on cgroup2 favordynmods ({e}); each create waits for an RCU grace period"
+                ),
+            }
+        }
         let container: Arc<dyn Backend> = Arc::new(ContainerBackend::new(
             &cfg.oci_runtime,
             &cfg.state_dir.join("runtime"),
@@ -352,7 +365,10 @@ impl Edge {
         let pools = pools::Pools::new(&cfg).map_err(ApiError::invalid)?;
         let turns = create_parallelism(cfg.create_parallelism);
         let functions = functions::Functions::new(&cfg).map_err(ApiError::invalid)?;
-        mountns::init(&cfg.state_dir).map_err(ApiError::internal)?;
+        let ns = mountns::init(&cfg.state_dir).map_err(ApiError::internal)?;
+        if let Err(e) = ns.own_mount(&images.root().join("layers")) {
+            tracing::warn!("{e}; creates will slow down as sandboxes accumulate");
+        }
         let (died_tx, died_rx) = tokio::sync::mpsc::unbounded_channel();
         let deaths = deaths::Deaths::start(died_tx)
             .inspect_err(|e| {

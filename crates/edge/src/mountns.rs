@@ -202,6 +202,57 @@ impl MountNs {
         })
     }
 
+    /// Gives directory `dir` a mount of its own in the namespace (a bind of itself),
+    /// unless it has one. For the image layers: the kernel checks each lower directory of
+    /// a new overlay against every mount attached below the mount the directory is on,
+    /// and the namespace's root mount has one for each sandbox's disk and network pin, so
+    /// on a mount of their own (with nothing below it) a create costs no more at the
+    /// 3,000th sandbox than at the first. Files added to `dir` later are seen there too.
+    pub fn own_mount(&self, dir: &Path) -> Result<(), String> {
+        std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        let dir = dir
+            .canonicalize()
+            .map_err(|e| format!("resolving {}: {e}", dir.display()))?;
+        let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())
+            .map_err(|_| format!("{} has a NUL byte", dir.display()))?;
+        self.run(|| {
+            let table = std::fs::read_to_string("/proc/thread-self/mountinfo").unwrap_or_default();
+            // mountinfo writes space, tab, newline and backslash as octal escapes.
+            let target: String = dir
+                .to_string_lossy()
+                .chars()
+                .map(|ch| match ch {
+                    ' ' | '\t' | '\n' | '\\' => format!("\\{:03o}", ch as u32),
+                    ch => ch.to_string(),
+                })
+                .collect();
+            if table
+                .lines()
+                .any(|l| l.split(' ').nth(4) == Some(target.as_str()))
+            {
+                return Ok(());
+            }
+            // SAFETY: mount(2) with NUL-terminated paths that outlive the call.
+            let rc = unsafe {
+                libc::mount(
+                    c.as_ptr(),
+                    c.as_ptr(),
+                    std::ptr::null(),
+                    libc::MS_BIND,
+                    std::ptr::null(),
+                )
+            };
+            if rc != 0 {
+                return Err(format!(
+                    "bind-mounting {} on itself: {}",
+                    dir.display(),
+                    std::io::Error::last_os_error()
+                ));
+            }
+            Ok(())
+        })?
+    }
+
     /// Ends the holder, and with it the namespace and whatever is still mounted there
     /// (for `dsec down` once no sandbox is left).
     pub fn stop(&self) {

@@ -20,7 +20,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dsec_common::ApiError;
-use dsec_common::api::{CreateSandboxRequest, Limits, PoolStatus, SandboxInfo, SandboxState};
+use dsec_common::api::{
+    CreateSandboxRequest, ExecRequest, Limits, PoolStatus, SandboxInfo, SandboxState,
+};
 use dsec_image::ImageRef;
 
 use crate::config::{EdgeConfig, PoolConfig};
@@ -467,6 +469,32 @@ impl Edge {
                 seed.map(|s| s.dir),
             )
             .await;
+        // A VM's emulator starts with none of the guest's code translated (TCG) and the
+        // guest with none of its exec path paged in: one `true` now, so that the first
+        // exec of whoever takes the member costs what any later one does.
+        if let Ok(info) = &made
+            && backend.fork_preserves_memory()
+        {
+            // Straight to its agent: a member is no sandbox of anyone's yet.
+            let warm = ExecRequest {
+                argv: Some(vec!["true".into()]),
+                timeout_seconds: Some(30.0),
+                ..ExecRequest::default()
+            };
+            let ran = match validate::exec(&self.cfg, &warm) {
+                Ok(spec) => crate::channel::call(
+                    &self.paths(&info.id).channel,
+                    &dsec_common::channel::Request::Exec(spec),
+                    Duration::from_secs(60),
+                )
+                .await
+                .map(drop),
+                Err(e) => Err(e),
+            };
+            if let Err(e) = ran {
+                tracing::warn!(sandbox = %info.id, pool = %cfg.name, "warming a pool member: {}", e.message);
+            }
+        }
         if let Ok(info) = &made
             && !restored
             && backend.fork_preserves_memory()

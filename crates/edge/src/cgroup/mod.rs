@@ -156,6 +156,168 @@ pub fn empty_and_remove(mode: CgroupMode, rel: &str, within: std::time::Duration
     }
 }
 
+/// Prepares the shared parent cgroups before the first sandbox. On v1 a new cpuset cgroup
+/// starts with no CPUs and no memory nodes, and the OCI runtime fills them in by writing
+/// the parent's values into each new one; the kernel checks every such write against all
+/// of the new cgroup's siblings and rebuilds the scheduler domains, so on a node of
+/// thousands of sandboxes each create cost more than the one before. With
+/// `cgroup.clone_children` set on `/dsec`, a new child starts with its parent's values
+/// and the runtime's write changes nothing, which the kernel returns from at once.
+pub fn prepare_parents(mode: CgroupMode) {
+    if mode == CgroupMode::V2 {
+        return;
+    }
+    let root = Path::new("/sys/fs/cgroup/cpuset");
+    if !root.join("cpuset.cpus").exists() {
+        return;
+    }
+    let dir = root.join("dsec");
+    let done = (|| -> std::io::Result<()> {
+        std::fs::create_dir_all(&dir)?;
+        for f in ["cpuset.cpus", "cpuset.mems"] {
+            if std::fs::read_to_string(dir.join(f))?.trim().is_empty() {
+                std::fs::write(dir.join(f), std::fs::read_to_string(root.join(f))?)?;
+            }
+        }
+        std::fs::write(dir.join("cgroup.clone_children"), "1")
+    })();
+    if let Err(e) = done {
+        tracing::warn!("preparing {}: {e}", dir.display());
+    }
+}
+
+/// Where this layout's cgroup2 hierarchy is mounted, if it has one.
+fn cgroup2_mount(mode: CgroupMode) -> Option<&'static str> {
+    match mode {
+        CgroupMode::V2 => Some("/sys/fs/cgroup"),
+        CgroupMode::Hybrid => Some("/sys/fs/cgroup/unified"),
+        CgroupMode::V1 => None,
+    }
+}
+
+/// The superblock options of the cgroup2 mount at `target` in `mountinfo` (`rw`/`ro` left
+/// out: they are the mount's, not the file system's).
+fn cgroup2_options(mountinfo: &str, target: &str) -> Option<Vec<String>> {
+    mountinfo.lines().find_map(|l| {
+        let (left, right) = l.split_once(" - ")?;
+        let mut r = right.split(' ');
+        if left.split(' ').nth(4) != Some(target) || r.next() != Some("cgroup2") {
+            return None;
+        }
+        let opts = r.nth(1).unwrap_or("");
+        Some(
+            opts.split(',')
+                .filter(|o| !o.is_empty() && *o != "rw" && *o != "ro")
+                .map(String::from)
+                .collect(),
+        )
+    })
+}
+
+// From <linux/mount.h>.
+const FSPICK_CLOEXEC: libc::c_uint = 1;
+const FSCONFIG_SET_FLAG: libc::c_uint = 0;
+const FSCONFIG_SET_STRING: libc::c_uint = 1;
+const FSCONFIG_CMD_RECONFIGURE: libc::c_uint = 7;
+
+/// Turns cgroup2's `favordynmods` on or off; Ok(true) if that changed it. The kernel
+/// guards cgroup membership with one lock that forks take as readers; in its default mode
+/// a writer (a process moved into a cgroup: each create's runtime moves the container's
+/// first process) first waits for an RCU grace period, milliseconds, with nothing else to
+/// do. With the flag the readers take the slower path and the writer waits for nothing.
+/// The flag is the kernel's, for the whole host (any hierarchy sets it); it is set here on
+/// the superblock with `fspick`/`fsconfig`, keeping its other options and leaving the
+/// mount's own flags as they are.
+pub fn favor_dynmods(mode: CgroupMode, on: bool) -> Result<bool, String> {
+    let Some(target) = cgroup2_mount(mode) else {
+        return Ok(false);
+    };
+    let table = std::fs::read_to_string("/proc/self/mountinfo")
+        .map_err(|e| format!("reading the mount table: {e}"))?;
+    let Some(mut opts) = cgroup2_options(&table, target) else {
+        return Ok(false);
+    };
+    let has = opts.iter().any(|o| o == "favordynmods");
+    if has == on {
+        return Ok(false);
+    }
+    opts.retain(|o| o != "favordynmods");
+    if on {
+        opts.push("favordynmods".into());
+    }
+    let c = |s: &str| std::ffi::CString::new(s).map_err(|_| format!("option {s:?} has a NUL byte"));
+    let path = c(target)?;
+    // SAFETY: fspick(2) with a NUL-terminated path; the descriptor is owned below.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_fspick,
+            libc::AT_FDCWD,
+            path.as_ptr(),
+            FSPICK_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(format!(
+            "opening {target} to reconfigure: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    // SAFETY: a descriptor fspick just returned, owned by nobody else.
+    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
+    let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
+    for o in &opts {
+        let (key, value) = match o.split_once('=') {
+            Some((k, v)) => (c(k)?, Some(c(v)?)),
+            None => (c(o)?, None),
+        };
+        // SAFETY: fsconfig(2) with NUL-terminated strings that outlive the call.
+        let rc = unsafe {
+            match &value {
+                Some(v) => libc::syscall(
+                    libc::SYS_fsconfig,
+                    raw,
+                    FSCONFIG_SET_STRING,
+                    key.as_ptr(),
+                    v.as_ptr(),
+                    0,
+                ),
+                None => libc::syscall(
+                    libc::SYS_fsconfig,
+                    raw,
+                    FSCONFIG_SET_FLAG,
+                    key.as_ptr(),
+                    std::ptr::null::<libc::c_char>(),
+                    0,
+                ),
+            }
+        };
+        if rc < 0 {
+            return Err(format!(
+                "setting {o} on {target}: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+    }
+    // SAFETY: fsconfig(2) on the descriptor above, with no key or value.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_fsconfig,
+            raw,
+            FSCONFIG_CMD_RECONFIGURE,
+            std::ptr::null::<libc::c_char>(),
+            std::ptr::null::<libc::c_char>(),
+            0,
+        )
+    };
+    if rc < 0 {
+        return Err(format!(
+            "reconfiguring {target}: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(true)
+}
+
 /// Removes the shared parent cgroups once no sandbox uses them (at shutdown; during
 /// operation a concurrent create may be about to use them).
 pub fn remove_parents(mode: CgroupMode) {
@@ -176,6 +338,63 @@ mod tests {
     const V1: &str = "30 25 0:26 / /sys/fs/cgroup ro,nosuid shared:9 - tmpfs tmpfs ro,mode=755
 32 30 0:28 / /sys/fs/cgroup/memory rw,nosuid shared:11 - cgroup cgroup rw,memory
 ";
+
+    #[test]
+    fn reads_the_cgroup2_superblock_options() {
+        let table = format!(
+            "{HYBRID}41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw,nsdelegate,favordynmods\n"
+        );
+        // The first line for the target that is cgroup2 (HYBRID's own has no options).
+        assert_eq!(
+            cgroup2_options(&table, "/sys/fs/cgroup/unified"),
+            Some(vec![])
+        );
+        let v2 = "30 25 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate,memory_recursiveprot\n";
+        assert_eq!(
+            cgroup2_options(v2, "/sys/fs/cgroup"),
+            Some(vec!["nsdelegate".into(), "memory_recursiveprot".into()])
+        );
+        assert_eq!(cgroup2_options(V1, "/sys/fs/cgroup"), None);
+        assert_eq!(cgroup2_options(v2, "/sys/fs/cgroup/unified"), None);
+    }
+
+    /// Root only: turns the flag on (the setting `dsec up` makes) and checks it took, on
+    /// the host's own cgroup2 mount; leaves it as it found it.
+    #[test]
+    fn favordynmods_goes_on_and_keeps_the_other_options() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return;
+        }
+        let mode = detect();
+        let Some(target) = cgroup2_mount(mode) else {
+            return;
+        };
+        let read = || {
+            cgroup2_options(
+                &std::fs::read_to_string("/proc/self/mountinfo").unwrap(),
+                target,
+            )
+            .unwrap()
+        };
+        let before = read();
+        let was_on = before.iter().any(|o| o == "favordynmods");
+        favor_dynmods(mode, true).unwrap();
+        let on = read();
+        assert!(on.iter().any(|o| o == "favordynmods"), "{on:?}");
+        let others = |v: &[String]| -> Vec<String> {
+            v.iter().filter(|o| *o != "favordynmods").cloned().collect()
+        };
+        assert_eq!(others(&on), others(&before));
+        assert!(
+            !favor_dynmods(mode, true).unwrap(),
+            "a second call changes nothing"
+        );
+        if !was_on {
+            assert!(favor_dynmods(mode, false).unwrap());
+            assert_eq!(read(), before);
+        }
+    }
 
     #[test]
     fn detects_each_layout() {

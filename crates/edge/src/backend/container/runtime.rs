@@ -4,11 +4,10 @@
 //! a plain v1 host. Nothing outside the call is affected. A `run` always has a namespace of
 //! its own: the container's root filesystem is attached there (see `rootfs.rs`).
 
-use std::ffi::CString;
-use std::os::fd::RawFd;
-use std::os::unix::process::CommandExt;
+use std::ffi::{CString, OsStr};
+use std::os::fd::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use crate::cgroup::CgroupMode;
 
@@ -98,18 +97,23 @@ impl OciRuntime {
         }
     }
 
-    /// A command for one runtime call, detached from our session so signals to the
-    /// edge's process group never reach sandboxes; `pass_fd` becomes fd 3; `rootfs` is a
-    /// detached mount attached at its path in the call's own mount namespace.
-    fn command(&self, pass_fd: Option<RawFd>, rootfs: Option<(RawFd, CString)>) -> Command {
-        let mut c = Command::new(&self.path);
-        c.arg("--root").arg(&self.root);
+    /// What one runtime call does in its own process before the runtime starts (see
+    /// [`crate::spawn`]): detach from our session, so signals to the edge's process group
+    /// never reach sandboxes; `pass_fd` becomes fd 3; `rootfs` is a detached mount
+    /// attached at its path in the call's own mount namespace.
+    fn step(
+        &self,
+        pass_fd: Option<RawFd>,
+        rootfs: Option<(RawFd, CString)>,
+    ) -> impl FnMut() -> std::io::Result<()> {
         let hide = self.hide_unified;
         let own_ns = hide || rootfs.is_some();
         let unified = CString::new("/sys/fs/cgroup/unified").unwrap_or_default();
-        // SAFETY: only async-signal-safe syscalls run between fork and exec.
-        unsafe {
-            c.pre_exec(move || {
+        // Only async-signal-safe system calls: this runs in a process sharing our memory.
+        move || {
+            // SAFETY: setsid, unshare, umount2, fcntl and dup2 on this process only, with
+            // NUL-terminated paths that outlive the calls.
+            unsafe {
                 libc::setsid();
                 if own_ns {
                     crate::mountns::unshare_private()?;
@@ -129,26 +133,36 @@ impl OciRuntime {
                         return Err(std::io::Error::last_os_error());
                     }
                 }
-                Ok(())
-            });
+            }
+            Ok(())
         }
-        c
+    }
+
+    /// `--root <root> <args>`.
+    fn argv<'a>(&'a self, args: &[&'a OsStr]) -> Vec<&'a OsStr> {
+        let mut v = vec![OsStr::new("--root"), self.root.as_os_str()];
+        v.extend_from_slice(args);
+        v
     }
 
     fn run_quiet(&self, args: &[&str]) -> Result<String, String> {
-        let out = self
-            .command(None, None)
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|e| format!("cannot run {}: {e}", self.path.display()))?;
+        let args: Vec<&OsStr> = args.iter().map(OsStr::new).collect();
+        let out = crate::spawn::output(
+            self.path.as_os_str(),
+            &self.argv(&args),
+            &mut self.step(None, None),
+        )
+        .map_err(|e| format!("cannot run {}: {e}", self.path.display()))?;
         if out.status.success() {
             Ok(String::from_utf8_lossy(&out.stdout).into_owned())
         } else {
             Err(format!(
                 "{} {} failed: {}",
                 self.version,
-                args.join(" "),
+                args.iter()
+                    .map(|a| a.to_string_lossy())
+                    .collect::<Vec<_>>()
+                    .join(" "),
                 String::from_utf8_lossy(&out.stderr).trim()
             ))
         }
@@ -171,23 +185,30 @@ impl OciRuntime {
             .append(true)
             .open(log)
             .map_err(|e| format!("opening {}: {e}", log.display()))?;
-        let logf2 = logf.try_clone().map_err(|e| e.to_string())?;
         let target = CString::new(bundle.join("rootfs").as_os_str().as_encoded_bytes())
             .map_err(|_| format!("bundle path {} has a NUL byte", bundle.display()))?;
-        let status = self
-            .command(Some(listen_fd), Some((rootfs, target)))
-            .args(["run", "--detach", "--preserve-fds", "1"])
-            .args(self.no_keyring())
-            .arg("--pid-file")
-            .arg(pid_file)
-            .arg("--bundle")
-            .arg(bundle)
-            .arg(cid)
-            .stdin(Stdio::null())
-            .stdout(logf)
-            .stderr(logf2)
-            .status()
-            .map_err(|e| format!("cannot run {}: {e}", self.path.display()))?;
+        let null =
+            std::fs::File::open("/dev/null").map_err(|e| format!("opening /dev/null: {e}"))?;
+        let mut args: Vec<&OsStr> = ["run", "--detach", "--preserve-fds", "1"]
+            .into_iter()
+            .chain(self.no_keyring().iter().copied())
+            .chain(["--pid-file"])
+            .map(OsStr::new)
+            .collect();
+        args.extend([
+            pid_file.as_os_str(),
+            OsStr::new("--bundle"),
+            bundle.as_os_str(),
+            OsStr::new(cid),
+        ]);
+        let status = crate::spawn::spawn(
+            self.path.as_os_str(),
+            &self.argv(&args),
+            [null.as_raw_fd(), logf.as_raw_fd(), logf.as_raw_fd()],
+            &mut self.step(Some(listen_fd), Some((rootfs, target))),
+        )
+        .and_then(crate::spawn::wait)
+        .map_err(|e| format!("cannot run {}: {e}", self.path.display()))?;
         if status.success() {
             return Ok(());
         }

@@ -1,0 +1,308 @@
+//! Starting a program without copying the edge. `std::process::Command` with a `pre_exec`
+//! step forks: the kernel copies the page tables of the whole edge (its heap grows with
+//! every sandbox it holds) and every page it then writes faults once more, on each OCI
+//! runtime call of each create and stop. Here the child shares the edge's memory
+//! (`clone(CLONE_VM | CLONE_VFORK)`, as `posix_spawn` does) on a stack of its own, runs
+//! the step, and execs; the calling thread waits only until the exec.
+//!
+//! The step runs in a process that shares this one's memory: like a `pre_exec` closure it
+//! may only make async-signal-safe system calls (no allocation, no locks).
+
+use std::ffi::{CString, OsStr};
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::process::ExitStatusExt;
+use std::process::ExitStatus;
+use std::sync::atomic::{AtomicI32, Ordering};
+
+/// The child's stack: the step and `execv` only.
+const STACK: usize = 128 * 1024;
+
+struct Child<'a> {
+    path: *const libc::c_char,
+    argv: *const *const libc::c_char,
+    stdio: [RawFd; 3],
+    step: &'a mut dyn FnMut() -> std::io::Result<()>,
+    /// The parent's signal mask, restored in the child just before `execv`.
+    mask: libc::sigset_t,
+    /// errno of what failed in the child; 0 if it reached the program.
+    err: AtomicI32,
+}
+
+extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: `arg` is the `Child` that `spawn` keeps alive until this process has exec'd
+    // or exited (CLONE_VFORK suspends the parent until then).
+    let c = unsafe { &mut *(arg as *mut Child) };
+    let fail = |c: &Child, e: i32| -> ! {
+        c.err
+            .store(if e == 0 { libc::EINVAL } else { e }, Ordering::SeqCst);
+        // SAFETY: ends this process without running anything of the parent's.
+        unsafe { libc::_exit(127) }
+    };
+    // SAFETY: async-signal-safe calls on this process's own signal table (not shared:
+    // no CLONE_SIGHAND) and descriptors; the pointers are valid for the calls.
+    unsafe {
+        // Handlers are the parent's code; none may run here. Signals stay blocked (the
+        // parent blocked them all) until the table holds no handler.
+        for sig in 1..=libc::SIGRTMAX() {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(sig, std::ptr::null(), &mut sa) == 0
+                && sa.sa_sigaction != libc::SIG_DFL
+                && sa.sa_sigaction != libc::SIG_IGN
+            {
+                sa.sa_sigaction = libc::SIG_DFL;
+                libc::sigaction(sig, &sa, std::ptr::null_mut());
+            }
+        }
+        for (target, &fd) in c.stdio.iter().enumerate() {
+            let target = target as RawFd;
+            if fd == target {
+                let flags = libc::fcntl(fd, libc::F_GETFD);
+                libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC);
+            } else if libc::dup2(fd, target) < 0 {
+                fail(c, *libc::__errno_location());
+            }
+        }
+    }
+    if let Err(e) = (c.step)() {
+        fail(c, e.raw_os_error().unwrap_or(libc::EINVAL));
+    }
+    // SAFETY: as above; `path` and `argv` point into CStrings the parent keeps alive.
+    unsafe {
+        libc::sigprocmask(libc::SIG_SETMASK, &c.mask, std::ptr::null_mut());
+        libc::execv(c.path, c.argv);
+        fail(c, *libc::__errno_location())
+    }
+}
+
+fn cstring(s: &OsStr) -> std::io::Result<CString> {
+    CString::new(s.as_bytes()).map_err(|_| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("argument {s:?} has a NUL byte"),
+        )
+    })
+}
+
+/// Starts `path` with `args` (not including argv\[0\], which is `path`), `stdio` as its
+/// fds 0, 1 and 2, after `step` has run in the new process. Returns its pid once it has
+/// exec'd; an error if the step or the exec failed (the process is then reaped).
+pub fn spawn(
+    path: &OsStr,
+    args: &[&OsStr],
+    stdio: [RawFd; 3],
+    step: &mut dyn FnMut() -> std::io::Result<()>,
+) -> std::io::Result<libc::pid_t> {
+    let path_c = cstring(path)?;
+    let mut owned = vec![path_c.clone()];
+    for a in args {
+        owned.push(cstring(a)?);
+    }
+    let mut argv: Vec<*const libc::c_char> = owned.iter().map(|s| s.as_ptr()).collect();
+    argv.push(std::ptr::null());
+    let mut stack = vec![0u8; STACK];
+    // SAFETY: one past the end of `stack`, rounded down to the 16 bytes the ABI wants.
+    let top = unsafe { stack.as_mut_ptr().add(STACK) } as usize & !15;
+    // SAFETY: sigset_t is plain data; sigfillset initialises it.
+    let mut child = Child {
+        path: path_c.as_ptr(),
+        argv: argv.as_ptr(),
+        stdio,
+        step,
+        mask: unsafe { std::mem::zeroed() },
+        err: AtomicI32::new(0),
+    };
+    // SAFETY: signal masks of this thread only, restored right after; clone(2) with a
+    // stack and an argument that outlive the child's use of them (CLONE_VFORK returns
+    // once it has exec'd or exited).
+    let pid = unsafe {
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut child.mask);
+        let pid = libc::clone(
+            child_main,
+            top as *mut libc::c_void,
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            (&mut child as *mut Child).cast(),
+        );
+        let err = std::io::Error::last_os_error();
+        libc::pthread_sigmask(libc::SIG_SETMASK, &child.mask, std::ptr::null_mut());
+        if pid < 0 {
+            return Err(err);
+        }
+        pid
+    };
+    drop(stack);
+    let e = child.err.load(Ordering::SeqCst);
+    if e != 0 {
+        let _ = wait(pid);
+        return Err(std::io::Error::from_raw_os_error(e));
+    }
+    Ok(pid)
+}
+
+/// Waits for `pid` (a child of this process) to end.
+pub fn wait(pid: libc::pid_t) -> std::io::Result<ExitStatus> {
+    let mut status = 0;
+    loop {
+        // SAFETY: waitpid on our own child with a valid status pointer.
+        let r = unsafe { libc::waitpid(pid, &mut status, 0) };
+        if r == pid {
+            return Ok(ExitStatus::from_raw(status));
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINTR) {
+            return Err(e);
+        }
+    }
+}
+
+/// What a finished program wrote.
+pub struct Output {
+    pub status: ExitStatus,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+}
+
+fn memfd(name: &std::ffi::CStr) -> std::io::Result<File> {
+    // SAFETY: memfd_create with a NUL-terminated name; the descriptor is owned below.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor owned by nobody else.
+    Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+/// Runs `path` to the end with stdin from /dev/null; its stdout and stderr go to memory
+/// files (no pipes to drain while it runs) and are returned.
+pub fn output(
+    path: &OsStr,
+    args: &[&OsStr],
+    step: &mut dyn FnMut() -> std::io::Result<()>,
+) -> std::io::Result<Output> {
+    let null = File::open("/dev/null")?;
+    let (mut out, mut err) = (memfd(c"stdout")?, memfd(c"stderr")?);
+    let pid = spawn(
+        path,
+        args,
+        [null.as_raw_fd(), out.as_raw_fd(), err.as_raw_fd()],
+        step,
+    )?;
+    let status = wait(pid)?;
+    let read = |f: &mut File| -> std::io::Result<Vec<u8>> {
+        let mut v = Vec::new();
+        f.seek(SeekFrom::Start(0))?;
+        f.read_to_end(&mut v)?;
+        Ok(v)
+    };
+    Ok(Output {
+        status,
+        stdout: read(&mut out)?,
+        stderr: read(&mut err)?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_the_step_then_the_program() {
+        let dir = tempfile::tempdir().unwrap();
+        let cwd = CString::new(dir.path().as_os_str().as_bytes()).unwrap();
+        // The step changes the child's directory (its own fs state: no CLONE_FS); the
+        // program then prints it. The parent's stays where it was.
+        let here = std::env::current_dir().unwrap();
+        let mut step = || {
+            // SAFETY: chdir with a NUL-terminated path.
+            if unsafe { libc::chdir(cwd.as_ptr()) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        };
+        let o = output(OsStr::new("/bin/pwd"), &[], &mut step).unwrap();
+        assert!(o.status.success());
+        assert_eq!(
+            String::from_utf8_lossy(&o.stdout).trim(),
+            dir.path().canonicalize().unwrap().display().to_string()
+        );
+        assert_eq!(std::env::current_dir().unwrap(), here);
+    }
+
+    #[test]
+    fn captures_both_streams_and_the_status() {
+        let o = output(
+            OsStr::new("/bin/sh"),
+            &[
+                OsStr::new("-c"),
+                OsStr::new("echo out; echo err >&2; exit 3"),
+            ],
+            &mut || Ok(()),
+        )
+        .unwrap();
+        assert_eq!(o.status.code(), Some(3));
+        assert_eq!(o.stdout, b"out\n");
+        assert_eq!(o.stderr, b"err\n");
+    }
+
+    #[test]
+    fn a_failed_step_or_exec_is_an_error() {
+        let e = output(OsStr::new("/bin/true"), &[], &mut || {
+            Err(std::io::Error::from_raw_os_error(libc::EPERM))
+        })
+        .err()
+        .unwrap();
+        assert_eq!(e.raw_os_error(), Some(libc::EPERM));
+        let e = output(OsStr::new("/nonexistent/program"), &[], &mut || Ok(()))
+            .err()
+            .unwrap();
+        assert_eq!(e.raw_os_error(), Some(libc::ENOENT));
+    }
+
+    #[test]
+    fn the_program_gets_no_handler_and_the_parents_mask() {
+        // A handler in the parent becomes the default in the child (SigCgt has no bit
+        // for it), and a signal the parent blocks stays blocked there (SigBlk).
+        extern "C" fn on_usr1(_: libc::c_int) {}
+        // SAFETY: installing a handler that does nothing; blocking SIGUSR2 on this thread.
+        let old = unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_usr1 as *const () as usize;
+            let mut old: libc::sigaction = std::mem::zeroed();
+            libc::sigaction(libc::SIGUSR1, &sa, &mut old);
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            libc::sigaddset(&mut set, libc::SIGUSR2);
+            libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+            old
+        };
+        let o = output(
+            OsStr::new("/bin/grep"),
+            &[
+                OsStr::new("-E"),
+                OsStr::new("^Sig(Cgt|Blk)"),
+                OsStr::new("/proc/self/status"),
+            ],
+            &mut || Ok(()),
+        )
+        .unwrap();
+        // SAFETY: restoring what was there before.
+        unsafe {
+            libc::sigaction(libc::SIGUSR1, &old, std::ptr::null_mut());
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            libc::sigaddset(&mut set, libc::SIGUSR2);
+            libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
+        }
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        let field = |name: &str| -> u64 {
+            let line = text.lines().find(|l| l.starts_with(name)).unwrap();
+            u64::from_str_radix(line.split_whitespace().nth(1).unwrap(), 16).unwrap()
+        };
+        assert_eq!(field("SigCgt:") & (1 << (libc::SIGUSR1 - 1)), 0, "{text}");
+        assert_ne!(field("SigBlk:") & (1 << (libc::SIGUSR2 - 1)), 0, "{text}");
+    }
+}
