@@ -7,22 +7,67 @@
 //!
 //! The step runs in a process that shares this one's memory: like a `pre_exec` closure it
 //! may only make async-signal-safe system calls (no allocation, no locks).
+//!
+//! A program may be run from a sealed memory copy ([`Program::sealed`]). An OCI runtime
+//! run from a file on disk first copies or bind-mounts its own binary and executes itself
+//! again (so a container cannot overwrite it through `/proc/self/exe`); run from a sealed
+//! copy it sees that there is nothing to protect and skips that, once per call.
 
 use std::ffi::{CString, OsStr};
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
 use std::sync::atomic::{AtomicI32, Ordering};
 
-/// The child's stack: the step and `execv` only.
+/// The child's stack: the step and the exec only.
 const STACK: usize = 128 * 1024;
+
+/// What to run: a path, or a sealed copy of the program held open.
+#[derive(Debug)]
+pub struct Program {
+    pub path: std::path::PathBuf,
+    sealed: Option<std::os::fd::OwnedFd>,
+}
+
+impl Program {
+    pub fn path(path: &std::path::Path) -> Program {
+        Program {
+            path: path.to_path_buf(),
+            sealed: None,
+        }
+    }
+
+    /// A copy of the file at `path` in memory, sealed against every change
+    /// (`F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE`), run from there.
+    pub fn sealed(path: &std::path::Path) -> std::io::Result<Program> {
+        let mut f = memfd(c"dsec-program", libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)?;
+        std::io::copy(&mut File::open(path)?, &mut f)?;
+        let seals =
+            libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
+        // SAFETY: fcntl on a descriptor we own.
+        if unsafe { libc::fcntl(f.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Program {
+            path: path.to_path_buf(),
+            sealed: Some(f.into()),
+        })
+    }
+
+    pub fn is_sealed(&self) -> bool {
+        self.sealed.is_some()
+    }
+}
 
 struct Child<'a> {
     path: *const libc::c_char,
+    /// The sealed copy to execute, or -1 for `path`.
+    exe: RawFd,
     argv: *const *const libc::c_char,
+    envp: *const *const libc::c_char,
     stdio: [RawFd; 3],
     step: &'a mut dyn FnMut() -> std::io::Result<()>,
     /// The parent's signal mask, restored in the child just before `execv`.
@@ -72,7 +117,18 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
     // SAFETY: as above; `path` and `argv` point into CStrings the parent keeps alive.
     unsafe {
         libc::sigprocmask(libc::SIG_SETMASK, &c.mask, std::ptr::null_mut());
-        libc::execv(c.path, c.argv);
+        if c.exe >= 0 {
+            libc::syscall(
+                libc::SYS_execveat,
+                c.exe,
+                c"".as_ptr(),
+                c.argv,
+                c.envp,
+                libc::AT_EMPTY_PATH,
+            );
+        } else {
+            libc::execve(c.path, c.argv, c.envp);
+        }
         fail(c, *libc::__errno_location())
     }
 }
@@ -86,29 +142,42 @@ fn cstring(s: &OsStr) -> std::io::Result<CString> {
     })
 }
 
-/// Starts `path` with `args` (not including argv\[0\], which is `path`), `stdio` as its
-/// fds 0, 1 and 2, after `step` has run in the new process. Returns its pid once it has
-/// exec'd; an error if the step or the exec failed (the process is then reaped).
+/// Starts `program` with `args` (not including argv\[0\], which is its path), this
+/// process's environment, `stdio` as its fds 0, 1 and 2, after `step` has run in the new
+/// process. Returns its pid once it has exec'd; an error if the step or the exec failed
+/// (the process is then reaped).
 pub fn spawn(
-    path: &OsStr,
+    program: &Program,
     args: &[&OsStr],
     stdio: [RawFd; 3],
     step: &mut dyn FnMut() -> std::io::Result<()>,
 ) -> std::io::Result<libc::pid_t> {
-    let path_c = cstring(path)?;
+    let path_c = cstring(program.path.as_os_str())?;
     let mut owned = vec![path_c.clone()];
     for a in args {
         owned.push(cstring(a)?);
     }
     let mut argv: Vec<*const libc::c_char> = owned.iter().map(|s| s.as_ptr()).collect();
     argv.push(std::ptr::null());
+    let env: Vec<CString> = std::env::vars_os()
+        .filter_map(|(k, v)| {
+            let mut kv = k.into_vec();
+            kv.push(b'=');
+            kv.extend_from_slice(v.as_bytes());
+            CString::new(kv).ok()
+        })
+        .collect();
+    let mut envp: Vec<*const libc::c_char> = env.iter().map(|s| s.as_ptr()).collect();
+    envp.push(std::ptr::null());
     let mut stack = vec![0u8; STACK];
     // SAFETY: one past the end of `stack`, rounded down to the 16 bytes the ABI wants.
     let top = unsafe { stack.as_mut_ptr().add(STACK) } as usize & !15;
     // SAFETY: sigset_t is plain data; sigfillset initialises it.
     let mut child = Child {
         path: path_c.as_ptr(),
+        exe: program.sealed.as_ref().map_or(-1, |f| f.as_raw_fd()),
         argv: argv.as_ptr(),
+        envp: envp.as_ptr(),
         stdio,
         step,
         mask: unsafe { std::mem::zeroed() },
@@ -166,9 +235,9 @@ pub struct Output {
     pub stderr: Vec<u8>,
 }
 
-fn memfd(name: &std::ffi::CStr) -> std::io::Result<File> {
+fn memfd(name: &std::ffi::CStr, flags: libc::c_uint) -> std::io::Result<File> {
     // SAFETY: memfd_create with a NUL-terminated name; the descriptor is owned below.
-    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), flags) };
     if fd < 0 {
         return Err(std::io::Error::last_os_error());
     }
@@ -179,14 +248,17 @@ fn memfd(name: &std::ffi::CStr) -> std::io::Result<File> {
 /// Runs `path` to the end with stdin from /dev/null; its stdout and stderr go to memory
 /// files (no pipes to drain while it runs) and are returned.
 pub fn output(
-    path: &OsStr,
+    program: &Program,
     args: &[&OsStr],
     step: &mut dyn FnMut() -> std::io::Result<()>,
 ) -> std::io::Result<Output> {
     let null = File::open("/dev/null")?;
-    let (mut out, mut err) = (memfd(c"stdout")?, memfd(c"stderr")?);
+    let (mut out, mut err) = (
+        memfd(c"stdout", libc::MFD_CLOEXEC)?,
+        memfd(c"stderr", libc::MFD_CLOEXEC)?,
+    );
     let pid = spawn(
-        path,
+        program,
         args,
         [null.as_raw_fd(), out.as_raw_fd(), err.as_raw_fd()],
         step,
@@ -209,6 +281,38 @@ pub fn output(
 mod tests {
     use super::*;
 
+    fn prog(p: &str) -> Program {
+        Program::path(std::path::Path::new(p))
+    }
+
+    #[test]
+    fn a_sealed_copy_runs_and_cannot_be_changed() {
+        let p = Program::sealed(std::path::Path::new("/bin/sh")).unwrap();
+        assert!(p.is_sealed());
+        let fd = p.sealed.as_ref().unwrap().as_raw_fd();
+        // SAFETY: fcntl and write on a descriptor `p` owns.
+        unsafe {
+            let seals = libc::fcntl(fd, libc::F_GET_SEALS);
+            assert_ne!(seals & libc::F_SEAL_WRITE, 0);
+            assert!(libc::write(fd, b"x".as_ptr().cast(), 1) < 0);
+        }
+        // It runs from memory, with argv[0] the path, and sees its environment.
+        let o = output(
+            &p,
+            &[
+                OsStr::new("-c"),
+                OsStr::new("echo \"$0\"; readlink /proc/$$/exe; echo ${PATH:+has-path}"),
+            ],
+            &mut || Ok(()),
+        )
+        .unwrap();
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[0], "/bin/sh", "{text}");
+        assert!(lines[1].starts_with("/memfd:dsec-program"), "{text}");
+        assert_eq!(lines[2], "has-path", "{text}");
+    }
+
     #[test]
     fn runs_the_step_then_the_program() {
         let dir = tempfile::tempdir().unwrap();
@@ -223,7 +327,7 @@ mod tests {
             }
             Ok(())
         };
-        let o = output(OsStr::new("/bin/pwd"), &[], &mut step).unwrap();
+        let o = output(&prog("/bin/pwd"), &[], &mut step).unwrap();
         assert!(o.status.success());
         assert_eq!(
             String::from_utf8_lossy(&o.stdout).trim(),
@@ -235,7 +339,7 @@ mod tests {
     #[test]
     fn captures_both_streams_and_the_status() {
         let o = output(
-            OsStr::new("/bin/sh"),
+            &prog("/bin/sh"),
             &[
                 OsStr::new("-c"),
                 OsStr::new("echo out; echo err >&2; exit 3"),
@@ -250,13 +354,13 @@ mod tests {
 
     #[test]
     fn a_failed_step_or_exec_is_an_error() {
-        let e = output(OsStr::new("/bin/true"), &[], &mut || {
+        let e = output(&prog("/bin/true"), &[], &mut || {
             Err(std::io::Error::from_raw_os_error(libc::EPERM))
         })
         .err()
         .unwrap();
         assert_eq!(e.raw_os_error(), Some(libc::EPERM));
-        let e = output(OsStr::new("/nonexistent/program"), &[], &mut || Ok(()))
+        let e = output(&prog("/nonexistent/program"), &[], &mut || Ok(()))
             .err()
             .unwrap();
         assert_eq!(e.raw_os_error(), Some(libc::ENOENT));
@@ -280,7 +384,7 @@ mod tests {
             old
         };
         let o = output(
-            OsStr::new("/bin/grep"),
+            &prog("/bin/grep"),
             &[
                 OsStr::new("-E"),
                 OsStr::new("^Sig(Cgt|Blk)"),

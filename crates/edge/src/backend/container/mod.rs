@@ -5,7 +5,9 @@
 mod oci;
 mod rootfs;
 mod runtime;
+mod seccomp;
 
+use base64::Engine as _;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
@@ -31,6 +33,9 @@ pub struct ContainerBackend {
     mode: CgroupMode,
     /// Where each sandbox's directory is (`<sandboxes>/<id>`).
     sandboxes: PathBuf,
+    /// The seccomp policy compiled once for crun (`seccomp.rs`), base64; None: the runtime
+    /// compiles the OCI section itself.
+    seccomp_bpf: Option<String>,
 }
 
 fn cid(rec: &SandboxRecord) -> String {
@@ -147,12 +152,28 @@ impl ContainerBackend {
         mode: CgroupMode,
         sandboxes: &Path,
     ) -> ContainerBackend {
+        let runtime = OciRuntime::resolve(runtime_choice, runtime_state, mode);
+        let seccomp_bpf = match &runtime {
+            Ok(rt) if rt.kind == runtime::Kind::Crun => {
+                match seccomp::compile(&oci::seccomp_policy()) {
+                    Ok(bpf) => Some(base64::engine::general_purpose::STANDARD.encode(bpf)),
+                    Err(e) => {
+                        tracing::warn!(
+                            "cannot compile the seccomp policy ({e}); crun compiles it on each create"
+                        );
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
         ContainerBackend {
-            runtime: OciRuntime::resolve(runtime_choice, runtime_state, mode),
+            runtime,
             aether: find_aether(aether),
             images,
             mode,
             sandboxes: sandboxes.to_path_buf(),
+            seccomp_bpf,
         }
     }
 
@@ -230,6 +251,7 @@ impl ContainerBackend {
                 nofile: nofile_limit(),
                 netns: netns.as_deref(),
                 resolv_conf: gateway.as_ref().map(|_| resolv.as_path()),
+                seccomp_bpf: self.seccomp_bpf.as_deref(),
             },
         );
         // The bundle carries the sandbox's environment: root's alone.

@@ -351,7 +351,9 @@ const READONLY_PATHS: &[&str] = &[
     "/proc/sysrq-trigger",
 ];
 
-fn seccomp() -> Value {
+/// The sandboxes' seccomp policy, as the OCI section (see `seccomp.rs` for its compiled
+/// form).
+pub(crate) fn seccomp_policy() -> Value {
     #[cfg(target_arch = "x86_64")]
     let arches = json!(["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"]);
     #[cfg(not(target_arch = "x86_64"))]
@@ -396,6 +398,8 @@ pub struct BundleInput<'a> {
     pub netns: Option<&'a Path>,
     /// A resolv.conf naming the node's DNS proxy, bound over /etc/resolv.conf.
     pub resolv_conf: Option<&'a Path>,
+    /// The seccomp policy compiled (base64 BPF), for crun's `run.oci.seccomp_bpf_data`.
+    pub seccomp_bpf: Option<&'a str>,
 }
 
 pub fn config(rec: &SandboxRecord, inp: &BundleInput<'_>) -> Value {
@@ -473,9 +477,14 @@ pub fn config(rec: &SandboxRecord, inp: &BundleInput<'_>) -> Value {
             },
             "maskedPaths": MASKED_PATHS,
             "readonlyPaths": READONLY_PATHS,
-            "seccomp": seccomp()
+            "seccomp": seccomp_policy()
         }
     });
+    if let Some(bpf) = inp.seccomp_bpf {
+        // crun loads this program instead of compiling the section above, which stays as
+        // the policy's statement (and what any other runtime would use).
+        config["annotations"] = json!({ "run.oci.seccomp_bpf_data": bpf });
+    }
     if let (Some(r), Some(mounts)) = (inp.resolv_conf, config["mounts"].as_array_mut()) {
         mounts.push(json!({ "destination": "/etc/resolv.conf", "type": "bind", "source": r, "options": ["bind", "ro", "nosuid", "nodev", "noexec"] }));
     }
@@ -487,8 +496,37 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_compiled_policy_goes_to_crun_as_an_annotation() {
+        let rec: SandboxRecord = serde_json::from_value(json!({
+            "id": "local-abc", "edge": "local", "backend": "container", "image": "root/base:latest",
+            "image_digest": "", "layers": [], "env": {}, "workdir": null,
+            "limits": {"cpu_cores": 1.0, "memory_mb": 64, "disk_mb": 64, "pids": 64},
+            "labels": {}, "state": "running", "created_at_ms": 0, "expires_at_ms": 0,
+            "idle_timeout_seconds": null, "last_activity_ms": 0, "forked_from": null, "oom_kills": 0
+        }))
+        .unwrap_or_else(|e| panic!("{e}"));
+        let p = Path::new("/x");
+        let inp = |bpf| BundleInput {
+            rootfs: p,
+            aether: p,
+            hosts: p,
+            cgroup_path: "/dsec/local-abc",
+            limit_swap: false,
+            nofile: 1024,
+            netns: None,
+            resolv_conf: None,
+            seccomp_bpf: bpf,
+        };
+        let with = config(&rec, &inp(Some("AAAA")));
+        assert_eq!(with["annotations"]["run.oci.seccomp_bpf_data"], "AAAA");
+        // The OCI section stays: the policy's statement, and any other runtime's input.
+        assert_eq!(with["linux"]["seccomp"], seccomp_policy());
+        assert!(config(&rec, &inp(None)).get("annotations").is_none());
+    }
+
+    #[test]
     fn seccomp_allows_a_userland_and_refuses_the_rest_by_default() {
-        let s = seccomp();
+        let s = seccomp_policy();
         assert_eq!(s["defaultAction"], "SCMP_ACT_ERRNO");
         assert_eq!(s["defaultErrnoRet"], 1);
         let allowed: Vec<&str> = s["syscalls"]

@@ -25,6 +25,10 @@ pub struct OciRuntime {
     pub version: String,
     /// The runtime's `--root` (its container state), private to this edge.
     root: PathBuf,
+    /// What each call runs: for crun and runc a sealed copy in memory (see
+    /// [`crate::spawn::Program::sealed`]), which spares each call the runtime's re-exec of
+    /// itself. An upgrade of the binary on disk takes effect at the edge's next start.
+    program: std::sync::Arc<crate::spawn::Program>,
     hide_unified: bool,
 }
 
@@ -80,7 +84,18 @@ impl OciRuntime {
             .unwrap_or_default();
         let root = state_root.join(name);
         std::fs::create_dir_all(&root).map_err(|e| format!("creating {}: {e}", root.display()))?;
+        let program = match kind {
+            Kind::Crun | Kind::Runc => crate::spawn::Program::sealed(&path).unwrap_or_else(|e| {
+                tracing::warn!(
+                    "cannot copy {} into memory ({e}); running it from disk",
+                    path.display()
+                );
+                crate::spawn::Program::path(&path)
+            }),
+            Kind::Other => crate::spawn::Program::path(&path),
+        };
         Ok(OciRuntime {
+            program: std::sync::Arc::new(program),
             path,
             kind,
             version,
@@ -147,12 +162,9 @@ impl OciRuntime {
 
     fn run_quiet(&self, args: &[&str]) -> Result<String, String> {
         let args: Vec<&OsStr> = args.iter().map(OsStr::new).collect();
-        let out = crate::spawn::output(
-            self.path.as_os_str(),
-            &self.argv(&args),
-            &mut self.step(None, None),
-        )
-        .map_err(|e| format!("cannot run {}: {e}", self.path.display()))?;
+        let out =
+            crate::spawn::output(&self.program, &self.argv(&args), &mut self.step(None, None))
+                .map_err(|e| format!("cannot run {}: {e}", self.path.display()))?;
         if out.status.success() {
             Ok(String::from_utf8_lossy(&out.stdout).into_owned())
         } else {
@@ -202,7 +214,7 @@ impl OciRuntime {
             OsStr::new(cid),
         ]);
         let status = crate::spawn::spawn(
-            self.path.as_os_str(),
+            &self.program,
             &self.argv(&args),
             [null.as_raw_fd(), logf.as_raw_fd(), logf.as_raw_fd()],
             &mut self.step(Some(listen_fd), Some((rootfs, target))),
