@@ -489,6 +489,8 @@ async def test_no_ipv6(lab: Netlab, node: DSecClient):
         f"node [{node_ll}%eth0]:{HOST_PORT}": ("connect6", node_ll, "eth0", HOST_PORT),
         "the sandbox's IPv6 addresses": ("ipv6_addresses",),
     })
+    # IPv6 only on its loopback (`::1`, for what listens on localhost); none on eth0.
+    assert {a.split()[0] for a in got["the sandbox's IPv6 addresses"]} == {"lo"}, got
     six = got["getaddrinfo(pypi.test, AF_INET6)"]
     assert blocked(six) or six == [], six
     assert got["DNS AAAA pypi.test to the gateway"] == {"rcode": 0, "a": []}
