@@ -52,6 +52,27 @@ pub fn get() -> Result<&'static MountNs, String> {
         .ok_or_else(|| "the sandboxes' mount namespace was not started".to_string())
 }
 
+/// `p` as `/proc/*/mountinfo` writes it: space, tab, newline and backslash as octal escapes.
+pub(crate) fn mountinfo_path(p: &Path) -> String {
+    p.to_string_lossy()
+        .chars()
+        .map(|ch| match ch {
+            ' ' | '\t' | '\n' | '\\' => format!("\\{:03o}", ch as u32),
+            ch => ch.to_string(),
+        })
+        .collect()
+}
+
+/// Whether the mount table `mountinfo` has a mount at `dir` or anywhere inside it.
+pub(crate) fn has_mount_within(mountinfo: &str, dir: &Path) -> bool {
+    let d = mountinfo_path(dir);
+    let inside = format!("{}/", d.trim_end_matches('/'));
+    mountinfo
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .any(|m| m == d || m.starts_with(&inside))
+}
+
 /// Whether `pid` is a live holder (not this process's own namespace).
 fn is_holder(pid: i32) -> bool {
     let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
@@ -217,15 +238,7 @@ impl MountNs {
             .map_err(|_| format!("{} has a NUL byte", dir.display()))?;
         self.run(|| {
             let table = std::fs::read_to_string("/proc/thread-self/mountinfo").unwrap_or_default();
-            // mountinfo writes space, tab, newline and backslash as octal escapes.
-            let target: String = dir
-                .to_string_lossy()
-                .chars()
-                .map(|ch| match ch {
-                    ' ' | '\t' | '\n' | '\\' => format!("\\{:03o}", ch as u32),
-                    ch => ch.to_string(),
-                })
-                .collect();
+            let target = mountinfo_path(&dir);
             if table
                 .lines()
                 .any(|l| l.split(' ').nth(4) == Some(target.as_str()))
@@ -292,6 +305,20 @@ mod tests {
     /// A tmpfs mounted in the namespace is there (and seen through `view`), not in the
     /// host's table; it survives the holder being killed (a new one joins), and goes when
     /// the namespace is stopped.
+    #[test]
+    fn finds_a_mount_inside_a_directory() {
+        let table = "36 25 8:1 / / rw - ext4 /dev/vda rw
+40 36 0:50 / /var/lib/dsec/sb/a\\040b/disk rw - tmpfs dsec-disk rw
+41 36 0:51 / /var/lib/dsec/sb/c rw - tmpfs x rw
+";
+        assert!(has_mount_within(table, Path::new("/var/lib/dsec/sb/a b")));
+        assert!(has_mount_within(table, Path::new("/var/lib/dsec/sb/c")));
+        assert!(has_mount_within(table, Path::new("/var/lib/dsec/sb")));
+        // A sibling whose name starts the same is not inside.
+        assert!(!has_mount_within(table, Path::new("/var/lib/dsec/sb/a")));
+        assert!(!has_mount_within(table, Path::new("/var/lib/dsec/sb/cc")));
+    }
+
     #[test]
     fn mounts_stay_out_of_the_host_and_outlive_a_holder() {
         if !root() {
