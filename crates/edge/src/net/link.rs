@@ -71,11 +71,11 @@ pub fn create(id: &str, k: &str, slot: &Slot) -> Result<(), String> {
         rtnl::in_netns(&ns, move || {
             let mut r = Rtnl::open()?;
             r.set_up(rtnl::index("lo")?)?;
-            let eth0 = rtnl::index("eth0")?;
-            // Its loopback keeps IPv6 (`::1`, which `localhost` may resolve to); eth0 has
+            // eth0 came with IPv6 off (the namespace's default, see `create_netns`): it has
             // nowhere to reach over IPv6, and with it on, each new sandbox would send
-            // solicitations and listener reports, and run address timers, for seconds.
-            no_ipv6("eth0")?;
+            // solicitations and listener reports, and run address timers, for seconds. Its
+            // loopback keeps `::1`, which `localhost` may resolve to.
+            let eth0 = rtnl::index("eth0")?;
             r.add_address(eth0, ip, 30)?;
             r.set_up(eth0)?;
             r.add_default_route(gw)?;
@@ -89,8 +89,7 @@ pub fn create(id: &str, k: &str, slot: &Slot) -> Result<(), String> {
     Ok(())
 }
 
-/// Turns IPv6 off on `iface` (of the calling thread's network namespace) before it comes
-/// up: on the node side of each pair, and on the sandbox's `eth0`. Sandboxes are reached
+/// Turns IPv6 off on the node side of a pair before it comes up. Sandboxes are reached
 /// over IPv4 only; with IPv6 on, each pair would add its link-local and multicast routes
 /// to the node's one IPv6 table, all under the same prefixes, so route lookups and every
 /// link coming up (which walks the table) would cost more with each sandbox, and each

@@ -294,6 +294,20 @@ pub fn create_netns(name: &str) -> Result<File, NetlinkError> {
             check(unsafe { libc::unshare(libc::CLONE_NEWNET) }, || {
                 "unsharing a network namespace".into()
             })?;
+            // Links made in it from now on (the sandbox's eth0) start with IPv6 off; its
+            // loopback, already there, keeps `::1`. The namespace's default is a plain
+            // value: unlike a link's own switch, it takes no lock shared by all namespaces.
+            let knob = "/proc/sys/net/ipv6/conf/default/disable_ipv6";
+            match std::fs::write(knob, "1") {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {} // no IPv6 at all
+                Err(e) => {
+                    return Err(NetlinkError::Refused {
+                        what: format!("writing {knob}"),
+                        source: e,
+                    });
+                }
+            }
             let dst = cpath(&path)?;
             mount(c"/proc/thread-self/ns/net", &dst, libc::MS_BIND, || {
                 format!("bind-mounting the namespace on {}", path.display())
