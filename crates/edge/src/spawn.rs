@@ -235,7 +235,8 @@ pub struct Output {
     pub stderr: Vec<u8>,
 }
 
-fn memfd(name: &std::ffi::CStr, flags: libc::c_uint) -> std::io::Result<File> {
+/// A new memory file (`memfd_create`).
+pub(crate) fn memfd(name: &std::ffi::CStr, flags: libc::c_uint) -> std::io::Result<File> {
     // SAFETY: memfd_create with a NUL-terminated name; the descriptor is owned below.
     let fd = unsafe { libc::memfd_create(name.as_ptr(), flags) };
     if fd < 0 {
@@ -243,6 +244,14 @@ fn memfd(name: &std::ffi::CStr, flags: libc::c_uint) -> std::io::Result<File> {
     }
     // SAFETY: a new descriptor owned by nobody else.
     Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+/// All that was written to memory file `f`, read from its start.
+pub(crate) fn written(f: &mut File) -> std::io::Result<Vec<u8>> {
+    let mut v = Vec::new();
+    f.seek(SeekFrom::Start(0))?;
+    f.read_to_end(&mut v)?;
+    Ok(v)
 }
 
 /// Runs `path` to the end with stdin from /dev/null; its stdout and stderr go to memory
@@ -264,16 +273,10 @@ pub fn output(
         step,
     )?;
     let status = wait(pid)?;
-    let read = |f: &mut File| -> std::io::Result<Vec<u8>> {
-        let mut v = Vec::new();
-        f.seek(SeekFrom::Start(0))?;
-        f.read_to_end(&mut v)?;
-        Ok(v)
-    };
     Ok(Output {
         status,
-        stdout: read(&mut out)?,
-        stderr: read(&mut err)?,
+        stdout: written(&mut out)?,
+        stderr: written(&mut err)?,
     })
 }
 

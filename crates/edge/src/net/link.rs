@@ -64,7 +64,12 @@ pub fn create(id: &str, k: &str, slot: &Slot) -> Result<(), String> {
         let mut r = Rtnl::open()?;
         r.add_veth(&host, "eth0", ns.as_fd())?;
         let i = rtnl::index(&host)?;
-        no_ipv6(&host)?;
+        // IPv6 off on the node's side before it comes up. Sandboxes are reached over IPv4
+        // only; with IPv6 on, each pair would add its link-local and multicast routes to
+        // the node's one IPv6 table, all under the same prefixes, so route lookups and
+        // every link coming up (which walks the table) would cost more with each sandbox,
+        // and each sandbox's own solicitations and reports would be routed there too.
+        rtnl::disable_ipv6(&host)?;
         r.add_address(i, slot.gateway, 30)?;
         r.set_up(i)?;
         let (ip, gw) = (slot.ip, slot.gateway);
@@ -87,29 +92,6 @@ pub fn create(id: &str, k: &str, slot: &Slot) -> Result<(), String> {
         return Err(format!("setting up the sandbox's network: {e}"));
     }
     Ok(())
-}
-
-/// Turns IPv6 off on the node side of a pair before it comes up. Sandboxes are reached
-/// over IPv4 only; with IPv6 on, each pair would add its link-local and multicast routes
-/// to the node's one IPv6 table, all under the same prefixes, so route lookups and every
-/// link coming up (which walks the table) would cost more with each sandbox, and each
-/// sandbox's own router solicitations and listener reports would be routed there too.
-fn no_ipv6(iface: &str) -> Result<(), NetlinkError> {
-    let knob = format!("/proc/sys/net/ipv6/conf/{iface}/disable_ipv6");
-    match std::fs::write(&knob, "1") {
-        Ok(()) => Ok(()),
-        // A kernel without IPv6 has nothing to turn off.
-        Err(e)
-            if e.kind() == std::io::ErrorKind::NotFound
-                && !Path::new("/proc/sys/net/ipv6").exists() =>
-        {
-            Ok(())
-        }
-        Err(e) => Err(NetlinkError::Refused {
-            what: format!("writing {knob}"),
-            source: e,
-        }),
-    }
 }
 
 /// Removes the namespace and the veth pair; either may already be gone. Deleting the

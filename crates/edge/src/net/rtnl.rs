@@ -297,17 +297,7 @@ pub fn create_netns(name: &str) -> Result<File, NetlinkError> {
             // Links made in it from now on (the sandbox's eth0) start with IPv6 off; its
             // loopback, already there, keeps `::1`. The namespace's default is a plain
             // value: unlike a link's own switch, it takes no lock shared by all namespaces.
-            let knob = "/proc/sys/net/ipv6/conf/default/disable_ipv6";
-            match std::fs::write(knob, "1") {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {} // no IPv6 at all
-                Err(e) => {
-                    return Err(NetlinkError::Refused {
-                        what: format!("writing {knob}"),
-                        source: e,
-                    });
-                }
-            }
+            disable_ipv6("default")?;
             let dst = cpath(&path)?;
             mount(c"/proc/thread-self/ns/net", &dst, libc::MS_BIND, || {
                 format!("bind-mounting the namespace on {}", path.display())
@@ -320,6 +310,24 @@ pub fn create_netns(name: &str) -> Result<File, NetlinkError> {
         let _ = std::fs::remove_file(&path);
     }
     made
+}
+
+/// Turns IPv6 off in `conf` of the calling thread's network namespace: a link's name, or
+/// `default` for the links made in it later. A kernel without IPv6 has nothing to turn off.
+pub fn disable_ipv6(conf: &str) -> Result<(), NetlinkError> {
+    let knob = format!("/proc/sys/net/ipv6/conf/{conf}/disable_ipv6");
+    match std::fs::write(&knob, "1") {
+        Ok(()) => Ok(()),
+        Err(e)
+            if e.kind() == io::ErrorKind::NotFound && !Path::new("/proc/sys/net/ipv6").exists() =>
+        {
+            Ok(())
+        }
+        Err(e) => Err(NetlinkError::Refused {
+            what: format!("writing {knob}"),
+            source: e,
+        }),
+    }
 }
 
 /// Deletes the named network namespace (as `ip netns del`): unmounts and removes its

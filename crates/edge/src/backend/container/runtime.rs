@@ -20,7 +20,6 @@ pub enum Kind {
 
 #[derive(Debug, Clone)]
 pub struct OciRuntime {
-    pub path: PathBuf,
     pub kind: Kind,
     pub version: String,
     /// The runtime's `--root` (its container state), private to this edge.
@@ -96,7 +95,6 @@ impl OciRuntime {
         };
         Ok(OciRuntime {
             program: std::sync::Arc::new(program),
-            path,
             kind,
             version,
             root,
@@ -164,7 +162,7 @@ impl OciRuntime {
         let args: Vec<&OsStr> = args.iter().map(OsStr::new).collect();
         let out =
             crate::spawn::output(&self.program, &self.argv(&args), &mut self.step(None, None))
-                .map_err(|e| format!("cannot run {}: {e}", self.path.display()))?;
+                .map_err(|e| format!("cannot run {}: {e}", self.program.path.display()))?;
         if out.status.success() {
             Ok(String::from_utf8_lossy(&out.stdout).into_owned())
         } else {
@@ -220,7 +218,7 @@ impl OciRuntime {
             &mut self.step(Some(listen_fd), Some((rootfs, target))),
         )
         .and_then(crate::spawn::wait)
-        .map_err(|e| format!("cannot run {}: {e}", self.path.display()))?;
+        .map_err(|e| format!("cannot run {}: {e}", self.program.path.display()))?;
         if status.success() {
             return Ok(());
         }

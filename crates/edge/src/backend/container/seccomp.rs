@@ -7,8 +7,7 @@
 //! section is used as before.
 
 use std::ffi::{CStr, CString, c_int, c_uint, c_void};
-use std::io::{Read, Seek, SeekFrom};
-use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::fd::AsRawFd;
 
 use serde_json::Value;
 
@@ -170,22 +169,14 @@ pub fn compile(policy: &Value) -> Result<Vec<u8>, String> {
             }
         }
     }
-    // SAFETY: memfd_create with a NUL-terminated name; the descriptor is owned below.
-    let fd = unsafe { libc::memfd_create(c"seccomp-bpf".as_ptr(), libc::MFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(format!("memfd_create: {}", std::io::Error::last_os_error()));
-    }
-    // SAFETY: a new descriptor owned by nobody else.
-    let mut f = unsafe { std::fs::File::from_raw_fd(fd) };
+    let mut f = crate::spawn::memfd(c"seccomp-bpf", libc::MFD_CLOEXEC)
+        .map_err(|e| format!("memfd_create: {e}"))?;
     // SAFETY: a live context and an open descriptor.
     let rc = unsafe { (lib.export)(ctx.ctx, f.as_raw_fd()) };
     if rc != 0 {
         return Err(format!("seccomp_export_bpf: error {rc}"));
     }
-    let mut bpf = Vec::new();
-    f.seek(SeekFrom::Start(0))
-        .and_then(|_| f.read_to_end(&mut bpf))
-        .map_err(|e| format!("reading the program: {e}"))?;
+    let bpf = crate::spawn::written(&mut f).map_err(|e| format!("reading the program: {e}"))?;
     if bpf.is_empty() || bpf.len() % 8 != 0 {
         return Err(format!(
             "libseccomp wrote {} bytes, not a program",
@@ -198,6 +189,7 @@ pub fn compile(policy: &Value) -> Result<Vec<u8>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Read;
 
     /// Loads `bpf` in a child process (no_new_privs first, as crun does) and runs `f`
     /// there; returns what `f` returned.
