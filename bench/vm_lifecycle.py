@@ -13,6 +13,12 @@ same run:
   PSS per copy   proportional set size of each copy's VM process after the fork of the
                  largest N, next to the source's (pages shared copy-on-write count once)
 
+Floors measured in the same run: for `vm`, the command line of a sandbox's QEMU run by
+hand (bench/rawqemu.py): a raw boot of the same kernel, initramfs and disk until its
+agent answers, and the memory-sharing fork recipe (stop, device-state save with
+x-ignore-shared, copies mapping the memory file privately) for each N; for `microvm`,
+Firecracker booting the same kernel and disk by hand.
+
     python3 bench/vm_lifecycle.py --repeat 3 --counts 1,8,32
 Starts its own server (--attach uses a running one, found as the SDK finds it; PSS is then
 read from --data-dir's sandbox directories only if they are on this host), prints a table
@@ -30,6 +36,7 @@ from pathlib import Path
 
 from benchlib import server_down, server_up, store_of, write_result  # noqa: E402 (puts the SDK on the path)
 from opendsec import DSecClient, DSecRunArgs  # noqa: E402
+import rawqemu  # noqa: E402
 VM_BACKENDS = ("vm", "microvm")
 # A process that holds memory worth sharing (64 MiB, touched), as a warmed environment does.
 HOLDER = "import time; b = bytearray(range(256)) * (256 * 1024); time.sleep(1e9)"
@@ -53,6 +60,38 @@ def vm_pid(data: Path, sandbox_id: str) -> int | None:
         except (OSError, ValueError):
             continue
     return None
+
+
+def raw_qemu_floor(data: Path, sandbox_id: str, repeat: int, counts: list[int]) -> dict:
+    """The `vm` floors, by hand from the command line of a booted sandbox's QEMU (see
+    rawqemu.py): a boot until aether answers, and for each N a memory-sharing fork of such
+    a booted VM: the source's stall (stop and device-state save) and the time until all N
+    copies answer."""
+    cmd = rawqemu.qemu_cmdline(vm_pid(data, sandbox_id))
+    vmux = int((data / "edge/sandboxes" / sandbox_id / "vmux.pid").read_text().strip())
+    aether = rawqemu.qemu_cmdline(vmux)[0]
+    ram_dir = Path(next(o.split("=", 1)[1] for a in cmd for o in a.split(",") if o.startswith("mem-path="))).parent
+    boots, forks = [], []
+    with rawqemu.Netns(cmd, 1 + max(counts)) as ns:
+        for i in range(repeat):
+            t, vm = rawqemu.raw_boot(cmd, aether, ram_dir, ns[0])
+            boots.append(t)
+            vm.close()
+            vm.mem.unlink(missing_ok=True)
+        for n in counts:
+            _, vm = rawqemu.raw_boot(cmd, aether, ram_dir, ns[0])
+            try:
+                r = rawqemu.raw_fork(vm, cmd, aether, ns[1:1 + n])
+            finally:
+                vm.close()
+                vm.mem.unlink(missing_ok=True)
+            forks.append({"n": n, "stall_ms": round(r["stall_s"] * 1000, 1),
+                          "all_copies_answer_ms": round(r["all_answer_s"] * 1000, 1)})
+            print(f"  raw QEMU fork N={n}: stall {forks[-1]['stall_ms']} ms, all copies answer in "
+                  f"{forks[-1]['all_copies_answer_ms']} ms", flush=True)
+    print(f"  raw QEMU boot, same kernel, initramfs and disk: aether answers after "
+          f"{statistics.median(boots) * 1000:.0f} ms (median)", flush=True)
+    return {"boot_to_agent": summary(boots), "fork": forks}
 
 
 def pss_mib(pid: int | None) -> float | None:
@@ -172,6 +211,14 @@ async def bench_backend(c: DSecClient, backend: str, image: str, memory: int, re
             out["raw_firecracker_boot_to_agent"] = summary(raw)
             print(f"  raw Firecracker, same kernel and disk: agent listening after "
                   f"{statistics.median(raw) * 1000:.0f} ms (median)", flush=True)
+    if backend == "vm" and data:
+        sb = await c.run_sandbox(DSecRunArgs(image=image, backend=backend, memory_limit_mb=memory))
+        try:
+            out["raw_qemu"] = raw_qemu_floor(data, sb.id, repeat, counts)
+        finally:
+            await sb.stop()
+        out["cold_start_over_raw_boot"] = round(
+            out["cold_start_to_first_exec"]["median_ms"] / out["raw_qemu"]["boot_to_agent"]["median_ms"], 2)
     out["pause"] = summary(pauses)
     out["resume"] = summary(resumes)
     out["pause_to_disk"] = summary(suspends)
@@ -199,6 +246,11 @@ async def bench_backend(c: DSecClient, backend: str, image: str, memory: int, re
                 if all(p is not None for p in per):
                     row["pss_per_copy_mib"] = round(sum(per) / n, 1)
                     row["pss_all_copies_mib"] = round(sum(per), 1)
+            raw = next((f for f in out.get("raw_qemu", {}).get("fork", []) if f["n"] == n), None)
+            if raw:
+                row["over_raw_all_answer"] = round(row["all_copies_answer_ms"] / raw["all_copies_answer_ms"], 2)
+                if stall is not None:
+                    row["stall_over_raw_save"] = round(stall / raw["stall_ms"], 2)
             print(f"  {backend}: fork N={n}: source stall {stall} ms, all copies answer in "
                   f"{all_answer * 1000:.0f} ms ({row['per_copy_ms']} ms per copy)", flush=True)
             forks.append(row)
@@ -277,17 +329,26 @@ def main() -> None:
     for name, b in r["backends"].items():
         print(f"\n{name} ({b['accelerator']}{' emulation: no hardware virtualisation' if b['accelerator'] == 'TCG' else ''}"
               f"{': timings mean little' if 'nested' in b['accelerator'] else ''})")
-        for k in ("cold_start_to_first_exec", "raw_firecracker_boot_to_agent", "pause", "resume",
-                  "pause_to_disk", "restore_from_disk_to_first_exec"):
-            if k not in b:
-                continue
-            s = b[k]
-            print(f"  {k.replace('_', ' '):32} {s['median_ms']:10.1f} {s['min_ms']:9.1f} {s['max_ms']:9.1f}")
+        rows = [(k.replace("_", " "), b[k]) for k in
+                ("cold_start_to_first_exec", "raw_firecracker_boot_to_agent") if k in b]
+        if "raw_qemu" in b:
+            rows.append(("raw QEMU boot to agent (floor)", b["raw_qemu"]["boot_to_agent"]))
+        rows += [(k.replace("_", " "), b[k]) for k in
+                 ("pause", "resume", "pause_to_disk", "restore_from_disk_to_first_exec") if k in b]
+        for k, s in rows:
+            print(f"  {k:32} {s['median_ms']:10.1f} {s['min_ms']:9.1f} {s['max_ms']:9.1f}")
+        if "cold_start_over_raw_boot" in b:
+            print(f"  cold start / raw boot: {b['cold_start_over_raw_boot']}")
         print(f"  {'fork N':8} {'stall ms':>9} {'call ms':>9} {'all answer ms':>14} {'per copy ms':>12} {'PSS/copy MiB':>13}")
         for f in b["fork"]:
             pss = f.get("pss_per_copy_mib")
             print(f"  {f['n']:<8} {f['source_stall_ms']:>9} {f['fork_call_ms']:9.1f} {f['all_copies_answer_ms']:14.1f} "
                   f"{f['per_copy_ms']:12.1f} {pss if pss is not None else '-':>13}")
+        for f in b.get("raw_qemu", {}).get("fork", []):
+            mine = next((x for x in b["fork"] if x["n"] == f["n"]), {})
+            print(f"  raw QEMU fork N={f['n']}: stall {f['stall_ms']} ms, all answer {f['all_copies_answer_ms']} ms"
+                  f" (ours/raw: stall {mine.get('stall_over_raw_save', '-')}, "
+                  f"all answer {mine.get('over_raw_all_answer', '-')})")
         if b.get("source_pss_mib"):
             print(f"  source PSS {b['source_pss_mib']} MiB")
     for name, why in r["skipped"].items():

@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
-import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -30,6 +28,7 @@ from pathlib import Path
 
 from benchlib import configured_server, lat_summary, pool_ready, store_of, write_result  # noqa: E402
 from opendsec import DSecClient, DSecRunArgs  # noqa: E402
+from rawqemu import Qmp  # noqa: E402
 
 POOL = "vms"
 POOL_MB = 320
@@ -59,38 +58,6 @@ def member_commands() -> list[list[str]]:
         if a and b"qemu-system" in a[0] and b"-incoming" in a:
             out.append([x.decode() for x in a])
     return out
-
-
-class Qmp:
-    """Just enough of QMP for the floor, written here so the floor shares no code with
-    the edge."""
-
-    def __init__(self, path: Path):
-        self.s = socket.socket(socket.AF_UNIX)
-        self.s.connect(str(path))
-        self.f = self.s.makefile("rb")
-        self.read()  # the greeting
-        self.call("qmp_capabilities")
-
-    def read(self) -> dict:
-        while True:
-            line = self.f.readline()
-            if not line:
-                raise RuntimeError("QEMU closed QMP")
-            v = json.loads(line)
-            if "event" not in v:
-                return v
-
-    def call(self, cmd: str, args: dict | None = None, fd: int | None = None) -> dict:
-        line = json.dumps({"execute": cmd, **({"arguments": args} if args else {})}).encode() + b"\n"
-        if fd is None:
-            self.s.sendall(line)
-        else:
-            socket.send_fds(self.s, [line], [fd])
-        v = self.read()
-        if "error" in v:
-            raise RuntimeError(f"QMP {cmd}: {v['error']}")
-        return v["return"]
 
 
 def raw_restore(cmd: list[str], dev: Path, netns: str) -> float:

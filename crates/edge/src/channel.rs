@@ -244,6 +244,22 @@ pub async fn wait_ready(
     within: Duration,
     alive: impl Fn() -> bool,
 ) -> Result<(), ApiError> {
+    match wait_ready_with(sock, &Request::Ping, within, alive).await? {
+        Response::Pong { .. } => Ok(()),
+        other => Err(unexpected(&other)),
+    }
+}
+
+/// [`wait_ready`] with `req` as the probe instead of a ping, answered with the agent's
+/// reply: a sandbox's first request (its environment, or that it was restored) doubles as
+/// the wait, which saves a round trip into a guest that has just started. `req` is sent
+/// again after a connection that failed or timed out, so it must be safe to repeat.
+pub async fn wait_ready_with(
+    sock: &Path,
+    req: &Request,
+    within: Duration,
+    alive: impl Fn() -> bool,
+) -> Result<Response, ApiError> {
     let deadline = tokio::time::Instant::now() + within;
     let mut checked = tokio::time::Instant::now();
     loop {
@@ -255,9 +271,8 @@ pub async fn wait_ready(
                 ));
             }
         }
-        match call(sock, &Request::Ping, Duration::from_secs(2)).await {
-            Ok(Response::Pong { .. }) => return Ok(()),
-            Ok(other) => return Err(unexpected(&other)),
+        match call(sock, req, Duration::from_secs(2)).await {
+            Ok(r) => return Ok(r),
             Err(e) if tokio::time::Instant::now() >= deadline => {
                 return Err(ApiError::unavailable(format!(
                     "the sandbox agent did not start within {} s: {}",

@@ -120,13 +120,20 @@ async fn finish<T: Send + 'static>(
 }
 
 /// After a VM's memory was restored (fork copy, resume): its clock, RNG and id.
-async fn tell_restored(channel: &Path, id: &str, within: Duration) -> Result<(), ApiError> {
+/// Waits until the restored sandbox's agent answers, telling it it was restored (the
+/// clock, fresh entropy, its id: see [`Request::Restored`]), which is safe to repeat.
+async fn tell_restored(
+    channel: &Path,
+    id: &str,
+    within: Duration,
+    alive: impl Fn() -> bool,
+) -> Result<(), ApiError> {
     let req = Request::Restored {
         sandbox_id: id.to_string(),
         unix_ms: now_ms(),
         entropy: random_hex(64),
     };
-    match channel::call(channel, &req, within).await? {
+    match channel::wait_ready_with(channel, &req, within, alive).await? {
         Response::Ok => Ok(()),
         other => Err(channel::unexpected(&other)),
     }
@@ -134,10 +141,12 @@ async fn tell_restored(channel: &Path, id: &str, within: Duration) -> Result<(),
 
 /// After a fresh start: the environment and working directory commands start from (a
 /// VM's init has neither; a container's agent is told the same it was started with).
+/// Also the wait for the agent to answer (setting them twice changes nothing).
 async fn tell_environment(
     channel: &Path,
     rec: &SandboxRecord,
     within: Duration,
+    alive: impl Fn() -> bool,
 ) -> Result<(), ApiError> {
     let mut env = rec.env.clone();
     env.insert("DSEC_SANDBOX_ID".into(), rec.id.clone());
@@ -145,7 +154,7 @@ async fn tell_environment(
         env,
         workdir: rec.workdir.clone(),
     };
-    match channel::call(channel, &req, within).await? {
+    match channel::wait_ready_with(channel, &req, within, alive).await? {
         Response::Ok => Ok(()),
         other => Err(channel::unexpected(&other)),
     }
@@ -828,12 +837,11 @@ impl Edge {
             blocking(move || b2.create(&r2, &paths, seed.as_deref())).await??;
             phases.mark("backend");
             let ready = async {
-                channel::wait_ready(&channel, backend.start_timeout(), || !backend.exited(&rec))
-                    .await?;
+                let alive = || !backend.exited(&rec);
                 if restored {
-                    tell_restored(&channel, &rec.id, backend.start_timeout()).await?;
+                    tell_restored(&channel, &rec.id, backend.start_timeout(), alive).await?;
                 } else {
-                    tell_environment(&channel, &rec, backend.start_timeout()).await?;
+                    tell_environment(&channel, &rec, backend.start_timeout(), alive).await?;
                     if let Some(s) = &rec.start {
                         start_command(&channel, s).await?;
                     }
@@ -1043,10 +1051,7 @@ impl Edge {
         let (b2, s2) = (backend.clone(), seed.to_path_buf());
         let _ = blocking(move || {
             b2.discard_snapshot(&s2);
-            std::process::Command::new("rm")
-                .arg("-rf")
-                .arg(&s2)
-                .status()
+            std::fs::remove_dir_all(&s2)
         })
         .await;
     }
@@ -1203,15 +1208,16 @@ impl Edge {
         let (b2, r2, p2) = (backend.clone(), rec.clone(), self.paths(id));
         if rec.paused_to_disk {
             blocking(move || b2.wake(&r2, &p2)).await??;
-            let channel = self.paths(id).channel;
-            channel::wait_ready(&channel, backend.start_timeout(), || !backend.exited(&rec))
-                .await?;
         } else {
             blocking(move || b2.resume(&r2)).await??;
         }
+        let channel = self.paths(id).channel;
+        let alive = || !backend.exited(&rec);
         if backend.fork_preserves_memory() {
             // The guest's clock stood still while it was paused.
-            tell_restored(&self.paths(id).channel, id, backend.start_timeout()).await?;
+            tell_restored(&channel, id, backend.start_timeout(), alive).await?;
+        } else if rec.paused_to_disk {
+            channel::wait_ready(&channel, backend.start_timeout(), alive).await?;
         }
         let now = now_ms();
         let rec = e.update(|r| {

@@ -297,7 +297,13 @@ impl Edge {
                 self.registry.save(&rec)?;
                 e.update(|r| *r = rec.clone());
                 let backend = self.backend(&rec.backend)?;
-                tell_environment(&self.paths(&id).channel, &rec, backend.start_timeout()).await
+                tell_environment(
+                    &self.paths(&id).channel,
+                    &rec,
+                    backend.start_timeout(),
+                    || !backend.exited(&rec),
+                )
+                .await
             }
             .await;
             drop(g);

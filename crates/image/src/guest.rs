@@ -149,6 +149,25 @@ fn detail(e: &ImageError) -> String {
     }
 }
 
+/// [`sha256_file`] of the aether binary, remembered while the file is the same one
+/// (device, inode, size, modification time): it is hashed into every VM's root disk key,
+/// and hashing its megabytes on every boot would be the larger part of a boot's host work.
+fn aether_digest(p: &Path) -> Result<String, ImageError> {
+    use std::os::unix::fs::MetadataExt;
+    type Seen = std::sync::Mutex<Option<((u64, u64, u64, i64, i64), String)>>;
+    static SEEN: Seen = std::sync::Mutex::new(None);
+    let m = std::fs::metadata(p).ctx(|| format!("reading {}", p.display()))?;
+    let key = (m.dev(), m.ino(), m.size(), m.mtime(), m.mtime_nsec());
+    if let Some((k, d)) = SEEN.lock().unwrap_or_else(|e| e.into_inner()).as_ref()
+        && *k == key
+    {
+        return Ok(d.clone());
+    }
+    let d = sha256_file(p)?;
+    *SEEN.lock().unwrap_or_else(|e| e.into_inner()) = Some((key, d.clone()));
+    Ok(d)
+}
+
 fn sha256_file(p: &Path) -> Result<String, ImageError> {
     use std::io::Read;
     let mut f = std::fs::File::open(p).ctx(|| format!("opening {}", p.display()))?;
@@ -338,6 +357,11 @@ fn load_kernel(dir: &Path) -> Result<Option<Kernel>, ImageError> {
 }
 
 /// The newest kernel already in the cache, for hosts where apt cannot say which is current.
+/// Whether the store holds a guest kernel already (so using it downloads nothing).
+pub fn has_cached_kernel(store_root: &Path) -> bool {
+    newest_cached_kernel(store_root).is_some()
+}
+
 fn newest_cached_kernel(store_root: &Path) -> Option<Kernel> {
     let mut found: Vec<Kernel> = std::fs::read_dir(guest_dir(store_root))
         .ok()?
@@ -1134,7 +1158,7 @@ pub fn ensure_root_disk(
     aether: &Path,
 ) -> Result<PathBuf, ImageError> {
     let layers = source.layers(store)?;
-    let aether_sha = sha256_file(aether).map_err(|e| {
+    let aether_sha = aether_digest(aether).map_err(|e| {
         build_err(format!(
             "cannot read the aether binary: {e}; build it (`cargo build -p dsec-aether`) or pass its path"
         ))

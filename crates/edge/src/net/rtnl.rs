@@ -198,6 +198,18 @@ impl Rtnl {
         )
     }
 
+    /// Sets the hardware address of link `index`.
+    pub fn set_mac(&mut self, index: u32, mac: [u8; 6]) -> Result<(), NetlinkError> {
+        let mut m = LinkMessage::default();
+        m.header.index = index;
+        m.attributes.push(LinkAttribute::Address(mac.to_vec()));
+        self.request(
+            RouteNetlinkMessage::SetLink(m),
+            0,
+            &format!("setting the address of link {index}"),
+        )
+    }
+
     /// Deletes link `name` (its veth peer goes with it).
     pub fn delete_link(&mut self, name: &str) -> Result<(), NetlinkError> {
         let mut m = LinkMessage::default();

@@ -9,6 +9,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dsec_common::ApiError;
@@ -71,7 +72,7 @@ pub struct VmBackend {
     /// Where VM memory files live (a tmpfs: `/dev/shm/dsec-vm`).
     ram_dir: PathBuf,
     /// The guest kernel and initramfs, found (or built) on the first create.
-    boot: std::sync::Mutex<Option<(guest::Kernel, PathBuf)>>,
+    boot: Arc<BootFiles>,
     /// QEMU runs in the sandbox's cgroup (CPU quota, memory, pids).
     cgroups: CgroupMode,
     /// The machine type and extra devices (`[edge.vm]`); `machine` checked in `new`.
@@ -210,6 +211,24 @@ fn default_machine() -> String {
 /// VM's pages are private).
 const SAVE_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// The kernel and initramfs every VM boots, found (or built) once per edge.
+#[derive(Default)]
+struct BootFiles(std::sync::Mutex<Option<(guest::Kernel, PathBuf)>>);
+
+impl BootFiles {
+    fn get(&self, images: &ImageStore) -> Result<(guest::Kernel, PathBuf), String> {
+        let mut b = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(k) = b.as_ref() {
+            return Ok(k.clone());
+        }
+        let root = images.root();
+        let kernel = guest::ensure_kernel(root).map_err(|e| e.to_string())?;
+        let initrd = guest::ensure_initramfs(root, &kernel).map_err(|e| e.to_string())?;
+        *b = Some((kernel.clone(), initrd.clone()));
+        Ok((kernel, initrd))
+    }
+}
+
 impl VmBackend {
     pub fn new(
         aether: Result<PathBuf, String>,
@@ -219,6 +238,19 @@ impl VmBackend {
         cgroups: CgroupMode,
         options: crate::config::VmOptions,
     ) -> VmBackend {
+        let boot = Arc::new(BootFiles::default());
+        // A kernel already in the store: its initramfs is found (or made) now, in the
+        // background, instead of by the first VM's create. A store without one is left
+        // alone (making one downloads a package).
+        if guest::has_cached_kernel(images.root()) {
+            let (b, store) = (boot.clone(), images.clone());
+            let _ = std::thread::Builder::new()
+                .name("vm-boot-files".into())
+                .spawn(move || match b.get(&store) {
+                    Ok((k, _)) => tracing::info!("VM kernel {} and its initramfs ready", k.version),
+                    Err(e) => tracing::warn!("preparing the VMs' kernel and initramfs: {e}"),
+                });
+        }
         VmBackend {
             qemu: find_qemu(),
             aether,
@@ -226,7 +258,7 @@ impl VmBackend {
             images,
             sandboxes: sandboxes.to_path_buf(),
             ram_dir: ram_dir.to_path_buf(),
-            boot: std::sync::Mutex::new(None),
+            boot,
             cgroups,
             options: check_options(options),
         }
@@ -235,15 +267,7 @@ impl VmBackend {
     /// The kernel and initramfs; building them the first time downloads the kernel
     /// package (tens of MiB) and can take a minute.
     fn boot_files(&self) -> Result<(guest::Kernel, PathBuf), String> {
-        let mut b = self.boot.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(k) = b.as_ref() {
-            return Ok(k.clone());
-        }
-        let root = self.images.root();
-        let kernel = guest::ensure_kernel(root).map_err(|e| e.to_string())?;
-        let initrd = guest::ensure_initramfs(root, &kernel).map_err(|e| e.to_string())?;
-        *b = Some((kernel.clone(), initrd.clone()));
-        Ok((kernel, initrd))
+        self.boot.get(&self.images)
     }
 
     pub fn accel(&self) -> Accel {
