@@ -306,6 +306,8 @@ def main() -> None:
     ap.add_argument("--data-dir", default="/var/tmp/dsec-bench")
     ap.add_argument("--image-store", default=None, help="default: <data-dir>/images (built if missing)")
     ap.add_argument("--listen", default="127.0.0.1:7614")
+    ap.add_argument("--fork-capture", choices=("pause", "live"), default=None,
+                    help="[edge.vm] fork_capture for the server it starts (default: the server's, pause)")
     ap.add_argument("--attach", action="store_true",
                     help="use a running server (DSEC_API_URL/DSEC_API_KEY or client.toml) instead of starting one")
     a = ap.parse_args()
@@ -315,6 +317,12 @@ def main() -> None:
     url = key = None
     try:
         if not a.attach:
+            cfg = data / "config.toml"
+            if a.fork_capture:
+                data.mkdir(parents=True, exist_ok=True)
+                cfg.write_text(f'[edge.vm]\nfork_capture = "{a.fork_capture}"\n')
+            else:
+                cfg.unlink(missing_ok=True)
             url, key = server_up(data, a.listen, store_of(data, a.image_store))
             started = True
         r = asyncio.run(bench(url, key, a.image, a.memory, a.repeat, counts,
@@ -322,6 +330,7 @@ def main() -> None:
     finally:
         if started:
             server_down(data)
+            (data / "config.toml").unlink(missing_ok=True)
 
     print(f"\n{'':34} {'median ms':>10} {'min ms':>9} {'max ms':>9}")
     ref = r["container_cold_start_to_first_exec"]
@@ -355,6 +364,7 @@ def main() -> None:
         print(f"\n{name}: skipped: {why}")
 
     out = {"bench": "vm_lifecycle", "image": a.image, "memory_mib": a.memory, "repeat": a.repeat,
+           "fork_capture": a.fork_capture or "pause",
            "counts": counts, "host_cpus": os.cpu_count(), **r}
     write_result("vm_lifecycle", out)
 

@@ -3,6 +3,7 @@
 virtualisation), booted from the guest kernel and root disk the image store builds, with
 aether as the guest's init reached over virtio-serial. Skipped where QEMU is missing."""
 
+import contextlib
 import os
 import pwd
 import shutil
@@ -358,20 +359,19 @@ async def test_vm_snapshot_restores_later_until_deleted(client, need_qemu):
             pass
 
 
-async def test_vm_on_a_full_pc_machine(need_qemu):
-    """[edge.vm] machine = "q35": the same guest on a full PC (PCI Express virtio devices,
-    ACPI, firmware) answers, and forks with its memory. A second server of its own, so the
-    session's keeps its microvm default."""
+@contextlib.asynccontextmanager
+async def own_server(name: str, listen: str, vm_config: str):
+    """A second server of the test's own (no network: one per namespace), with
+    `vm_config` under [edge.vm], so the session's keeps its defaults; yields a client."""
     import json
     import subprocess
 
     from conftest import DATA, DSEC
 
-    data = Path("/var/tmp/dsec-test-q35")
-    listen = "127.0.0.1:7621"
+    data = Path(f"/var/tmp/dsec-test-{name}")
     data.mkdir(parents=True, exist_ok=True)
     (data / "config.toml").write_text(
-        '[edge]\nname = "pcvm"\n[edge.network]\nenabled = false\n[edge.vm]\nmachine = "q35"\n')
+        f'[edge]\nname = "{name}"\n[edge.network]\nenabled = false\n[edge.vm]\n{vm_config}\n')
     env = dict(os.environ, DSEC_CONFIG=str(data / "client.toml"))
     up = [DSEC, "up", "--data-dir", str(data), "--listen", listen, "--image-store", str(DATA / "images")]
     subprocess.run([DSEC, "down", "--data-dir", str(data)], capture_output=True, env=env)
@@ -379,24 +379,62 @@ async def test_vm_on_a_full_pc_machine(need_qemu):
     try:
         cfg = dict(l.split(" = ", 1) for l in (data / "client.toml").read_text().splitlines() if " = " in l)
         async with DSecClient(api_url=json.loads(cfg["api_url"]), api_key=json.loads(cfg["api_key"])) as c:
-            st = await c.status()
-            vm = next(b for n in (st.get("nodes") or [st]) for b in n["backends"] if b["name"] == "vm")
-            assert vm["available"] and "q35" in vm["detail"], vm
-            sb = await c.run_sandbox(DSecRunArgs(image="root/py:3.11", backend="vm", memory_limit_mb=256))
-            try:
-                qemu = [p for p in qemu_processes(sb.id) if b"qemu-system" in Path(f"/proc/{p}/cmdline").read_bytes()]
-                cmd = Path(f"/proc/{qemu[0]}/cmdline").read_bytes()
-                assert b"q35," in cmd and b"virtio-serial-pci" in cmd, cmd
-                r = await sb.exec(["sh", "-c", "ls /sys/bus/pci/devices | wc -l; python3 -c 'print(6*7)'"])
-                pci, answer = r.stdout.split()
-                assert int(pci) > 1 and answer == "42", r
-                value = await start_holder(sb)
-                [copy] = await sb.fork(count=1)
-                assert await ask(copy, "get 2", 2) == value
-                print(f"\nq35 machine (TCG): {pci} PCI devices in the guest; fork kept the memory", flush=True)
-                await copy.stop()
-            finally:
-                await sb.stop()
+            c.data_dir = data
+            yield c
     finally:
         subprocess.run([DSEC, "down", "--data-dir", str(data)], capture_output=True, env=env, timeout=180)
         shutil.rmtree(data, ignore_errors=True)
+
+
+async def test_vm_on_a_full_pc_machine(need_qemu):
+    """[edge.vm] machine = "q35": the same guest on a full PC (PCI Express virtio devices,
+    ACPI, firmware) answers, and forks with its memory. A second server of its own, so the
+    session's keeps its microvm default."""
+    async with own_server("pcvm", "127.0.0.1:7621", 'machine = "q35"') as c:
+        st = await c.status()
+        vm = next(b for n in (st.get("nodes") or [st]) for b in n["backends"] if b["name"] == "vm")
+        assert vm["available"] and "q35" in vm["detail"], vm
+        sb = await c.run_sandbox(DSecRunArgs(image="root/py:3.11", backend="vm", memory_limit_mb=256))
+        try:
+            qemu = [p for p in qemu_processes(sb.id) if b"qemu-system" in Path(f"/proc/{p}/cmdline").read_bytes()]
+            cmd = Path(f"/proc/{qemu[0]}/cmdline").read_bytes()
+            assert b"q35," in cmd and b"virtio-serial-pci" in cmd, cmd
+            r = await sb.exec(["sh", "-c", "ls /sys/bus/pci/devices | wc -l; python3 -c 'print(6*7)'"])
+            pci, answer = r.stdout.split()
+            assert int(pci) > 1 and answer == "42", r
+            value = await start_holder(sb)
+            [copy] = await sb.fork(count=1)
+            assert await ask(copy, "get 2", 2) == value
+            print(f"\nq35 machine (TCG): {pci} PCI devices in the guest; fork kept the memory", flush=True)
+            await copy.stop()
+        finally:
+            await sb.stop()
+
+
+async def test_vm_fork_captured_live_keeps_memory(need_qemu):
+    """[edge.vm] fork_capture = "live": the source's memory goes to the copies by a live
+    migration into a template QEMU (the source runs on meanwhile); the copies still hold
+    the source's process and value, and the source goes on with its own. A second server
+    of its own (no network: one per namespace), as for the q35 machine."""
+    copies = []
+    async with own_server("livefork", "127.0.0.1:7622", 'fork_capture = "live"') as c:
+        data = c.data_dir
+        sb = await c.run_sandbox(DSecRunArgs(image="root/py:3.11", backend="vm", memory_limit_mb=256))
+        try:
+            value = await start_holder(sb)
+            copies = await sb.fork(count=2)
+            assert sb.last_fork["memory_preserved"] is True
+            for i, cp in enumerate(copies):
+                assert await ask(cp, f"get {10 + i}", 10 + i) == value, cp.id
+            assert await ask(copies[0], "set 20 4242", 20) == 4242
+            assert await ask(sb, "get 21", 21) == value
+            assert await ask(copies[1], "get 22", 22) == value
+            log = (data / "dsec.log").read_text()
+            assert "captured live" in log and "live capture failed" not in log, log[-3000:]
+            # The template QEMU is gone, and its directory with it.
+            assert not (data / "edge/sandboxes" / sb.id / "fork-template").exists()
+            print(f"\nlive capture (TCG): source stood still {sb.last_fork['source_paused_ms']} ms", flush=True)
+        finally:
+            for cp in copies:
+                await cp.stop()
+            await sb.stop()

@@ -153,7 +153,26 @@ pub struct VmOptions {
     /// the emulator lands there, not as root. Empty keeps it root (for passthrough devices
     /// that a user cannot open).
     pub run_as: String,
+    /// How a running VM's memory is captured for a fork or snapshot. `pause` (default):
+    /// the VM stands still while its memory file is copied (about 0.1 s per 200 MiB of
+    /// touched memory under TCG), and the copies start right after. `live`: migrated into
+    /// a template QEMU while the VM runs, which stops it only for the last dirty pages and
+    /// its device state (1–5 ms measured), but the copies start only once the migration
+    /// is done (about 0.6 s more for 200 MiB under TCG). A live capture that fails or does
+    /// not converge within [`LIVE_FORK_WITHIN`] falls back to `pause`.
+    pub fork_capture: ForkCapture,
 }
+
+/// See [`VmOptions::fork_capture`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ForkCapture {
+    Live,
+    Pause,
+}
+
+/// How long a live capture may run before it is given up for a paused one.
+pub const LIVE_FORK_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl Default for VmOptions {
     fn default() -> Self {
@@ -161,6 +180,7 @@ impl Default for VmOptions {
             machine: "microvm".into(),
             devices: Vec::new(),
             run_as: "nobody".into(),
+            fork_capture: ForkCapture::Pause,
         }
     }
 }

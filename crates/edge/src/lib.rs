@@ -1027,6 +1027,9 @@ impl Edge {
         self.touch(e);
         let (b2, p2, s2) = (backend.clone(), self.paths(&src.id), dest.to_path_buf());
         let copied = blocking(move || {
+            if let Some(r) = b2.snapshot_live(&src, &s2) {
+                return r.and_then(|ms| b2.finish_snapshot(&src, &s2).map(|()| ms));
+            }
             let t0 = Instant::now();
             b2.pause(&src)?;
             let r = b2.snapshot(&src, &p2, &s2);

@@ -100,6 +100,13 @@ pub trait Backend: Send + Sync {
         paths: &SandboxPaths,
         dest: &Path,
     ) -> Result<(), ApiError>;
+    /// Saves what [`Backend::snapshot`] does without the caller pausing the sandbox
+    /// around it, where the backend can (a VM migrated live into a template), and returns
+    /// how long the sandbox was stopped, in ms. `None`: not for this sandbox; the caller
+    /// pauses around [`Backend::snapshot`].
+    fn snapshot_live(&self, _rec: &SandboxRecord, _dest: &Path) -> Option<Result<u64, ApiError>> {
+        None
+    }
     /// The part of [`Backend::snapshot`] that needs no pause, done once the caller has
     /// resumed the sandbox (a microVM's Diff laid over a copy of the memory it is a diff
     /// of).

@@ -211,6 +211,62 @@ fn default_machine() -> String {
 /// VM's pages are private).
 const SAVE_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// The command line of a template that takes a live migration of the VM whose command
+/// line is `own` (see [`VmBackend::live_save`]): the same machine and devices, its files
+/// moved from `dir` into `tdir`, its memory `ram` (shared, so it ends in the file), its NIC
+/// on the tap it is given as descriptor 3 (the VM's own tap stays the VM's), and waiting
+/// stopped for an incoming migration.
+fn template_args(
+    own: &[String],
+    dir: &Path,
+    tdir: &Path,
+    ram: &Path,
+) -> Result<Vec<String>, String> {
+    let (from, to) = (dir.to_string_lossy(), tdir.to_string_lossy());
+    let mut out = Vec::with_capacity(own.len() + 4);
+    let mut it = own.iter();
+    let mut mem = false;
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "-S" => continue,
+            "-incoming" => {
+                it.next();
+                continue;
+            }
+            _ => {}
+        }
+        let a = if a.starts_with("memory-backend-file,") {
+            mem = true;
+            a.split(',')
+                .map(|o| {
+                    if o.starts_with("mem-path=") {
+                        format!("mem-path={}", ram.display())
+                    } else if o.starts_with("share=") {
+                        "share=on".to_string()
+                    } else {
+                        o.to_string()
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join(",")
+        } else if a.starts_with("tap,") {
+            let id = a
+                .split(',')
+                .find_map(|o| o.strip_prefix("id="))
+                .unwrap_or("net0");
+            format!("tap,id={id},fd=3")
+        } else {
+            a.replace(from.as_ref(), to.as_ref())
+        };
+        out.push(a);
+    }
+    if !mem {
+        return Err("the VM's memory is not a file".into());
+    }
+    out.extend(["-incoming".into(), "defer".into(), "-S".into()]);
+    Ok(out)
+}
+
 /// The kernel and initramfs every VM boots, found (or built) once per edge.
 #[derive(Default)]
 struct BootFiles(std::sync::Mutex<Option<(guest::Kernel, PathBuf)>>);
@@ -647,6 +703,119 @@ impl VmBackend {
         write_json(&dest.join("vm.json"), &saved)
     }
 
+    /// [`VmBackend::save`] of a running VM without stopping it for the memory copy: a
+    /// template QEMU with the VM's own command line (its files in a directory of its own,
+    /// its memory the new file `ram_to`, its NIC on a hub instead of the tap, waiting
+    /// stopped for an incoming migration) takes a live migration of the VM over a socket
+    /// pair; the VM is stopped only for the last dirty pages and its device state, then
+    /// continues. The template, now holding the memory, saves its device state
+    /// (`x-ignore-shared`) into `dest` and quits. Returns the ms the VM stood still.
+    fn live_save(&self, rec: &SandboxRecord, dest: &Path, ram_to: &Path) -> Result<u64, String> {
+        let dir = self.sandboxes.join(&rec.id);
+        let info: VmInfo = read_json(&dir.join("vm.json"))?;
+        let pid = read_pid(&dir.join("qemu.pid")).ok_or("the VM has no pid file")?;
+        let own = std::fs::read(format!("/proc/{pid}/cmdline"))
+            .map_err(|e| format!("reading the VM's command line: {e}"))?;
+        let own: Vec<String> = own
+            .split(|&b| b == 0)
+            .filter(|a| !a.is_empty())
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let tdir = dir.join("fork-template");
+        let _ = std::fs::remove_dir_all(&tdir);
+        std::fs::create_dir_all(&tdir).map_err(|e| format!("creating {}: {e}", tdir.display()))?;
+        let args = template_args(&own, &dir, &tdir, ram_to)?;
+        let (qemu, rest) = args.split_first().ok_or("the VM's command line is empty")?;
+        let log = std::fs::File::create(tdir.join("qemu.log"))
+            .map_err(|e| format!("creating the template's log: {e}"))?;
+        let log2 = log.try_clone().map_err(|e| e.to_string())?;
+        let mut cmd = Command::new(qemu);
+        cmd.args(rest).stdin(Stdio::null()).stdout(log).stderr(log2);
+        // Its NIC's backend: a tap like the VM's (the migrated device wants one with
+        // headers), in a namespace of nobody's, on descriptor 3.
+        let tap = if info.net {
+            Some(net::detached_tap()?)
+        } else {
+            None
+        };
+        if let Some(t) = &tap {
+            let fd = std::os::fd::AsRawFd::as_raw_fd(t);
+            // SAFETY: dup2 between fork and exec onto descriptor 3, which the command line
+            // names; the source stays open until the spawn is done.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                    if libc::dup2(fd, 3) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| format!("starting the template QEMU: {e}"))?;
+        drop(tap);
+        let said = || {
+            let log = std::fs::read_to_string(tdir.join("qemu.log")).unwrap_or_default();
+            format!("the template QEMU: {}", log.trim())
+        };
+        let r = (|| {
+            let qmp = tdir.join("vm.qmp");
+            let t0 = Instant::now();
+            while !qmp.exists() {
+                if !matches!(child.try_wait(), Ok(None)) || t0.elapsed() > Duration::from_secs(30) {
+                    return Err(said());
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            let mut t = Qmp::connect(&qmp, Duration::from_secs(10))
+                .map_err(|e| format!("{e} ({})", said()))?;
+            let (a, b) = std::os::unix::net::UnixStream::pair()
+                .map_err(|e| format!("a socket pair for the migration: {e}"))?;
+            t.give_fd("dsec-live", &b)?;
+            t.execute(
+                "migrate-incoming",
+                serde_json::json!({ "uri": "fd:dsec-live" }),
+            )?;
+            let spawned = t0.elapsed();
+            let mut q = self.qmp_of(&rec.id)?;
+            q.set_ignore_shared(false)?;
+            let stalled = q.migrate_live(&a, crate::config::LIVE_FORK_WITHIN)?;
+            drop((a, b));
+            let migrated = t0.elapsed();
+            t.wait_paused(SAVE_TIMEOUT)
+                .map_err(|e| format!("{e} ({})", said()))?;
+            t.set_ignore_shared(true)?;
+            t.save(&dest.join("dev"), SAVE_TIMEOUT)?;
+            let _ = t.execute("quit", serde_json::Value::Null);
+            tracing::info!(
+                sandbox = %rec.id,
+                template_up_ms = spawned.as_millis() as u64,
+                migrated_ms = (migrated - spawned).as_millis() as u64,
+                saved_ms = (t0.elapsed() - migrated).as_millis() as u64,
+                stalled_ms = stalled,
+                "captured live"
+            );
+            Ok::<u64, String>(stalled)
+        })();
+        let _ = child.kill();
+        let _ = child.wait();
+        let _ = std::fs::remove_dir_all(&tdir);
+        let stalled = r?;
+        let saved = SavedVm {
+            disk: info.disk,
+            mem_mb: info.mem_mb,
+            cpus: info.cpus,
+            kind: "shared".into(),
+            ram: Some(ram_to.to_path_buf()),
+            kernel: Some(self.boot_files()?.0.version),
+            machine: info.machine,
+            net: info.net,
+        };
+        write_json(&dest.join("vm.json"), &saved)?;
+        Ok(stalled)
+    }
+
     fn suspended_dir(&self, id: &str) -> PathBuf {
         self.sandboxes.join(id).join(super::SUSPENDED_DIR)
     }
@@ -751,6 +920,33 @@ impl Backend for VmBackend {
 
     /// The VM's device state and memory (see [`VmBackend::save`]); the copy of its memory
     /// file goes to the RAM directory, next to the memory it copies.
+    fn snapshot_live(&self, rec: &SandboxRecord, dest: &Path) -> Option<Result<u64, ApiError>> {
+        let capture = self.options.as_ref().ok()?.fork_capture;
+        let info: VmInfo = read_json(&self.sandboxes.join(&rec.id).join("vm.json")).ok()?;
+        // A VM whose pages are private (a fork copy) is saved whole, stopped, as before.
+        if capture != crate::config::ForkCapture::Live || !info.shared_ram {
+            return None;
+        }
+        std::fs::create_dir_all(dest).ok()?;
+        let ram = self
+            .ram_dir
+            .join(format!("seed-{}-{}.ram", rec.id, crate::random_hex(8)));
+        match self.live_save(rec, dest, &ram) {
+            Ok(ms) => Some(Ok(ms)),
+            Err(e) => {
+                // The VM runs on whatever happened (a cancelled migration leaves it
+                // running); the caller captures it paused instead.
+                let _ = std::fs::remove_file(&ram);
+                tracing::warn!(sandbox = %rec.id, "live capture failed, pausing instead: {e}");
+                let mut q = self.qmp_of(&rec.id).ok()?;
+                if q.status().ok()?.as_str() != "running" {
+                    q.execute("cont", serde_json::Value::Null).ok()?;
+                }
+                None
+            }
+        }
+    }
+
     fn snapshot(
         &self,
         rec: &SandboxRecord,
@@ -1013,12 +1209,61 @@ mod tests {
     use crate::config::VmOptions;
 
     #[test]
+    fn a_template_has_the_vms_command_line_with_its_own_files() {
+        let own: Vec<String> = [
+            "/usr/bin/qemu-system-x86_64",
+            "-object",
+            "memory-backend-file,id=mem,size=256M,mem-path=/dev/shm/dsec-vm/a.ram,share=on",
+            "-pidfile",
+            "/d/sandboxes/a/qemu.pid",
+            "-qmp",
+            "unix:/d/sandboxes/a/vm.qmp,server=on,wait=off",
+            "-netdev",
+            "tap,id=net0,ifname=tap0,script=no,downscript=no",
+            "-incoming",
+            "defer",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let t = template_args(
+            &own,
+            Path::new("/d/sandboxes/a"),
+            Path::new("/d/sandboxes/a/fork-template"),
+            Path::new("/dev/shm/dsec-vm/seed.ram"),
+        )
+        .unwrap();
+        let line = t.join(" ");
+        assert!(
+            line.contains("mem-path=/dev/shm/dsec-vm/seed.ram,share=on"),
+            "{line}"
+        );
+        assert!(
+            line.contains("-pidfile /d/sandboxes/a/fork-template/qemu.pid"),
+            "{line}"
+        );
+        assert!(
+            line.contains("unix:/d/sandboxes/a/fork-template/vm.qmp"),
+            "{line}"
+        );
+        assert!(line.contains("-netdev tap,id=net0,fd=3 "), "{line}");
+        assert!(!line.contains("ifname=tap0"), "{line}");
+        assert!(line.ends_with("-incoming defer -S"), "{line}");
+        assert_eq!(line.matches("-incoming").count(), 1, "{line}");
+        let no_file: Vec<String> = vec!["qemu".into(), "-m".into(), "256M".into()];
+        assert!(
+            template_args(&no_file, Path::new("/d"), Path::new("/t"), Path::new("/r")).is_err()
+        );
+    }
+
+    #[test]
     fn vm_options_are_checked() {
         let ok = |m: &str, d: &[&str]| {
             check_options(VmOptions {
                 machine: m.into(),
                 devices: d.iter().map(|s| s.to_string()).collect(),
                 run_as: "nobody".into(),
+                ..VmOptions::default()
             })
         };
         assert!(ok("microvm", &[]).is_ok());

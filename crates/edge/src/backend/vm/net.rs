@@ -42,20 +42,7 @@ const IFF_NO_PI: libc::c_short = 0x1000;
 /// `owner` may attach to.
 fn add_tap(name: &str, owner: Option<(u32, u32)>) -> Result<(), String> {
     use std::os::fd::AsRawFd;
-    let tun = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/net/tun")
-        .map_err(|e| format!("opening /dev/net/tun: {e}"))?;
-    // SAFETY: an all-zero ifreq is valid; the name is copied in below, NUL-terminated.
-    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
-    if name.len() >= ifr.ifr_name.len() {
-        return Err(format!("tap name {name:?} is too long"));
-    }
-    for (d, s) in ifr.ifr_name.iter_mut().zip(name.bytes()) {
-        *d = s as libc::c_char;
-    }
-    ifr.ifr_ifru.ifru_flags = IFF_TAP | IFF_NO_PI;
+    let tun = open_tap(name, IFF_TAP | IFF_NO_PI)?;
     let fd = tun.as_raw_fd();
     let check = |r: libc::c_int, what: &str| {
         if r < 0 {
@@ -69,7 +56,6 @@ fn add_tap(name: &str, owner: Option<(u32, u32)>) -> Result<(), String> {
     };
     // SAFETY: TUN ioctls on a descriptor we own, with an ifreq or an integer argument.
     unsafe {
-        check(libc::ioctl(fd, TUNSETIFF, &mut ifr), "creating")?;
         if let Some((uid, gid)) = owner {
             check(libc::ioctl(fd, TUNSETOWNER, uid as libc::c_ulong), "owner")?;
             check(libc::ioctl(fd, TUNSETGROUP, gid as libc::c_ulong), "group")?;
@@ -80,6 +66,58 @@ fn add_tap(name: &str, owner: Option<(u32, u32)>) -> Result<(), String> {
         )?;
     }
     Ok(())
+}
+
+/// A tap with virtio-net headers that no namespace of the node holds: made on a thread
+/// that first moved into a network namespace of its own, which goes when the returned
+/// descriptor closes (the tap is not persistent). For a template QEMU taking a live
+/// migration, whose NIC needs a backend like the VM's (a tap with headers) but must not
+/// touch the VM's own tap.
+pub fn detached_tap() -> Result<std::fs::File, String> {
+    const IFF_VNET_HDR: libc::c_short = 0x4000;
+    std::thread::Builder::new()
+        .name("dsec-scratch-tap".into())
+        .spawn(|| {
+            // SAFETY: unshare on this thread only, which ends right after.
+            if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+                return Err(format!(
+                    "a network namespace for a scratch tap: {}",
+                    std::io::Error::last_os_error()
+                ));
+            }
+            open_tap(TAP, IFF_TAP | IFF_NO_PI | IFF_VNET_HDR)
+        })
+        .map_err(|e| format!("a thread for a scratch tap: {e}"))?
+        .join()
+        .map_err(|_| "the scratch tap's thread panicked".to_string())?
+}
+
+/// Opens (creating it if needed) tap `name` with `flags` in the calling thread's
+/// namespace.
+fn open_tap(name: &str, flags: libc::c_short) -> Result<std::fs::File, String> {
+    use std::os::fd::AsRawFd;
+    let tun = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/net/tun")
+        .map_err(|e| format!("opening /dev/net/tun: {e}"))?;
+    // SAFETY: an all-zero ifreq is valid; the name is copied in below, NUL-terminated.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    if name.len() >= ifr.ifr_name.len() {
+        return Err(format!("tap name {name:?} is too long"));
+    }
+    for (d, s) in ifr.ifr_name.iter_mut().zip(name.bytes()) {
+        *d = s as libc::c_char;
+    }
+    ifr.ifr_ifru.ifru_flags = flags;
+    // SAFETY: TUNSETIFF on a descriptor we own, with an ifreq.
+    if unsafe { libc::ioctl(tun.as_raw_fd(), TUNSETIFF, &mut ifr) } < 0 {
+        return Err(format!(
+            "tap {name}: creating: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(tun)
 }
 
 /// Makes the tap and the translation in namespace `ns`, in-process (a thread that joins
@@ -352,6 +390,33 @@ mod tests {
         assert!(
             !table.contains("10.200.0.5"),
             "the second setup replaced the first:\n{table}"
+        );
+    }
+
+    /// The template's tap: one with virtio-net headers, in no namespace of the node's.
+    #[test]
+    fn a_detached_tap_has_headers_and_is_not_on_the_node() {
+        use std::os::fd::AsRawFd;
+        let here = std::path::Path::new("/sys/class/net").join(TAP).exists();
+        let Ok(t) = detached_tap() else {
+            eprintln!("skipped: cannot make a network namespace or a tap here");
+            return;
+        };
+        // SAFETY: TUNGETIFF fills an ifreq on a tap descriptor we own.
+        let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+        const TUNGETIFF: libc::c_ulong = 0x8004_54d2;
+        assert_eq!(
+            unsafe { libc::ioctl(t.as_raw_fd(), TUNGETIFF, &mut ifr) },
+            0
+        );
+        // SAFETY: the kernel filled the flags.
+        let flags = unsafe { ifr.ifr_ifru.ifru_flags };
+        assert_ne!(flags & 0x4000, 0, "IFF_VNET_HDR");
+        assert_ne!(flags & IFF_TAP, 0);
+        // Made in a namespace of its own: the test's has no new tap.
+        assert_eq!(
+            std::path::Path::new("/sys/class/net").join(TAP).exists(),
+            here
         );
     }
 }

@@ -2,6 +2,7 @@
 //! at a time, events skipped, every wait bounded.
 
 use std::io::{BufRead, BufReader, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -57,8 +58,7 @@ impl Qmp {
     /// Hands QEMU the open file `f` under `name` (`getfd`, the descriptor passed with
     /// SCM_RIGHTS), for a `fd:<name>` migration URI: QEMU reads or writes it itself and
     /// runs no helper program (its seccomp filter forbids spawning one).
-    pub fn give_fd(&mut self, name: &str, f: &std::fs::File) -> Result<(), String> {
-        use std::os::fd::AsRawFd;
+    pub fn give_fd(&mut self, name: &str, f: &impl AsRawFd) -> Result<(), String> {
         let line = format!(
             "{}\n",
             json!({"execute": "getfd", "arguments": {"fdname": name}})
@@ -199,6 +199,91 @@ impl Qmp {
                     return Err(format!("saving the VM took over {} s", within.as_secs()));
                 }
                 _ => std::thread::sleep(Duration::from_millis(2)),
+            }
+        }
+    }
+
+    /// Migrates the running VM live over the connected socket `to` (the other end given
+    /// to a QEMU waiting with `migrate-incoming`), then continues it. Returns how long
+    /// it stood still, in ms: QEMU's own downtime (the last pages and the device state)
+    /// and the moment until `cont`. Gives up (cancelled, the VM still running) after
+    /// `within`.
+    pub fn migrate_live(&mut self, to: &impl AsRawFd, within: Duration) -> Result<u64, String> {
+        // Told by an event rather than polled: once it completes, the VM stands still
+        // until `cont`, and polling would take the VM's main loop from the migration.
+        self.execute(
+            "migrate-set-capabilities",
+            json!({ "capabilities": [{ "capability": "events", "state": true }] }),
+        )?;
+        self.execute(
+            "migrate-set-parameters",
+            json!({ "max-bandwidth": 100u64 << 30, "downtime-limit": 5 }),
+        )?;
+        self.give_fd("dsec-live", to)?;
+        self.execute("migrate", json!({ "uri": "fd:dsec-live" }))?;
+        let deadline = Instant::now() + within;
+        let status = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let _ = self.execute("migrate_cancel", Value::Null);
+                return Err(format!(
+                    "the live migration did not converge within {} s",
+                    within.as_secs()
+                ));
+            }
+            self.r
+                .get_ref()
+                .set_read_timeout(Some(left))
+                .map_err(|e| e.to_string())?;
+            let v = self.read_value();
+            let _ = self
+                .r
+                .get_ref()
+                .set_read_timeout(Some(Duration::from_secs(30)));
+            let v = match v {
+                Ok(v) => v,
+                Err(_) if Instant::now() >= deadline => continue,
+                Err(e) => return Err(e),
+            };
+            if v.get("event").and_then(Value::as_str) != Some("MIGRATION") {
+                continue;
+            }
+            match v.pointer("/data/status").and_then(Value::as_str) {
+                Some(s @ ("completed" | "failed" | "cancelled")) => break s.to_string(),
+                _ => continue,
+            }
+        };
+        if status == "completed" {
+            let t = Instant::now();
+            self.execute("cont", Value::Null)?;
+            let cont_ms = t.elapsed().as_millis() as u64;
+            let v = self.execute("query-migrate", Value::Null)?;
+            let downtime = v.get("downtime").and_then(Value::as_u64).unwrap_or(0);
+            return Ok(downtime + cont_ms);
+        }
+        let v = self.execute("query-migrate", Value::Null)?;
+        Err(format!(
+            "the live migration {status}: {}",
+            v.get("error-desc")
+                .and_then(Value::as_str)
+                .unwrap_or("no reason given")
+        ))
+    }
+
+    /// Waits until a VM receiving a migration (started with `-S`) has all of it.
+    pub fn wait_paused(&mut self, within: Duration) -> Result<(), String> {
+        let t0 = Instant::now();
+        loop {
+            match self.status()?.as_str() {
+                "paused" | "postmigrate" | "prelaunch" => return Ok(()),
+                "inmigrate" if t0.elapsed() < within => {
+                    std::thread::sleep(Duration::from_millis(1))
+                }
+                other => {
+                    return Err(format!(
+                        "the template is {other}, not holding the migrated VM"
+                    ));
+                }
             }
         }
     }
