@@ -158,8 +158,11 @@ pub struct VmOptions {
     /// touched memory under TCG), and the copies start right after. `live`: migrated into
     /// a template QEMU while the VM runs, which stops it only for the last dirty pages and
     /// its device state (1–5 ms measured), but the copies start only once the migration
-    /// is done (about 0.6 s more for 200 MiB under TCG). A live capture that fails or does
-    /// not converge within [`LIVE_FORK_WITHIN`] falls back to `pause`.
+    /// is done (0.6–1.6 s more under TCG), and the migration reads every page of the
+    /// VM's memory file, so the source's file is then allocated in full (its memory
+    /// size, not only what the guest touched; the template's zero pages are given back).
+    /// A live capture that fails or does not converge within [`LIVE_FORK_WITHIN`] falls
+    /// back to `pause`.
     pub fork_capture: ForkCapture,
 }
 

@@ -154,6 +154,70 @@ fn copy_range(src: &std::fs::File, dst: &std::fs::File, off: u64, len: u64) -> s
     Ok(())
 }
 
+/// Gives back the all-zero 4 KiB pages of `path` to the file system (`FALLOCATE`
+/// `PUNCH_HOLE`): a memory file written page by page (a live migration's target, which
+/// writes every page, zeros included) shrinks to the pages that hold something. Only for
+/// a file nobody writes any more: a page written between the check and the punch would
+/// be lost. Returns the bytes given back.
+pub fn punch_zero_pages(path: &Path) -> std::io::Result<u64> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::FileExt;
+    const PAGE: usize = 4096;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)?;
+    let len = f.metadata()?.len();
+    let mut freed = 0u64;
+    let mut buf = vec![0u8; 1 << 20];
+    for (start, n) in data_extents(&f, len)? {
+        let mut at = start;
+        while at < start + n {
+            let want = ((start + n - at) as usize).min(buf.len());
+            let got = f.read_at(&mut buf[..want], at)?;
+            if got == 0 {
+                break;
+            }
+            // Runs of zero pages, punched one run at a time.
+            let mut run: Option<u64> = None;
+            let whole = got - got % PAGE;
+            for (i, page) in buf[..whole].chunks(PAGE).enumerate() {
+                let off = at + (i * PAGE) as u64;
+                let zero = page.iter().all(|&b| b == 0);
+                match (zero, run) {
+                    (true, None) => run = Some(off),
+                    (false, Some(from)) => {
+                        freed += punch(f.as_raw_fd(), from, off - from)?;
+                        run = None;
+                    }
+                    _ => {}
+                }
+            }
+            if let Some(from) = run {
+                freed += punch(f.as_raw_fd(), from, at + whole as u64 - from)?;
+            }
+            at += got.max(PAGE) as u64;
+        }
+    }
+    Ok(freed)
+}
+
+fn punch(fd: std::os::fd::RawFd, off: u64, len: u64) -> std::io::Result<u64> {
+    // SAFETY: fallocate on a descriptor we own; no memory is passed.
+    let r = unsafe {
+        libc::fallocate(
+            fd,
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            off as libc::off_t,
+            len as libc::off_t,
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(len)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -182,5 +246,25 @@ mod tests {
         assert!(mb.blocks() * 512 < 4 << 20, "{} blocks", mb.blocks());
         assert!(ma.blocks() * 512 < 4 << 20);
         assert!(copy_sparse(&dir.path().join("missing"), &b).is_err());
+    }
+
+    #[test]
+    fn zero_pages_are_given_back_and_the_rest_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("ram");
+        let f = std::fs::File::create(&p).unwrap();
+        // 8 MiB written in full: zeros, one page of data at 1 MiB + 4 KiB, zeros, a last
+        // page of data.
+        f.write_all_at(&vec![0u8; 8 << 20], 0).unwrap();
+        f.write_all_at(&[7u8; 4096], (1 << 20) + 4096).unwrap();
+        f.write_all_at(&[9u8; 4096], (8 << 20) - 4096).unwrap();
+        f.sync_all().unwrap();
+        let before = std::fs::read(&p).unwrap();
+        let freed = punch_zero_pages(&p).unwrap();
+        assert_eq!(freed, (8 << 20) - 2 * 4096);
+        assert_eq!(std::fs::read(&p).unwrap(), before, "the contents stay");
+        let m = std::fs::metadata(&p).unwrap();
+        assert_eq!(m.len(), 8 << 20);
+        assert!(m.blocks() * 512 <= 64 << 10, "{} blocks left", m.blocks());
     }
 }

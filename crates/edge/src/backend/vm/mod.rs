@@ -932,7 +932,19 @@ impl Backend for VmBackend {
             .ram_dir
             .join(format!("seed-{}-{}.ram", rec.id, crate::random_hex(8)));
         match self.live_save(rec, dest, &ram) {
-            Ok(ms) => Some(Ok(ms)),
+            Ok(ms) => {
+                // The template wrote every page of the seed, zeros too: those go back,
+                // behind the copies (which map it privately and would read zeros there
+                // either way).
+                let (seed, id) = (ram.clone(), rec.id.clone());
+                let _ = std::thread::Builder::new()
+                    .name("dsec-seed-punch".into())
+                    .spawn(move || match super::detached::punch_zero_pages(&seed) {
+                        Ok(n) => tracing::debug!(sandbox = %id, "seed gave back {} MiB of zero pages", n >> 20),
+                        Err(e) => tracing::debug!(sandbox = %id, "seed's zero pages: {e}"),
+                    });
+                Some(Ok(ms))
+            }
             Err(e) => {
                 // The VM runs on whatever happened (a cancelled migration leaves it
                 // running); the caller captures it paused instead.
