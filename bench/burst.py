@@ -9,7 +9,10 @@ for the same number at once.
 
 Prints, for each: p50 and p99 of create -> first exec, when the first was ready, and the
 wall time of the burst; and a single create's time (what the first of a burst should be
-near). JSON goes to bench/results/.
+near). Next to them, where the time went: when the server made its first and last
+sandbox of the burst (`created_at_ms`, the same clock; for a pooled one, when it was
+handed out) and when the client had the creates' answers; the edge's log has each
+hand-out's steps (`phases=`). JSON goes to bench/results/.
 """
 
 from __future__ import annotations
@@ -42,13 +45,17 @@ async def burst(url: str, key: str, n: int) -> dict:
         ready_at: list[float] = []
         pooled = 0
         failures = 0
+        made_at: list[int] = []
+        answered: list[float] = []
         t0 = time.perf_counter()
+        t0_ms = time.time() * 1000
 
         async def one() -> str | None:
             nonlocal pooled, failures
             s = time.perf_counter()
             try:
                 sb = await c.run_sandbox(args())
+                answered.append(time.perf_counter() - s)
                 await sb.exec(["true"])
             except Exception:  # noqa: BLE001 (counted, and the burst goes on)
                 failures += 1
@@ -57,6 +64,7 @@ async def burst(url: str, key: str, n: int) -> dict:
             lat.append(e - s)
             ready_at.append(e - t0)
             pooled += sb.info.from_pool == POOL
+            made_at.append(sb.info.created_at_ms)
             return sb.id
 
         ids = await asyncio.gather(*(one() for _ in range(n)))
@@ -71,6 +79,13 @@ async def burst(url: str, key: str, n: int) -> dict:
     out = lat_summary(lat) if lat else {}
     out.update(wall_s=round(wall, 2), first_ready_s=round(min(ready_at), 3) if ready_at else None,
                from_pool=pooled, failures=failures)
+    if answered:
+        out["create_answered"] = lat_summary(answered)
+    if made_at:
+        # The server's side, on the same clock: when the first and the last sandbox were
+        # made (for a pooled one, handed out), from the burst's start. What the client
+        # sees beyond that is queueing in the client and the execs.
+        out.update(server_first_ms=round(min(made_at) - t0_ms, 1), server_last_ms=round(max(made_at) - t0_ms, 1))
     return out
 
 
@@ -138,7 +153,9 @@ def main() -> None:
         b = out[k]
         print(f"{a.n} at once, {k.replace('_', ' ')}: p50 {b.get('p50_ms')} ms, p99 {b.get('p99_ms')} ms, "
               f"first ready {b['first_ready_s']} s, all in {b['wall_s']} s "
-              f"({b['from_pool']} from the pool, {b['failures']} failed)")
+              f"({b['from_pool']} from the pool, {b['failures']} failed); server made the first at "
+              f"{b.get('server_first_ms')} ms, the last at {b.get('server_last_ms')} ms; creates answered "
+              f"p50 {b.get('create_answered', {}).get('p50_ms')} ms")
     print(f"pool of {a.n} filled in {out['pool_fill_s']} s")
     f = out["floor"]
     print(f"floor: {f['n']} plain `{a.runtime} run` at once in {f['wall_s']} s (p50 {f['p50_ms']} ms)")

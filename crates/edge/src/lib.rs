@@ -1514,13 +1514,13 @@ impl Edge {
 }
 
 /// The time of a create's steps, in order: `admit:0.05,reserve:0.31,...` (milliseconds).
-struct Phases {
+pub(crate) struct Phases {
     last: std::time::Instant,
     done: Vec<(&'static str, Duration)>,
 }
 
 impl Phases {
-    fn start() -> Phases {
+    pub(crate) fn start() -> Phases {
         Phases {
             last: std::time::Instant::now(),
             done: Vec::new(),
@@ -1528,7 +1528,7 @@ impl Phases {
     }
 
     /// Ends the step called `name` (a name given twice adds up).
-    fn mark(&mut self, name: &'static str) {
+    pub(crate) fn mark(&mut self, name: &'static str) {
         let now = std::time::Instant::now();
         let took = now - self.last;
         self.last = now;

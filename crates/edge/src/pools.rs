@@ -240,6 +240,7 @@ impl Edge {
     ) -> Result<Option<SandboxInfo>, ApiError> {
         self.pools.asked();
         loop {
+            let mut phases = crate::Phases::start();
             let Some((pool, id)) = self.pools.pop(backend, &v.limits, digest, net) else {
                 return Ok(None);
             };
@@ -251,6 +252,7 @@ impl Edge {
             if waiting.state != SandboxState::Running || waiting.pool_waiting.is_none() {
                 continue;
             }
+            phases.mark("take");
             let now = now_ms();
             let mut rec = waiting.clone();
             rec.project = req
@@ -286,6 +288,7 @@ impl Edge {
                 );
                 return Err(err);
             }
+            phases.mark("reserve");
             let applied = async {
                 if let (Some(n), Some(nr)) = (&self.net, &rec.network)
                     && !nr.rules.is_empty()
@@ -294,8 +297,10 @@ impl Edge {
                     let (n2, id2) = (n.clone(), id.clone());
                     blocking(move || n2.set_policy(&id2, policy)).await??;
                 }
+                phases.mark("rules");
                 self.registry.save(&rec)?;
                 e.update(|r| *r = rec.clone());
+                phases.mark("record");
                 let backend = self.backend(&rec.backend)?;
                 tell_environment(
                     &self.paths(&id).channel,
@@ -312,8 +317,9 @@ impl Edge {
                 let _ = self.stop(&id).await;
                 return Err(err);
             }
+            phases.mark("agent");
             self.pools.changed.notify_waiters(); // its refill
-            tracing::info!(sandbox = %id, pool = %pool, "sandbox handed out from a warm pool");
+            tracing::info!(sandbox = %id, pool = %pool, phases = %phases, "sandbox handed out from a warm pool");
             return Ok(Some(rec.info()));
         }
     }
