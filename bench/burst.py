@@ -5,7 +5,7 @@ served from a warm pool of the same size (`[[edge.pools]]`) and without one, nex
 the floor measured in the same run, a plain `<runtime> run /bin/true` of the same image
 for the same number at once.
 
-    python3 bench/burst.py -n 1000
+    python3 bench/burst.py -n 1000 [--e2b]
 
 Prints, for each: p50 and p99 of create -> first exec, when the first was ready, and the
 wall time of the burst; and a single create's time (what the first of a burst should be
@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from benchlib import DSEC, lat_summary, pool_ready, run, server_down, server_up, store_of, write_result  # noqa: E402
+from gateway_latency import read_env  # noqa: E402
 from create_latency import bench_oci  # noqa: E402
 from opendsec import DSecClient, DSecRunArgs  # noqa: E402
 
@@ -89,6 +90,50 @@ async def burst(url: str, key: str, n: int) -> dict:
     return out
 
 
+async def e2b_burst(n: int) -> dict:
+    """n `AsyncSandbox.create` at once through the E2B gateway with the released `e2b`
+    SDK (its environment from the server's e2b.env), each then `commands.run("true")`;
+    all killed after."""
+    import e2b
+
+    lat: list[float] = []
+    ready_at: list[float] = []
+    made: list = []
+    failures = 0
+    t0 = time.perf_counter()
+
+    async def one() -> None:
+        nonlocal failures
+        s = time.perf_counter()
+        try:
+            sb = await e2b.AsyncSandbox.create(template="root/base", timeout=600)
+            made.append(sb)
+            await sb.commands.run("true")
+        except Exception:  # noqa: BLE001 (counted, and the burst goes on)
+            failures += 1
+            return
+        e = time.perf_counter()
+        lat.append(e - s)
+        ready_at.append(e - t0)
+
+    await asyncio.gather(*(one() for _ in range(n)))
+    wall = time.perf_counter() - t0
+    sem = asyncio.Semaphore(16)
+
+    async def kill(sb) -> None:
+        async with sem:
+            try:
+                await sb.kill()
+            except Exception:  # noqa: BLE001
+                pass
+
+    await asyncio.gather(*(kill(sb) for sb in made))
+    out = lat_summary(lat) if lat else {}
+    out.update(wall_s=round(wall, 2), first_ready_s=round(min(ready_at), 3) if ready_at else None,
+               from_pool=0, failures=failures)
+    return out
+
+
 async def single(url: str, key: str, n: int = 10) -> float:
     """p50 of a single create -> first exec on a quiet node, in seconds."""
     async with DSecClient(api_url=url, api_key=key, timeout=120) as c:
@@ -118,6 +163,8 @@ def main() -> None:
     ap.add_argument("--data-dir", default="/var/tmp/dsec-burst")
     ap.add_argument("--image-store", default=None, help="default: <data-dir>/images (built if missing)")
     ap.add_argument("--listen", default="127.0.0.1:7615")
+    ap.add_argument("--e2b", action="store_true",
+                    help="also --floor-n creates at once through the E2B gateway with the released e2b SDK")
     a = ap.parse_args()
     data = Path(a.data_dir)
     data.mkdir(parents=True, exist_ok=True)
@@ -131,6 +178,12 @@ def main() -> None:
         out["single_create_p50_ms"] = round(asyncio.run(single(url, key)) * 1000, 1)
         print(f"{a.n} creates at once, no pool", flush=True)
         out["no_pool"] = asyncio.run(burst(url, key, a.n))
+        if a.e2b:
+            import os
+
+            os.environ.update(read_env(data / "e2b.env"))
+            print(f"{a.floor_n} creates at once through the E2B gateway (e2b SDK)", flush=True)
+            out["e2b_no_pool"] = asyncio.run(e2b_burst(a.floor_n))
         cfg.write_text(f'[[edge.pools]]\nname = "{POOL}"\nimage = "root/base"\nmemory_mb = {MEMORY_MB}\n'
                        f'cpu_cores = {CPU}\nsize = {a.n}\nrefill_per_second = 1000\n')
         url, key = server_up(data, a.listen, store, "--oci-runtime", a.runtime)
@@ -149,9 +202,12 @@ def main() -> None:
     out["floor"] = {"n": a.floor_n, "wall_s": round(time.perf_counter() - t0, 2), "p50_ms": o["p50_ms"]}
 
     print(f"\nsingle create -> first exec (quiet node): p50 {out['single_create_p50_ms']} ms")
-    for k in ("no_pool", "pool"):
+    for k in ("no_pool", "e2b_no_pool", "pool"):
+        if k not in out:
+            continue
         b = out[k]
-        print(f"{a.n} at once, {k.replace('_', ' ')}: p50 {b.get('p50_ms')} ms, p99 {b.get('p99_ms')} ms, "
+        n = a.floor_n if k.startswith("e2b") else a.n
+        print(f"{n} at once, {k.replace('_', ' ')}: p50 {b.get('p50_ms')} ms, p99 {b.get('p99_ms')} ms, "
               f"first ready {b['first_ready_s']} s, all in {b['wall_s']} s "
               f"({b['from_pool']} from the pool, {b['failures']} failed); server made the first at "
               f"{b.get('server_first_ms')} ms, the last at {b.get('server_last_ms')} ms; creates answered "

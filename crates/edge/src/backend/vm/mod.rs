@@ -722,6 +722,8 @@ impl VmBackend {
             .map(|a| String::from_utf8_lossy(a).into_owned())
             .collect();
         let tdir = dir.join("fork-template");
+        // One left by an edge that died mid-capture, still waiting for its migration.
+        kill(&tdir.join("qemu.pid"));
         let _ = std::fs::remove_dir_all(&tdir);
         std::fs::create_dir_all(&tdir).map_err(|e| format!("creating {}: {e}", tdir.display()))?;
         let args = template_args(&own, &dir, &tdir, ram_to)?;
@@ -822,6 +824,8 @@ impl VmBackend {
 
     fn stop_processes(&self, dir: &Path) {
         kill(&dir.join("qemu.pid"));
+        // A live capture's template, if an edge died during one.
+        kill(&dir.join("fork-template").join("qemu.pid"));
         kill(&dir.join("vmux.pid"));
         for f in ["qemu.pid", "vmux.pid", "vm.chardev", "vm.wake", "vm.qmp"] {
             let _ = std::fs::remove_file(dir.join(f));
