@@ -150,9 +150,10 @@ class RawVm:
     `mem` is the memory file and `share` how it is mapped; `incoming` makes it wait for a
     saved state (`-incoming defer`) instead of starting stopped (`-S`)."""
 
-    def __init__(self, cmd: list[str], work: Path, aether: str, mem: Path, share: bool,
+    def __init__(self, cmd: list[str], work: Path, aether: str | None, mem: Path, share: bool,
                  incoming: bool, netns: str):
         self.work = work
+        self.mem = mem
         work.mkdir(parents=True, exist_ok=True)
         sdir = str(Path(opt(cmd, "-pidfile")).parent)
         args = [a.replace(sdir, str(work)) for a in cmd]
@@ -176,7 +177,7 @@ class RawVm:
         out += ["-incoming", "defer"] if incoming else ["-S"]
         self.args = out
         self.qmp_path = Path(opt(out, "-qmp").split(",")[0].removeprefix("unix:"))
-        chardevs = [opt(out[i:], "-chardev") for i, a in enumerate(out) if a == "-chardev"]
+        chardevs = [out[i + 1] for i, a in enumerate(out) if a == "-chardev"]
         self.chardev = next(o.split("=", 1)[1] for c in chardevs if "id=ch," in c
                             for o in c.split(",") if o.startswith("path="))
         self.wake = next((o.split("=", 1)[1] for c in chardevs if "id=wake," in c
@@ -214,7 +215,7 @@ class RawVm:
 
     def host_end(self) -> None:
         """The channel's host end (as a sandbox's), then the guest may run."""
-        assert self.q is not None
+        assert self.q is not None and self.aether is not None
         cmd = [self.aether, "vmux", str(self.sock), self.chardev] + ([self.wake] if self.wake else [])
         self.vmux = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=True)
@@ -260,7 +261,6 @@ def raw_boot(cmd: list[str], aether: str, ram_dir: Path, netns: str) -> tuple[fl
     work = scratch("dsec-raw-boot-")
     mem = ram_dir / f"raw-{work.name}.ram"
     vm = RawVm(cmd, work, aether, mem, share=True, incoming=False, netns=netns)
-    vm.mem = mem  # type: ignore[attr-defined]
     t0 = time.perf_counter()
     try:
         vm.spawn()
@@ -284,7 +284,7 @@ def raw_fork(source: RawVm, cmd: list[str], aether: str, netns: list[str]) -> di
     cheapest form. Returns the stall (stop through the saved state) and the time until
     every copy answered."""
     assert source.q is not None
-    mem: Path = source.mem  # type: ignore[attr-defined]
+    mem = source.mem
     dev = source.work / "dev"
     t0 = time.perf_counter()
     source.q.call("stop")

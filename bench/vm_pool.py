@@ -18,17 +18,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
-import os
-import shutil
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 from benchlib import configured_server, lat_summary, pool_ready, store_of, write_result  # noqa: E402
 from opendsec import DSecClient, DSecRunArgs  # noqa: E402
-from rawqemu import Qmp  # noqa: E402
+from rawqemu import Netns, RawVm, scratch  # noqa: E402
 
 POOL = "vms"
 POOL_MB = 320
@@ -62,66 +57,34 @@ def member_commands() -> list[list[str]]:
 
 def raw_restore(cmd: list[str], dev: Path, netns: str) -> float:
     """Seconds from starting QEMU to the guest running again, restored from the device
-    state `dev` over the memory file the member maps (`cmd` names it). The member's own
-    files (pid, sockets, console) are replaced by a scratch directory's; QEMU runs in the
-    network namespace `netns`, made for the floor with a tap of the member's name."""
-    work = Path(tempfile.mkdtemp(prefix="dsec-raw-restore-", dir="/var/tmp"))
-    sdir = str(Path(cmd[cmd.index("-pidfile") + 1]).parent)
-    args = [a.replace(sdir, str(work)) for a in cmd]
-    ns_fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def enter_netns() -> None:
-        if libc.setns(ns_fd, 0x40000000) != 0:  # CLONE_NEWNET
-            raise OSError(ctypes.get_errno(), "setns")
-
-    if "-runas" in args:
-        i = args.index("-runas")
-        del args[i:i + 2]
-    qmp = Path(args[args.index("-qmp") + 1].split(",")[0].removeprefix("unix:"))
+    state `dev` over the memory file the member maps (`cmd` names it, and how), in a
+    scratch directory and the network namespace `netns` (see rawqemu.RawVm); no host end
+    of the channel, so "running" is QEMU's run state."""
+    opts = next(a for a in cmd if a.startswith("memory-backend-file,")).split(",")
+    mem = Path(next(o for o in opts if o.startswith("mem-path=")).split("=", 1)[1])
+    vm = RawVm(cmd, scratch("dsec-raw-restore-"), None, mem, share="share=on" in opts,
+               incoming=True, netns=netns)
     t0 = time.perf_counter()
-    p = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, start_new_session=True, preexec_fn=enter_netns,
-                         pass_fds=(ns_fd,))
     try:
-        while not qmp.exists():
-            if p.poll() is not None:
-                raise SystemExit(f"raw QEMU did not start: {p.stderr.read().decode()[-2000:]}")
-            time.sleep(0.002)
-        q = Qmp(qmp)
-        q.call("migrate-set-capabilities", {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
-        with open(dev, "rb") as f:
-            q.call("getfd", {"fdname": "raw"}, fd=f.fileno())
-        q.call("migrate-incoming", {"uri": "fd:raw"})
-        while q.call("query-status")["status"] == "inmigrate":
-            time.sleep(0.002)
+        vm.spawn()
+        q = vm.connect()
+        q.ignore_shared()
+        q.load(dev)
         q.call("cont")
         took = time.perf_counter() - t0
         q.call("quit")
-        p.wait(timeout=30)
+        vm.p.wait(timeout=30)
         return took
     except (OSError, RuntimeError) as e:
-        p.kill()
-        raise SystemExit(f"raw QEMU restore failed ({e}): {p.stderr.read().decode()[-2000:]}")
+        raise SystemExit(f"raw QEMU restore failed ({e})")
     finally:
-        os.close(ns_fd)
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        shutil.rmtree(work, ignore_errors=True)
+        vm.close()
 
 
 def raw_floor(cmd: list[str], dev: Path, n: int = 5) -> list[float]:
     """`raw_restore` n times in a network namespace of its own (removed after)."""
-    netns = f"dsec-raw-restore-{os.getpid()}"
-    tap = next((o.split("=", 1)[1] for a in cmd for o in a.split(",") if o.startswith("ifname=")), None)
-    subprocess.run(["ip", "netns", "add", netns], check=True)
-    try:
-        if tap:
-            subprocess.run(["ip", "-n", netns, "tuntap", "add", "dev", tap, "mode", "tap", "vnet_hdr"], check=True)
+    with Netns(cmd, 1) as [netns]:
         return [raw_restore(cmd, dev, netns) for _ in range(n)]
-    finally:
-        subprocess.run(["ip", "netns", "del", netns])
 
 
 async def bench(url: str, key: str, n: int, data: Path) -> dict:

@@ -250,6 +250,19 @@ pub async fn wait_ready(
     }
 }
 
+/// [`wait_ready_with`] for a request the agent answers with `Ok`.
+pub async fn wait_ready_ok(
+    sock: &Path,
+    req: &Request,
+    within: Duration,
+    alive: impl Fn() -> bool,
+) -> Result<(), ApiError> {
+    match wait_ready_with(sock, req, within, alive).await? {
+        Response::Ok => Ok(()),
+        other => Err(unexpected(&other)),
+    }
+}
+
 /// [`wait_ready`] with `req` as the probe instead of a ping, answered with the agent's
 /// reply: a sandbox's first request (its environment, or that it was restored) doubles as
 /// the wait, which saves a round trip into a guest that has just started. `req` is sent

@@ -119,9 +119,8 @@ async fn finish<T: Send + 'static>(
         .map_err(|e| ApiError::internal(format!("worker failed: {e}")))?
 }
 
-/// After a VM's memory was restored (fork copy, resume): its clock, RNG and id.
-/// Waits until the restored sandbox's agent answers, telling it it was restored (the
-/// clock, fresh entropy, its id: see [`Request::Restored`]), which is safe to repeat.
+/// After a VM's memory was restored (fork copy, resume): its clock, RNG and id (see
+/// [`Request::Restored`]). Also the wait for the agent to answer (safe to repeat).
 async fn tell_restored(
     channel: &Path,
     id: &str,
@@ -133,10 +132,7 @@ async fn tell_restored(
         unix_ms: now_ms(),
         entropy: random_hex(64),
     };
-    match channel::wait_ready_with(channel, &req, within, alive).await? {
-        Response::Ok => Ok(()),
-        other => Err(channel::unexpected(&other)),
-    }
+    channel::wait_ready_ok(channel, &req, within, alive).await
 }
 
 /// After a fresh start: the environment and working directory commands start from (a
@@ -154,10 +150,7 @@ async fn tell_environment(
         env,
         workdir: rec.workdir.clone(),
     };
-    match channel::wait_ready_with(channel, &req, within, alive).await? {
-        Response::Ok => Ok(()),
-        other => Err(channel::unexpected(&other)),
-    }
+    channel::wait_ready_ok(channel, &req, within, alive).await
 }
 
 /// How long an image's start command may take to become ready, unless it says.

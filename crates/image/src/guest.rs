@@ -356,12 +356,12 @@ fn load_kernel(dir: &Path) -> Result<Option<Kernel>, ImageError> {
     }))
 }
 
-/// The newest kernel already in the cache, for hosts where apt cannot say which is current.
 /// Whether the store holds a guest kernel already (so using it downloads nothing).
 pub fn has_cached_kernel(store_root: &Path) -> bool {
     newest_cached_kernel(store_root).is_some()
 }
 
+/// The newest kernel already in the cache, for hosts where apt cannot say which is current.
 fn newest_cached_kernel(store_root: &Path) -> Option<Kernel> {
     let mut found: Vec<Kernel> = std::fs::read_dir(guest_dir(store_root))
         .ok()?

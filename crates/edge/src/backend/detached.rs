@@ -73,7 +73,7 @@ pub fn copy_sparse(from: &Path, to: &Path) -> Result<(), String> {
         .map_err(|e| ctx("creating", e))?;
     dst.set_len(len).map_err(|e| ctx("sizing", e))?;
     let extents = data_extents(&src, len).map_err(|e| ctx("finding data", e))?;
-    // One thread: more write into the same tmpfs file no faster (measured).
+    // One thread: two threads writing one tmpfs file were no faster (measured).
     extents
         .iter()
         .try_for_each(|&(o, n)| copy_range(&src, &dst, o, n))
@@ -115,8 +115,7 @@ fn data_extents(f: &std::fs::File, len: u64) -> std::io::Result<Vec<(u64, u64)>>
 }
 
 /// Copies `len` bytes at `off` from `src` to the same offset of `dst`, in the kernel
-/// (`copy_file_range`), or by
-/// `pread`/`pwrite` where the file systems cannot.
+/// (`copy_file_range`), or by `pread`/`pwrite` where the file systems cannot.
 fn copy_range(src: &std::fs::File, dst: &std::fs::File, off: u64, len: u64) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::FileExt;

@@ -16,8 +16,9 @@
 /// them: the node's `dnslimit` chain's, held one step earlier. Above the node proxy's own
 /// per-sandbox answer rate, so a well-behaved resolver never meets it.
 use super::nfnl::{
-    self, Msg, NFPROTO_INET, NFT_MSG_NEWCHAIN, NFT_MSG_NEWRULE, NFT_MSG_NEWTABLE, NLM_F_ACK,
-    NLM_F_APPEND, NLM_F_CREATE, NLM_F_REQUEST,
+    self, Msg, NF_ACCEPT, NF_INET_PRE_ROUTING, NFPROTO_INET, NFT_MSG_NEWCHAIN, NFT_MSG_NEWRULE,
+    NFT_MSG_NEWTABLE, NFT_PAYLOAD_TRANSPORT_HEADER, NLM_F_ACK, NLM_F_APPEND, NLM_F_CREATE,
+    NLM_F_REQUEST, cmp_eq, payload,
 };
 use super::nft::{DNS_PACKETS_BURST, DNS_PACKETS_PER_S};
 
@@ -25,25 +26,12 @@ use super::nft::{DNS_PACKETS_BURST, DNS_PACKETS_PER_S};
 pub const TABLE: &str = "dsecguard";
 
 // From <linux/netfilter/nf_tables.h>, <linux/netfilter.h>.
-const NF_INET_PRE_ROUTING: u32 = 0;
 const NF_INET_LOCAL_OUT: u32 = 3;
 const NF_IP_PRI_RAW: i32 = -300;
-const NF_ACCEPT: u32 = 1;
 const NF_DROP: u32 = 0;
 const NFT_REG_VERDICT: u32 = 0;
-const NFT_REG_1: u32 = 1;
-const NFT_PAYLOAD_TRANSPORT_HEADER: u32 = 2;
-const NFT_CMP_EQ: u32 = 0;
 const NFT_LIMIT_PKTS: u32 = 0;
 const NFT_LIMIT_F_INV: u32 = 1;
-
-/// `cmp eq <value>` on register 1.
-fn cmp_eq(m: &mut Msg, value: &[u8]) {
-    m.expr("cmp", |m| {
-        m.u32(1, NFT_REG_1).u32(2, NFT_CMP_EQ);
-        m.open(3).attr(1, value).close(); // NFTA_CMP_DATA { NFTA_DATA_VALUE }
-    });
-}
 
 /// The batch: table `inet dsecguard`, chains on output (a container's own packets) and on
 /// prerouting (a VM's, arriving from its tap), each with
@@ -73,12 +61,7 @@ fn batch() -> (Vec<u8>, u32) {
             r.str(1, TABLE).str(2, chain); // NFTA_RULE_TABLE, NFTA_RULE_CHAIN
             r.open(4); // NFTA_RULE_EXPRESSIONS
             // The destination port sits at bytes 2..4 of both the UDP and the TCP header.
-            r.expr("payload", |m| {
-                m.u32(1, NFT_REG_1) // NFTA_PAYLOAD_DREG
-                    .u32(2, NFT_PAYLOAD_TRANSPORT_HEADER) // NFTA_PAYLOAD_BASE
-                    .u32(3, 2) // NFTA_PAYLOAD_OFFSET
-                    .u32(4, 2); // NFTA_PAYLOAD_LEN
-            });
+            payload(&mut r, NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2);
             cmp_eq(&mut r, &53u16.to_be_bytes());
             r.expr("limit", |m| {
                 m.u64(1, DNS_PACKETS_PER_S.into()) // NFTA_LIMIT_RATE

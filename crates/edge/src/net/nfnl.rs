@@ -166,6 +166,33 @@ impl Msg {
     }
 }
 
+// Rule building blocks shared by the tables written in-process (the namespace guard,
+// a VM's NAT). From <linux/netfilter/nf_tables.h>, <linux/netfilter.h>.
+pub const NF_INET_PRE_ROUTING: u32 = 0;
+pub const NF_ACCEPT: u32 = 1;
+pub const NFT_REG_1: u32 = 1;
+pub const NFT_PAYLOAD_NETWORK_HEADER: u32 = 1;
+pub const NFT_PAYLOAD_TRANSPORT_HEADER: u32 = 2;
+const NFT_CMP_EQ: u32 = 0;
+
+/// `payload load <len> bytes at <base> + <offset>` into register 1.
+pub fn payload(m: &mut Msg, base: u32, offset: u32, len: u32) {
+    m.expr("payload", |m| {
+        m.u32(1, NFT_REG_1) // NFTA_PAYLOAD_DREG
+            .u32(2, base) // NFTA_PAYLOAD_BASE
+            .u32(3, offset) // NFTA_PAYLOAD_OFFSET
+            .u32(4, len); // NFTA_PAYLOAD_LEN
+    });
+}
+
+/// `cmp eq <value>` on register 1.
+pub fn cmp_eq(m: &mut Msg, value: &[u8]) {
+    m.expr("cmp", |m| {
+        m.u32(1, NFT_REG_1).u32(2, NFT_CMP_EQ);
+        m.open(3).attr(1, value).close(); // NFTA_CMP_DATA { NFTA_DATA_VALUE }
+    });
+}
+
 /// A batch: `body` appends its messages (numbered from `seq + 1`, each asking for an
 /// acknowledgement) between the delimiters and returns how many it wrote.
 pub fn batch(seq: u32, body: impl FnOnce(&mut Vec<u8>) -> u32) -> (Vec<u8>, u32) {

@@ -184,6 +184,23 @@ struct SavedVm {
     net: bool,
 }
 
+impl SavedVm {
+    /// A save of the VM `info` describes just made: `shared` with its memory file `ram`,
+    /// else `full`.
+    fn of(info: VmInfo, ram: Option<&Path>, kernel: Option<String>) -> SavedVm {
+        SavedVm {
+            disk: info.disk,
+            mem_mb: info.mem_mb,
+            cpus: info.cpus,
+            kind: if ram.is_some() { "shared" } else { "full" }.into(),
+            ram: ram.map(Path::to_path_buf),
+            kernel,
+            machine: info.machine,
+            net: info.net,
+        }
+    }
+}
+
 /// The files a saved VM is made of, as another edge receives them.
 const SAVED_FILES: &[&str] = &["vm.json", "dev", "full", "ram", "disk"];
 
@@ -265,6 +282,25 @@ fn template_args(
     }
     out.extend(["-incoming".into(), "defer".into(), "-S".into()]);
     Ok(out)
+}
+
+/// The QMP connection of the QEMU just started as `child`: once its socket `qmp` is there
+/// (QEMU makes it during start-up), or its log `log` as the error if it exited first.
+fn qmp_of_child(child: &mut std::process::Child, qmp: &Path, log: &Path) -> Result<Qmp, String> {
+    let t0 = Instant::now();
+    while !qmp.exists() {
+        if let Ok(Some(status)) = child.try_wait() {
+            let said = std::fs::read_to_string(log).unwrap_or_default();
+            return Err(format!("QEMU did not start ({status}): {}", said.trim()));
+        }
+        if t0.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err("QEMU made no QMP socket within 30 s".into());
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    Qmp::connect(qmp, Duration::from_secs(10))
 }
 
 /// The kernel and initramfs every VM boots, found (or built) once per edge.
@@ -551,21 +587,7 @@ impl VmBackend {
         let mut child = cmd
             .spawn()
             .map_err(|e| format!("starting {}: {e}", qemu.display()))?;
-        // Until its QMP socket is there (QEMU made it during start-up) or it has exited.
-        let t0 = Instant::now();
-        while !qmp.exists() {
-            if let Ok(Some(status)) = child.try_wait() {
-                let said = std::fs::read_to_string(&qemu_log).unwrap_or_default();
-                return Err(format!("QEMU did not start ({status}): {}", said.trim()));
-            }
-            if t0.elapsed() > Duration::from_secs(30) {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err("QEMU made no QMP socket within 30 s".into());
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        let mut q = Qmp::connect(&qmp, Duration::from_secs(10))?;
+        let mut q = qmp_of_child(&mut child, &qmp, &qemu_log)?;
         if let Some((state, ignore_shared)) = incoming {
             q.set_ignore_shared(ignore_shared)?;
             q.load(state, SAVE_TIMEOUT)?;
@@ -677,42 +699,27 @@ impl VmBackend {
         let saved = if info.shared_ram {
             q.save(&dest.join("dev"), SAVE_TIMEOUT)?;
             copy_sparse(&self.ram_file(&rec.id), ram_to)?;
-            SavedVm {
-                disk: info.disk,
-                mem_mb: info.mem_mb,
-                cpus: info.cpus,
-                kind: "shared".into(),
-                ram: Some(ram_to.to_path_buf()),
-                kernel,
-                machine: info.machine,
-                net: info.net,
-            }
+            SavedVm::of(info, Some(ram_to), kernel)
         } else {
             q.save(&dest.join("full"), SAVE_TIMEOUT)?;
-            SavedVm {
-                disk: info.disk,
-                mem_mb: info.mem_mb,
-                cpus: info.cpus,
-                kind: "full".into(),
-                ram: None,
-                kernel,
-                machine: info.machine,
-                net: info.net,
-            }
+            SavedVm::of(info, None, kernel)
         };
         write_json(&dest.join("vm.json"), &saved)
     }
 
-    /// [`VmBackend::save`] of a running VM without stopping it for the memory copy: a
-    /// template QEMU with the VM's own command line (its files in a directory of its own,
-    /// its memory the new file `ram_to`, its NIC on a hub instead of the tap, waiting
-    /// stopped for an incoming migration) takes a live migration of the VM over a socket
-    /// pair; the VM is stopped only for the last dirty pages and its device state, then
+    /// [`VmBackend::save`] of a running VM (`info`, its `vm.json`) without stopping it
+    /// for the memory copy: a template QEMU with the VM's own command line (see
+    /// [`template_args`]) takes a live migration of the VM over a socket pair; the VM is stopped only for the last dirty pages and its device state, then
     /// continues. The template, now holding the memory, saves its device state
     /// (`x-ignore-shared`) into `dest` and quits. Returns the ms the VM stood still.
-    fn live_save(&self, rec: &SandboxRecord, dest: &Path, ram_to: &Path) -> Result<u64, String> {
+    fn live_save(
+        &self,
+        rec: &SandboxRecord,
+        info: VmInfo,
+        dest: &Path,
+        ram_to: &Path,
+    ) -> Result<u64, String> {
         let dir = self.sandboxes.join(&rec.id);
-        let info: VmInfo = read_json(&dir.join("vm.json"))?;
         let pid = read_pid(&dir.join("qemu.pid")).ok_or("the VM has no pid file")?;
         let own = std::fs::read(format!("/proc/{pid}/cmdline"))
             .map_err(|e| format!("reading the VM's command line: {e}"))?;
@@ -762,16 +769,9 @@ impl VmBackend {
             format!("the template QEMU: {}", log.trim())
         };
         let r = (|| {
-            let qmp = tdir.join("vm.qmp");
             let t0 = Instant::now();
-            while !qmp.exists() {
-                if !matches!(child.try_wait(), Ok(None)) || t0.elapsed() > Duration::from_secs(30) {
-                    return Err(said());
-                }
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            let mut t = Qmp::connect(&qmp, Duration::from_secs(10))
-                .map_err(|e| format!("{e} ({})", said()))?;
+            let mut t = qmp_of_child(&mut child, &tdir.join("vm.qmp"), &tdir.join("qemu.log"))
+                .map_err(|e| format!("the template: {e}"))?;
             let (a, b) = std::os::unix::net::UnixStream::pair()
                 .map_err(|e| format!("a socket pair for the migration: {e}"))?;
             t.give_fd("dsec-live", &b)?;
@@ -785,8 +785,12 @@ impl VmBackend {
             let stalled = q.migrate_live(&a, crate::config::LIVE_FORK_WITHIN)?;
             drop((a, b));
             let migrated = t0.elapsed();
-            t.wait_paused(SAVE_TIMEOUT)
+            let state = t
+                .wait_loaded(SAVE_TIMEOUT)
                 .map_err(|e| format!("{e} ({})", said()))?;
+            if state == "running" {
+                return Err("the template ran the migrated VM instead of holding it".into());
+            }
             t.set_ignore_shared(true)?;
             t.save(&dest.join("dev"), SAVE_TIMEOUT)?;
             let _ = t.execute("quit", serde_json::Value::Null);
@@ -804,17 +808,11 @@ impl VmBackend {
         let _ = child.wait();
         let _ = std::fs::remove_dir_all(&tdir);
         let stalled = r?;
-        let saved = SavedVm {
-            disk: info.disk,
-            mem_mb: info.mem_mb,
-            cpus: info.cpus,
-            kind: "shared".into(),
-            ram: Some(ram_to.to_path_buf()),
-            kernel: Some(self.boot_files()?.0.version),
-            machine: info.machine,
-            net: info.net,
-        };
-        write_json(&dest.join("vm.json"), &saved)?;
+        let kernel = Some(self.boot_files()?.0.version);
+        write_json(
+            &dest.join("vm.json"),
+            &SavedVm::of(info, Some(ram_to), kernel),
+        )?;
         Ok(stalled)
     }
 
@@ -922,8 +920,8 @@ impl Backend for VmBackend {
         self.qmp(rec, "cont")
     }
 
-    /// The VM's device state and memory (see [`VmBackend::save`]); the copy of its memory
-    /// file goes to the RAM directory, next to the memory it copies.
+    /// With `fork_capture = "live"` and the VM's memory its own file: [`VmBackend::live_save`],
+    /// its seed in the RAM directory like [`Backend::snapshot`]'s.
     fn snapshot_live(&self, rec: &SandboxRecord, dest: &Path) -> Option<Result<u64, ApiError>> {
         let capture = self.options.as_ref().ok()?.fork_capture;
         let info: VmInfo = read_json(&self.sandboxes.join(&rec.id).join("vm.json")).ok()?;
@@ -935,7 +933,7 @@ impl Backend for VmBackend {
         let ram = self
             .ram_dir
             .join(format!("seed-{}-{}.ram", rec.id, crate::random_hex(8)));
-        match self.live_save(rec, dest, &ram) {
+        match self.live_save(rec, info, dest, &ram) {
             Ok(ms) => {
                 // The template wrote every page of the seed, zeros too: those go back,
                 // behind the copies (which map it privately and would read zeros there
@@ -963,6 +961,8 @@ impl Backend for VmBackend {
         }
     }
 
+    /// The VM's device state and memory (see [`VmBackend::save`]); the copy of its memory
+    /// file goes to the RAM directory, next to the memory it copies.
     fn snapshot(
         &self,
         rec: &SandboxRecord,

@@ -16,6 +16,11 @@ pub const TAP: &str = "tap0";
 pub const GUEST_MAC: &str = "52:54:00:d5:ec:02";
 pub const TAP_MAC: &str = "52:54:00:d5:ec:01";
 
+/// [`TAP_ADDR`] as an address.
+fn tap_ip() -> Ipv4Addr {
+    TAP_ADDR.parse().unwrap_or(Ipv4Addr::UNSPECIFIED)
+}
+
 /// The kernel command line's `dsec.net=` value.
 pub fn cmdline() -> String {
     format!("dsec.net={GUEST_CIDR},{TAP_ADDR}")
@@ -156,7 +161,6 @@ fn setup_in(
     let node_side: Ipv4Addr = node_side
         .parse()
         .map_err(|_| format!("the sandbox's gateway {node_side:?} is not an IPv4 address"))?;
-    let tap_addr: Ipv4Addr = TAP_ADDR.parse().unwrap_or(Ipv4Addr::UNSPECIFIED);
     let tap = tap.to_string();
     rtnl::in_netns(ns, move || {
         let other = crate::net::netlink::NetlinkError::Other;
@@ -165,7 +169,7 @@ fn setup_in(
             let index = rtnl::index(&tap)?;
             let mut rt = rtnl::Rtnl::open()?;
             rt.set_mac(index, mac_bytes(TAP_MAC))?;
-            rt.add_address(index, tap_addr, 30)?;
+            rt.add_address(index, tap_ip(), 30)?;
             rt.set_up(index)?;
         }
         std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
@@ -179,9 +183,9 @@ fn setup_in(
 }
 
 /// The namespace's NAT, as one nf_tables transaction that first drops any earlier copy
-/// of the table (so setting up twice leaves one): the guest's traffic leaves as the sandbox's address, its DNS goes to the
-/// node side of the sandbox's veth (where the node redirects it to the proxy). In `nft`
-/// terms:
+/// of the table (so setting up twice leaves one): the guest's traffic leaves as the
+/// sandbox's address, its DNS goes to the node side of the sandbox's veth (where the node
+/// redirects it to the proxy). In `nft` terms:
 ///
 /// ```text
 /// table ip dsecvm {
@@ -194,41 +198,25 @@ fn setup_in(
 /// ```
 fn nat_batch(node_side: Ipv4Addr, tap: &str) -> (Vec<u8>, u32) {
     use crate::net::nfnl::{
-        self, Msg, NFT_MSG_NEWCHAIN, NFT_MSG_NEWRULE, NFT_MSG_NEWTABLE, NLM_F_ACK, NLM_F_APPEND,
-        NLM_F_CREATE, NLM_F_REQUEST,
+        self, Msg, NF_ACCEPT, NF_INET_PRE_ROUTING, NFT_MSG_NEWCHAIN, NFT_MSG_NEWRULE,
+        NFT_MSG_NEWTABLE, NFT_PAYLOAD_NETWORK_HEADER, NFT_PAYLOAD_TRANSPORT_HEADER, NFT_REG_1,
+        NLM_F_ACK, NLM_F_APPEND, NLM_F_CREATE, NLM_F_REQUEST, cmp_eq, payload,
     };
     // From <linux/netfilter/nf_tables.h>, <linux/netfilter.h>.
     const NFPROTO_IPV4: u8 = 2;
     const NFT_MSG_DELTABLE: u16 = 2;
-    const NF_INET_PRE_ROUTING: u32 = 0;
     const NF_INET_POST_ROUTING: u32 = 4;
     const NF_IP_PRI_NAT_DST: i32 = -100;
     const NF_IP_PRI_NAT_SRC: i32 = 100;
-    const NF_ACCEPT: u32 = 1;
-    const NFT_REG_1: u32 = 1;
-    const NFT_CMP_EQ: u32 = 0;
     const NFT_META_IIFNAME: u32 = 6;
     const NFT_META_OIFNAME: u32 = 7;
     const NFT_META_L4PROTO: u32 = 16;
-    const NFT_PAYLOAD_NETWORK_HEADER: u32 = 1;
-    const NFT_PAYLOAD_TRANSPORT_HEADER: u32 = 2;
     const NFT_NAT_DNAT: u32 = 1;
     const IFNAMSIZ: usize = 16;
 
     fn meta(m: &mut Msg, key: u32) {
         m.expr("meta", |m| {
             m.u32(2, key).u32(1, NFT_REG_1); // NFTA_META_KEY, NFTA_META_DREG
-        });
-    }
-    fn payload(m: &mut Msg, base: u32, offset: u32, len: u32) {
-        m.expr("payload", |m| {
-            m.u32(1, NFT_REG_1).u32(2, base).u32(3, offset).u32(4, len);
-        });
-    }
-    fn cmp_eq(m: &mut Msg, value: &[u8]) {
-        m.expr("cmp", |m| {
-            m.u32(1, NFT_REG_1).u32(2, NFT_CMP_EQ);
-            m.open(3).attr(1, value).close(); // NFTA_CMP_DATA { NFTA_DATA_VALUE }
         });
     }
     fn ifname(name: &str) -> Vec<u8> {
@@ -265,7 +253,6 @@ fn nat_batch(node_side: Ipv4Addr, tap: &str) -> (Vec<u8>, u32) {
             c.u32(5, NF_ACCEPT).str(7, "nat"); // NFTA_CHAIN_POLICY, NFTA_CHAIN_TYPE
             c.finish(out);
         }
-        let tap_addr: Ipv4Addr = TAP_ADDR.parse().unwrap_or(Ipv4Addr::UNSPECIFIED);
         for proto in [libc::IPPROTO_TCP as u8, libc::IPPROTO_UDP as u8] {
             let mut r = Msg::new(NFT_MSG_NEWRULE, create | NLM_F_APPEND, next(), NFPROTO_IPV4);
             r.str(1, TABLE).str(2, "pre");
@@ -273,7 +260,7 @@ fn nat_batch(node_side: Ipv4Addr, tap: &str) -> (Vec<u8>, u32) {
             meta(&mut r, NFT_META_IIFNAME);
             cmp_eq(&mut r, &ifname(tap));
             payload(&mut r, NFT_PAYLOAD_NETWORK_HEADER, 16, 4); // ip daddr
-            cmp_eq(&mut r, &tap_addr.octets());
+            cmp_eq(&mut r, &tap_ip().octets());
             meta(&mut r, NFT_META_L4PROTO);
             cmp_eq(&mut r, &[proto]);
             payload(&mut r, NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2); // th dport

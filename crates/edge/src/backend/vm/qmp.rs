@@ -9,6 +9,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
+/// How long one QMP answer may take.
+const READ_WITHIN: Duration = Duration::from_secs(30);
+
 pub struct Qmp {
     r: BufReader<UnixStream>,
     w: UnixStream,
@@ -27,7 +30,7 @@ impl Qmp {
                 Err(_) => std::thread::sleep(Duration::from_millis(5)),
             }
         };
-        s.set_read_timeout(Some(Duration::from_secs(30)))
+        s.set_read_timeout(Some(READ_WITHIN))
             .map_err(|e| e.to_string())?;
         let r = BufReader::new(s.try_clone().map_err(|e| e.to_string())?);
         let mut q = Qmp { r, w: s };
@@ -236,10 +239,7 @@ impl Qmp {
                 .set_read_timeout(Some(left))
                 .map_err(|e| e.to_string())?;
             let v = self.read_value();
-            let _ = self
-                .r
-                .get_ref()
-                .set_read_timeout(Some(Duration::from_secs(30)));
+            let _ = self.r.get_ref().set_read_timeout(Some(READ_WITHIN));
             let v = match v {
                 Ok(v) => v,
                 Err(_) if Instant::now() >= deadline => continue,
@@ -270,30 +270,18 @@ impl Qmp {
         ))
     }
 
-    /// Waits until a VM receiving a migration (started with `-S`) has all of it.
-    pub fn wait_paused(&mut self, within: Duration) -> Result<(), String> {
-        let t0 = Instant::now();
-        loop {
-            match self.status()?.as_str() {
-                "paused" | "postmigrate" | "prelaunch" => return Ok(()),
-                "inmigrate" if t0.elapsed() < within => {
-                    std::thread::sleep(Duration::from_millis(1))
-                }
-                other => {
-                    return Err(format!(
-                        "the template is {other}, not holding the migrated VM"
-                    ));
-                }
-            }
-        }
-    }
-
     /// Loads a saved state into a VM started with `-incoming defer`; the VM ends paused.
     pub fn load(&mut self, src: &Path, within: Duration) -> Result<(), String> {
         let input =
             std::fs::File::open(src).map_err(|e| format!("opening {}: {e}", src.display()))?;
         self.give_fd("dsec-load", &input)?;
         self.execute("migrate-incoming", json!({ "uri": "fd:dsec-load" }))?;
+        self.wait_loaded(within).map(drop)
+    }
+
+    /// Waits until a VM receiving a migration (`migrate-incoming`) has all of it; the run
+    /// state it is in then.
+    pub fn wait_loaded(&mut self, within: Duration) -> Result<String, String> {
         let t0 = Instant::now();
         loop {
             match self.status()?.as_str() {
@@ -303,7 +291,7 @@ impl Qmp {
                 "inmigrate" => {
                     return Err(format!("loading the VM took over {} s", within.as_secs()));
                 }
-                "paused" | "postmigrate" | "running" | "prelaunch" => return Ok(()),
+                s @ ("paused" | "postmigrate" | "running" | "prelaunch") => return Ok(s.into()),
                 other => {
                     let info = self
                         .execute("query-migrate", Value::Null)
