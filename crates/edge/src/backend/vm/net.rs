@@ -172,7 +172,7 @@ fn setup_in(
             rt.add_address(index, tap_ip(), 30)?;
             rt.set_up(index)?;
         }
-        std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
+        rtnl::write_sysctl("net/ipv4/ip_forward", "1")
             .map_err(|e| other(format!("turning on forwarding: {e}")))?;
         let (batch, n) = nat_batch(node_side, &tap);
         crate::net::nfnl::transact(&batch, 1, n, |i| {
