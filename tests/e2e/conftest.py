@@ -68,7 +68,21 @@ def leftovers(sandbox_id: str | None = None) -> list[str]:
     out += [f"cgroup {p}" for p in cg if os.path.isdir(p)]
     out += [f"dir {p}" for p in glob.glob(str(DATA / "edge/sandboxes" / pat))]
     out += [f"runtime state {p}" for p in glob.glob(str(DATA / f"edge/runtime/*/dsec-{pat}"))]
+    out += [f"in the node's /sys/fs/cgroup tmpfs: {p}" for p in cgroup_tmpfs_leftovers(pat)]
     return out
+
+
+def cgroup_tmpfs_leftovers(pat: str) -> list[str]:
+    """What is under the mounts of a v1 or hybrid node's /sys/fs/cgroup tmpfs for sandboxes
+    `pat`: on hybrid hosts crun, with the unified mount hidden from it, once made a
+    directory and a file there for each create that nothing removed. Seen through a bind of
+    the tmpfs alone, in a mount namespace of its own (nothing is left mounted)."""
+    if Path("/sys/fs/cgroup/cgroup.controllers").exists():
+        return []
+    r = subprocess.run(["unshare", "-m", "sh", "-c",
+                        f"mount --bind /sys/fs/cgroup /mnt && cd /mnt && ls -d */dsec/{pat} 2>/dev/null"],
+                       capture_output=True, text=True)
+    return r.stdout.split()
 
 
 def aether_processes() -> list[int]:

@@ -36,6 +36,8 @@ pub struct ContainerBackend {
     /// The seccomp policy compiled once for crun (`seccomp.rs`), base64; None: the runtime
     /// compiles the OCI section itself.
     seccomp_bpf: Option<String>,
+    /// Bound over the masked directories of every sandbox (see `oci.rs`).
+    empty_dir: Option<PathBuf>,
 }
 
 fn cid(rec: &SandboxRecord) -> String {
@@ -113,6 +115,30 @@ pub fn find_aether(configured: Option<&Path>) -> Result<PathBuf, String> {
     ))
 }
 
+/// The empty, read-only directory bound over the masked directories of every sandbox
+/// (see `oci.rs`), next to the sandboxes' directory; `None` if it cannot be made.
+fn empty_dir(sandboxes: &Path) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = sandboxes.parent()?.join("masked-empty");
+    let made = (|| -> std::io::Result<()> {
+        std::fs::create_dir_all(&dir)?;
+        if std::fs::read_dir(&dir)?.next().is_some() {
+            return Err(std::io::Error::other("not empty"));
+        }
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o555))
+    })();
+    match made {
+        Ok(()) => Some(dir),
+        Err(e) => {
+            tracing::warn!(
+                "{}: {e}; masked directories get a tmpfs each",
+                dir.display()
+            );
+            None
+        }
+    }
+}
+
 /// 65536, or the edge's hard RLIMIT_NOFILE if that is lower (a runtime cannot raise it).
 fn nofile_limit() -> u64 {
     // SAFETY: getrlimit fills the struct.
@@ -167,6 +193,14 @@ impl ContainerBackend {
             }
             _ => None,
         };
+        if let Ok(rt) = &runtime {
+            rt.sweep_unified_leftovers();
+        }
+        // runc refuses mounts inside /proc other than its own list: it keeps its tmpfs masks.
+        let empty_dir = match &runtime {
+            Ok(rt) if rt.kind == runtime::Kind::Crun => empty_dir(sandboxes),
+            _ => None,
+        };
         ContainerBackend {
             runtime,
             aether: find_aether(aether),
@@ -174,6 +208,7 @@ impl ContainerBackend {
             mode,
             sandboxes: sandboxes.to_path_buf(),
             seccomp_bpf,
+            empty_dir,
         }
     }
 
@@ -252,6 +287,7 @@ impl ContainerBackend {
                 netns: netns.as_deref(),
                 resolv_conf: gateway.as_ref().map(|_| resolv.as_path()),
                 seccomp_bpf: self.seccomp_bpf.as_deref(),
+                empty_dir: self.empty_dir.as_deref(),
             },
         );
         // The bundle carries the sandbox's environment: root's alone.

@@ -400,6 +400,9 @@ pub struct BundleInput<'a> {
     pub resolv_conf: Option<&'a Path>,
     /// The seccomp policy compiled (base64 BPF), for crun's `run.oci.seccomp_bpf_data`.
     pub seccomp_bpf: Option<&'a str>,
+    /// An empty directory no sandbox can write, bound over the masked directories;
+    /// `None`: the runtime masks them with a tmpfs each.
+    pub empty_dir: Option<&'a Path>,
 }
 
 pub fn config(rec: &SandboxRecord, inp: &BundleInput<'_>) -> Value {
@@ -413,6 +416,8 @@ pub fn config(rec: &SandboxRecord, inp: &BundleInput<'_>) -> Value {
         env.push(format!("{k}={v}"));
     }
     let mem = rec.limits.memory_mb as i64 * 1024 * 1024;
+    // The kernel's default period, which a new cgroup already has: left out of the spec,
+    // since each write of a period or a quota walks every CPU cgroup of the node.
     let period: u64 = 100_000;
     let quota = (rec.limits.cpu_cores * period as f64).round().max(1000.0) as i64;
     let mut memory = json!({ "limit": mem });
@@ -423,6 +428,29 @@ pub fn config(rec: &SandboxRecord, inp: &BundleInput<'_>) -> Value {
     let network = match inp.netns {
         Some(p) => json!({ "type": "network", "path": p }),
         None => json!({ "type": "network" }),
+    };
+    // A runtime masks a directory with a tmpfs of its own, one more superblock per
+    // sandbox; the kernel's cost of a new memory cgroup and of a new superblock grows with
+    // the number of superblocks on the node (the memcg shrinker maps), so the directories
+    // the node has are bound, read-only, to one shared empty directory instead.
+    let (masked, mask_binds): (Vec<&str>, Vec<Value>) = match inp.empty_dir {
+        Some(empty) => {
+            let dirs = masked_dirs();
+            (
+                MASKED_PATHS
+                    .iter()
+                    .copied()
+                    .filter(|p| !dirs.contains(p))
+                    .collect(),
+                dirs.iter()
+                    .map(|d| {
+                        json!({ "destination": d, "type": "bind", "source": empty,
+                        "options": ["bind", "ro", "nosuid", "nodev", "noexec"] })
+                    })
+                    .collect(),
+            )
+        }
+        None => (MASKED_PATHS.to_vec(), Vec::new()),
     };
     let mut config = json!({
         "ociVersion": "1.0.2",
@@ -461,7 +489,7 @@ pub fn config(rec: &SandboxRecord, inp: &BundleInput<'_>) -> Value {
             "cgroupsPath": inp.cgroup_path,
             "resources": {
                 "memory": memory,
-                "cpu": { "quota": quota, "period": period },
+                "cpu": { "quota": quota },
                 "pids": { "limit": rec.limits.pids },
                 "devices": [
                     { "allow": false, "access": "rwm" },
@@ -475,7 +503,7 @@ pub fn config(rec: &SandboxRecord, inp: &BundleInput<'_>) -> Value {
                     { "allow": true, "type": "c", "major": 136, "access": "rwm" }
                 ]
             },
-            "maskedPaths": MASKED_PATHS,
+            "maskedPaths": masked,
             "readonlyPaths": READONLY_PATHS,
             "seccomp": seccomp_policy()
         }
@@ -485,10 +513,26 @@ pub fn config(rec: &SandboxRecord, inp: &BundleInput<'_>) -> Value {
         // the policy's statement (and what any other runtime would use).
         config["annotations"] = json!({ "run.oci.seccomp_bpf_data": bpf });
     }
-    if let (Some(r), Some(mounts)) = (inp.resolv_conf, config["mounts"].as_array_mut()) {
-        mounts.push(json!({ "destination": "/etc/resolv.conf", "type": "bind", "source": r, "options": ["bind", "ro", "nosuid", "nodev", "noexec"] }));
+    if let Some(mounts) = config["mounts"].as_array_mut() {
+        if let Some(r) = inp.resolv_conf {
+            mounts.push(json!({ "destination": "/etc/resolv.conf", "type": "bind", "source": r, "options": ["bind", "ro", "nosuid", "nodev", "noexec"] }));
+        }
+        mounts.extend(mask_binds);
     }
     config
+}
+
+/// The masked paths that are directories on this node (`/proc` and `/sys` show a sandbox
+/// the same ones): found once.
+fn masked_dirs() -> &'static [&'static str] {
+    static DIRS: std::sync::OnceLock<Vec<&'static str>> = std::sync::OnceLock::new();
+    DIRS.get_or_init(|| {
+        MASKED_PATHS
+            .iter()
+            .copied()
+            .filter(|p| std::fs::symlink_metadata(p).is_ok_and(|m| m.is_dir()))
+            .collect()
+    })
 }
 
 #[cfg(test)]
@@ -515,6 +559,7 @@ mod tests {
             nofile: 1024,
             netns: None,
             resolv_conf: None,
+            empty_dir: None,
             seccomp_bpf: bpf,
         };
         let with = config(&rec, &inp(Some("AAAA")));
@@ -522,6 +567,65 @@ mod tests {
         // The OCI section stays: the policy's statement, and any other runtime's input.
         assert_eq!(with["linux"]["seccomp"], seccomp_policy());
         assert!(config(&rec, &inp(None)).get("annotations").is_none());
+    }
+
+    /// With a shared empty directory, every masked path still masked: the directories this
+    /// node has by a read-only bind of it (no tmpfs each), the rest by the runtime.
+    #[test]
+    fn masked_directories_are_binds_of_one_empty_directory() {
+        let rec: SandboxRecord = serde_json::from_value(json!({
+            "id": "local-abc", "edge": "local", "backend": "container", "image": "root/base:latest",
+            "image_digest": "", "layers": [], "env": {}, "workdir": null,
+            "limits": {"cpu_cores": 0.5, "memory_mb": 64, "disk_mb": 64, "pids": 64},
+            "labels": {}, "state": "running", "created_at_ms": 0, "expires_at_ms": 0,
+            "idle_timeout_seconds": null, "last_activity_ms": 0, "forked_from": null, "oom_kills": 0
+        }))
+        .unwrap_or_else(|e| panic!("{e}"));
+        let p = Path::new("/x");
+        let empty = Path::new("/srv/empty");
+        let inp = |empty_dir| BundleInput {
+            rootfs: p,
+            aether: p,
+            hosts: p,
+            cgroup_path: "/dsec/local-abc",
+            limit_swap: false,
+            nofile: 1024,
+            netns: None,
+            resolv_conf: None,
+            empty_dir,
+            seccomp_bpf: None,
+        };
+        let plain = config(&rec, &inp(None));
+        assert_eq!(plain["linux"]["maskedPaths"], json!(MASKED_PATHS));
+        let c = config(&rec, &inp(Some(empty)));
+        let masked: Vec<&str> = c["linux"]["maskedPaths"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|v| v.as_str())
+            .collect();
+        let binds: Vec<&Value> = c["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["source"] == "/srv/empty")
+            .collect();
+        for path in MASKED_PATHS {
+            let bound = binds.iter().find(|m| m["destination"] == *path);
+            assert!(
+                masked.contains(path) != bound.is_some(),
+                "{path}: masked once, either way"
+            );
+            if let Some(m) = bound {
+                assert!(std::fs::metadata(path).unwrap().is_dir(), "{path}");
+                assert!(m["options"].as_array().unwrap().contains(&json!("ro")));
+            }
+        }
+        if Path::new("/sys/firmware").is_dir() {
+            assert!(!masked.contains(&"/sys/firmware"));
+        }
+        // The quota alone: a new cgroup has the kernel's default period already.
+        assert_eq!(c["linux"]["resources"]["cpu"], json!({ "quota": 50000 }));
     }
 
     #[test]

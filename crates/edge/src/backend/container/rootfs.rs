@@ -93,6 +93,14 @@ pub fn mount_overlay(
 /// is then taken away. The copy lives as long as the descriptor, or as the tree it is
 /// attached to by [`attach`].
 pub fn detach(target: &Path) -> Result<OwnedFd, String> {
+    let fd = clone_mount(target)?;
+    unmount(target)?;
+    Ok(fd)
+}
+
+/// A copy of the mount at `target` alone (none of the mounts below it), attached nowhere:
+/// what the file system holds under those mounts is reached through it.
+pub fn clone_mount(target: &Path) -> Result<OwnedFd, String> {
     let t = cstr(target)?;
     // SAFETY: open_tree(2) with a NUL-terminated path; it returns a new descriptor.
     let fd = unsafe {
@@ -111,9 +119,7 @@ pub fn detach(target: &Path) -> Result<OwnedFd, String> {
         ));
     }
     // SAFETY: a descriptor open_tree just returned, owned by nobody else.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
-    unmount(target)?;
-    Ok(fd)
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
 /// Attaches the detached mount `fd` at `target` (a NUL-terminated path) in the calling
