@@ -223,3 +223,51 @@ async def test_stop_removes_everything(client):
     await sb.stop()
     assert leftovers(sb.id) == []
     assert wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in pids), 5)
+
+
+def _procs_of(sandbox_id: str) -> list[int]:
+    return [int(p) for p in cgroup_file("pids", sandbox_id, "cgroup.procs").read_text().split()]
+
+
+def _threads(pid: int) -> list[str]:
+    out = []
+    for t in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out.append((t / "comm").read_text().strip())
+        except OSError:
+            pass
+    return out
+
+
+async def test_orphans_are_reaped_and_the_reaper_runs_only_while_there_are_children(client):
+    """The agent is PID 1: orphans re-parented to it are reaped (no zombie stays), by a
+    thread that exists only while it has children (an idle sandbox costs the node one
+    thread fewer)."""
+    sb = await client.run_sandbox(DSecRunArgs(image="root/base"))
+    agent = next(p for p in _procs_of(sb.id)
+                 if Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"/.dsec/aether"))
+    # The accept loop and the node's kept connection: no thread waits for children.
+    assert len(_threads(agent)) <= 2 and "reaper" not in _threads(agent), _threads(agent)
+    # An orphan that lives on: its parent shell exits at once.
+    await sb.run_shell("(sleep 3 >/dev/null 2>&1 &); echo started")
+    assert "reaper" in _threads(agent), _threads(agent)
+    await sb.run_shell("for i in 1 2 3 4 5; do (sleep 0.1 &); done; echo started")
+
+    def zombies() -> list[int]:
+        z = []
+        for p in _procs_of(sb.id):
+            try:
+                if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                    z.append(p)
+            except OSError:
+                pass
+        return z
+
+    time.sleep(1)
+    assert wait_for(lambda: not zombies(), 5), f"zombies left: {zombies()}"
+    # Once the last child is gone, so is the reaper; the next command brings it back.
+    assert wait_for(lambda: "reaper" not in _threads(agent) and len(_threads(agent)) <= 2, 10), \
+        _threads(agent)
+    assert (await sb.run_shell("echo back")).stdout.strip() == "back"
+    assert not zombies()
+    await sb.stop()

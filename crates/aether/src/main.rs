@@ -98,8 +98,7 @@ fn main() {
         eprintln!("dsec-aether: no channel socket on fd {LISTEN_FD}; started outside a sandbox?");
         std::process::exit(2);
     }
-    let table = Arc::new(children::Table::default());
-    children::start_reaper(table.clone());
+    let table = children::Table::new();
     let ctx = Arc::new(Ctx {
         table,
         base_env: std::sync::RwLock::new(exec::base_env()),
