@@ -103,7 +103,10 @@ def host_leftovers(data: Path) -> dict[str, int]:
     for root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup/unified")):
         d = root / "dsec"
         if d.is_dir():
-            cgroups += sum(1 for c in d.iterdir() if c.is_dir())
+            # dsec/<bucket>/<id>: buckets (one character) and what is in them.
+            for c in d.iterdir():
+                if c.is_dir():
+                    cgroups += 1 if len(c.name) > 1 else sum(1 for x in c.iterdir() if x.is_dir())
     mounts = sum(1 for line in Path("/proc/self/mountinfo").read_text().splitlines()
                  if line.split()[4].startswith(str(data) + "/"))
     return {"netns": len(ns), "interfaces": len(ifaces), "nft_elements": elems, "cgroups": cgroups,

@@ -49,10 +49,17 @@ def cgroup_mode() -> str:
     return "hybrid" if Path("/sys/fs/cgroup/unified/cgroup.controllers").exists() else "v1"
 
 
+def cgroup_rel(sandbox_id: str) -> str:
+    """A sandbox's cgroup below each hierarchy's root: `dsec/<bucket>/<id>`, the bucket
+    being the id's last character (as the edge's `cgroup::sandbox_cgroup_path`)."""
+    last = sandbox_id[-1:].lower()
+    return f"dsec/{last if last.isascii() and last.isalnum() else '_'}/{sandbox_id}"
+
+
 def cgroup_file(controller: str, sandbox_id: str, name: str) -> Path:
     if cgroup_mode() == "v2":
-        return Path("/sys/fs/cgroup/dsec") / sandbox_id / name
-    return Path("/sys/fs/cgroup") / controller / "dsec" / sandbox_id / name
+        return Path("/sys/fs/cgroup") / cgroup_rel(sandbox_id) / name
+    return Path("/sys/fs/cgroup") / controller / cgroup_rel(sandbox_id) / name
 
 
 def leftovers(sandbox_id: str | None = None) -> list[str]:
@@ -64,7 +71,8 @@ def leftovers(sandbox_id: str | None = None) -> list[str]:
         for mp in hostclean.mounts_under(DATA / "edge/sandboxes", pid):
             if sandbox_id is None or sandbox_id in mp:
                 out.append(f"mount {mp}" + ("" if pid == "self" else " (sandboxes' namespace)"))
-    cg = glob.glob(f"/sys/fs/cgroup/*/dsec/{pat}") + glob.glob(f"/sys/fs/cgroup/dsec/{pat}")
+    cg = [p for d in ("dsec", "dsec/*") for root in ("/sys/fs/cgroup/*", "/sys/fs/cgroup")
+          for p in glob.glob(f"{root}/{d}/{pat}") if sandbox_id or len(Path(p).name) > 1]
     out += [f"cgroup {p}" for p in cg if os.path.isdir(p)]
     out += [f"dir {p}" for p in glob.glob(str(DATA / "edge/sandboxes" / pat))]
     out += [f"runtime state {p}" for p in glob.glob(str(DATA / f"edge/runtime/*/dsec-{pat}"))]
@@ -80,7 +88,7 @@ def cgroup_tmpfs_leftovers(pat: str) -> list[str]:
     if Path("/sys/fs/cgroup/cgroup.controllers").exists():
         return []
     r = subprocess.run(["unshare", "-m", "sh", "-c",
-                        f"mount --bind /sys/fs/cgroup /mnt && cd /mnt && ls -d */dsec/{pat} 2>/dev/null"],
+                        f"mount --bind /sys/fs/cgroup /mnt && cd /mnt && ls -d */dsec/{pat} */dsec/*/{pat} 2>/dev/null"],
                        capture_output=True, text=True)
     return r.stdout.split()
 

@@ -42,7 +42,8 @@ def mounts_under(root: Path, pid: int | str = "self") -> list[str]:
 
 def sandbox_cgroups(edges: list[str] | tuple[str, ...]) -> list[str]:
     """Cgroups of sandboxes of these edges (ids start with the edge's name), v1 or v2."""
-    pats = [f"/sys/fs/cgroup/dsec/{e}-*" for e in edges] + [f"/sys/fs/cgroup/*/dsec/{e}-*" for e in edges]
+    pats = [f"{root}/{d}/{e}-*" for e in edges for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/*")
+            for d in ("dsec", "dsec/*")]
     return sorted({p for pat in pats for p in glob.glob(pat) if os.path.isdir(p)})
 
 

@@ -1460,7 +1460,7 @@ int main(int argc, char **argv) {
             "Firecracker shares the edge's mount namespace"
         );
         let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
-        assert!(cg.contains(&format!("/dsec/{id}")), "{cg}");
+        assert!(cg.contains(&cgroup::sandbox_cgroup_path(&id)), "{cg}");
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
         let field = |k: &str| {
             status
