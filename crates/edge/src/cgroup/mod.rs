@@ -378,13 +378,13 @@ mod tests {
     #[test]
     fn a_sandbox_made_before_buckets_keeps_its_cgroup() {
         let id = format!("cgtest-{}", std::process::id());
-        let memory = Path::new("/sys/fs/cgroup/memory/dsec");
-        let dir = if memory.is_dir() {
-            memory.join(&id)
-        } else {
-            Path::new("/sys/fs/cgroup/dsec").join(&id)
+        // Inside a real hierarchy only: on v1 /sys/fs/cgroup itself is a tmpfs.
+        let root = match detect() {
+            CgroupMode::V2 => Path::new("/sys/fs/cgroup"),
+            _ => Path::new("/sys/fs/cgroup/memory"),
         };
-        if std::fs::create_dir_all(&dir).is_err() {
+        let dir = root.join("dsec").join(&id);
+        if !root.join("cgroup.procs").exists() || std::fs::create_dir_all(&dir).is_err() {
             eprintln!(
                 "skipped: cannot make {} (needs root and cgroups)",
                 dir.display()
@@ -393,6 +393,8 @@ mod tests {
         }
         let got = sandbox_cgroup_path(&id);
         let _ = std::fs::remove_dir(&dir);
+        // And /dsec, unless sandboxes use it.
+        let _ = std::fs::remove_dir(root.join("dsec"));
         assert_eq!(got, format!("/dsec/{id}"));
         assert_eq!(
             sandbox_cgroup_path(&id),
