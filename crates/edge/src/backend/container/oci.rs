@@ -539,51 +539,22 @@ fn masked_dirs() -> &'static [&'static str] {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_compiled_policy_goes_to_crun_as_an_annotation() {
-        let rec: SandboxRecord = serde_json::from_value(json!({
+    /// A sandbox's record with `cpu_cores`, as the tests' bundles are built from.
+    fn record(cpu_cores: f64) -> SandboxRecord {
+        serde_json::from_value(json!({
             "id": "local-abc", "edge": "local", "backend": "container", "image": "root/base:latest",
             "image_digest": "", "layers": [], "env": {}, "workdir": null,
-            "limits": {"cpu_cores": 1.0, "memory_mb": 64, "disk_mb": 64, "pids": 64},
+            "limits": {"cpu_cores": cpu_cores, "memory_mb": 64, "disk_mb": 64, "pids": 64},
             "labels": {}, "state": "running", "created_at_ms": 0, "expires_at_ms": 0,
             "idle_timeout_seconds": null, "last_activity_ms": 0, "forked_from": null, "oom_kills": 0
         }))
-        .unwrap_or_else(|e| panic!("{e}"));
-        let p = Path::new("/x");
-        let inp = |bpf| BundleInput {
-            rootfs: p,
-            aether: p,
-            hosts: p,
-            cgroup_path: "/dsec/local-abc",
-            limit_swap: false,
-            nofile: 1024,
-            netns: None,
-            resolv_conf: None,
-            empty_dir: None,
-            seccomp_bpf: bpf,
-        };
-        let with = config(&rec, &inp(Some("AAAA")));
-        assert_eq!(with["annotations"]["run.oci.seccomp_bpf_data"], "AAAA");
-        // The OCI section stays: the policy's statement, and any other runtime's input.
-        assert_eq!(with["linux"]["seccomp"], seccomp_policy());
-        assert!(config(&rec, &inp(None)).get("annotations").is_none());
+        .unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// With a shared empty directory, every masked path still masked: the directories this
-    /// node has by a read-only bind of it (no tmpfs each), the rest by the runtime.
-    #[test]
-    fn masked_directories_are_binds_of_one_empty_directory() {
-        let rec: SandboxRecord = serde_json::from_value(json!({
-            "id": "local-abc", "edge": "local", "backend": "container", "image": "root/base:latest",
-            "image_digest": "", "layers": [], "env": {}, "workdir": null,
-            "limits": {"cpu_cores": 0.5, "memory_mb": 64, "disk_mb": 64, "pids": 64},
-            "labels": {}, "state": "running", "created_at_ms": 0, "expires_at_ms": 0,
-            "idle_timeout_seconds": null, "last_activity_ms": 0, "forked_from": null, "oom_kills": 0
-        }))
-        .unwrap_or_else(|e| panic!("{e}"));
+    /// A bundle's input with placeholder paths and the given program and empty directory.
+    fn input<'a>(seccomp_bpf: Option<&'a str>, empty_dir: Option<&'a Path>) -> BundleInput<'a> {
         let p = Path::new("/x");
-        let empty = Path::new("/srv/empty");
-        let inp = |empty_dir| BundleInput {
+        BundleInput {
             rootfs: p,
             aether: p,
             hosts: p,
@@ -593,8 +564,31 @@ mod tests {
             netns: None,
             resolv_conf: None,
             empty_dir,
-            seccomp_bpf: None,
-        };
+            seccomp_bpf,
+        }
+    }
+
+    #[test]
+    fn a_compiled_policy_goes_to_crun_as_an_annotation() {
+        let rec = record(1.0);
+        let with = config(&rec, &input(Some("AAAA"), None));
+        assert_eq!(with["annotations"]["run.oci.seccomp_bpf_data"], "AAAA");
+        // The OCI section stays: the policy's statement, and any other runtime's input.
+        assert_eq!(with["linux"]["seccomp"], seccomp_policy());
+        assert!(
+            config(&rec, &input(None, None))
+                .get("annotations")
+                .is_none()
+        );
+    }
+
+    /// With a shared empty directory, every masked path still masked: the directories this
+    /// node has by a read-only bind of it (no tmpfs each), the rest by the runtime.
+    #[test]
+    fn masked_directories_are_binds_of_one_empty_directory() {
+        let rec = record(0.5);
+        let empty = Path::new("/srv/empty");
+        let inp = |empty_dir| input(None, empty_dir);
         let plain = config(&rec, &inp(None));
         assert_eq!(plain["linux"]["maskedPaths"], json!(MASKED_PATHS));
         let c = config(&rec, &inp(Some(empty)));
