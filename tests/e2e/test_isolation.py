@@ -89,6 +89,39 @@ async def test_privileges_are_reduced(client):
         await sb.stop()
 
 
+async def test_sys_is_read_only_and_shows_no_interface_of_the_node_or_other_sandboxes(client):
+    """Every sandbox's /sys is a read-only bind of one sysfs seen from a network namespace
+    of its own: the node's interfaces (its uplinks, the veths of other sandboxes) are not
+    there, and nothing in it can be written or remounted writable."""
+    a = await client.run_sandbox(DSecRunArgs(image="root/py:3.11"))
+    b = await client.run_sandbox(DSecRunArgs(image="root/py:3.11"))
+    try:
+        node = set(os.listdir("/sys/class/net"))
+        assert any(n.startswith("dsv") for n in node), node
+        for sb in (a, b):
+            r = await sb.run_shell("ls /sys/class/net; ls /sys/devices/virtual/net")
+            seen = set(r.stdout.split())
+            assert seen <= {"lo"}, r.stdout
+            # The rest of sysfs is there: the CPUs (what nproc and os.cpu_count() read).
+            r = await sb.exec(["python3", "-c", "import os; print(os.cpu_count())"])
+            assert r.stdout.strip() == str(os.cpu_count()), r
+            assert (await sb.run_shell("cat /sys/devices/system/cpu/online")).exit_code == 0
+        r = await a.run_shell(
+            "echo 1 > /sys/kernel/mm/ksm/run; echo rc=$?; "
+            "mount -o remount,rw /sys; echo rc=$?; "
+            "grep ' /sys ' /proc/self/mountinfo")
+        assert r.stdout.count("rc=0") == 0, r.stdout
+        line = [l for l in r.stdout.splitlines() if " /sys " in l]
+        assert line and " ro," in line[0] + ",", r.stdout
+        # One interface of the node, looked up by name, is not there either.
+        some = sorted(n for n in node if n.startswith("dsv"))[0]
+        r = await a.run_shell(f"test -e /sys/class/net/{some} && echo seen || echo hidden")
+        assert r.stdout.strip() == "hidden"
+    finally:
+        await a.stop()
+        await b.stop()
+
+
 async def test_agent_channel_cannot_be_reached_or_read_from_inside(client):
     sb = await client.run_sandbox(DSecRunArgs(image="root/py:3.11"))
     try:

@@ -60,7 +60,8 @@ impl Deaths {
     /// Watches process `pid` of sandbox `id` (replacing what was watched for it). A
     /// process already gone is reported at once.
     pub fn watch(&self, id: &str, pid: i32) -> std::io::Result<()> {
-        let pidfd = pidfd_open(pid)?;
+        // Parked: one per sandbox, kept for its life (see `spawn::park`).
+        let pidfd = crate::spawn::park(pidfd_open(pid)?);
         let mut w = self.lock();
         if let Some(old) = w.tokens.remove(id) {
             w.by_token.remove(&old);

@@ -8,6 +8,12 @@
 //! The step runs in a process that shares this one's memory: like a `pre_exec` closure it
 //! may only make async-signal-safe system calls (no allocation, no locks).
 //!
+//! The child's descriptor table holds only the descriptors below the parked ones
+//! ([`park`]): the edge keeps a descriptor per sandbox it watches, parked high, and a
+//! child that copied the whole table (and closed each at exec) cost more with every
+//! sandbox on the node. The child shares the table at first (`CLONE_FILES`) and replaces
+//! it with a copy of the low part before anything else (`close_range(CLOSE_RANGE_UNSHARE)`).
+//!
 //! A program may be run from a sealed memory copy ([`Program::sealed`]). An OCI runtime
 //! run from a file on disk first copies or bind-mounts its own binary and executes itself
 //! again (so a container cannot overwrite it through `/proc/self/exe`); run from a sealed
@@ -16,7 +22,7 @@
 use std::ffi::{CString, OsStr};
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
-use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
@@ -24,6 +30,40 @@ use std::sync::atomic::{AtomicI32, Ordering};
 
 /// The child's stack: the step and the exec only.
 const STACK: usize = 128 * 1024;
+
+// From <linux/close_range.h>.
+const CLOSE_RANGE_UNSHARE: libc::c_uint = 1 << 1;
+
+/// Where parked descriptors start: 1024, on a node whose descriptor limit leaves room
+/// above it; `None` (nothing parked) otherwise.
+fn park_base() -> Option<RawFd> {
+    static BASE: std::sync::OnceLock<Option<RawFd>> = std::sync::OnceLock::new();
+    *BASE.get_or_init(|| {
+        // SAFETY: getrlimit fills the struct.
+        let mut r: libc::rlimit = unsafe { std::mem::zeroed() };
+        let ok = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0;
+        (ok && r.rlim_max >= 4096).then_some(1024)
+    })
+}
+
+/// Moves a descriptor kept for long (one per sandbox) to the parked range, which no
+/// started program inherits or pays for. Where that range is full or missing, `fd` stays
+/// where it is (correct, only slower to spawn past).
+pub fn park(fd: OwnedFd) -> OwnedFd {
+    let Some(base) = park_base() else {
+        return fd;
+    };
+    if fd.as_raw_fd() >= base {
+        return fd;
+    }
+    // SAFETY: F_DUPFD_CLOEXEC on a descriptor we own; the copy is owned below.
+    let high = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, base) };
+    if high < 0 {
+        return fd;
+    }
+    // SAFETY: a descriptor fcntl just returned, owned by nobody else; `fd` closes on drop.
+    unsafe { OwnedFd::from_raw_fd(high) }
+}
 
 /// What to run: a path, or a sealed copy of the program held open.
 #[derive(Debug)]
@@ -69,6 +109,9 @@ struct Child<'a> {
     argv: *const *const libc::c_char,
     envp: *const *const libc::c_char,
     stdio: [RawFd; 3],
+    /// With `CLONE_FILES`: the first descriptor the child's own table leaves out (every
+    /// descriptor the child uses is below it); 0: the child has a full copy already.
+    files_from: RawFd,
     step: &'a mut dyn FnMut() -> std::io::Result<()>,
     /// The parent's signal mask, restored in the child just before `execv`.
     mask: libc::sigset_t,
@@ -86,6 +129,23 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
         // SAFETY: ends this process without running anything of the parent's.
         unsafe { libc::_exit(127) }
     };
+    // First: until the child has a table of its own, a descriptor it opened, closed or
+    // moved would be the parent's. Without close_range (kernels before 5.9), a full copy.
+    if c.files_from > 0 {
+        // SAFETY: close_range(2) and unshare(2) on this process's own descriptor table.
+        unsafe {
+            if libc::syscall(
+                libc::SYS_close_range,
+                c.files_from as libc::c_uint,
+                libc::c_uint::MAX,
+                CLOSE_RANGE_UNSHARE,
+            ) != 0
+                && libc::unshare(libc::CLONE_FILES) != 0
+            {
+                fail(c, *libc::__errno_location());
+            }
+        }
+    }
     // SAFETY: async-signal-safe calls on this process's own signal table (not shared:
     // no CLONE_SIGHAND) and descriptors; the pointers are valid for the calls.
     unsafe {
@@ -144,12 +204,14 @@ fn cstring(s: &OsStr) -> std::io::Result<CString> {
 
 /// Starts `program` with `args` (not including argv\[0\], which is its path), this
 /// process's environment, `stdio` as its fds 0, 1 and 2, after `step` has run in the new
-/// process. Returns its pid once it has exec'd; an error if the step or the exec failed
-/// (the process is then reaped).
+/// process. `uses`: every other descriptor the step uses (the child's table keeps them).
+/// Returns its pid once it has exec'd; an error if the step or the exec failed (the
+/// process is then reaped).
 pub fn spawn(
     program: &Program,
     args: &[&OsStr],
     stdio: [RawFd; 3],
+    uses: &[RawFd],
     step: &mut dyn FnMut() -> std::io::Result<()>,
 ) -> std::io::Result<libc::pid_t> {
     let path_c = cstring(program.path.as_os_str())?;
@@ -173,12 +235,18 @@ pub fn spawn(
     // SAFETY: one past the end of `stack`, rounded down to the 16 bytes the ABI wants.
     let top = unsafe { stack.as_mut_ptr().add(STACK) } as usize & !15;
     // SAFETY: sigset_t is plain data; sigfillset initialises it.
+    let exe = program.sealed.as_ref().map_or(-1, |f| f.as_raw_fd());
+    let files_from = park_base().map_or(0, |base| {
+        let highest = stdio.iter().chain(uses).fold(exe, |m, &fd| m.max(fd));
+        base.max(highest + 1)
+    });
     let mut child = Child {
         path: path_c.as_ptr(),
-        exe: program.sealed.as_ref().map_or(-1, |f| f.as_raw_fd()),
+        exe,
         argv: argv.as_ptr(),
         envp: envp.as_ptr(),
         stdio,
+        files_from,
         step,
         mask: unsafe { std::mem::zeroed() },
         err: AtomicI32::new(0),
@@ -193,7 +261,10 @@ pub fn spawn(
         let pid = libc::clone(
             child_main,
             top as *mut libc::c_void,
-            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            libc::CLONE_VM
+                | libc::CLONE_VFORK
+                | if files_from > 0 { libc::CLONE_FILES } else { 0 }
+                | libc::SIGCHLD,
             (&mut child as *mut Child).cast(),
         );
         let err = std::io::Error::last_os_error();
@@ -259,6 +330,7 @@ pub(crate) fn written(f: &mut File) -> std::io::Result<Vec<u8>> {
 pub fn output(
     program: &Program,
     args: &[&OsStr],
+    uses: &[RawFd],
     step: &mut dyn FnMut() -> std::io::Result<()>,
 ) -> std::io::Result<Output> {
     let null = File::open("/dev/null")?;
@@ -270,6 +342,7 @@ pub fn output(
         program,
         args,
         [null.as_raw_fd(), out.as_raw_fd(), err.as_raw_fd()],
+        uses,
         step,
     )?;
     let status = wait(pid)?;
@@ -306,6 +379,7 @@ mod tests {
                 OsStr::new("-c"),
                 OsStr::new("echo \"$0\"; readlink /proc/$$/exe; echo ${PATH:+has-path}"),
             ],
+            &[],
             &mut || Ok(()),
         )
         .unwrap();
@@ -330,7 +404,7 @@ mod tests {
             }
             Ok(())
         };
-        let o = output(&prog("/bin/pwd"), &[], &mut step).unwrap();
+        let o = output(&prog("/bin/pwd"), &[], &[], &mut step).unwrap();
         assert!(o.status.success());
         assert_eq!(
             String::from_utf8_lossy(&o.stdout).trim(),
@@ -347,6 +421,7 @@ mod tests {
                 OsStr::new("-c"),
                 OsStr::new("echo out; echo err >&2; exit 3"),
             ],
+            &[],
             &mut || Ok(()),
         )
         .unwrap();
@@ -357,13 +432,13 @@ mod tests {
 
     #[test]
     fn a_failed_step_or_exec_is_an_error() {
-        let e = output(&prog("/bin/true"), &[], &mut || {
+        let e = output(&prog("/bin/true"), &[], &[], &mut || {
             Err(std::io::Error::from_raw_os_error(libc::EPERM))
         })
         .err()
         .unwrap();
         assert_eq!(e.raw_os_error(), Some(libc::EPERM));
-        let e = output(&prog("/nonexistent/program"), &[], &mut || Ok(()))
+        let e = output(&prog("/nonexistent/program"), &[], &[], &mut || Ok(()))
             .err()
             .unwrap();
         assert_eq!(e.raw_os_error(), Some(libc::ENOENT));
@@ -393,6 +468,7 @@ mod tests {
                 OsStr::new("^Sig(Cgt|Blk)"),
                 OsStr::new("/proc/self/status"),
             ],
+            &[],
             &mut || Ok(()),
         )
         .unwrap();
@@ -411,5 +487,52 @@ mod tests {
         };
         assert_eq!(field("SigCgt:") & (1 << (libc::SIGUSR1 - 1)), 0, "{text}");
         assert_ne!(field("SigBlk:") & (1 << (libc::SIGUSR2 - 1)), 0, "{text}");
+    }
+
+    /// The child's table holds what it uses and nothing parked; what its step does to its
+    /// descriptors (close, open, move) stays in the child.
+    #[test]
+    fn the_child_gets_a_table_of_its_own_without_the_parked_descriptors() {
+        use std::sync::atomic::AtomicBool;
+        let Some(base) = park_base() else {
+            eprintln!("RLIMIT_NOFILE too low to park descriptors: nothing to check");
+            return;
+        };
+        let open = || File::open("/dev/null").unwrap();
+        let low = open();
+        // Parked after the used one, so above it: what the child keeps ends at `used`.
+        let used = park(OwnedFd::from(open()));
+        let parked = park(OwnedFd::from(open()));
+        assert!(parked.as_raw_fd() > used.as_raw_fd() && used.as_raw_fd() >= base);
+        let (l, p, u) = (low.as_raw_fd(), parked.as_raw_fd(), used.as_raw_fd());
+        let (saw_low, saw_parked, saw_used) = (
+            AtomicBool::new(false),
+            AtomicBool::new(true),
+            AtomicBool::new(false),
+        );
+        let moved = base - 1;
+        // SAFETY (in the step): fcntl, dup2 and close on the child's descriptors.
+        let mut step = || unsafe {
+            let valid = |fd| libc::fcntl(fd, libc::F_GETFD) >= 0;
+            saw_low.store(valid(l), Ordering::SeqCst);
+            saw_parked.store(valid(p), Ordering::SeqCst);
+            saw_used.store(valid(u), Ordering::SeqCst);
+            libc::dup2(l, moved);
+            libc::close(l);
+            libc::close(u);
+            Ok(())
+        };
+        let o = output(&prog("/bin/true"), &[], &[u], &mut step).unwrap();
+        assert!(o.status.success());
+        assert!(saw_low.load(Ordering::SeqCst), "a low descriptor is copied");
+        assert!(saw_used.load(Ordering::SeqCst), "a used one is kept");
+        assert!(!saw_parked.load(Ordering::SeqCst), "a parked one is not");
+        // The parent still has both it closed, and not the one it made.
+        // SAFETY: fcntl on descriptors of this process.
+        unsafe {
+            assert!(libc::fcntl(l, libc::F_GETFD) >= 0);
+            assert!(libc::fcntl(u, libc::F_GETFD) >= 0);
+            assert!(libc::fcntl(moved, libc::F_GETFD) < 0);
+        }
     }
 }

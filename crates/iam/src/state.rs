@@ -10,7 +10,7 @@
 //! up to at most its own. Only an ancestor sets a project's quota, so a key cannot raise the
 //! quota of its own project. A reservation is checked against every limited ancestor.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use serde::{Deserialize, Serialize};
 
@@ -185,12 +185,80 @@ pub struct Effect {
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(from = "Stored")]
 pub struct IamState {
     pub projects: BTreeMap<String, Project>,
     /// By sha256.
     pub keys: BTreeMap<String, KeyRecord>,
-    /// By sandbox id.
-    pub reservations: BTreeMap<String, Reservation>,
+    /// By sandbox id; changed only through [`IamState::put_reservation`] and
+    /// [`IamState::take_reservation`], which keep `totals`.
+    reservations: BTreeMap<String, Reservation>,
+    /// The usage of the reservations at or below each project that has any: a quota check
+    /// reads its project's and its ancestors' instead of summing every reservation of the
+    /// node, which made each create cost more than the one before. Derived, not stored.
+    #[serde(skip_serializing)]
+    totals: HashMap<String, Tally>,
+}
+
+/// What [`IamState`] stores; the totals are rebuilt from it.
+#[derive(Deserialize)]
+struct Stored {
+    projects: BTreeMap<String, Project>,
+    keys: BTreeMap<String, KeyRecord>,
+    reservations: BTreeMap<String, Reservation>,
+}
+
+impl From<Stored> for IamState {
+    fn from(s: Stored) -> IamState {
+        let mut st = IamState {
+            projects: s.projects,
+            keys: s.keys,
+            ..IamState::default()
+        };
+        for r in s.reservations.into_values() {
+            st.put_reservation(r);
+        }
+        st
+    }
+}
+
+/// A sum of usages, in integers (cpu in millionths of a core), so that adding and taking
+/// away in any order gives the same total on every replica.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Tally {
+    reservations: u64,
+    sandboxes: u64,
+    cpu_micro: i64,
+    memory_mb: u64,
+    disk_mb: u64,
+}
+
+impl Tally {
+    fn apply(&mut self, u: &Usage, add: bool) {
+        let cpu = (u.cpu_cores * 1e6).round() as i64;
+        if add {
+            self.reservations += 1;
+            self.sandboxes += u.sandboxes;
+            self.cpu_micro += cpu;
+            self.memory_mb += u.memory_mb;
+            self.disk_mb += u.disk_mb;
+        } else {
+            self.reservations = self.reservations.saturating_sub(1);
+            self.sandboxes = self.sandboxes.saturating_sub(u.sandboxes);
+            self.cpu_micro -= cpu;
+            self.memory_mb = self.memory_mb.saturating_sub(u.memory_mb);
+            self.disk_mb = self.disk_mb.saturating_sub(u.disk_mb);
+        }
+    }
+
+    fn usage(&self) -> Usage {
+        Usage {
+            sandboxes: self.sandboxes,
+            cpu_cores: self.cpu_micro.max(0) as f64 / 1e6,
+            memory_mb: self.memory_mb,
+            disk_mb: self.disk_mb,
+        }
+    }
 }
 
 pub use dsec_common::project::within;
@@ -262,13 +330,42 @@ impl IamState {
 
     /// The usage of a project's whole subtree.
     pub fn usage(&self, path: &str) -> Usage {
-        let mut u = Usage::default();
-        for r in self.reservations.values() {
-            if within(&r.project, path) {
-                u.add(&r.usage);
+        self.totals
+            .get(path)
+            .map(Tally::usage)
+            .unwrap_or_default()
+    }
+
+    /// Every reservation, by sandbox id.
+    pub fn reservations(&self) -> &BTreeMap<String, Reservation> {
+        &self.reservations
+    }
+
+    /// Adds `r`, replacing what its id held before; the totals of its project and of
+    /// every ancestor follow.
+    pub(crate) fn put_reservation(&mut self, r: Reservation) {
+        self.take_reservation(&r.sandbox_id);
+        self.tally(&r, true);
+        self.reservations.insert(r.sandbox_id.clone(), r);
+    }
+
+    /// Removes the reservation of `id`, if any.
+    pub(crate) fn take_reservation(&mut self, id: &str) -> Option<Reservation> {
+        let r = self.reservations.remove(id)?;
+        self.tally(&r, false);
+        Some(r)
+    }
+
+    fn tally(&mut self, r: &Reservation, add: bool) {
+        let mut cur = Some(r.project.as_str());
+        while let Some(p) = cur {
+            let t = self.totals.entry(p.to_string()).or_default();
+            t.apply(&r.usage, add);
+            if t.reservations == 0 {
+                self.totals.remove(p);
             }
+            cur = parent(p);
         }
-        u
     }
 
     fn children<'a>(&'a self, path: &'a str) -> impl Iterator<Item = &'a Project> + 'a {
@@ -456,7 +553,7 @@ impl IamState {
                     )));
                 }
                 self.check_room(&r, None)?;
-                self.reservations.insert(r.sandbox_id.clone(), r.clone());
+                self.put_reservation(r.clone());
                 fx.reserved.push(r);
             }
             Command::Hold(r) => {
@@ -471,23 +568,24 @@ impl IamState {
                     )));
                 }
                 self.check_room(&r, before.as_ref())?;
-                self.reservations.insert(r.sandbox_id.clone(), r.clone());
+                self.put_reservation(r.clone());
                 fx.reserved.push(r);
             }
             Command::Release { sandbox_id } => {
-                if self.reservations.remove(&sandbox_id).is_some() {
+                if self.take_reservation(&sandbox_id).is_some() {
                     fx.released.push(sandbox_id);
                 }
             }
             Command::Reconcile { edge, live } => {
+                let live: HashSet<&str> = live.iter().map(String::as_str).collect();
                 let gone: Vec<String> = self
                     .reservations
                     .values()
-                    .filter(|r| r.edge == edge && !live.contains(&r.sandbox_id))
+                    .filter(|r| r.edge == edge && !live.contains(r.sandbox_id.as_str()))
                     .map(|r| r.sandbox_id.clone())
                     .collect();
                 for id in gone {
-                    self.reservations.remove(&id);
+                    self.take_reservation(&id);
                     fx.released.push(id);
                 }
             }
@@ -674,5 +772,72 @@ mod tests {
         assert_eq!(fx.released.len(), 2);
         assert_eq!(st.usage(ROOT).sandboxes, 1);
         assert!(within("root/a/x", "root/a") && !within("root/ab", "root/a"));
+    }
+
+    /// The kept totals are the sums a full walk of the reservations gives, after every
+    /// kind of change and after a snapshot's JSON round trip (which rebuilds them).
+    #[test]
+    fn kept_totals_equal_a_full_recount() {
+        fn recount(st: &IamState, path: &str) -> (u64, i64, u64, u64) {
+            st.reservations()
+                .values()
+                .filter(|r| within(&r.project, path))
+                .fold((0, 0, 0, 0), |(s, c, m, d), r| {
+                    (
+                        s + r.usage.sandboxes,
+                        c + (r.usage.cpu_cores * 1e6).round() as i64,
+                        m + r.usage.memory_mb,
+                        d + r.usage.disk_mb,
+                    )
+                })
+        }
+        fn check(st: &IamState) {
+            for p in ["root", "root/a", "root/a/x", "root/b", "root/ab"] {
+                let u = st.usage(p);
+                let mine = (
+                    u.sandboxes,
+                    (u.cpu_cores * 1e6).round() as i64,
+                    u.memory_mb,
+                    u.disk_mb,
+                );
+                assert_eq!(mine, recount(st, p), "{p}");
+            }
+        }
+        let mut st = IamState::bootstrap(0);
+        for p in ["root/a", "root/a/x", "root/b", "root/ab"] {
+            let par = p.rsplit_once('/').unwrap().0;
+            mk(&mut st, par, p, q(None, None, None)).unwrap();
+        }
+        let projects = ["root/a", "root/a/x", "root/b", "root/ab", "root"];
+        for i in 0..200u64 {
+            let id = format!("s{}", i % 37);
+            let project = projects[(i * 7 % 5) as usize];
+            let _ = match i % 5 {
+                0 | 1 => reserve(&mut st, &id, project, 0.1 * (i % 4) as f64),
+                2 => hold(&mut st, &id, project, i * 3),
+                3 => st.apply(Command::Release { sandbox_id: id }),
+                _ => Ok(Effect::default()),
+            };
+            check(&st);
+        }
+        st.apply(Command::Reconcile {
+            edge: "e1".into(),
+            live: vec!["s1".into(), "s2".into()],
+        })
+        .unwrap();
+        check(&st);
+        assert!(st.reservations().len() <= 2);
+        // Ten reservations of 0.1 cores are exactly 1 core, not 0.9999999999999999.
+        let mut st = IamState::bootstrap(0);
+        for i in 0..10 {
+            reserve(&mut st, &format!("t{i}"), ROOT, 0.1).unwrap();
+        }
+        assert_eq!(st.usage(ROOT).cpu_cores, 1.0);
+        let back: IamState = serde_json::from_slice(&serde_json::to_vec(&st).unwrap()).unwrap();
+        assert_eq!(back, st);
+        check(&back);
+        assert!(!String::from_utf8(serde_json::to_vec(&st).unwrap())
+            .unwrap()
+            .contains("totals"));
     }
 }

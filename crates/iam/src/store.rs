@@ -150,7 +150,7 @@ pub(crate) fn write_state(tx: &WriteTransaction, state: &IamState) -> Result<(),
         &Effect {
             projects: state.projects.values().cloned().collect(),
             keys: state.keys.values().cloned().collect(),
-            reserved: state.reservations.values().cloned().collect(),
+            reserved: state.reservations().values().cloned().collect(),
             released: Vec::new(),
         },
     )
@@ -166,7 +166,7 @@ pub(crate) fn load_state(db: &Database) -> Result<IamState, IamError> {
         state.keys.insert(k.sha256.clone(), k);
     }
     for r in load_table::<Reservation>(db, RESERVATIONS)? {
-        state.reservations.insert(r.sandbox_id.clone(), r);
+        state.put_reservation(r);
     }
     Ok(state)
 }

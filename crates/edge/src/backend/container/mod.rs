@@ -38,6 +38,9 @@ pub struct ContainerBackend {
     seccomp_bpf: Option<String>,
     /// Bound over the masked directories of every sandbox (see `oci.rs`).
     empty_dir: Option<PathBuf>,
+    /// The sysfs every sandbox's /sys is a bind of ([`sysfs_view`]), made on the first
+    /// create; `None` inside: each sandbox mounts a sysfs of its own.
+    sysfs_view: std::sync::OnceLock<Option<PathBuf>>,
 }
 
 fn cid(rec: &SandboxRecord) -> String {
@@ -139,6 +142,28 @@ fn empty_dir(sandboxes: &Path) -> Option<PathBuf> {
     }
 }
 
+/// The sysfs that every sandbox's /sys is a read-only bind of, next to the sandboxes'
+/// directory, mounted once in the sandboxes' mount namespace (where it stays across edge
+/// restarts) from a network namespace of its own that holds only `lo`.
+///
+/// A sysfs mounted in a sandbox's own network namespace is a new superblock, and the
+/// kernel finds a sysfs superblock by comparing the new one's namespace with that of every
+/// sysfs on the node, so each create cost more than the one before. What a sandbox sees
+/// differs in one place: `/sys/class/net` lists `lo` alone, not its own `eth0` (whose
+/// state `ip` reads over netlink, as before), and never the node's interfaces.
+/// `None` (each sandbox mounts its own) if it cannot be made.
+fn sysfs_view(sandboxes: &Path) -> Option<PathBuf> {
+    let dir = sandboxes.parent()?.join("sysfs-view");
+    let made = crate::mountns::get().and_then(|ns| ns.run(|| rootfs::mount_sysfs_view(&dir))?);
+    match made {
+        Ok(()) => Some(dir),
+        Err(e) => {
+            tracing::warn!("{e}; each sandbox mounts a sysfs of its own");
+            None
+        }
+    }
+}
+
 /// 65536, or the edge's hard RLIMIT_NOFILE if that is lower (a runtime cannot raise it).
 fn nofile_limit() -> u64 {
     // SAFETY: getrlimit fills the struct.
@@ -209,6 +234,7 @@ impl ContainerBackend {
             sandboxes: sandboxes.to_path_buf(),
             seccomp_bpf,
             empty_dir,
+            sysfs_view: std::sync::OnceLock::new(),
         }
     }
 
@@ -238,7 +264,15 @@ impl ContainerBackend {
         let disk_mb = rec.limits.disk_mb;
         // The disk and the overlay are made in the sandboxes' mount namespace; the overlay
         // leaves it detached, for the runtime's call to attach (see `rootfs.rs`).
-        let root_fd = crate::mountns::get()?.run(|| -> Result<OwnedFd, String> {
+        // runc refuses a bind at /sys: it mounts a sysfs of its own.
+        let view = match rt.kind {
+            runtime::Kind::Crun => self
+                .sysfs_view
+                .get_or_init(|| sysfs_view(&self.sandboxes))
+                .as_deref(),
+            _ => None,
+        };
+        let (root_fd, sys_fd) = crate::mountns::get()?.run(|| -> Result<_, String> {
             rootfs::mount_disk(&disk, disk_mb)?;
             if let Some(seed) = seed {
                 copy_tree(seed, &disk.join("upper")).map_err(|e| {
@@ -246,7 +280,8 @@ impl ContainerBackend {
                 })?;
             }
             rootfs::mount_overlay(&lowers, &disk, &rootfs)?;
-            rootfs::detach(&rootfs)
+            let sys: Option<OwnedFd> = view.map(rootfs::clone_mount).transpose()?;
+            Ok((rootfs::detach(&rootfs)?, sys))
         })??;
         let hosts = dir.join("hosts");
         std::fs::write(
@@ -288,6 +323,7 @@ impl ContainerBackend {
                 resolv_conf: gateway.as_ref().map(|_| resolv.as_path()),
                 seccomp_bpf: self.seccomp_bpf.as_deref(),
                 empty_dir: self.empty_dir.as_deref(),
+                sysfs: sys_fd.as_ref().map(|_| dir.join("sysfs")).as_deref(),
             },
         );
         // The bundle carries the sandbox's environment: root's alone.
@@ -303,6 +339,7 @@ impl ContainerBackend {
             &cid(rec),
             dir,
             root_fd.as_raw_fd(),
+            sys_fd.as_ref().map(|f| f.as_raw_fd()),
             listener.as_raw_fd(),
             &dir.join("console.log"),
             &dir.join(INIT_PID),

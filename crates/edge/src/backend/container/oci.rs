@@ -403,6 +403,9 @@ pub struct BundleInput<'a> {
     /// An empty directory no sandbox can write, bound over the masked directories;
     /// `None`: the runtime masks them with a tmpfs each.
     pub empty_dir: Option<&'a Path>,
+    /// A sysfs to bind at /sys (read-only), shared by every sandbox; `None`: a sysfs
+    /// mounted in the sandbox's own network namespace.
+    pub sysfs: Option<&'a Path>,
 }
 
 pub fn config(rec: &SandboxRecord, inp: &BundleInput<'_>) -> Value {
@@ -452,6 +455,12 @@ pub fn config(rec: &SandboxRecord, inp: &BundleInput<'_>) -> Value {
         }
         None => (MASKED_PATHS.to_vec(), Vec::new()),
     };
+    let sys = match inp.sysfs {
+        Some(view) => json!({ "destination": "/sys", "type": "bind", "source": view,
+            "options": ["bind", "ro", "nosuid", "noexec", "nodev"] }),
+        None => json!({ "destination": "/sys", "type": "sysfs", "source": "sysfs",
+            "options": ["nosuid", "noexec", "nodev", "ro"] }),
+    };
     let mut config = json!({
         "ociVersion": "1.0.2",
         "process": {
@@ -476,7 +485,7 @@ pub fn config(rec: &SandboxRecord, inp: &BundleInput<'_>) -> Value {
             { "destination": "/dev/pts", "type": "devpts", "source": "devpts", "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"] },
             { "destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["nosuid", "noexec", "nodev", "mode=1777", format!("size={shm_kb}k")] },
             { "destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"] },
-            { "destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"] },
+            sys,
             { "destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup", "options": ["nosuid", "noexec", "nodev", "relatime", "ro"] },
             { "destination": "/.dsec/aether", "type": "bind", "source": inp.aether, "options": ["bind", "ro", "nosuid", "nodev"] },
             { "destination": "/etc/hosts", "type": "bind", "source": inp.hosts, "options": ["bind", "ro", "nosuid", "nodev", "noexec"] }
@@ -565,6 +574,7 @@ mod tests {
             resolv_conf: None,
             empty_dir,
             seccomp_bpf,
+            sysfs: None,
         }
     }
 

@@ -89,6 +89,47 @@ pub fn mount_overlay(
     mount("overlay", target, "overlay", &data)
 }
 
+/// Mounts, read-only at `target` (made if missing), a sysfs seen from a new network
+/// namespace of its own (which the mount keeps: it holds only `lo`); a sysfs already
+/// there, from an earlier edge, is kept. Run on a thread that ends after it: the
+/// thread is left in that namespace.
+pub fn mount_sysfs_view(target: &Path) -> Result<(), String> {
+    const SYSFS_MAGIC: libc::c_long = 0x6265_6572;
+    std::fs::create_dir_all(target).map_err(|e| format!("creating {}: {e}", target.display()))?;
+    let t = cstr(target)?;
+    // SAFETY: statfs into a zeroed struct with a NUL-terminated path.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(t.as_ptr(), &mut st) } == 0 && st.f_type as libc::c_long == SYSFS_MAGIC
+    {
+        return Ok(());
+    }
+    // SAFETY: unshare(2) of this thread's network namespace; mount(2) with static
+    // NUL-terminated strings and the path above.
+    unsafe {
+        if libc::unshare(libc::CLONE_NEWNET) != 0 {
+            return Err(format!(
+                "a network namespace for the sandboxes' sysfs: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        if libc::mount(
+            c"sysfs".as_ptr(),
+            t.as_ptr(),
+            c"sysfs".as_ptr(),
+            libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            std::ptr::null(),
+        ) != 0
+        {
+            return Err(format!(
+                "mounting sysfs on {}: {}",
+                target.display(),
+                std::io::Error::last_os_error()
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// A copy of the mount at `target` that is attached nowhere, open; the mount at `target`
 /// is then taken away. The copy lives as long as the descriptor, or as the tree it is
 /// attached to by [`attach`].

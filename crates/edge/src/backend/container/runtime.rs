@@ -160,11 +160,11 @@ impl OciRuntime {
     fn step(
         &self,
         pass_fd: Option<RawFd>,
-        rootfs: Option<(RawFd, CString)>,
+        attach: Vec<(RawFd, CString)>,
         unified_scratch: Option<CString>,
     ) -> impl FnMut() -> std::io::Result<()> {
         let hide = self.hide_unified;
-        let own_ns = hide || rootfs.is_some();
+        let own_ns = hide || !attach.is_empty();
         let unified = CString::new("/sys/fs/cgroup/unified").unwrap_or_default();
         // Only async-signal-safe system calls: this runs in a process sharing our memory.
         move || {
@@ -188,7 +188,7 @@ impl OciRuntime {
                             return Err(std::io::Error::last_os_error());
                         }
                     }
-                    if let Some((fd, target)) = &rootfs {
+                    for (fd, target) in &attach {
                         super::rootfs::attach(*fd, target)?;
                     }
                 }
@@ -218,7 +218,8 @@ impl OciRuntime {
         let out = crate::spawn::output(
             &self.program,
             &self.argv(&args),
-            &mut self.step(None, None, None),
+            &[],
+            &mut self.step(None, Vec::new(), None),
         )
         .map_err(|e| format!("cannot run {}: {e}", self.program.path.display()))?;
         if out.status.success() {
@@ -238,12 +239,15 @@ impl OciRuntime {
 
     /// `run --detach`: the container's stdio goes to `log`; `listen_fd` is handed to its
     /// first process as fd 3; its pid is written to `pid_file`; `rootfs`, a detached
-    /// mount, is its root filesystem (attached at `bundle/rootfs`).
+    /// mount, is its root filesystem (attached at `bundle/rootfs`); `sysfs`, a detached
+    /// mount attached at `bundle/sysfs`, for the bundle to bind at /sys.
+    #[allow(clippy::too_many_arguments)]
     pub fn run_detached(
         &self,
         cid: &str,
         bundle: &Path,
         rootfs: RawFd,
+        sysfs: Option<RawFd>,
         listen_fd: RawFd,
         log: &Path,
         pid_file: &Path,
@@ -253,8 +257,22 @@ impl OciRuntime {
             .append(true)
             .open(log)
             .map_err(|e| format!("opening {}: {e}", log.display()))?;
-        let target = CString::new(bundle.join("rootfs").as_os_str().as_encoded_bytes())
-            .map_err(|_| format!("bundle path {} has a NUL byte", bundle.display()))?;
+        let in_bundle = |name: &str| {
+            CString::new(bundle.join(name).as_os_str().as_encoded_bytes())
+                .map_err(|_| format!("bundle path {} has a NUL byte", bundle.display()))
+        };
+        let mut attach = vec![(rootfs, in_bundle("rootfs")?)];
+        if let Some(fd) = sysfs {
+            let dir = bundle.join("sysfs");
+            match std::fs::create_dir(&dir) {
+                Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+                    return Err(format!("creating {}: {e}", dir.display()));
+                }
+                _ => {}
+            }
+            attach.push((fd, in_bundle("sysfs")?));
+        }
+        let uses: Vec<RawFd> = attach.iter().map(|a| a.0).chain([listen_fd]).collect();
         let null =
             std::fs::File::open("/dev/null").map_err(|e| format!("opening /dev/null: {e}"))?;
         let scratch = if self.hide_unified {
@@ -288,7 +306,8 @@ impl OciRuntime {
             &self.program,
             &self.argv(&args),
             [null.as_raw_fd(), logf.as_raw_fd(), logf.as_raw_fd()],
-            &mut self.step(Some(listen_fd), Some((rootfs, target)), scratch),
+            &uses,
+            &mut self.step(Some(listen_fd), attach, scratch),
         )
         .and_then(crate::spawn::wait)
         .map_err(|e| format!("cannot run {}: {e}", self.program.path.display()))?;
