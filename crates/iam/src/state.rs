@@ -330,10 +330,7 @@ impl IamState {
 
     /// The usage of a project's whole subtree.
     pub fn usage(&self, path: &str) -> Usage {
-        self.totals
-            .get(path)
-            .map(Tally::usage)
-            .unwrap_or_default()
+        self.totals.get(path).map(Tally::usage).unwrap_or_default()
     }
 
     /// Every reservation, by sandbox id.
@@ -836,8 +833,10 @@ mod tests {
         let back: IamState = serde_json::from_slice(&serde_json::to_vec(&st).unwrap()).unwrap();
         assert_eq!(back, st);
         check(&back);
-        assert!(!String::from_utf8(serde_json::to_vec(&st).unwrap())
-            .unwrap()
-            .contains("totals"));
+        assert!(
+            !String::from_utf8(serde_json::to_vec(&st).unwrap())
+                .unwrap()
+                .contains("totals")
+        );
     }
 }
