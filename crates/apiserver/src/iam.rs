@@ -10,8 +10,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use dsec_common::{ApiError, ErrorCode};
-use dsec_edge::Quotas;
 use dsec_edge::registry::SandboxRecord;
+use dsec_edge::{Pending, Quotas};
 use dsec_iam::{
     Command, Iam, IamError, Principal, PrincipalKind, Quota, Refusal, Reservation, Usage,
 };
@@ -51,20 +51,19 @@ pub fn api_error(e: IamError) -> ApiError {
 pub struct IamQuotas(pub Arc<dyn Iam>);
 
 impl Quotas for IamQuotas {
-    fn reserve(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
-        self.0
-            .apply(Command::Reserve(Reservation {
-                sandbox_id: rec.id.clone(),
-                project: rec.project.clone(),
-                edge: rec.edge.clone(),
-                usage: Usage {
-                    sandboxes: 1,
-                    cpu_cores: rec.limits.cpu_cores,
-                    memory_mb: rec.limits.memory_mb,
-                    disk_mb: rec.limits.disk_mb,
-                },
-            }))
-            .map_err(api_error)
+    fn reserve(&self, rec: &SandboxRecord) -> Pending<Result<(), ApiError>> {
+        let applying = self.0.clone().apply_async(Command::Reserve(Reservation {
+            sandbox_id: rec.id.clone(),
+            project: rec.project.clone(),
+            edge: rec.edge.clone(),
+            usage: Usage {
+                sandboxes: 1,
+                cpu_cores: rec.limits.cpu_cores,
+                memory_mb: rec.limits.memory_mb,
+                disk_mb: rec.limits.disk_mb,
+            },
+        }));
+        Box::pin(async move { applying.await.map_err(api_error) })
     }
 
     fn hold_disk(&self, id: &str, project: &str, edge: &str, bytes: u64) -> Result<(), ApiError> {
@@ -81,12 +80,16 @@ impl Quotas for IamQuotas {
             .map_err(api_error)
     }
 
-    fn release(&self, sandbox_id: &str) {
-        if let Err(e) = self.0.apply(Command::Release {
-            sandbox_id: sandbox_id.to_string(),
-        }) {
-            tracing::warn!(sandbox = %sandbox_id, "releasing its quota: {e}");
-        }
+    fn release(&self, sandbox_id: &str) -> Pending<()> {
+        let id = sandbox_id.to_string();
+        let applying = self.0.clone().apply_async(Command::Release {
+            sandbox_id: id.clone(),
+        });
+        Box::pin(async move {
+            if let Err(e) = applying.await {
+                tracing::warn!(sandbox = %id, "releasing its quota: {e}");
+            }
+        })
     }
 
     fn reconcile(&self, edge: &str, live: Vec<String>) {

@@ -178,8 +178,7 @@ impl Edge {
             Ok(c) => c,
             Err(e) => {
                 if !existed {
-                    let h = hold.clone();
-                    let _ = self.quota(move |q| q.release(&h)).await;
+                    self.release_quota(&hold).await;
                 }
                 return Err(image_error(e));
             }

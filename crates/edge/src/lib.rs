@@ -42,15 +42,21 @@ use backend::{Backend, SandboxPaths};
 pub use config::EdgeConfig;
 use registry::{Registry, SandboxRecord, now_ms};
 
+/// A quota call under way.
+pub type Pending<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
+
 /// The quota gate: every sandbox holds a reservation in its project from before it starts
 /// until it is gone (stopped, expired, dead). IAM implements it.
 pub trait Quotas: Send + Sync {
-    fn reserve(&self, rec: &SandboxRecord) -> Result<(), ApiError>;
+    /// Awaited without holding a thread: many creates at once are one batch of writes
+    /// (see `Iam::apply_async`), not one at a time on a bounded set of threads.
+    fn reserve(&self, rec: &SandboxRecord) -> Pending<Result<(), ApiError>>;
     /// Holds `bytes` of disk in `project` for something this edge keeps under `id` (a
     /// snapshot, a committed image), replacing what `id` held before.
     fn hold_disk(&self, id: &str, project: &str, edge: &str, bytes: u64) -> Result<(), ApiError>;
-    /// Releases a sandbox's reservation, or what a kept thing held.
-    fn release(&self, sandbox_id: &str);
+    /// Releases a sandbox's reservation, or what a kept thing held (awaited as
+    /// [`Quotas::reserve`] is).
+    fn release(&self, sandbox_id: &str) -> Pending<()>;
     /// After a restart: drop the reservations of this edge's sandboxes (and kept things)
     /// not in `live`.
     fn reconcile(&self, edge: &str, live: Vec<String>);
@@ -271,6 +277,21 @@ impl Edge {
         off_workers(&self.quota_turns, move || f(q.as_ref()))
             .await
             .map(Some)
+    }
+
+    /// Reserves `rec`'s resources in its project; nothing to do without a quota gate.
+    pub(crate) async fn reserve_quota(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
+        match &self.quotas {
+            Some(q) => q.reserve(rec).await,
+            None => Ok(()),
+        }
+    }
+
+    /// Releases what `id` holds.
+    pub(crate) async fn release_quota(&self, id: &str) {
+        if let Some(q) = &self.quotas {
+            q.release(id).await;
+        }
     }
 
     /// Opens the edge's state, probes backends and re-adopts sandboxes left running by a
@@ -815,8 +836,7 @@ impl Edge {
             phases.mark("admit");
             // A pool member is nobody's until handed out, when it takes its reservation.
             if rec.pool_waiting.is_none() {
-                let r = rec.clone();
-                self.quota(move |q| q.reserve(&r)).await?.transpose()?;
+                self.reserve_quota(&rec).await?;
             }
             phases.mark("reserve");
             self.registry.save(&rec)?;
@@ -871,8 +891,7 @@ impl Edge {
                 }
                 let _ = std::fs::remove_dir_all(self.registry.dir(&rec.id));
                 // Idempotent: also right when the reservation itself was refused.
-                let id = rec.id.clone();
-                let _ = self.quota(move |q| q.release(&id)).await;
+                self.release_quota(&rec.id).await;
                 Err(e)
             }
         }
@@ -1294,10 +1313,7 @@ impl Edge {
         }
         let _ = std::fs::remove_dir_all(self.registry.dir(id));
         self.trajectories.forget(&self.registry.dir(id));
-        let id2 = id.to_string();
-        if let Err(e) = self.quota(move |q| q.release(&id2)).await {
-            tracing::warn!(sandbox = %id, "releasing its quota reservation: {}", e.message);
-        }
+        self.release_quota(id).await;
         self.sandboxes
             .lock()
             .unwrap_or_else(|p| p.into_inner())

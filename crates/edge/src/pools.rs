@@ -271,12 +271,7 @@ impl Edge {
             if let Some(nr) = &mut rec.network {
                 nr.rules = req.network_rules.clone();
             }
-            let r = rec.clone();
-            if let Err(err) = self
-                .quota(move |q| q.reserve(&r))
-                .await
-                .and_then(|r| r.transpose())
-            {
+            if let Err(err) = self.reserve_quota(&rec).await {
                 // Still the pool's: back where it was.
                 self.pools.push(
                     &pool,

@@ -156,8 +156,7 @@ impl Edge {
                 .await?
                 .transpose()?;
             if let Err(e) = std::fs::rename(&part, &dir) {
-                let s2 = sid.clone();
-                let _ = self.quota(move |q| q.release(&s2)).await;
+                self.release_quota(&sid).await;
                 return Err(ApiError::internal(format!("keeping the snapshot: {e}")));
             }
             Ok(info)
@@ -217,8 +216,7 @@ impl Edge {
             .map_err(|e| ApiError::internal(format!("removing snapshot {id}: {e}")))?;
         self.discard_seed(&backend, &gone.join("state")).await;
         let _ = blocking(move || std::fs::remove_dir_all(&gone)).await;
-        let id2 = id.to_string();
-        self.quota(move |q| q.release(&id2)).await?;
+        self.release_quota(id).await;
         self.snapshot_locks.forget(id);
         tracing::info!(snapshot = %id, "snapshot deleted");
         Ok(())

@@ -526,8 +526,7 @@ impl Edge {
             ..old
         };
         self.admit()?;
-        let r2 = rec.clone();
-        self.quota(move |q| q.reserve(&r2)).await?.transpose()?;
+        self.reserve_quota(&rec).await?;
         let paths = self.paths(&rec.id);
         let home = paths.dir.join(SUSPENDED_DIR);
         let placed = async {
@@ -545,8 +544,7 @@ impl Edge {
                 let _ = blocking(move || n.detach(&id, nr.slot)).await;
             }
             let _ = std::fs::remove_dir_all(&paths.dir);
-            let id = rec.id.clone();
-            let _ = self.quota(move |q| q.release(&id)).await;
+            self.release_quota(&rec.id).await;
             return Err(e);
         }
         let id = rec.id.clone();

@@ -85,10 +85,25 @@ pub struct ProjectView {
     pub usage: Usage,
 }
 
-pub trait Iam: Send + Sync {
+/// A command being applied ([`Iam::apply_async`]).
+pub type Applying =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), IamError>> + Send>>;
+
+pub trait Iam: Send + Sync + 'static {
     fn authenticate(&self, key: &str) -> Option<Principal>;
     /// Applies a command once it is durable (on a replicated store: committed).
     fn apply(&self, cmd: Command) -> Result<(), IamError>;
+    /// [`Iam::apply`] for async callers. A replicated store awaits the commit without
+    /// holding a thread, so that the writes of many creates at once reach its log
+    /// together (one append and one apply for all of them); the default runs
+    /// [`Iam::apply`] on a blocking thread.
+    fn apply_async(self: std::sync::Arc<Self>, cmd: Command) -> Applying {
+        Box::pin(async move {
+            tokio::task::spawn_blocking(move || self.apply(cmd))
+                .await
+                .unwrap_or_else(|e| Err(unavailable(format!("an IAM write failed: {e}"))))
+        })
+    }
     /// Projects the actor can see (its own and those inside), with usage.
     fn projects(&self, actor: &str) -> Result<Vec<ProjectView>, IamError>;
     /// Keys of the projects the actor can see.

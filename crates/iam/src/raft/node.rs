@@ -420,6 +420,22 @@ impl Iam for RaftIam {
         }
     }
 
+    /// Runs [`RaftIam::write`] on the Raft's own runtime and awaits it from any runtime.
+    fn apply_async(self: Arc<Self>, cmd: Command) -> crate::Applying {
+        let this = (*self).clone();
+        let task = self
+            .inner
+            .runtime
+            .spawn(async move { this.write(cmd).await });
+        Box::pin(async move {
+            task.await.unwrap_or_else(|e| {
+                Err(crate::unavailable(format!(
+                    "the IAM write task ended without an answer: {e}"
+                )))
+            })
+        })
+    }
+
     fn projects(&self, actor: &str) -> Result<Vec<ProjectView>, IamError> {
         Ok(self.read(|s| projects_in(s, actor)))
     }
