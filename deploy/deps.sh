@@ -2,7 +2,7 @@
 # Installs what OpenDsec needs on a Debian/Ubuntu host: OCI runtimes, the image builder,
 # kernel tools, and the Python packages the SDK and the tests use. Idempotent.
 set -euo pipefail
-pkgs=(crun runc mmdebstrap debootstrap busybox-static nftables iproute2 procps psmisc e2fsprogs util-linux tar xz-utils kmod qemu-system-x86 make gcc libc6-dev python3-pip)
+pkgs=(crun runc mmdebstrap debootstrap busybox-static nftables iproute2 procps psmisc e2fsprogs util-linux tar xz-utils kmod qemu-system-x86 make gcc libc6-dev python3-pip docker-registry skopeo apache2-utils zstd openssl)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

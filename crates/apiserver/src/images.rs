@@ -148,3 +148,175 @@ mod tests {
         assert!(check_read(&key("root/t1"), "root/t1/x/env:v1").is_ok());
     }
 }
+
+/// `POST /v1/images:pull`'s body.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PullBody {
+    /// `[registry/]repository[:tag][@digest]`.
+    reference: String,
+    /// The image's name here (default: `<the key's project>/<the repository's last
+    /// component>:<tag>`).
+    #[serde(default, rename = "as")]
+    target: Option<String>,
+    #[serde(default)]
+    username: Option<String>,
+    #[serde(default)]
+    password: Option<String>,
+    /// A bearer token the registry takes as it is.
+    #[serde(default)]
+    token: Option<String>,
+    /// Plain HTTP (a registry on loopback): keys of `root` only.
+    #[serde(default)]
+    plain_http: bool,
+    /// PEM certificates to trust for this registry: keys of `root` only.
+    #[serde(default)]
+    ca_pem: Option<String>,
+}
+
+/// Where a pulled image goes when the body names no target.
+fn default_target(p: &Principal, r: &oci_client::Reference) -> Result<ImageRef, ApiError> {
+    let name = r.repository().rsplit('/').next().unwrap_or("image");
+    let tag = match (r.tag(), r.digest()) {
+        (Some(t), _) => t.to_string(),
+        (None, Some(d)) => d.trim_start_matches("sha256:").chars().take(12).collect(),
+        (None, None) => "latest".to_string(),
+    };
+    let want = format!("{}/{name}:{tag}", p.project);
+    ImageRef::parse(&want).map_err(|e| {
+        ApiError::invalid(format!(
+            "{e}; name the image with `as` (e.g. {}/myimage:v1)",
+            p.project
+        ))
+    })
+}
+
+/// Whether the key may make the node fetch from `registry`: keys of `root` anywhere,
+/// others only from the node's `pull_registries`.
+fn check_registry(p: &Principal, registry: &str, allowed: &[String]) -> ApiResult<()> {
+    if p.is_admin() || allowed.iter().any(|a| a.eq_ignore_ascii_case(registry)) {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        ErrorCode::PermissionDenied,
+        format!(
+            "registry {registry} is not one this node lets project {} pull from (it allows: {}); an administrator can add it to [edge] pull_registries",
+            p.project,
+            if allowed.is_empty() { "none".to_string() } else { allowed.join(", ") }
+        ),
+    )
+    .into())
+}
+
+pub(crate) fn pull_error(e: dsec_image::ImageError) -> ApiError {
+    use dsec_image::pull::PullFailure as F;
+    match &e {
+        dsec_image::ImageError::Pull { kind, .. } => {
+            let code = match kind {
+                F::Invalid => ErrorCode::InvalidArgument,
+                F::NotFound => ErrorCode::NotFound,
+                F::Unauthorized => ErrorCode::PermissionDenied,
+                F::Refused => ErrorCode::FailedPrecondition,
+                F::Unreachable => ErrorCode::Unavailable,
+            };
+            ApiError::new(code, e.to_string())
+        }
+        _ => ApiError::internal(e.to_string()),
+    }
+}
+
+/// `POST /v1/images:pull`: pulls an image from a registry into this node's store;
+/// answers NDJSON, a `{"log": …}` line per step and a last line with the image or the
+/// error.
+pub(crate) async fn pull_image(
+    axum::extract::State(st): axum::extract::State<crate::AppState>,
+    axum::extract::Extension(p): axum::extract::Extension<Principal>,
+    bytes: axum::body::Bytes,
+) -> ApiResult<axum::response::Response> {
+    use axum::response::IntoResponse;
+    use dsec_image::pull::{Credentials, PullLimits, PullRequest};
+    let b: PullBody = crate::body(&bytes, "image pull")?;
+    let r: oci_client::Reference = b.reference.parse().map_err(|e| {
+        ApiError::invalid(format!(
+            "{:?} is not an image reference ({e}); e.g. registry.example.com/team/python:3.11",
+            b.reference
+        ))
+    })?;
+    check_registry(&p, r.resolve_registry(), st.edge.pull_registries())?;
+    if (b.plain_http || b.ca_pem.is_some()) && !p.is_admin() {
+        return Err(ApiError::new(
+            ErrorCode::PermissionDenied,
+            "plain_http and ca_pem are for keys of the root project",
+        )
+        .into());
+    }
+    let target = match &b.target {
+        Some(t) => check_write(&p, t)?,
+        None => {
+            let t = default_target(&p, &r)?;
+            check_write(&p, &t.to_string())?
+        }
+    };
+    let credentials = match (b.username, b.password, b.token) {
+        (Some(username), Some(password), None) => Credentials::Basic { username, password },
+        (None, None, Some(t)) => Credentials::Token(t),
+        (None, None, None) => Credentials::Anonymous,
+        _ => {
+            return Err(ApiError::invalid(
+                "give username and password together, or a token alone, or neither",
+            )
+            .into());
+        }
+    };
+    let req = PullRequest {
+        reference: b.reference,
+        target: target.clone(),
+        credentials,
+        plain_http: b.plain_http,
+        ca_pem: b.ca_pem,
+        limits: PullLimits::default(),
+    };
+    let store = st.edge.images().clone();
+    let (out_tx, out_rx) = tokio::sync::mpsc::unbounded_channel::<axum::body::Bytes>();
+    let line = |v: serde_json::Value| {
+        let mut b = serde_json::to_vec(&v).unwrap_or_default();
+        b.push(b'\n');
+        axum::body::Bytes::from(b)
+    };
+    tokio::spawn(async move {
+        let tx = out_tx.clone();
+        let name = req.target.to_string();
+        let mut log = move |l: String| {
+            tracing::info!(image = %name, "pull: {l}");
+            let _ = tx.send(line(serde_json::json!({ "log": l })));
+        };
+        // Run to the end even when the caller left, so nothing is left half-made.
+        let last = match dsec_image::pull::pull(&store, &req, &mut log).await {
+            Ok(done) => serde_json::json!({
+                "image": req.target.to_string(),
+                "digest": done.digest,
+                "source_digest": done.source_digest,
+                "layers": done.manifest.layers.len(),
+                "fetched_layers": done.fetched,
+                "cached_layers": done.cached,
+                "fetched_bytes": done.fetched_bytes,
+                "size_bytes": done.manifest.size_bytes,
+            }),
+            Err(e) => {
+                tracing::warn!(image = %req.target, "pull failed: {e}");
+                serde_json::json!({ "error": pull_error(e) })
+            }
+        };
+        let _ = out_tx.send(line(last));
+    });
+    let stream = futures_util::stream::unfold(out_rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
+    });
+    Ok((
+        [(axum::http::header::CONTENT_TYPE, "application/x-ndjson")],
+        axum::body::Body::from_stream(stream),
+    )
+        .into_response())
+}

@@ -71,6 +71,26 @@ pub struct EdgeConfig {
     /// here. The setting is the kernel's, for the whole host, and stays on after `dsec
     /// down`; `false` leaves the host as it is.
     pub cgroup_favor_dynmods: bool,
+    /// Registries (`host[:port]`, as in an image reference) that keys of projects other
+    /// than `root` may pull from. A pull makes the node fetch from the network, so a
+    /// tenant must not be able to point it at the node's own services or the local
+    /// network; keys of `root` may pull from any registry.
+    pub pull_registries: Vec<String>,
+}
+
+/// Public registries tenants may pull from unless the node's config says otherwise.
+pub fn default_pull_registries() -> Vec<String> {
+    [
+        "docker.io",
+        "ghcr.io",
+        "quay.io",
+        "registry.k8s.io",
+        "public.ecr.aws",
+        "mcr.microsoft.com",
+        "gcr.io",
+    ]
+    .map(String::from)
+    .to_vec()
 }
 
 /// `[[edge.pools]]`: `size` sandboxes of `image` with these limits, kept made. A create of
@@ -274,6 +294,7 @@ impl Default for EdgeConfig {
             functions: Vec::new(),
             create_parallelism: 0,
             cgroup_favor_dynmods: true,
+            pull_registries: default_pull_registries(),
         }
     }
 }

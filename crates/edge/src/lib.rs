@@ -463,6 +463,11 @@ impl Edge {
         &self.images
     }
 
+    /// Registries keys outside `root` may pull from (`[edge] pull_registries`).
+    pub fn pull_registries(&self) -> &[String] {
+        &self.cfg.pull_registries
+    }
+
     fn paths(&self, id: &str) -> SandboxPaths {
         let dir = self.registry.dir(id);
         SandboxPaths {

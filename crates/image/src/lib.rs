@@ -15,6 +15,8 @@ pub mod cpio;
 pub mod digest;
 pub mod guest;
 pub mod import;
+pub mod layer;
+pub mod pull;
 pub mod reference;
 pub mod store;
 pub mod vmlinux;
@@ -48,6 +50,13 @@ pub enum ImageError {
     /// The sandbox's files hold something a layer cannot carry.
     #[error("cannot commit: {0}")]
     Uncommittable(String),
+    /// A pull from a registry failed; `kind` says why, for the API's status.
+    #[error("pulling {reference}: {message}")]
+    Pull {
+        reference: String,
+        kind: pull::PullFailure,
+        message: String,
+    },
     #[error("{context}: {source}")]
     Io {
         context: String,

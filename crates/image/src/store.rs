@@ -329,7 +329,7 @@ impl ImageStore {
     }
 }
 
-fn write_atomic(tmp_dir: &Path, dest: &Path, bytes: &[u8]) -> Result<(), ImageError> {
+pub(crate) fn write_atomic(tmp_dir: &Path, dest: &Path, bytes: &[u8]) -> Result<(), ImageError> {
     let mut r = [0u8; 8];
     dsec_common::id::fill_random(&mut r);
     let tmp = tmp_dir.join(format!("w-{}", hex::encode(r)));

@@ -348,6 +348,44 @@ class DSecClient:
 
     # ---- IAM: a key acts on its own project and the projects inside it ----
 
+    async def images(self) -> list[dict[str, Any]]:
+        """The images this key may use: ``reference``, ``digest`` and ``manifest`` each."""
+        return (await self._request("GET", "/v1/images"))["images"]
+
+    async def pull_image(self, reference: str, *, target: str | None = None, username: str | None = None,
+                         password: str | None = None, token: str | None = None, plain_http: bool = False,
+                         ca_pem: str | None = None, progress: Any = None) -> dict[str, Any]:
+        """Pulls ``reference`` (``[registry/]repository[:tag][@digest]``) from an OCI registry
+        into the node's image store as ``target`` (default: ``<key's project>/<name>:<tag>``).
+        ``progress``, if given, is called with each step's line. Returns ``image``,
+        ``digest``, ``layers``, ``fetched_layers``, ``cached_layers`` and ``fetched_bytes``.
+
+        Keys outside ``root`` may pull only from the node's ``pull_registries``;
+        ``plain_http`` and ``ca_pem`` are for keys of ``root``."""
+        body: dict[str, Any] = {"reference": reference, "plain_http": plain_http}
+        for k, v in (("as", target), ("username", username), ("password", password), ("token", token),
+                     ("ca_pem", ca_pem)):
+            if v is not None:
+                body[k] = v
+        r = await self._send("POST", "/v1/images:pull", json=body, timeout=_STREAM_TIMEOUT, stream=True)
+        try:
+            async for raw in r.aiter_lines():
+                if not raw.strip():
+                    continue
+                line = _json.loads(raw)
+                if "log" in line:
+                    if progress is not None:
+                        progress(line["log"])
+                elif "error" in line:
+                    raise from_event(line["error"])
+                else:
+                    return line
+        except httpx.HTTPError as e:
+            raise UnavailableError("unavailable", f"the pull of {reference} broke off: {e}") from e
+        finally:
+            await r.aclose()
+        raise UnavailableError("unavailable", f"the pull of {reference} ended without a result")
+
     async def whoami(self) -> dict[str, Any]:
         return await self._request("GET", "/v1/whoami")
 

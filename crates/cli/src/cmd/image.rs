@@ -1,4 +1,5 @@
-//! `dsec image build|ls|inspect|rm`: work directly on the image store directory.
+//! `dsec image build|pull|ls|inspect|rm`: builds and pulls go through the running node;
+//! the rest work directly on the image store directory.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -17,6 +18,11 @@ pub enum ImageCommand {
         after_help = "Example:\n  dsec image build images/py-3.11.toml\n\nSpec format:\n  name = \"root/py:3.11\"\n  [debian]\n  packages = [\"python3\"]\n  [[step]]\n  run = \"echo hi > /etc/motd\""
     )]
     Build(BuildArgs),
+    /// Pull an image from an OCI registry into the node's store
+    #[command(
+        after_help = "Examples:\n  dsec image pull docker.io/library/python:3.11-slim --as root/python:3.11\n  dsec image pull 127.0.0.1:5000/team/env@sha256:… --plain-http\n  echo \"$PASSWORD\" | dsec image pull registry.example.com/team/env:v1 --username me --password-stdin\n\nWithout --username, credentials for the registry are read from Docker's config.json\n($DOCKER_CONFIG/config.json or ~/.docker/config.json) when it has them."
+    )]
+    Pull(PullArgs),
     /// List images
     #[command(after_help = "Example:\n  dsec image ls --json")]
     Ls(StoreArgs),
@@ -53,6 +59,31 @@ pub struct BuildArgs {
     /// Build only if the reference does not exist yet
     #[arg(long)]
     pub if_missing: bool,
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+#[derive(clap::Args)]
+pub struct PullArgs {
+    /// `[registry/]repository[:tag][@digest]`
+    pub reference: String,
+    /// The image's name on the node (default: <your project>/<repository's last part>:<tag>)
+    #[arg(long = "as", value_name = "NAME")]
+    pub target: Option<String>,
+    /// Registry user name (the password is read from stdin with --password-stdin)
+    #[arg(long)]
+    pub username: Option<String>,
+    #[arg(long, requires = "username")]
+    pub password_stdin: bool,
+    /// Read a bearer token for the registry from stdin
+    #[arg(long, conflicts_with = "username")]
+    pub token_stdin: bool,
+    /// Talk plain HTTP to the registry (e.g. one on loopback)
+    #[arg(long)]
+    pub plain_http: bool,
+    /// PEM file of a CA to trust for this registry
+    #[arg(long, value_name = "FILE")]
+    pub ca_cert: Option<PathBuf>,
     #[command(flatten)]
     pub store: StoreArgs,
 }
@@ -113,6 +144,7 @@ impl Progress {
         let is_step = line.starts_with("step ")
             || line.starts_with("mmdebstrap ")
             || line.starts_with("layer ")
+            || line.starts_with("manifest ")
             || line.starts_with("tagged ");
         if self.tty {
             if is_step {
@@ -140,22 +172,48 @@ async fn build_on_node(
     spec: &BuildSpec,
     progress: &mut dyn FnMut(&str),
 ) -> Result<String> {
+    let v = on_node(
+        data_dir,
+        "/v1/images/builds",
+        serde_json::to_vec(spec)?,
+        "`run` steps execute in sandboxes of a running node",
+        progress,
+    )
+    .await?;
+    if let Some(d) = v["digest"].as_str() {
+        return Ok(d.to_string());
+    }
+    anyhow::bail!(
+        "the build failed ({}): {}",
+        v["error"]["code"].as_str().unwrap_or("error"),
+        v["error"]["message"].as_str().unwrap_or("no message")
+    )
+}
+
+/// Posts `body` to `path` of the node whose data directory this is and follows its
+/// NDJSON answer (`{"log": …}` lines to `progress`); the last line.
+async fn on_node(
+    data_dir: &std::path::Path,
+    path: &str,
+    body: Vec<u8>,
+    why_running: &str,
+    progress: &mut dyn FnMut(&str),
+) -> Result<serde_json::Value> {
     use http_body_util::BodyExt;
 
     let cfg = crate::client::resolve(None, None, Some(data_dir)).map_err(|e| {
         anyhow::anyhow!(
-            "{e}\n`run` steps execute in sandboxes of a running node: start `dsec up --data-dir {}` first",
+            "{e}\n{why_running}: start `dsec up --data-dir {}` first",
             data_dir.display()
         )
     })?;
     let api = crate::client::Api::new(&cfg)?;
-    let body = crate::client::full(serde_json::to_vec(spec)?);
     let resp = api
         .open(
             hyper::Method::POST,
-            "/v1/images/builds",
+            path,
             "application/json",
-            body,
+            crate::client::full(body),
         )
         .await?;
     let mut body = resp.into_body();
@@ -174,15 +232,121 @@ async fn build_on_node(
             }
         }
     }
-    let v = last.ok_or_else(|| anyhow::anyhow!("the node ended the build without a result"))?;
-    if let Some(d) = v["digest"].as_str() {
-        return Ok(d.to_string());
+    last.ok_or_else(|| anyhow::anyhow!("the node ended its answer without a result"))
+}
+
+/// The registry's user and password from Docker's config.json (`auths.<registry>`:
+/// `auth`, base64 of `user:password`, or `username` and `password`), if it has them.
+fn docker_config_credentials(registry: &str) -> Option<(String, String)> {
+    use base64::Engine;
+    let dir = std::env::var_os("DOCKER_CONFIG")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".docker")))?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).ok()?).ok()?;
+    let auths = v.get("auths")?.as_object()?;
+    let keys = [
+        registry.to_string(),
+        format!("https://{registry}"),
+        format!("http://{registry}"),
+        if registry == "docker.io" || registry == "registry-1.docker.io" {
+            "https://index.docker.io/v1/".to_string()
+        } else {
+            String::new()
+        },
+    ];
+    let entry = keys.iter().find_map(|k| auths.get(k))?;
+    if let (Some(u), Some(p)) = (
+        entry.get("username").and_then(|x| x.as_str()),
+        entry.get("password").and_then(|x| x.as_str()),
+    ) {
+        return Some((u.to_string(), p.to_string()));
     }
-    anyhow::bail!(
-        "the build failed ({}): {}",
-        v["error"]["code"].as_str().unwrap_or("error"),
-        v["error"]["message"].as_str().unwrap_or("no message")
-    )
+    let raw = base64::engine::general_purpose::STANDARD
+        .decode(entry.get("auth")?.as_str()?)
+        .ok()?;
+    let text = String::from_utf8(raw).ok()?;
+    let (u, p) = text.split_once(':')?;
+    Some((u.to_string(), p.to_string()))
+}
+
+fn read_stdin_secret(what: &str) -> Result<String> {
+    let mut s = String::new();
+    std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)
+        .map_err(|e| anyhow::anyhow!("reading the {what} from stdin: {e}"))?;
+    let s = s.trim_end_matches(['\n', '\r']).to_string();
+    if s.is_empty() {
+        anyhow::bail!("no {what} on stdin");
+    }
+    Ok(s)
+}
+
+fn pull(a: PullArgs) -> Result<i32> {
+    let registry = a
+        .reference
+        .parse::<oci_client::Reference>()
+        .map(|r| r.resolve_registry().to_string())
+        .map_err(|e| anyhow::anyhow!("{:?} is not an image reference: {e}", a.reference))?;
+    let mut body = serde_json::json!({ "reference": a.reference, "plain_http": a.plain_http });
+    if let Some(t) = &a.target {
+        body["as"] = t.clone().into();
+    }
+    if let Some(u) = &a.username {
+        body["username"] = u.clone().into();
+        body["password"] = if a.password_stdin {
+            read_stdin_secret("password")?
+        } else {
+            anyhow::bail!("--username needs --password-stdin (a password is never an argument)")
+        }
+        .into();
+    } else if a.token_stdin {
+        body["token"] = read_stdin_secret("token")?.into();
+    } else if let Some((u, p)) = docker_config_credentials(&registry) {
+        body["username"] = u.into();
+        body["password"] = p.into();
+    }
+    if let Some(ca) = &a.ca_cert {
+        body["ca_pem"] = std::fs::read_to_string(ca)
+            .map_err(|e| anyhow::anyhow!("reading {}: {e}", ca.display()))?
+            .into();
+    }
+    let t0 = Instant::now();
+    let mut show = Progress::new(a.store.json, t0);
+    let v = tokio::runtime::Handle::current().block_on(on_node(
+        &a.store.data.data_dir,
+        "/v1/images:pull",
+        serde_json::to_vec(&body)?,
+        "a pull goes into the store of a running node",
+        &mut |l| show.line(l),
+    ));
+    show.done();
+    let v = v?;
+    let Some(digest) = v["digest"].as_str() else {
+        eprintln!(
+            "error ({}): {}",
+            v["error"]["code"].as_str().unwrap_or("error"),
+            v["error"]["message"].as_str().unwrap_or("no message")
+        );
+        return Ok(1);
+    };
+    if a.store.json {
+        let mut out = v.clone();
+        out["seconds"] = t0.elapsed().as_secs_f64().into();
+        output::print_json(&out);
+    } else {
+        println!(
+            "pulled {} as {} ({}): {} layers ({} fetched, {} in the store already), {:.1} MiB in {:.1} s",
+            a.reference,
+            v["image"].as_str().unwrap_or("?"),
+            &digest[..12.min(digest.len())],
+            v["layers"],
+            v["fetched_layers"],
+            v["cached_layers"],
+            v["fetched_bytes"].as_f64().unwrap_or(0.0) / 1048576.0,
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    Ok(0)
 }
 
 pub async fn run(c: ImageCommand) -> Result<i32> {
@@ -191,6 +355,7 @@ pub async fn run(c: ImageCommand) -> Result<i32> {
 
 fn run_blocking(c: ImageCommand) -> Result<i32> {
     match c {
+        ImageCommand::Pull(a) => pull(a),
         ImageCommand::VmKernel(a) => {
             let store = open(&a)?;
             let t0 = Instant::now();

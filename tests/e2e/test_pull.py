@@ -1,0 +1,345 @@
+# SPDX-License-Identifier: AGPL-3.0-only
+"""Pulls from a real OCI registry: Debian's `docker-registry` (the CNCF distribution
+server) on loopback, fed by Debian's `skopeo` from OCI layouts this file makes (several
+layers, a whiteout and an opaque directory, gzip and zstd layers, a multi-arch index).
+Then what a registry or a caller can get wrong: a missing tag, a wrong digest, bad
+credentials, a manifest of too many layers, a damaged blob, a tenant pointing the node
+at a registry it may not reach."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import hashlib
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tarfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import DATA, dsec, wait_for
+from opendsec import DSecClient, DSecRunArgs, PermissionDeniedError
+
+pytestmark = pytest.mark.skipif(
+    not (shutil.which("docker-registry") and shutil.which("skopeo") and shutil.which("zstd")
+         and shutil.which("htpasswd") and Path("/bin/busybox").exists()),
+    reason="needs Debian's docker-registry, skopeo, zstd, htpasswd and busybox-static (deploy/deps.sh installs them)",
+)
+
+WORK = DATA.parent / f"{DATA.name}-registry"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Registry:
+    """A `docker-registry` on loopback, its storage under WORK/<name>."""
+
+    def __init__(self, name: str, htpasswd: str | None = None):
+        self.dir = WORK / name
+        shutil.rmtree(self.dir, ignore_errors=True)
+        (self.dir / "storage").mkdir(parents=True)
+        self.port = free_port()
+        self.host = f"127.0.0.1:{self.port}"
+        auth = ""
+        if htpasswd:
+            (self.dir / "htpasswd").write_text(htpasswd)
+            auth = f"auth:\n  htpasswd:\n    realm: test\n    path: {self.dir / 'htpasswd'}\n"
+        (self.dir / "config.yml").write_text(
+            "version: 0.1\nlog:\n  level: error\n"
+            f"storage:\n  filesystem:\n    rootdirectory: {self.dir / 'storage'}\n"
+            f"http:\n  addr: {self.host}\n" + auth)
+        self.log = open(self.dir / "registry.log", "wb")
+        self.proc = subprocess.Popen(["docker-registry", "serve", str(self.dir / "config.yml")],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+
+        def up() -> bool:
+            try:
+                urllib.request.urlopen(f"http://{self.host}/v2/", timeout=1)
+                return True
+            except urllib.error.HTTPError as e:
+                return e.code == 401
+            except OSError:
+                return False
+        wait_for(up, timeout=20)
+
+    def push(self, layout: Path, ref: str, creds: str | None = None) -> None:
+        cmd = ["skopeo", "copy", "--all", "--quiet", "--dest-tls-verify=false",
+               "--preserve-digests", f"oci:{layout}:v1", f"docker://{self.host}/{ref}"]
+        if creds:
+            cmd[2:2] = ["--dest-creds", creds]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+
+    def blob_file(self, digest: str) -> Path:
+        hexd = digest.split(":", 1)[1]
+        return self.dir / "storage/docker/registry/v2/blobs/sha256" / hexd[:2] / hexd / "data"
+
+    def put_manifest(self, repo: str, tag: str, manifest: dict) -> None:
+        body = json.dumps(manifest).encode()
+        req = urllib.request.Request(f"http://{self.host}/v2/{repo}/manifests/{tag}", data=body, method="PUT",
+                                     headers={"Content-Type": manifest["mediaType"]})
+        urllib.request.urlopen(req, timeout=10)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def tar_of(entries: list[tuple]) -> bytes:
+    """A tar of (name, kind, data/target, mode) entries, kind one of file, dir, symlink."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
+        for name, kind, data, mode in entries:
+            ti = tarfile.TarInfo(name)
+            ti.mode, ti.mtime = mode, 1_700_000_000
+            if kind == "dir":
+                ti.type = tarfile.DIRTYPE
+                t.addfile(ti)
+            elif kind == "symlink":
+                ti.type, ti.linkname = tarfile.SYMTYPE, data
+                t.addfile(ti)
+            else:
+                ti.size = len(data)
+                t.addfile(ti, io.BytesIO(data))
+    return buf.getvalue()
+
+
+class Layout:
+    """An OCI image layout written by hand: blobs, image manifests and an index."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        shutil.rmtree(path, ignore_errors=True)
+        (path / "blobs/sha256").mkdir(parents=True)
+        (path / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+
+    def blob(self, data: bytes, media_type: str, **extra) -> dict:
+        d = hashlib.sha256(data).hexdigest()
+        (self.path / "blobs/sha256" / d).write_bytes(data)
+        return {"mediaType": media_type, "digest": f"sha256:{d}", "size": len(data), **extra}
+
+    def layer(self, entries: list[tuple], compression: str) -> tuple[dict, str]:
+        raw = tar_of(entries)
+        diff_id = "sha256:" + hashlib.sha256(raw).hexdigest()
+        if compression == "gzip":
+            data, mt = gzip.compress(raw, mtime=0), "application/vnd.oci.image.layer.v1.tar+gzip"
+        else:
+            data = subprocess.run(["zstd", "-q", "-c"], input=raw, capture_output=True, check=True).stdout
+            mt = "application/vnd.oci.image.layer.v1.tar+zstd"
+        return self.blob(data, mt), diff_id
+
+    def image(self, layers: list[tuple[dict, str]], env: list[str], arch: str = "amd64") -> dict:
+        config = {"architecture": arch, "os": "linux",
+                  "config": {"Env": env, "WorkingDir": "/work"},
+                  "rootfs": {"type": "layers", "diff_ids": [d for _, d in layers]}}
+        cdesc = self.blob(json.dumps(config).encode(), "application/vnd.oci.image.config.v1+json")
+        manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                    "config": cdesc, "layers": [l for l, _ in layers]}
+        return self.blob(json.dumps(manifest).encode(), "application/vnd.oci.image.manifest.v1+json",
+                         platform={"architecture": arch, "os": "linux"})
+
+    def tag(self, desc: dict) -> None:
+        d = {k: v for k, v in desc.items() if k != "platform"}
+        d["annotations"] = {"org.opencontainers.image.ref.name": "v1"}
+        (self.path / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [d]}))
+
+
+def busybox() -> list[tuple]:
+    """A shell and the tools the checks use: Debian's static busybox, as small images
+    (Alpine's) carry one."""
+    tools = ["sh", "cat", "ls", "readlink", "pwd", "echo"]
+    return ([("bin", "dir", None, 0o755), ("bin/busybox", "file", Path("/bin/busybox").read_bytes(), 0o755)]
+            + [(f"bin/{t}", "symlink", "busybox", 0o777) for t in tools])
+
+
+def env_image(layout: Layout) -> tuple[dict, dict]:
+    """linux/amd64: a base layer (gzip), and one (zstd) that deletes a file (whiteout),
+    replaces a directory's contents (opaque) and adds a file; linux/arm64: other
+    content. Returns the index's descriptor and the amd64 manifest's."""
+    base = layout.layer(busybox() + [
+        ("work", "dir", None, 0o755),
+        ("etc", "dir", None, 0o755), ("etc/env-name", "file", b"pulled-env\n", 0o644),
+        ("opt", "dir", None, 0o755), ("opt/gone", "file", b"old\n", 0o644),
+        ("opt/cache", "dir", None, 0o755), ("opt/cache/stale", "file", b"stale\n", 0o644),
+        ("usr/local/bin/tool", "file", b"#!/bin/sh\necho tool-ran\n", 0o755),  # parents implicit
+    ], "gzip")
+    top = layout.layer([
+        ("opt", "dir", None, 0o755), ("opt/.wh.gone", "file", b"", 0o644),
+        ("opt/cache", "dir", None, 0o755), ("opt/cache/.wh..wh..opq", "file", b"", 0o644),
+        ("opt/cache/fresh", "file", b"fresh\n", 0o644),
+        ("opt/link", "symlink", "/etc/env-name", 0o777),
+    ], "zstd")
+    amd64 = layout.image([base, top], ["FOO=from-config", "PATH=/usr/local/bin:/usr/bin:/bin"])
+    other = layout.layer([("etc", "dir", None, 0o755), ("etc/env-name", "file", b"arm64\n", 0o644)], "gzip")
+    arm64 = layout.image([other], ["FOO=arm"], arch="arm64")
+    index = layout.blob(json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+                                    "manifests": [arm64, amd64]}).encode(),
+                        "application/vnd.oci.image.index.v1+json")
+    layout.tag(index)
+    return index, amd64
+
+
+@pytest.fixture(scope="module")
+def registry():
+    r = Registry("plain")
+    layout = Layout(WORK / "layout-env")
+    index, amd64 = env_image(layout)
+    r.push(layout.path, "team/env:v1")
+    r.index, r.amd64, r.layout = index, amd64, layout
+    yield r
+    r.stop()
+    shutil.rmtree(layout.path, ignore_errors=True)
+
+
+def pull(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return dsec("image", "pull", *args, "--data-dir", str(DATA), "--json", check=check, timeout=300)
+
+
+def store_tmp() -> list[str]:
+    return sorted(p.name for p in (DATA / "images/tmp").iterdir())
+
+
+async def test_a_multi_arch_image_with_whiteouts_pulls_and_runs(client, registry):
+    before = store_tmp()
+    r = pull(f"{registry.host}/team/env:v1", "--plain-http", "--as", "root/pulled-env:v1")
+    out = json.loads(r.stdout)
+    assert out["image"] == "root/pulled-env:v1" and out["layers"] == 2, out
+    assert out["source_digest"] == registry.amd64["digest"], out  # the amd64 manifest, not arm64
+    sb = await client.run_sandbox(DSecRunArgs(image="root/pulled-env:v1"))
+    try:
+        r = await sb.run_shell(
+            "cat /etc/env-name; ls /opt; ls /opt/cache; readlink /opt/link; "
+            "tool; echo FOO=$FOO; pwd")
+        lines = r.stdout.split()
+        assert lines == ["pulled-env", "cache", "link", "fresh", "/etc/env-name", "tool-ran",
+                         "FOO=from-config", "/work"], r.stdout
+    finally:
+        await sb.stop()
+    # A second pull fetches nothing: the layers are in the store by their blobs' digests.
+    again = json.loads(pull(f"{registry.host}/team/env:v1", "--plain-http", "--as", "root/pulled-env:v2").stdout)
+    assert (again["fetched_layers"], again["cached_layers"]) == (0, 2), again
+    assert again["digest"] == out["digest"]
+    # By the index's digest: the same image.
+    by_digest = json.loads(pull(f"{registry.host}/team/env@{registry.index['digest']}", "--plain-http",
+                                "--as", "root/pulled-env:v3").stdout)
+    assert by_digest["digest"] == out["digest"]
+    assert store_tmp() == before
+
+
+def test_what_a_registry_or_a_caller_gets_wrong_is_a_clear_error_and_nothing_is_named(registry):
+    before = store_tmp()
+    cases = {
+        "missing tag": (f"{registry.host}/team/env:nope", "not_found"),
+        "missing repository": (f"{registry.host}/team/none:v1", "not_found"),
+        "wrong digest": (f"{registry.host}/team/env@sha256:{'0' * 64}", "not_found"),
+    }
+    for what, (ref, code) in cases.items():
+        r = pull(ref, "--plain-http", "--as", "root/pull-never:v1", check=False)
+        assert r.returncode != 0, what
+        assert f"error ({code})" in r.stderr and "pulling" in r.stderr, (what, r.stderr)
+    # A manifest of 1,000 layers (one blob named 1,000 times): refused before a blob is fetched.
+    layer = registry.amd64  # any descriptor the registry has; its config is a real blob
+    m = json.loads((registry.layout.path / "blobs/sha256" / registry.amd64["digest"][7:]).read_bytes())
+    bomb = {**m, "layers": [m["layers"][0]] * 1000}
+    registry.push(registry.layout.path, "team/bomb:v0")  # its blobs, linked in the repository
+    registry.put_manifest("team/bomb", "v1", bomb)
+    r = pull(f"{registry.host}/team/bomb:v1", "--plain-http", "--as", "root/pull-never:v1", check=False)
+    assert "error (failed_precondition)" in r.stderr and "1000 layers, over the limit" in r.stderr, r.stderr
+    assert layer
+    # Not an image reference at all.
+    r = pull("Not A Reference!", "--plain-http", check=False)
+    assert r.returncode != 0 and "not an image reference" in r.stderr, r.stderr
+    r = dsec("image", "ls", "--data-dir", str(DATA), "--json")
+    assert "root/pull-never:" not in r.stdout
+    assert store_tmp() == before
+
+
+def test_a_damaged_blob_is_refused_and_nothing_is_named():
+    r = Registry("damaged")
+    layout = Layout(WORK / "layout-damaged")
+    try:
+        big = os.urandom(200_000)
+        layer = layout.layer([("data", "file", big, 0o644)], "gzip")
+        desc = layout.image([layer], [])
+        layout.tag({k: v for k, v in desc.items() if k != "platform"})
+        r.push(layout.path, "team/damaged:v1")
+        blob = r.blob_file(layer[0]["digest"])
+        data = blob.read_bytes()
+        blob.write_bytes(data[: len(data) // 2])  # truncated in the registry's storage
+        before = store_tmp()
+        p = pull(f"{r.host}/team/damaged:v1", "--plain-http", "--as", "root/damaged:v1", check=False)
+        assert p.returncode != 0
+        assert "error (failed_precondition)" in p.stderr and "ended after" in p.stderr, p.stderr
+        assert layer[0]["digest"] in p.stderr, p.stderr
+        blob.write_bytes(data[:-10] + b"x" * 10)  # the right size, the wrong bytes
+        p = pull(f"{r.host}/team/damaged:v1", "--plain-http", "--as", "root/damaged:v1", check=False)
+        assert "error (failed_precondition)" in p.stderr and "content sha256:" in p.stderr, p.stderr
+        assert "root/damaged" not in dsec("image", "ls", "--data-dir", str(DATA), "--json").stdout
+        assert store_tmp() == before
+    finally:
+        r.stop()
+        shutil.rmtree(layout.path, ignore_errors=True)
+
+
+def test_credentials_are_checked_and_docker_config_is_read(tmp_path):
+    hashed = subprocess.run(["htpasswd", "-nbB", "puller", "s3cret"], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    r = Registry("auth", htpasswd=hashed + "\n")
+    layout = Layout(WORK / "layout-auth")
+    try:
+        desc = layout.image([layout.layer([("hello", "file", b"hi\n", 0o644)], "gzip")], [])
+        layout.tag({k: v for k, v in desc.items() if k != "platform"})
+        r.push(layout.path, "team/private:v1", creds="puller:s3cret")
+        ref = f"{r.host}/team/private:v1"
+        p = pull(ref, "--plain-http", "--as", "root/private:v1", check=False)
+        assert "error (permission_denied)" in p.stderr and "credentials" in p.stderr, p.stderr
+        p = dsec("image", "pull", ref, "--plain-http", "--as", "root/private:v1", "--data-dir", str(DATA),
+                 "--username", "puller", "--password-stdin", check=False)
+        assert p.returncode != 0  # no password on stdin
+        bad = subprocess.run([os.environ.get("DSEC_BIN", "dsec"), "image", "pull", ref, "--plain-http", "--as",
+                              "root/private:v1", "--data-dir", str(DATA), "--username", "puller",
+                              "--password-stdin"], input="wrong\n", capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "DSEC_CONFIG": str(DATA / "client.toml")})
+        assert bad.returncode != 0 and "permission_denied" in bad.stderr, bad.stderr
+        # Docker's config.json, as `docker login` writes it.
+        (tmp_path / "config.json").write_text(json.dumps(
+            {"auths": {r.host: {"auth": base64.b64encode(b"puller:s3cret").decode()}}}))
+        ok = dsec("image", "pull", ref, "--plain-http", "--as", "root/private:v1", "--data-dir", str(DATA),
+                  "--json", env={"DOCKER_CONFIG": str(tmp_path)})
+        assert json.loads(ok.stdout)["image"] == "root/private:v1"
+    finally:
+        r.stop()
+        shutil.rmtree(layout.path, ignore_errors=True)
+
+
+async def test_a_tenant_cannot_point_the_node_at_a_registry_it_may_not_reach(client, registry):
+    project = f"root/puller-{os.urandom(3).hex()}"
+    await client.create_project(project)
+    k = await client.create_key("tenant", project=project)
+    async with DSecClient(api_key=k["key"]) as t:
+        # The loopback registry is not one the node lets tenants pull from.
+        with pytest.raises(PermissionDeniedError) as e:
+            await t.pull_image(f"{registry.host}/team/env:v1", target=f"{project}/env:v1")
+        assert "pull_registries" in e.value.message
+        # Nor may it talk plain HTTP or bring its own CA, even to an allowed registry.
+        with pytest.raises(PermissionDeniedError):
+            await t.pull_image("docker.io/library/busybox:latest", target=f"{project}/bb:v1", plain_http=True)
+        # And it names images only in its own project.
+        with pytest.raises(PermissionDeniedError):
+            await t.pull_image("docker.io/library/busybox:latest", target="root/bb:v1")
