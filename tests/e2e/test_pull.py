@@ -45,27 +45,46 @@ def free_port() -> int:
 class Registry:
     """A `docker-registry` on loopback, its storage under WORK/<name>."""
 
-    def __init__(self, name: str, htpasswd: str | None = None):
+    def __init__(self, name: str, htpasswd: str | None = None, tls: bool = False):
         self.dir = WORK / name
         shutil.rmtree(self.dir, ignore_errors=True)
         (self.dir / "storage").mkdir(parents=True)
         self.port = free_port()
         self.host = f"127.0.0.1:{self.port}"
+        self.scheme = "https" if tls else "http"
         auth = ""
         if htpasswd:
             (self.dir / "htpasswd").write_text(htpasswd)
             auth = f"auth:\n  htpasswd:\n    realm: test\n    path: {self.dir / 'htpasswd'}\n"
+        tls_cfg = ""
+        if tls:
+            # A CA of the test's own, and the registry's certificate for 127.0.0.1 signed by it.
+            d = self.dir
+            run = lambda *a: subprocess.run(a, check=True, capture_output=True, cwd=d)  # noqa: E731
+            run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
+                "-keyout", "ca.key", "-out", "ca.pem")
+            run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+                "-keyout", "tls.key", "-out", "tls.csr")
+            (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+            run("openssl", "x509", "-req", "-in", "tls.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                "-CAcreateserial", "-days", "2", "-extfile", "ext.cnf", "-out", "tls.pem")
+            self.ca = d / "ca.pem"
+            tls_cfg = f"  tls:\n    certificate: {d / 'tls.pem'}\n    key: {d / 'tls.key'}\n"
         (self.dir / "config.yml").write_text(
             "version: 0.1\nlog:\n  level: error\n"
             f"storage:\n  filesystem:\n    rootdirectory: {self.dir / 'storage'}\n"
-            f"http:\n  addr: {self.host}\n" + auth)
+            f"http:\n  addr: {self.host}\n" + tls_cfg + auth)
         self.log = open(self.dir / "registry.log", "wb")
         self.proc = subprocess.Popen(["docker-registry", "serve", str(self.dir / "config.yml")],
                                      stdout=self.log, stderr=subprocess.STDOUT)
 
         def up() -> bool:
             try:
-                urllib.request.urlopen(f"http://{self.host}/v2/", timeout=1)
+                ctx = None
+                if tls:
+                    import ssl
+                    ctx = ssl.create_default_context(cafile=str(self.ca))
+                urllib.request.urlopen(f"{self.scheme}://{self.host}/v2/", timeout=1, context=ctx)
                 return True
             except urllib.error.HTTPError as e:
                 return e.code == 401
@@ -343,3 +362,63 @@ async def test_a_tenant_cannot_point_the_node_at_a_registry_it_may_not_reach(cli
         # And it names images only in its own project.
         with pytest.raises(PermissionDeniedError):
             await t.pull_image("docker.io/library/busybox:latest", target="root/bb:v1")
+
+
+def test_a_registry_over_tls_is_trusted_only_with_its_ca():
+    r = Registry("tls", tls=True)
+    layout = Layout(WORK / "layout-tls")
+    try:
+        # Content of its own each run, so that the store has not got the layer already.
+        desc = layout.image([layout.layer([("hello", "file", os.urandom(64), 0o644)], "zstd")], [])
+        layout.tag({k: v for k, v in desc.items() if k != "platform"})
+        r.push(layout.path, "team/tls:v1")
+        ref = f"{r.host}/team/tls:v1"
+        # HTTPS by default; the registry's CA is nobody's the node trusts.
+        p = pull(ref, "--as", "root/tls:v1", check=False)
+        assert p.returncode != 0 and "error (unavailable)" in p.stderr and "certificate" in p.stderr.lower(), p.stderr
+        ok = json.loads(pull(ref, "--as", "root/tls:v1", "--ca-cert", str(r.ca)).stdout)
+        assert ok["image"] == "root/tls:v1" and ok["fetched_layers"] == 1, ok
+    finally:
+        r.stop()
+        shutil.rmtree(layout.path, ignore_errors=True)
+
+
+async def test_import_and_export_round_trip_with_skopeo(client, registry, tmp_path):
+    src = json.loads(pull(f"{registry.host}/team/env:v1", "--plain-http", "--as", "root/rt-src:v1").stdout)
+    # `docker save` format (which has no zstd), written by skopeo from an image of gzip
+    # layers in the registry: imported, it runs.
+    gz = Layout(tmp_path / "gz-layout")
+    desc = gz.image([gz.layer(busybox(), "gzip"),
+                     gz.layer([("etc", "dir", None, 0o755), ("etc/env-name", "file", b"pulled-env\n", 0o644),
+                               ("opt", "dir", None, 0o755), ("opt/cache", "dir", None, 0o755),
+                               ("opt/cache/fresh", "file", b"x", 0o644)], "gzip")],
+                    ["FOO=from-config"])
+    gz.tag({k: v for k, v in desc.items() if k != "platform"})
+    registry.push(gz.path, "team/gz:v1")
+    archive = tmp_path / "env.tar"
+    p = subprocess.run(["skopeo", "copy", "--quiet", "--src-tls-verify=false",
+                        f"docker://{registry.host}/team/gz:v1", f"docker-archive:{archive}:team/gz:v1"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    imp = json.loads(dsec("image", "import", str(archive), "--as", "root/rt-saved:v1", "--data-dir", str(DATA),
+                          "--json").stdout)
+    sb = await client.run_sandbox(DSecRunArgs(image="root/rt-saved:v1"))
+    try:
+        r = await sb.run_shell("cat /etc/env-name; ls /opt/cache; echo $FOO")
+        assert r.stdout.split() == ["pulled-env", "fresh", "from-config"], r.stdout
+    finally:
+        await sb.stop()
+    # Export, then import: the same image, digest and all.
+    layout = tmp_path / "layout"
+    dsec("image", "export", "root/rt-src:v1", str(layout), "--data-dir", str(DATA))
+    again = json.loads(dsec("image", "import", str(layout), "--as", "root/rt-back:v1", "--data-dir", str(DATA),
+                            "--json").stdout)
+    assert again["digest"] == src["digest"], (again, src)
+    # The layout is one skopeo reads: pushed to the registry and pulled back, the same layers.
+    subprocess.run(["skopeo", "copy", "--quiet", "--dest-tls-verify=false", f"oci:{layout}:v1",
+                    f"docker://{registry.host}/team/roundtrip:v1"], check=True, capture_output=True, timeout=120)
+    back = json.loads(pull(f"{registry.host}/team/roundtrip:v1", "--plain-http", "--as", "root/rt-pulled:v1").stdout)
+    listed = {i["reference"]: i for i in json.loads(dsec("image", "ls", "--data-dir", str(DATA), "--json").stdout)}
+    layers = lambda ref: listed[ref]["manifest"]["layers"]  # noqa: E731
+    assert layers("root/rt-pulled:v1") == layers("root/rt-src:v1")
+    assert back["layers"] == imp["layers"] == 2

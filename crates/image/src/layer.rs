@@ -76,6 +76,33 @@ fn esc(p: &Path) -> String {
     escape(p.as_os_str().as_bytes())
 }
 
+/// The media type a layer file's first bytes say it is (`docker save` names none).
+pub fn sniff_media_type(blob: &Path) -> Result<&'static str, ImageError> {
+    let mut head = [0u8; 4];
+    let n = std::fs::File::open(blob)
+        .and_then(|mut f| f.read(&mut head))
+        .ctx(|| format!("reading {}", blob.display()))?;
+    Ok(match &head[..n] {
+        [0x1f, 0x8b, ..] => "application/vnd.oci.image.layer.v1.tar+gzip",
+        [0x28, 0xb5, 0x2f, 0xfd] => "application/vnd.oci.image.layer.v1.tar+zstd",
+        _ => "application/vnd.oci.image.layer.v1.tar",
+    })
+}
+
+/// A reader that hashes what passes through it.
+struct Hashing<R> {
+    inner: R,
+    hasher: sha2::Sha256,
+}
+
+impl<R: Read> Read for Hashing<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        sha2::Digest::update(&mut self.hasher, &buf[..n]);
+        Ok(n)
+    }
+}
+
 /// The decompressed tar stream of `blob`, by `media_type`.
 fn open_tar(blob: &Path, media_type: &str) -> Result<Box<dyn Read>, ImageError> {
     let f = std::fs::File::open(blob).ctx(|| format!("opening {}", blob.display()))?;
@@ -300,6 +327,18 @@ pub fn unpack_layer(
     dest: &Path,
     limits: LayerLimits,
 ) -> Result<LayerStats, ImageError> {
+    unpack_layer_checked(blob, media_type, dest, limits, None)
+}
+
+/// [`unpack_layer`], checking the uncompressed tar against `diff_id` (`sha256:…`, as an
+/// image config's `rootfs.diff_ids` names it) when one is given.
+pub fn unpack_layer_checked(
+    blob: &Path,
+    media_type: &str,
+    dest: &Path,
+    limits: LayerLimits,
+    diff_id: Option<&str>,
+) -> Result<LayerStats, ImageError> {
     let import = TreeImport::new(
         dest,
         TreeLimits {
@@ -316,13 +355,30 @@ pub fn unpack_layer(
         opaque: Vec::new(),
         stats: LayerStats::default(),
     };
-    let mut archive = tar::Archive::new(open_tar(blob, media_type)?);
+    let mut archive = tar::Archive::new(Hashing {
+        inner: open_tar(blob, media_type)?,
+        hasher: <sha2::Sha256 as sha2::Digest>::new(),
+    });
     for ent in archive
         .entries()
         .map_err(|e| bad(format!("not a tar archive: {e}")))?
     {
         let ent = ent.map_err(|e| bad(format!("the tar archive is damaged: {e}")))?;
         u.entry(ent)?;
+    }
+    if let Some(want) = diff_id {
+        let mut rest = archive.into_inner();
+        std::io::copy(&mut rest, &mut std::io::sink())
+            .map_err(|e| bad(format!("the tar archive is damaged: {e}")))?;
+        let got = format!(
+            "sha256:{}",
+            hex::encode(sha2::Digest::finalize(rest.hasher))
+        );
+        if !got.eq_ignore_ascii_case(want) {
+            return Err(bad(format!(
+                "the layer's tar is {got}, not the {want} its image config names"
+            )));
+        }
     }
     let end = serde_json::to_vec(&Response::Exported {
         entries: u.stats.entries,

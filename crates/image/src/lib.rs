@@ -10,6 +10,7 @@
 //! guest/                  VM guest kernel, initramfs and root disks (see [`guest`])
 //! ```
 
+pub mod archive;
 pub mod build;
 pub mod cpio;
 pub mod digest;

@@ -22,7 +22,7 @@ use oci_client::{Client, Reference};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use crate::layer::{LayerLimits, unpack_layer};
+use crate::layer::{LayerLimits, unpack_layer_checked};
 use crate::store::Manifest;
 use crate::{ImageError, ImageRef, ImageStore, IoContext};
 
@@ -213,32 +213,65 @@ struct Document {
 
 #[derive(Deserialize, Default)]
 #[serde(rename_all = "PascalCase")]
-struct ImageConfig {
+pub(crate) struct ImageConfig {
     #[serde(default)]
     env: Option<Vec<String>>,
     #[serde(default)]
     working_dir: Option<String>,
 }
 
+/// An image config (OCI or Docker), the parts this node uses.
 #[derive(Deserialize)]
-struct ConfigFile {
+pub(crate) struct ConfigFile {
     #[serde(default)]
-    created: Option<String>,
+    pub(crate) created: Option<String>,
     #[serde(default)]
-    config: Option<ImageConfig>,
+    pub(crate) config: Option<ImageConfig>,
     #[serde(default)]
-    rootfs: Option<RootFs>,
+    pub(crate) rootfs: Option<RootFs>,
 }
 
 #[derive(Deserialize)]
-struct RootFs {
+pub(crate) struct RootFs {
     #[serde(default)]
-    diff_ids: Vec<String>,
+    pub(crate) diff_ids: Vec<String>,
+}
+
+/// The store's manifest of an image made of `layers` (store digests, bottom first) with
+/// `cfg`'s environment, working directory and time.
+pub(crate) fn image_manifest(
+    cfg: ConfigFile,
+    layers: Vec<String>,
+    size_bytes: u64,
+    source: String,
+    start: Option<crate::store::StartCmd>,
+) -> Manifest {
+    let icfg = cfg.config.unwrap_or_default();
+    let mut env = BTreeMap::new();
+    for kv in icfg.env.unwrap_or_default() {
+        if let Some((k, v)) = kv.split_once('=')
+            && !k.is_empty()
+        {
+            env.insert(k.to_string(), v.to_string());
+        }
+    }
+    Manifest {
+        schema_version: 1,
+        layers,
+        env,
+        workdir: icfg.working_dir.filter(|w| w.starts_with('/')),
+        start,
+        // The image's own time, so that the same image pulled or imported again (by tag
+        // or digest, under any name) gives the same manifest and digest here.
+        created_ms: cfg.created.as_deref().and_then(rfc3339_ms).unwrap_or(0),
+        size_bytes,
+        source,
+    }
 }
 
 /// Milliseconds since the epoch of an RFC 3339 time (`2024-01-02T03:04:05.5Z`, or with
 /// an offset), as image configs give `created`.
-fn rfc3339_ms(t: &str) -> Option<u64> {
+pub(crate) fn rfc3339_ms(t: &str) -> Option<u64> {
     let b = t.as_bytes();
     if b.len() < 20 || b[4] != b'-' || b[7] != b'-' || !matches!(b[10], b'T' | b't' | b' ') {
         return None;
@@ -279,7 +312,7 @@ fn rfc3339_ms(t: &str) -> Option<u64> {
 }
 
 /// `sha256:<64 hex>`, the only digest algorithm this node verifies.
-fn check_digest(reference: &str, d: &str) -> Result<String, ImageError> {
+pub(crate) fn check_digest(reference: &str, d: &str) -> Result<String, ImageError> {
     match d.strip_prefix("sha256:") {
         Some(h) if h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()) => {
             Ok(h.to_ascii_lowercase())
@@ -667,6 +700,11 @@ async fn pull_blobs(
             ),
         ));
     }
+    let diff_ids: Vec<String> = cfg
+        .rootfs
+        .as_ref()
+        .map(|r| r.diff_ids.clone())
+        .unwrap_or_default();
     std::fs::create_dir_all(store.root().join("blobs")).ctx(|| "creating blobs/".to_string())?;
     let mut out = Vec::with_capacity(layers.len());
     let (mut fetched, mut cached, mut fetched_bytes, mut size_bytes) = (0, 0, 0u64, 0u64);
@@ -696,9 +734,10 @@ async fn pull_blobs(
             blob.clone(),
             req.limits.layer,
         );
+        let diff_id = diff_ids.get(i).cloned();
         let unpacked = tokio::task::spawn_blocking(move || {
             let dir = store2.temp_dir("layer")?;
-            match unpack_layer(&blob2, &media, &dir, limits) {
+            match unpack_layer_checked(&blob2, &media, &dir, limits, diff_id.as_deref()) {
                 Ok(stats) => {
                     let (d, size) = store2.add_layer(&dir)?;
                     Ok((d, size, stats))
@@ -744,27 +783,8 @@ async fn pull_blobs(
         fetched += 1;
         out.push(layer_digest);
     }
-    let icfg = cfg.config.unwrap_or_default();
-    let mut env = BTreeMap::new();
-    for kv in icfg.env.unwrap_or_default() {
-        if let Some((k, v)) = kv.split_once('=')
-            && !k.is_empty()
-        {
-            env.insert(k.to_string(), v.to_string());
-        }
-    }
-    let manifest = Manifest {
-        schema_version: 1,
-        layers: out,
-        env,
-        workdir: icfg.working_dir.filter(|w| w.starts_with('/')),
-        start: None,
-        // The image's own time, so that pulling the same image again (by tag or digest,
-        // under any name) gives the same manifest and digest here.
-        created_ms: cfg.created.as_deref().and_then(rfc3339_ms).unwrap_or(0),
-        size_bytes,
-        source: format!("pull {}/{}@{digest}", r.resolve_registry(), r.repository()),
-    };
+    let source = format!("pull {}/{}@{digest}", r.resolve_registry(), r.repository());
+    let manifest = image_manifest(cfg, out, size_bytes, source, None);
     let image_digest = store.put_manifest(&manifest)?;
     store.tag(&req.target, &image_digest)?;
     log(format!("{} is {image_digest}", req.target));

@@ -1,5 +1,5 @@
-//! `dsec image build|pull|ls|inspect|rm`: builds and pulls go through the running node;
-//! the rest work directly on the image store directory.
+//! `dsec image build|pull|import|export|ls|inspect|rm`: builds and pulls go through the
+//! running node; the rest work directly on the image store directory.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -23,6 +23,17 @@ pub enum ImageCommand {
         after_help = "Examples:\n  dsec image pull docker.io/library/python:3.11-slim --as root/python:3.11\n  dsec image pull 127.0.0.1:5000/team/env@sha256:… --plain-http\n  echo \"$PASSWORD\" | dsec image pull registry.example.com/team/env:v1 --username me --password-stdin\n\nWithout --username, credentials for the registry are read from Docker's config.json\n($DOCKER_CONFIG/config.json or ~/.docker/config.json) when it has them."
     )]
     Pull(PullArgs),
+    /// Import an image from an OCI image layout (a directory or a tar of one) or a
+    /// `docker save` tarball
+    #[command(
+        after_help = "Examples:\n  docker save python:3.11 -o py.tar && dsec image import py.tar --as root/python:3.11\n  skopeo copy docker://alpine:3 oci:alpine-layout:3 && dsec image import alpine-layout --as root/alpine:3"
+    )]
+    Import(ImportArgs),
+    /// Export an image as an OCI image layout (for skopeo, crane or a registry)
+    #[command(
+        after_help = "Example:\n  dsec image export root/py:3.11 ./py-layout\n  skopeo copy oci:./py-layout:3.11 docker://registry.example.com/team/py:3.11"
+    )]
+    Export(ExportArgs),
     /// List images
     #[command(after_help = "Example:\n  dsec image ls --json")]
     Ls(StoreArgs),
@@ -84,6 +95,26 @@ pub struct PullArgs {
     /// PEM file of a CA to trust for this registry
     #[arg(long, value_name = "FILE")]
     pub ca_cert: Option<PathBuf>,
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+#[derive(clap::Args)]
+pub struct ImportArgs {
+    /// An OCI image layout directory, a tar of one, or a `docker save` tarball
+    pub source: PathBuf,
+    /// The image's name in the store
+    #[arg(long = "as", value_name = "NAME")]
+    pub target: String,
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+#[derive(clap::Args)]
+pub struct ExportArgs {
+    pub reference: String,
+    /// A new (or empty) directory for the OCI image layout
+    pub dest: PathBuf,
     #[command(flatten)]
     pub store: StoreArgs,
 }
@@ -356,6 +387,59 @@ pub async fn run(c: ImageCommand) -> Result<i32> {
 fn run_blocking(c: ImageCommand) -> Result<i32> {
     match c {
         ImageCommand::Pull(a) => pull(a),
+        ImageCommand::Import(a) => {
+            let store = open(&a.store)?;
+            let target = ImageRef::parse(&a.target)?;
+            let t0 = Instant::now();
+            let mut show = Progress::new(a.store.json, t0);
+            let r = dsec_image::archive::import(
+                &store,
+                &a.source,
+                &target,
+                &dsec_image::pull::PullLimits::default(),
+                &mut |l| show.line(&l),
+            );
+            show.done();
+            let (digest, m) = r?;
+            if a.store.json {
+                output::print_json(&serde_json::json!({
+                    "image": target.to_string(), "digest": digest, "layers": m.layers.len(),
+                    "size_bytes": m.size_bytes, "seconds": t0.elapsed().as_secs_f64(),
+                }));
+            } else {
+                println!(
+                    "imported {} as {target} ({}): {} layers, {:.1} MiB in {:.1} s",
+                    a.source.display(),
+                    &digest[..12],
+                    m.layers.len(),
+                    m.size_bytes as f64 / 1048576.0,
+                    t0.elapsed().as_secs_f64()
+                );
+            }
+            Ok(0)
+        }
+        ImageCommand::Export(a) => {
+            let store = open(&a.store)?;
+            let r = ImageRef::parse(&a.reference)?;
+            let t0 = Instant::now();
+            let mut show = Progress::new(a.store.json, t0);
+            let d = dsec_image::archive::export(&store, &r, &a.dest, &mut |l| show.line(&l));
+            show.done();
+            let digest = d?;
+            if a.store.json {
+                output::print_json(&serde_json::json!({
+                    "image": r.to_string(), "layout": a.dest, "manifest_digest": digest, "tag": r.tag,
+                }));
+            } else {
+                println!(
+                    "exported {r} to {} (manifest {digest}, tag {}) in {:.1} s",
+                    a.dest.display(),
+                    r.tag,
+                    t0.elapsed().as_secs_f64()
+                );
+            }
+            Ok(0)
+        }
         ImageCommand::VmKernel(a) => {
             let store = open(&a)?;
             let t0 = Instant::now();
