@@ -214,6 +214,16 @@ def env_image(layout: Layout) -> tuple[dict, dict]:
     return index, amd64
 
 
+@pytest.fixture(scope="module", autouse=True)
+def remove_images():
+    """Removes the images this file made (named root/pt-*), and so their layers."""
+    yield
+    listed = json.loads(dsec("image", "ls", "--data-dir", str(DATA), "--json").stdout)
+    for i in listed:
+        if i["reference"].startswith("root/pt-"):
+            dsec("image", "rm", i["reference"], "--data-dir", str(DATA), check=False)
+
+
 @pytest.fixture(scope="module")
 def registry():
     r = Registry("plain")
@@ -236,11 +246,11 @@ def store_tmp() -> list[str]:
 
 async def test_a_multi_arch_image_with_whiteouts_pulls_and_runs(client, registry):
     before = store_tmp()
-    r = pull(f"{registry.host}/team/env:v1", "--plain-http", "--as", "root/pulled-env:v1")
+    r = pull(f"{registry.host}/team/env:v1", "--plain-http", "--as", "root/pt-pulled-env:v1")
     out = json.loads(r.stdout)
-    assert out["image"] == "root/pulled-env:v1" and out["layers"] == 2, out
+    assert out["image"] == "root/pt-pulled-env:v1" and out["layers"] == 2, out
     assert out["source_digest"] == registry.amd64["digest"], out  # the amd64 manifest, not arm64
-    sb = await client.run_sandbox(DSecRunArgs(image="root/pulled-env:v1"))
+    sb = await client.run_sandbox(DSecRunArgs(image="root/pt-pulled-env:v1"))
     try:
         r = await sb.run_shell(
             "cat /etc/env-name; ls /opt; ls /opt/cache; readlink /opt/link; "
@@ -251,12 +261,12 @@ async def test_a_multi_arch_image_with_whiteouts_pulls_and_runs(client, registry
     finally:
         await sb.stop()
     # A second pull fetches nothing: the layers are in the store by their blobs' digests.
-    again = json.loads(pull(f"{registry.host}/team/env:v1", "--plain-http", "--as", "root/pulled-env:v2").stdout)
+    again = json.loads(pull(f"{registry.host}/team/env:v1", "--plain-http", "--as", "root/pt-pulled-env:v2").stdout)
     assert (again["fetched_layers"], again["cached_layers"]) == (0, 2), again
     assert again["digest"] == out["digest"]
     # By the index's digest: the same image.
     by_digest = json.loads(pull(f"{registry.host}/team/env@{registry.index['digest']}", "--plain-http",
-                                "--as", "root/pulled-env:v3").stdout)
+                                "--as", "root/pt-pulled-env:v3").stdout)
     assert by_digest["digest"] == out["digest"]
     assert store_tmp() == before
 
@@ -269,7 +279,7 @@ def test_what_a_registry_or_a_caller_gets_wrong_is_a_clear_error_and_nothing_is_
         "wrong digest": (f"{registry.host}/team/env@sha256:{'0' * 64}", "not_found"),
     }
     for what, (ref, code) in cases.items():
-        r = pull(ref, "--plain-http", "--as", "root/pull-never:v1", check=False)
+        r = pull(ref, "--plain-http", "--as", "root/pt-pull-never:v1", check=False)
         assert r.returncode != 0, what
         assert f"error ({code})" in r.stderr and "pulling" in r.stderr, (what, r.stderr)
     # A manifest of 1,000 layers (one blob named 1,000 times): refused before a blob is fetched.
@@ -278,14 +288,14 @@ def test_what_a_registry_or_a_caller_gets_wrong_is_a_clear_error_and_nothing_is_
     bomb = {**m, "layers": [m["layers"][0]] * 1000}
     registry.push(registry.layout.path, "team/bomb:v0")  # its blobs, linked in the repository
     registry.put_manifest("team/bomb", "v1", bomb)
-    r = pull(f"{registry.host}/team/bomb:v1", "--plain-http", "--as", "root/pull-never:v1", check=False)
+    r = pull(f"{registry.host}/team/bomb:v1", "--plain-http", "--as", "root/pt-pull-never:v1", check=False)
     assert "error (failed_precondition)" in r.stderr and "1000 layers, over the limit" in r.stderr, r.stderr
     assert layer
     # Not an image reference at all.
     r = pull("Not A Reference!", "--plain-http", check=False)
     assert r.returncode != 0 and "not an image reference" in r.stderr, r.stderr
     r = dsec("image", "ls", "--data-dir", str(DATA), "--json")
-    assert "root/pull-never:" not in r.stdout
+    assert "root/pt-pull-never:" not in r.stdout
     assert store_tmp() == before
 
 
@@ -302,14 +312,14 @@ def test_a_damaged_blob_is_refused_and_nothing_is_named():
         data = blob.read_bytes()
         blob.write_bytes(data[: len(data) // 2])  # truncated in the registry's storage
         before = store_tmp()
-        p = pull(f"{r.host}/team/damaged:v1", "--plain-http", "--as", "root/damaged:v1", check=False)
+        p = pull(f"{r.host}/team/damaged:v1", "--plain-http", "--as", "root/pt-damaged:v1", check=False)
         assert p.returncode != 0
         assert "error (failed_precondition)" in p.stderr and "ended after" in p.stderr, p.stderr
         assert layer[0]["digest"] in p.stderr, p.stderr
         blob.write_bytes(data[:-10] + b"x" * 10)  # the right size, the wrong bytes
-        p = pull(f"{r.host}/team/damaged:v1", "--plain-http", "--as", "root/damaged:v1", check=False)
+        p = pull(f"{r.host}/team/damaged:v1", "--plain-http", "--as", "root/pt-damaged:v1", check=False)
         assert "error (failed_precondition)" in p.stderr and "content sha256:" in p.stderr, p.stderr
-        assert "root/damaged" not in dsec("image", "ls", "--data-dir", str(DATA), "--json").stdout
+        assert "root/pt-damaged" not in dsec("image", "ls", "--data-dir", str(DATA), "--json").stdout
         assert store_tmp() == before
     finally:
         r.stop()
@@ -326,22 +336,22 @@ def test_credentials_are_checked_and_docker_config_is_read(tmp_path):
         layout.tag({k: v for k, v in desc.items() if k != "platform"})
         r.push(layout.path, "team/private:v1", creds="puller:s3cret")
         ref = f"{r.host}/team/private:v1"
-        p = pull(ref, "--plain-http", "--as", "root/private:v1", check=False)
+        p = pull(ref, "--plain-http", "--as", "root/pt-private:v1", check=False)
         assert "error (permission_denied)" in p.stderr and "credentials" in p.stderr, p.stderr
-        p = dsec("image", "pull", ref, "--plain-http", "--as", "root/private:v1", "--data-dir", str(DATA),
+        p = dsec("image", "pull", ref, "--plain-http", "--as", "root/pt-private:v1", "--data-dir", str(DATA),
                  "--username", "puller", "--password-stdin", check=False)
         assert p.returncode != 0  # no password on stdin
         bad = subprocess.run([os.environ.get("DSEC_BIN", "dsec"), "image", "pull", ref, "--plain-http", "--as",
-                              "root/private:v1", "--data-dir", str(DATA), "--username", "puller",
+                              "root/pt-private:v1", "--data-dir", str(DATA), "--username", "puller",
                               "--password-stdin"], input="wrong\n", capture_output=True, text=True, timeout=120,
                              env={**os.environ, "DSEC_CONFIG": str(DATA / "client.toml")})
         assert bad.returncode != 0 and "permission_denied" in bad.stderr, bad.stderr
         # Docker's config.json, as `docker login` writes it.
         (tmp_path / "config.json").write_text(json.dumps(
             {"auths": {r.host: {"auth": base64.b64encode(b"puller:s3cret").decode()}}}))
-        ok = dsec("image", "pull", ref, "--plain-http", "--as", "root/private:v1", "--data-dir", str(DATA),
+        ok = dsec("image", "pull", ref, "--plain-http", "--as", "root/pt-private:v1", "--data-dir", str(DATA),
                   "--json", env={"DOCKER_CONFIG": str(tmp_path)})
-        assert json.loads(ok.stdout)["image"] == "root/private:v1"
+        assert json.loads(ok.stdout)["image"] == "root/pt-private:v1"
     finally:
         r.stop()
         shutil.rmtree(layout.path, ignore_errors=True)
@@ -374,17 +384,17 @@ def test_a_registry_over_tls_is_trusted_only_with_its_ca():
         r.push(layout.path, "team/tls:v1")
         ref = f"{r.host}/team/tls:v1"
         # HTTPS by default; the registry's CA is nobody's the node trusts.
-        p = pull(ref, "--as", "root/tls:v1", check=False)
+        p = pull(ref, "--as", "root/pt-tls:v1", check=False)
         assert p.returncode != 0 and "error (unavailable)" in p.stderr and "certificate" in p.stderr.lower(), p.stderr
-        ok = json.loads(pull(ref, "--as", "root/tls:v1", "--ca-cert", str(r.ca)).stdout)
-        assert ok["image"] == "root/tls:v1" and ok["fetched_layers"] == 1, ok
+        ok = json.loads(pull(ref, "--as", "root/pt-tls:v1", "--ca-cert", str(r.ca)).stdout)
+        assert ok["image"] == "root/pt-tls:v1" and ok["fetched_layers"] == 1, ok
     finally:
         r.stop()
         shutil.rmtree(layout.path, ignore_errors=True)
 
 
 async def test_import_and_export_round_trip_with_skopeo(client, registry, tmp_path):
-    src = json.loads(pull(f"{registry.host}/team/env:v1", "--plain-http", "--as", "root/rt-src:v1").stdout)
+    src = json.loads(pull(f"{registry.host}/team/env:v1", "--plain-http", "--as", "root/pt-rt-src:v1").stdout)
     # `docker save` format (which has no zstd), written by skopeo from an image of gzip
     # layers in the registry: imported, it runs.
     gz = Layout(tmp_path / "gz-layout")
@@ -400,9 +410,9 @@ async def test_import_and_export_round_trip_with_skopeo(client, registry, tmp_pa
                         f"docker://{registry.host}/team/gz:v1", f"docker-archive:{archive}:team/gz:v1"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    imp = json.loads(dsec("image", "import", str(archive), "--as", "root/rt-saved:v1", "--data-dir", str(DATA),
+    imp = json.loads(dsec("image", "import", str(archive), "--as", "root/pt-rt-saved:v1", "--data-dir", str(DATA),
                           "--json").stdout)
-    sb = await client.run_sandbox(DSecRunArgs(image="root/rt-saved:v1"))
+    sb = await client.run_sandbox(DSecRunArgs(image="root/pt-rt-saved:v1"))
     try:
         r = await sb.run_shell("cat /etc/env-name; ls /opt/cache; echo $FOO")
         assert r.stdout.split() == ["pulled-env", "fresh", "from-config"], r.stdout
@@ -410,15 +420,15 @@ async def test_import_and_export_round_trip_with_skopeo(client, registry, tmp_pa
         await sb.stop()
     # Export, then import: the same image, digest and all.
     layout = tmp_path / "layout"
-    dsec("image", "export", "root/rt-src:v1", str(layout), "--data-dir", str(DATA))
-    again = json.loads(dsec("image", "import", str(layout), "--as", "root/rt-back:v1", "--data-dir", str(DATA),
+    dsec("image", "export", "root/pt-rt-src:v1", str(layout), "--data-dir", str(DATA))
+    again = json.loads(dsec("image", "import", str(layout), "--as", "root/pt-rt-back:v1", "--data-dir", str(DATA),
                             "--json").stdout)
     assert again["digest"] == src["digest"], (again, src)
     # The layout is one skopeo reads: pushed to the registry and pulled back, the same layers.
     subprocess.run(["skopeo", "copy", "--quiet", "--dest-tls-verify=false", f"oci:{layout}:v1",
                     f"docker://{registry.host}/team/roundtrip:v1"], check=True, capture_output=True, timeout=120)
-    back = json.loads(pull(f"{registry.host}/team/roundtrip:v1", "--plain-http", "--as", "root/rt-pulled:v1").stdout)
+    back = json.loads(pull(f"{registry.host}/team/roundtrip:v1", "--plain-http", "--as", "root/pt-rt-pulled:v1").stdout)
     listed = {i["reference"]: i for i in json.loads(dsec("image", "ls", "--data-dir", str(DATA), "--json").stdout)}
     layers = lambda ref: listed[ref]["manifest"]["layers"]  # noqa: E731
-    assert layers("root/rt-pulled:v1") == layers("root/rt-src:v1")
+    assert layers("root/pt-rt-pulled:v1") == layers("root/pt-rt-src:v1")
     assert back["layers"] == imp["layers"] == 2
