@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DATA, dsec, wait_for
+from conftest import DATA, dsec, node_config, wait_for
 from opendsec import DSecClient, DSecRunArgs, PermissionDeniedError
 
 pytestmark = pytest.mark.skipif(
@@ -432,3 +432,41 @@ async def test_import_and_export_round_trip_with_skopeo(client, registry, tmp_pa
     layers = lambda ref: listed[ref]["manifest"]["layers"]  # noqa: E731
     assert layers("root/pt-rt-pulled:v1") == layers("root/pt-rt-src:v1")
     assert back["layers"] == imp["layers"] == 2
+
+
+@pytest.fixture(scope="module")
+def insecure_node(registry):
+    """The test server restarted with the loopback registry as one it talks plain HTTP to."""
+    with node_config(f'[edge]\ninsecure_registries = ["{registry.host}"]\n'):
+        yield registry
+
+
+async def test_a_build_from_a_registry_image_pulls_it_first(insecure_node, tmp_path):
+    registry = insecure_node
+    spec = tmp_path / "spec.toml"
+    spec.write_text(f'name = "root/pt-built:v1"\nfrom = "{registry.host}/team/env:v1"\n'
+                    '[[step]]\nrun = "echo built > /etc/built"\n')
+    dsec("image", "build", str(spec), "--data-dir", str(DATA), timeout=300)
+    async with DSecClient() as c:
+        sb = await c.run_sandbox(DSecRunArgs(image="root/pt-built:v1"))
+        try:
+            r = await sb.run_shell("cat /etc/built /etc/env-name; echo $FOO; ls /opt/cache")
+            assert r.stdout.split() == ["built", "pulled-env", "from-config", "fresh"], r.stdout
+        finally:
+            await sb.stop()
+        # The base is the building project's, named after the reference.
+        base = [i for i in await c.images() if i["reference"].startswith("root/from-")]
+        assert any(i["manifest"]["source"].startswith(f"pull {registry.host}/team/env@") for i in base), base
+        for i in base:
+            dsec("image", "rm", i["reference"], "--data-dir", str(DATA), check=False)
+        # A tenant's build may not pull from a registry the node keeps from tenants.
+        project = f"root/pt-t{os.urandom(3).hex()}"
+        await c.create_project(project)
+        k = await c.create_key("builder", project=project)
+    import httpx
+    async with DSecClient(api_key=k["key"]) as t:
+        r = await t._http.post("/v1/images/builds",
+                               json={"name": f"{project}/x:v1", "from": f"{registry.host}/team/env:v1"})
+    last = json.loads(r.text.strip().splitlines()[-1])
+    assert last["error"]["code"] == "permission_denied" and "pull_registries" in last["error"]["message"], last
+    assert isinstance(r, httpx.Response)

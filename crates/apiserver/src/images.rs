@@ -54,7 +54,11 @@ pub(crate) fn check_build(p: &Principal, spec: &BuildSpec) -> ApiResult<()> {
     spec.validate()
         .map_err(|e| ApiError::invalid(e.to_string()))?;
     check_write(p, &spec.name)?;
-    if let Some(from) = &spec.from {
+    // A registry's image is pulled by the edge, which checks that the project may pull
+    // from that registry.
+    if let Some(from) = &spec.from
+        && !dsec_image::pull::is_registry_reference(from)
+    {
         check_read(p, from)?;
     }
     if let Some(i) = spec
@@ -193,10 +197,11 @@ fn default_target(p: &Principal, r: &oci_client::Reference) -> Result<ImageRef, 
 
 /// Whether the key may make the node fetch from `registry`: keys of `root` anywhere,
 /// others only from the node's `pull_registries`.
-fn check_registry(p: &Principal, registry: &str, allowed: &[String]) -> ApiResult<()> {
-    if p.is_admin() || allowed.iter().any(|a| a.eq_ignore_ascii_case(registry)) {
+fn check_registry(p: &Principal, registry: &str, edge: &dsec_edge::Edge) -> ApiResult<()> {
+    if edge.may_pull_from(&p.project, registry) {
         return Ok(());
     }
+    let allowed = edge.pull_registries();
     Err(ApiError::new(
         ErrorCode::PermissionDenied,
         format!(
@@ -242,7 +247,7 @@ pub(crate) async fn pull_image(
             b.reference
         ))
     })?;
-    check_registry(&p, r.resolve_registry(), st.edge.pull_registries())?;
+    check_registry(&p, r.resolve_registry(), &st.edge)?;
     if (b.plain_http || b.ca_pem.is_some()) && !p.is_admin() {
         return Err(ApiError::new(
             ErrorCode::PermissionDenied,
@@ -272,7 +277,7 @@ pub(crate) async fn pull_image(
         reference: b.reference,
         target: target.clone(),
         credentials,
-        plain_http: b.plain_http,
+        plain_http: b.plain_http || st.edge.insecure_registry(r.resolve_registry()),
         ca_pem: b.ca_pem,
         limits: PullLimits::default(),
     };

@@ -47,10 +47,17 @@ impl Edge {
                 format!("project {project} may not write image {target}"),
             ));
         }
-        if let Some(from) = &spec.from {
-            let base = ImageRef::parse(from).map_err(|e| ApiError::invalid(e.to_string()))?;
-            if !dsec_common::project::may_read_images(&project, &base.project()) {
-                return Err(ApiError::not_found(format!("image {base} not found")));
+        let mut spec = spec;
+        if let Some(from) = spec.from.clone() {
+            if dsec_image::pull::is_registry_reference(&from) {
+                // A registry's image: pulled into the building project first.
+                let base = self.pull_base(&from, &project, &progress).await?;
+                spec.from = Some(base.to_string());
+            } else {
+                let base = ImageRef::parse(&from).map_err(|e| ApiError::invalid(e.to_string()))?;
+                if !dsec_common::project::may_read_images(&project, &base.project()) {
+                    return Err(ApiError::not_found(format!("image {base} not found")));
+                }
             }
         }
         let refused = Arc::new(std::sync::Mutex::new(None));
@@ -79,6 +86,70 @@ impl Edge {
             ImageError::Build(m) => ApiError::precondition(m),
             other => image_error(other),
         })
+    }
+}
+
+impl Edge {
+    /// Pulls `reference`, a build's `FROM`, as the building project's base image
+    /// (`dsec_image::pull::base_name`), anonymously; the pull's lines go to `progress`.
+    async fn pull_base(
+        &self,
+        reference: &str,
+        project: &str,
+        progress: &tokio::sync::mpsc::UnboundedSender<String>,
+    ) -> Result<ImageRef, ApiError> {
+        let r: oci_client::Reference = reference.parse().map_err(|e| {
+            ApiError::invalid(format!(
+                "FROM {reference:?}: not an image of this store (root/…) nor of a registry ({e})"
+            ))
+        })?;
+        let registry = r.resolve_registry().to_string();
+        if !self.may_pull_from(project, &registry) {
+            return Err(ApiError::new(
+                dsec_common::ErrorCode::PermissionDenied,
+                format!(
+                    "FROM {reference}: registry {registry} is not one this node lets project {project} pull from; an administrator can add it to [edge] pull_registries"
+                ),
+            ));
+        }
+        let target = dsec_image::pull::base_name(project, reference)
+            .map_err(|e| ApiError::invalid(e.to_string()))?;
+        let req = dsec_image::pull::PullRequest {
+            reference: reference.to_string(),
+            target: target.clone(),
+            credentials: dsec_image::pull::Credentials::Anonymous,
+            plain_http: self.insecure_registry(&registry),
+            ca_pem: None,
+            limits: dsec_image::pull::PullLimits::default(),
+        };
+        let tx = progress.clone();
+        let mut log = move |l: String| {
+            let _ = tx.send(l);
+        };
+        dsec_image::pull::pull(&self.images, &req, &mut log)
+            .await
+            .map_err(|e| match &e {
+                ImageError::Pull { kind, .. } => ApiError::new(
+                    match kind {
+                        dsec_image::pull::PullFailure::Invalid => {
+                            dsec_common::ErrorCode::InvalidArgument
+                        }
+                        dsec_image::pull::PullFailure::NotFound => dsec_common::ErrorCode::NotFound,
+                        dsec_image::pull::PullFailure::Unauthorized => {
+                            dsec_common::ErrorCode::PermissionDenied
+                        }
+                        dsec_image::pull::PullFailure::Refused => {
+                            dsec_common::ErrorCode::FailedPrecondition
+                        }
+                        dsec_image::pull::PullFailure::Unreachable => {
+                            dsec_common::ErrorCode::Unavailable
+                        }
+                    },
+                    format!("FROM: {e}"),
+                ),
+                _ => image_error(e),
+            })?;
+        Ok(target)
     }
 }
 

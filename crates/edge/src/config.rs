@@ -76,6 +76,9 @@ pub struct EdgeConfig {
     /// tenant must not be able to point it at the node's own services or the local
     /// network; keys of `root` may pull from any registry.
     pub pull_registries: Vec<String>,
+    /// Registries (`host[:port]`) the node talks plain HTTP to (one on loopback, say), for
+    /// every pull and every build `FROM` one of their images.
+    pub insecure_registries: Vec<String>,
 }
 
 /// Public registries tenants may pull from unless the node's config says otherwise.
@@ -295,6 +298,7 @@ impl Default for EdgeConfig {
             create_parallelism: 0,
             cgroup_favor_dynmods: true,
             pull_registries: default_pull_registries(),
+            insecure_registries: Vec::new(),
         }
     }
 }

@@ -468,6 +468,25 @@ impl Edge {
         &self.cfg.pull_registries
     }
 
+    /// Whether a project may make this node fetch from `registry`: `root` from any,
+    /// others from `[edge] pull_registries` only.
+    pub fn may_pull_from(&self, project: &str, registry: &str) -> bool {
+        project == dsec_common::project::ROOT
+            || self
+                .cfg
+                .pull_registries
+                .iter()
+                .any(|a| a.eq_ignore_ascii_case(registry))
+    }
+
+    /// Whether the node talks plain HTTP to `registry` (`[edge] insecure_registries`).
+    pub fn insecure_registry(&self, registry: &str) -> bool {
+        self.cfg
+            .insecure_registries
+            .iter()
+            .any(|a| a.eq_ignore_ascii_case(registry))
+    }
+
     fn paths(&self, id: &str) -> SandboxPaths {
         let dir = self.registry.dir(id);
         SandboxPaths {

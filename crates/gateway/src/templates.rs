@@ -4,8 +4,10 @@
 //! start and ready commands → `[start]`) built on the node's image store, named
 //! `root/e2b-<name>:<tag>`; `Sandbox.create("<name>")` then finds it.
 //!
-//! The base is a template (`from_template`, through the template map) or an OpenDsec
-//! image (`from_image("root/py:3.11")`); there is no registry to pull other images from.
+//! The base is a template (`from_template`, through the template map), an OpenDsec image
+//! (`from_image("root/py:3.11")`) or a registry's image (`from_image("python:3.11")`,
+//! `FROM ghcr.io/org/img:tag`), which the node pulls into the building project first
+//! (from the registries it lets that project pull from).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -233,7 +235,7 @@ async fn base_image(gw: &Gw, key: &str, req: &StartBuild) -> Result<String, UpEr
         .is_some_and(|v| !v.is_null())
     {
         return Err(bad(
-            "fromImageRegistry: this gateway builds from OpenDsec images and templates only (no registry)",
+            "fromImageRegistry: this gateway pulls base images anonymously; use a public image, or pull it with `dsec image pull --username …` and build from that OpenDsec image",
         ));
     }
     match (&req.from_template, &req.from_image) {
@@ -250,11 +252,10 @@ async fn base_image(gw: &Gw, key: &str, req: &StartBuild) -> Result<String, UpEr
             }
         }
         (None, Some(i)) if i.contains('/') => Ok(i.clone()),
+        // A template of that name, else Docker Hub's official image (`python:3.11`).
         (None, Some(i)) => match gw.cfg.templates.get(i.as_str()) {
             Some(t) => Ok(t.image().to_string()),
-            None => Err(bad(format!(
-                "base image {i:?}: images cannot be pulled from a registry here; start from a template (from_template(\"base\")) or an OpenDsec image (from_image(\"root/py:3.11\"), or `FROM root/py:3.11` in a Dockerfile)"
-            ))),
+            None => Ok(format!("docker.io/library/{i}")),
         },
         (None, None) => Err(bad("the build names no base (fromTemplate or fromImage)")),
     }

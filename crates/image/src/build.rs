@@ -155,6 +155,15 @@ impl BuildSpec {
     pub fn validate(&self) -> Result<(), ImageError> {
         ImageRef::parse(&self.name)?;
         match (&self.from, &self.debian) {
+            // A registry's image is pulled (as `<project>/from-…:base`) by the node that
+            // builds, before the build starts.
+            (Some(f), None) if crate::pull::is_registry_reference(f) => {
+                f.parse::<oci_client::Reference>().map_err(|e| {
+                    ImageError::BadReference(format!(
+                        "from = {f:?}: not an image of this store (root/…) nor of a registry ({e})"
+                    ))
+                })?;
+            }
             (Some(f), None) => {
                 ImageRef::parse(f)?;
             }

@@ -26,6 +26,21 @@ use crate::layer::{LayerLimits, unpack_layer_checked};
 use crate::store::Manifest;
 use crate::{ImageError, ImageRef, ImageStore, IoContext};
 
+/// Whether an image name is one of a registry rather than of this store: store names
+/// always begin with a project, and projects with `root/`.
+pub fn is_registry_reference(s: &str) -> bool {
+    !s.starts_with("root/")
+}
+
+/// The store name a build gives a registry image it starts `FROM`, in the building
+/// project: `<project>/from-<12 hex of the reference's sha256>:base`.
+pub fn base_name(project: &str, reference: &str) -> Result<ImageRef, ImageError> {
+    ImageRef::parse(&format!(
+        "{project}/from-{}:base",
+        &sha256_of(reference.as_bytes())[..12]
+    ))
+}
+
 /// Why a pull failed, for the API to choose its status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PullFailure {

@@ -478,8 +478,13 @@ fn run_blocking(c: ImageCommand) -> Result<i32> {
             }
             let t0 = Instant::now();
             let mut show = Progress::new(a.store.json, t0);
-            let digest = if spec.has_run_steps() {
-                // `run` steps execute in sandboxes: the node builds it.
+            let from_registry = spec
+                .from
+                .as_deref()
+                .is_some_and(dsec_image::pull::is_registry_reference);
+            let digest = if spec.has_run_steps() || from_registry {
+                // `run` steps execute in sandboxes, and a registry's base is pulled into
+                // the node's store: the node builds it.
                 tokio::runtime::Handle::current().block_on(build_on_node(
                     &a.store.data.data_dir,
                     &spec,
