@@ -216,11 +216,12 @@ def env_image(layout: Layout) -> tuple[dict, dict]:
 
 @pytest.fixture(scope="module", autouse=True)
 def remove_images():
-    """Removes the images this file made (named root/pt-*), and so their layers."""
+    """Removes the images this file made (named root/pt-*, and the bases builds pulled,
+    <project>/from-*), and so their layers."""
     yield
     listed = json.loads(dsec("image", "ls", "--data-dir", str(DATA), "--json").stdout)
     for i in listed:
-        if i["reference"].startswith("root/pt-"):
+        if i["reference"].startswith("root/pt-") or "/from-" in i["reference"]:
             dsec("image", "rm", i["reference"], "--data-dir", str(DATA), check=False)
 
 
@@ -352,6 +353,22 @@ def test_credentials_are_checked_and_docker_config_is_read(tmp_path):
         ok = dsec("image", "pull", ref, "--plain-http", "--as", "root/pt-private:v1", "--data-dir", str(DATA),
                   "--json", env={"DOCKER_CONFIG": str(tmp_path)})
         assert json.loads(ok.stdout)["image"] == "root/pt-private:v1"
+        # Pushed back under another name: refused without the credentials, then sent with
+        # them, and pulled again with the same layers.
+        dest = f"{r.host}/team/copy:v2"
+        p = dsec("image", "push", "root/pt-private:v1", dest, "--plain-http", "--data-dir", str(DATA), check=False)
+        assert p.returncode != 0 and "error (permission_denied)" in p.stderr, p.stderr
+        pushed = json.loads(dsec("image", "push", "root/pt-private:v1", dest, "--plain-http", "--data-dir",
+                                 str(DATA), "--json", env={"DOCKER_CONFIG": str(tmp_path)}).stdout)
+        assert pushed["pushed_blobs"] == 2 and pushed["digest"].startswith("sha256:"), pushed
+        again = json.loads(dsec("image", "push", "root/pt-private:v1", dest, "--plain-http", "--data-dir",
+                                str(DATA), "--json", env={"DOCKER_CONFIG": str(tmp_path)}).stdout)
+        assert (again["pushed_blobs"], again["skipped_blobs"], again["digest"]) == (0, 2, pushed["digest"])
+        back = json.loads(dsec("image", "pull", dest, "--plain-http", "--as", "root/pt-copy:v1", "--data-dir",
+                               str(DATA), "--json", env={"DOCKER_CONFIG": str(tmp_path)}).stdout)
+        assert back["source_digest"] == pushed["digest"]
+        listed = {i["reference"]: i for i in json.loads(dsec("image", "ls", "--data-dir", str(DATA), "--json").stdout)}
+        assert listed["root/pt-copy:v1"]["manifest"]["layers"] == listed["root/pt-private:v1"]["manifest"]["layers"]
     finally:
         r.stop()
         shutil.rmtree(layout.path, ignore_errors=True)
@@ -436,8 +453,9 @@ async def test_import_and_export_round_trip_with_skopeo(client, registry, tmp_pa
 
 @pytest.fixture(scope="module")
 def insecure_node(registry):
-    """The test server restarted with the loopback registry as one it talks plain HTTP to."""
-    with node_config(f'[edge]\ninsecure_registries = ["{registry.host}"]\n'):
+    """The test server restarted with the loopback registry as one it talks plain HTTP to,
+    and one the E2B gateway's project (root/e2b) may pull from."""
+    with node_config(f'[edge]\ninsecure_registries = ["{registry.host}"]\npull_registries = ["{registry.host}"]\n'):
         yield registry
 
 
@@ -466,7 +484,45 @@ async def test_a_build_from_a_registry_image_pulls_it_first(insecure_node, tmp_p
     import httpx
     async with DSecClient(api_key=k["key"]) as t:
         r = await t._http.post("/v1/images/builds",
-                               json={"name": f"{project}/x:v1", "from": f"{registry.host}/team/env:v1"})
+                               json={"name": f"{project}/x:v1", "from": "127.0.0.1:1/team/env:v1"})
     last = json.loads(r.text.strip().splitlines()[-1])
     assert last["error"]["code"] == "permission_denied" and "pull_registries" in last["error"]["message"], last
     assert isinstance(r, httpx.Response)
+
+
+def test_an_e2b_template_from_a_registry_image_builds_and_runs(insecure_node, tmp_path):
+    """E2B's `Template.from_dockerfile("FROM <registry image>…")`: the node pulls the image,
+    builds the template on it, and its sandboxes run commands in /home/user (as root: E2B's
+    default user `user` is another piece of work)."""
+    import uuid
+
+    from test_e2b import E2B_VERSION, e2b_env, pip_pinned
+
+    registry = insecure_node
+    layout = tmp_path / "base-layout"
+    dsec("image", "export", "root/base", str(layout), "--data-dir", str(DATA))
+    subprocess.run(["skopeo", "copy", "--quiet", "--dest-tls-verify=false", f"oci:{layout}:latest",
+                    f"docker://{registry.host}/team/debian:v1"], check=True, capture_output=True, timeout=300)
+    pip_pinned("e2b", E2B_VERSION)
+    import e2b
+    from e2b import Template
+
+    env = e2b_env()
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    tag = uuid.uuid4().hex[:8]
+    try:
+        t = Template().from_dockerfile(f"FROM {registry.host}/team/debian:v1\nRUN echo from-registry > /mark\n")
+        Template.build(t, f"reg{tag}:v1")
+        sb = e2b.Sandbox.create(f"reg{tag}:v1")
+        try:
+            r = sb.commands.run("cat /mark; pwd")
+            assert r.stdout == "from-registry\n/home/user\n", r.stdout
+        finally:
+            sb.kill()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

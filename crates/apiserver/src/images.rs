@@ -325,3 +325,114 @@ pub(crate) async fn pull_image(
     )
         .into_response())
 }
+
+/// `POST /v1/images:push`'s body.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PushBody {
+    /// The image here (`root/…`).
+    image: String,
+    /// Where to: `registry/repository:tag`.
+    reference: String,
+    #[serde(default)]
+    username: Option<String>,
+    #[serde(default)]
+    password: Option<String>,
+    #[serde(default)]
+    token: Option<String>,
+    #[serde(default)]
+    plain_http: bool,
+    #[serde(default)]
+    ca_pem: Option<String>,
+}
+
+/// `POST /v1/images:push`: sends an image the key may read to a registry it may reach;
+/// NDJSON as a pull answers.
+pub(crate) async fn push_image(
+    axum::extract::State(st): axum::extract::State<crate::AppState>,
+    axum::extract::Extension(p): axum::extract::Extension<Principal>,
+    bytes: axum::body::Bytes,
+) -> ApiResult<axum::response::Response> {
+    use axum::response::IntoResponse;
+    use dsec_image::pull::{Credentials, PullLimits, PullRequest};
+    let b: PushBody = crate::body(&bytes, "image push")?;
+    check_read(&p, &b.image)?;
+    let image = ImageRef::parse(&b.image).map_err(|e| ApiError::invalid(e.to_string()))?;
+    let r: oci_client::Reference = b.reference.parse().map_err(|e| {
+        ApiError::invalid(format!(
+            "{:?} is not an image reference ({e}); e.g. registry.example.com/team/env:v1",
+            b.reference
+        ))
+    })?;
+    check_registry(&p, r.resolve_registry(), &st.edge)?;
+    if (b.plain_http || b.ca_pem.is_some()) && !p.is_admin() {
+        return Err(ApiError::new(
+            ErrorCode::PermissionDenied,
+            "plain_http and ca_pem are for keys of the root project",
+        )
+        .into());
+    }
+    let credentials = match (b.username, b.password, b.token) {
+        (Some(username), Some(password), None) => Credentials::Basic { username, password },
+        (None, None, Some(t)) => Credentials::Token(t),
+        (None, None, None) => Credentials::Anonymous,
+        _ => {
+            return Err(ApiError::invalid(
+                "give username and password together, or a token alone, or neither",
+            )
+            .into());
+        }
+    };
+    let how = PullRequest {
+        reference: b.reference.clone(),
+        target: image.clone(),
+        credentials,
+        plain_http: b.plain_http || st.edge.insecure_registry(r.resolve_registry()),
+        ca_pem: b.ca_pem,
+        limits: PullLimits::default(),
+    };
+    let store = st.edge.images().clone();
+    let (out_tx, out_rx) = tokio::sync::mpsc::unbounded_channel::<axum::body::Bytes>();
+    let line = |v: serde_json::Value| {
+        let mut b = serde_json::to_vec(&v).unwrap_or_default();
+        b.push(b'\n');
+        axum::body::Bytes::from(b)
+    };
+    tokio::spawn(async move {
+        let tx = out_tx.clone();
+        let name = image.to_string();
+        let mut log = move |l: String| {
+            tracing::info!(image = %name, "push: {l}");
+            let _ = tx.send(line(serde_json::json!({ "log": l })));
+        };
+        let dest = how.reference.clone();
+        let last = match dsec_image::push::push(&store, &image, &dest, &how, &mut log).await {
+            Ok(done) => serde_json::json!({
+                "image": image.to_string(),
+                "reference": dest,
+                "digest": done.digest,
+                "pushed_blobs": done.pushed_blobs,
+                "skipped_blobs": done.skipped_blobs,
+                "pushed_bytes": done.pushed_bytes,
+            }),
+            Err(dsec_image::ImageError::NotFound(n)) => serde_json::json!({
+                "error": ApiError::not_found(format!("image {n} not found"))
+            }),
+            Err(e) => {
+                tracing::warn!(image = %image, "push failed: {e}");
+                serde_json::json!({ "error": pull_error(e) })
+            }
+        };
+        let _ = out_tx.send(line(last));
+    });
+    let stream = futures_util::stream::unfold(out_rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
+    });
+    Ok((
+        [(axum::http::header::CONTENT_TYPE, "application/x-ndjson")],
+        axum::body::Body::from_stream(stream),
+    )
+        .into_response())
+}

@@ -153,6 +153,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/images", get(images))
         .route("/v1/images/builds", post(build_image))
         .route("/v1/images:pull", post(images::pull_image))
+        .route("/v1/images:push", post(images::push_image))
         .route("/v1/functions", get(functions))
         .route("/v1/functions/{call}", post(call_function))
         .merge(runtime::routes())
@@ -743,6 +744,7 @@ mod tests {
             "/v1/images",
             "/v1/images/builds",
             "/v1/images:pull",
+            "/v1/images:push",
             "/v1/sandboxes/{id}/processes/{pid}/output",
             "/v1/sandboxes/{id}/files",
             "/v1/sandboxes/{id}/files/watch",

@@ -927,6 +927,48 @@ mod tests {
         assert!(b.resolve(&ImageRef::parse("root/z:v1").unwrap()).is_err());
     }
 
+    /// Arbitrary bytes as an archive file, and as an index.json or manifest.json in a
+    /// layout: an error or an image, never a panic, nothing written outside the store.
+    #[test]
+    fn fuzz_archives() {
+        let t = tempfile::tempdir().unwrap();
+        let store = ImageStore::open(t.path().join("store")).unwrap();
+        let target = ImageRef::parse("root/fuzz:v1").unwrap();
+        let mut n = 0;
+        bolero::check!()
+            .with_iterations(200)
+            .for_each(|input: &[u8]| {
+                n += 1;
+                let dir = t.path().join(format!("in{n}"));
+                std::fs::create_dir(&dir).unwrap();
+                let file = dir.join("archive.tar");
+                std::fs::write(&file, input).unwrap();
+                let _ = import(&store, &file, &target, &PullLimits::default(), &mut |_| {});
+                for name in ["index.json", "manifest.json"] {
+                    let layout = dir.join(format!("layout-{name}"));
+                    std::fs::create_dir(&layout).unwrap();
+                    std::fs::write(layout.join(name), input).unwrap();
+                    let _ = import(
+                        &store,
+                        &layout,
+                        &target,
+                        &PullLimits::default(),
+                        &mut |_| {},
+                    );
+                }
+                std::fs::remove_dir_all(&dir).unwrap();
+                let top: Vec<_> = std::fs::read_dir(t.path())
+                    .unwrap()
+                    .map(|e| e.unwrap().file_name().into_string().unwrap())
+                    .collect();
+                assert_eq!(top, ["store"], "{top:?}");
+                assert_eq!(
+                    std::fs::read_dir(store.root().join("tmp")).unwrap().count(),
+                    0
+                );
+            });
+    }
+
     #[test]
     fn archive_paths_never_leave_the_archive() {
         let t = tempfile::tempdir().unwrap();

@@ -18,6 +18,7 @@ pub mod guest;
 pub mod import;
 pub mod layer;
 pub mod pull;
+pub mod push;
 pub mod reference;
 pub mod store;
 pub mod vmlinux;

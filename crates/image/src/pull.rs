@@ -141,7 +141,7 @@ fn fail(reference: &str, kind: PullFailure, message: impl Into<String>) -> Image
 }
 
 /// The registry's error, in the terms of [`PullFailure`].
-fn registry_error(reference: &str, e: OciDistributionError) -> ImageError {
+pub(crate) fn registry_error(reference: &str, e: OciDistributionError) -> ImageError {
     use OciDistributionError as E;
     let kind = match &e {
         E::AuthenticationFailure(_) | E::UnauthorizedError { .. } => PullFailure::Unauthorized,

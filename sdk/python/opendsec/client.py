@@ -367,7 +367,24 @@ class DSecClient:
                      ("ca_pem", ca_pem)):
             if v is not None:
                 body[k] = v
-        r = await self._send("POST", "/v1/images:pull", json=body, timeout=_STREAM_TIMEOUT, stream=True)
+        return await self._ndjson_result("/v1/images:pull", body, f"the pull of {reference}", progress)
+
+    async def push_image(self, image: str, reference: str, *, username: str | None = None,
+                         password: str | None = None, token: str | None = None, plain_http: bool = False,
+                         ca_pem: str | None = None, progress: Any = None) -> dict[str, Any]:
+        """Pushes ``image`` of the node's store to ``reference`` (``registry/repository:tag``).
+        Returns ``digest`` (the manifest's, in the registry), ``pushed_blobs``,
+        ``skipped_blobs`` (those the registry had) and ``pushed_bytes``."""
+        body: dict[str, Any] = {"image": image, "reference": reference, "plain_http": plain_http}
+        for k, v in (("username", username), ("password", password), ("token", token), ("ca_pem", ca_pem)):
+            if v is not None:
+                body[k] = v
+        return await self._ndjson_result("/v1/images:push", body, f"the push of {image}", progress)
+
+    async def _ndjson_result(self, path: str, body: dict[str, Any], what: str, progress: Any) -> dict[str, Any]:
+        """POSTs ``body`` and follows an answer of ``{"log": …}`` lines and a last line, the
+        result or ``{"error": …}``."""
+        r = await self._send("POST", path, json=body, timeout=_STREAM_TIMEOUT, stream=True)
         try:
             async for raw in r.aiter_lines():
                 if not raw.strip():
@@ -381,10 +398,10 @@ class DSecClient:
                 else:
                     return line
         except httpx.HTTPError as e:
-            raise UnavailableError("unavailable", f"the pull of {reference} broke off: {e}") from e
+            raise UnavailableError("unavailable", f"{what} broke off: {e}") from e
         finally:
             await r.aclose()
-        raise UnavailableError("unavailable", f"the pull of {reference} ended without a result")
+        raise UnavailableError("unavailable", f"{what} ended without a result")
 
     async def whoami(self) -> dict[str, Any]:
         return await self._request("GET", "/v1/whoami")

@@ -1,5 +1,5 @@
-//! `dsec image build|pull|import|export|ls|inspect|rm`: builds and pulls go through the
-//! running node; the rest work directly on the image store directory.
+//! `dsec image build|pull|push|import|export|ls|inspect|rm`: builds, pulls and pushes go
+//! through the running node; the rest work directly on the image store directory.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -23,6 +23,11 @@ pub enum ImageCommand {
         after_help = "Examples:\n  dsec image pull docker.io/library/python:3.11-slim --as root/python:3.11\n  dsec image pull 127.0.0.1:5000/team/env@sha256:… --plain-http\n  echo \"$PASSWORD\" | dsec image pull registry.example.com/team/env:v1 --username me --password-stdin\n\nWithout --username, credentials for the registry are read from Docker's config.json\n($DOCKER_CONFIG/config.json or ~/.docker/config.json) when it has them."
     )]
     Pull(PullArgs),
+    /// Push an image of the node to an OCI registry
+    #[command(
+        after_help = "Examples:\n  dsec image push root/env:v1 registry.example.com/team/env:v1 --username me --password-stdin\n  dsec image push root/env:v1 127.0.0.1:5000/team/env:v1 --plain-http\n\nWithout --username, credentials are read from Docker's config.json when it has them."
+    )]
+    Push(PushArgs),
     /// Import an image from an OCI image layout (a directory or a tar of one) or a
     /// `docker save` tarball
     #[command(
@@ -81,6 +86,27 @@ pub struct PullArgs {
     /// The image's name on the node (default: <your project>/<repository's last part>:<tag>)
     #[arg(long = "as", value_name = "NAME")]
     pub target: Option<String>,
+    #[command(flatten)]
+    pub registry: RegistryArgs,
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+#[derive(clap::Args)]
+pub struct PushArgs {
+    /// The image on the node, e.g. root/env:v1
+    pub image: String,
+    /// Where to: `registry/repository:tag`
+    pub reference: String,
+    #[command(flatten)]
+    pub registry: RegistryArgs,
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+/// How to reach a registry.
+#[derive(clap::Args)]
+pub struct RegistryArgs {
     /// Registry user name (the password is read from stdin with --password-stdin)
     #[arg(long)]
     pub username: Option<String>,
@@ -95,8 +121,6 @@ pub struct PullArgs {
     /// PEM file of a CA to trust for this registry
     #[arg(long, value_name = "FILE")]
     pub ca_cert: Option<PathBuf>,
-    #[command(flatten)]
-    pub store: StoreArgs,
 }
 
 #[derive(clap::Args)]
@@ -312,16 +336,13 @@ fn read_stdin_secret(what: &str) -> Result<String> {
     Ok(s)
 }
 
-fn pull(a: PullArgs) -> Result<i32> {
-    let registry = a
-        .reference
+/// The body of a pull or push to `reference`: how to reach its registry.
+fn registry_body(reference: &str, a: &RegistryArgs) -> Result<serde_json::Value> {
+    let registry = reference
         .parse::<oci_client::Reference>()
         .map(|r| r.resolve_registry().to_string())
-        .map_err(|e| anyhow::anyhow!("{:?} is not an image reference: {e}", a.reference))?;
-    let mut body = serde_json::json!({ "reference": a.reference, "plain_http": a.plain_http });
-    if let Some(t) = &a.target {
-        body["as"] = t.clone().into();
-    }
+        .map_err(|e| anyhow::anyhow!("{reference:?} is not an image reference: {e}"))?;
+    let mut body = serde_json::json!({ "reference": reference, "plain_http": a.plain_http });
     if let Some(u) = &a.username {
         body["username"] = u.clone().into();
         body["password"] = if a.password_stdin {
@@ -340,6 +361,54 @@ fn pull(a: PullArgs) -> Result<i32> {
         body["ca_pem"] = std::fs::read_to_string(ca)
             .map_err(|e| anyhow::anyhow!("reading {}: {e}", ca.display()))?
             .into();
+    }
+    Ok(body)
+}
+
+fn push(a: PushArgs) -> Result<i32> {
+    let mut body = registry_body(&a.reference, &a.registry)?;
+    body["image"] = a.image.clone().into();
+    let t0 = Instant::now();
+    let mut show = Progress::new(a.store.json, t0);
+    let v = tokio::runtime::Handle::current().block_on(on_node(
+        &a.store.data.data_dir,
+        "/v1/images:push",
+        serde_json::to_vec(&body)?,
+        "a push sends an image of a running node's store",
+        &mut |l| show.line(l),
+    ));
+    show.done();
+    let v = v?;
+    let Some(digest) = v["digest"].as_str() else {
+        eprintln!(
+            "error ({}): {}",
+            v["error"]["code"].as_str().unwrap_or("error"),
+            v["error"]["message"].as_str().unwrap_or("no message")
+        );
+        return Ok(1);
+    };
+    if a.store.json {
+        let mut out = v.clone();
+        out["seconds"] = t0.elapsed().as_secs_f64().into();
+        output::print_json(&out);
+    } else {
+        println!(
+            "pushed {} to {} ({digest}): {} blobs sent ({:.1} MiB), {} there already, in {:.1} s",
+            a.image,
+            a.reference,
+            v["pushed_blobs"],
+            v["pushed_bytes"].as_f64().unwrap_or(0.0) / 1048576.0,
+            v["skipped_blobs"],
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    Ok(0)
+}
+
+fn pull(a: PullArgs) -> Result<i32> {
+    let mut body = registry_body(&a.reference, &a.registry)?;
+    if let Some(t) = &a.target {
+        body["as"] = t.clone().into();
     }
     let t0 = Instant::now();
     let mut show = Progress::new(a.store.json, t0);
@@ -387,6 +456,7 @@ pub async fn run(c: ImageCommand) -> Result<i32> {
 fn run_blocking(c: ImageCommand) -> Result<i32> {
     match c {
         ImageCommand::Pull(a) => pull(a),
+        ImageCommand::Push(a) => push(a),
         ImageCommand::Import(a) => {
             let store = open(&a.store)?;
             let target = ImageRef::parse(&a.target)?;
