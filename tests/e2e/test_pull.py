@@ -291,6 +291,11 @@ def test_what_a_registry_or_a_caller_gets_wrong_is_a_clear_error_and_nothing_is_
     registry.put_manifest("team/bomb", "v1", bomb)
     r = pull(f"{registry.host}/team/bomb:v1", "--plain-http", "--as", "root/pt-pull-never:v1", check=False)
     assert "error (failed_precondition)" in r.stderr and "1000 layers, over the limit" in r.stderr, r.stderr
+    # One layer that says it is a petabyte: refused before it is fetched.
+    huge = {**m, "layers": [{**m["layers"][0], "size": 10**15}]}
+    registry.put_manifest("team/bomb", "v2", huge)
+    r = pull(f"{registry.host}/team/bomb:v2", "--plain-http", "--as", "root/pt-pull-never:v1", check=False)
+    assert "error (failed_precondition)" in r.stderr and "over the limit" in r.stderr, r.stderr
     assert layer
     # Not an image reference at all.
     r = pull("Not A Reference!", "--plain-http", check=False)
