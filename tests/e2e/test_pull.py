@@ -389,11 +389,13 @@ async def test_a_tenant_cannot_point_the_node_at_a_registry_it_may_not_reach(cli
             await t.pull_image(f"{registry.host}/team/env:v1", target=f"{project}/env:v1")
         assert "pull_registries" in e.value.message
         # Nor may it talk plain HTTP or bring its own CA, even to an allowed registry.
-        with pytest.raises(PermissionDeniedError):
+        with pytest.raises(PermissionDeniedError) as e:
             await t.pull_image("docker.io/library/busybox:latest", target=f"{project}/bb:v1", plain_http=True)
+        assert "plain_http" in e.value.message
         # And it names images only in its own project.
-        with pytest.raises(PermissionDeniedError):
-            await t.pull_image("docker.io/library/busybox:latest", target="root/bb:v1")
+        with pytest.raises(PermissionDeniedError) as e:
+            await t.pull_image("busybox:latest", target="root/bb:v1")
+        assert "belongs to project root" in e.value.message
 
 
 def test_a_registry_over_tls_is_trusted_only_with_its_ca():

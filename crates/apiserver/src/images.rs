@@ -247,7 +247,7 @@ pub(crate) async fn pull_image(
             b.reference
         ))
     })?;
-    check_registry(&p, r.resolve_registry(), &st.edge)?;
+    check_registry(&p, r.registry(), &st.edge)?;
     if (b.plain_http || b.ca_pem.is_some()) && !p.is_admin() {
         return Err(ApiError::new(
             ErrorCode::PermissionDenied,
@@ -277,7 +277,7 @@ pub(crate) async fn pull_image(
         reference: b.reference,
         target: target.clone(),
         credentials,
-        plain_http: b.plain_http || st.edge.insecure_registry(r.resolve_registry()),
+        plain_http: b.plain_http || st.edge.insecure_registry(r.registry()),
         ca_pem: b.ca_pem,
         limits: PullLimits::default(),
     };
@@ -364,7 +364,7 @@ pub(crate) async fn push_image(
             b.reference
         ))
     })?;
-    check_registry(&p, r.resolve_registry(), &st.edge)?;
+    check_registry(&p, r.registry(), &st.edge)?;
     if (b.plain_http || b.ca_pem.is_some()) && !p.is_admin() {
         return Err(ApiError::new(
             ErrorCode::PermissionDenied,
@@ -387,7 +387,7 @@ pub(crate) async fn push_image(
         reference: b.reference.clone(),
         target: image.clone(),
         credentials,
-        plain_http: b.plain_http || st.edge.insecure_registry(r.resolve_registry()),
+        plain_http: b.plain_http || st.edge.insecure_registry(r.registry()),
         ca_pem: b.ca_pem,
         limits: PullLimits::default(),
     };

@@ -103,7 +103,7 @@ impl Edge {
                 "FROM {reference:?}: not an image of this store (root/…) nor of a registry ({e})"
             ))
         })?;
-        let registry = r.resolve_registry().to_string();
+        let registry = r.registry().to_string();
         if !self.may_pull_from(project, &registry) {
             return Err(ApiError::new(
                 dsec_common::ErrorCode::PermissionDenied,

@@ -468,7 +468,8 @@ impl Edge {
         &self.cfg.pull_registries
     }
 
-    /// Whether a project may make this node fetch from `registry`: `root` from any,
+    /// Whether a project may make this node fetch from `registry` (as the reference
+    /// names it: `docker.io`, not the `index.docker.io` it resolves to): `root` from any,
     /// others from `[edge] pull_registries` only.
     pub fn may_pull_from(&self, project: &str, registry: &str) -> bool {
         project == dsec_common::project::ROOT

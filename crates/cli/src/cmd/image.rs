@@ -340,7 +340,7 @@ fn read_stdin_secret(what: &str) -> Result<String> {
 fn registry_body(reference: &str, a: &RegistryArgs) -> Result<serde_json::Value> {
     let registry = reference
         .parse::<oci_client::Reference>()
-        .map(|r| r.resolve_registry().to_string())
+        .map(|r| r.registry().to_string())
         .map_err(|e| anyhow::anyhow!("{reference:?} is not an image reference: {e}"))?;
     let mut body = serde_json::json!({ "reference": reference, "plain_http": a.plain_http });
     if let Some(u) = &a.username {
