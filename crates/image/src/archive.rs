@@ -529,21 +529,29 @@ fn xattrs_of(p: &Path) -> Result<BTreeMap<String, Vec<u8>>, ImageError> {
     })
 }
 
-/// Appends the entries under `dir` (relative `rel`), sorted by name, to `b`.
-fn add_tree<W: Write>(
-    b: &mut tar::Builder<W>,
-    root: &Path,
-    rel: &Path,
-    seen: &mut HashMap<(u64, u64), PathBuf>,
-) -> Result<(), ImageError> {
-    let dir = root.join(rel);
-    let mut names: Vec<_> = std::fs::read_dir(&dir)
+/// `dir`'s names, sorted by their bytes.
+fn sorted_names(dir: &Path) -> Result<Vec<std::ffi::OsString>, ImageError> {
+    let mut names: Vec<_> = std::fs::read_dir(dir)
         .ctx(|| format!("listing {}", dir.display()))?
         .map(|e| e.map(|e| e.file_name()))
         .collect::<Result<_, _>>()
         .ctx(|| format!("listing {}", dir.display()))?;
     names.sort_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
-    for name in names {
+    Ok(names)
+}
+
+/// Appends every entry under `root`, depth first and sorted by name, to `b`. A loop with
+/// a stack of its own rather than recursion: a layer may be deeper than a thread's stack.
+fn add_tree<W: Write>(b: &mut tar::Builder<W>, root: &Path) -> Result<(), ImageError> {
+    let mut seen: HashMap<(u64, u64), PathBuf> = HashMap::new();
+    let mut stack: Vec<(PathBuf, std::vec::IntoIter<std::ffi::OsString>)> =
+        vec![(PathBuf::new(), sorted_names(root)?.into_iter())];
+    while let Some((rel, names)) = stack.last_mut() {
+        let Some(name) = names.next() else {
+            stack.pop();
+            continue;
+        };
+        let rel = rel.clone();
         let r = rel.join(&name);
         let p = root.join(&r);
         let m = std::fs::symlink_metadata(&p).ctx(|| format!("reading {}", p.display()))?;
@@ -581,7 +589,8 @@ fn add_tree<W: Write>(
                 b.append_data(&mut w, r.join(".wh..wh..opq"), std::io::empty())
                     .map_err(io)?;
             }
-            add_tree(b, root, &r, seen)?;
+            let children = sorted_names(&p)?;
+            stack.push((r, children.into_iter()));
         } else if ft.is_file() {
             if m.nlink() > 1 {
                 if let Some(first) = seen.get(&(m.dev(), m.ino())) {
@@ -644,12 +653,7 @@ fn export_layer(
     let mut b = tar::Builder::new(inner);
     b.mode(tar::HeaderMode::Complete);
     b.follow_symlinks(false);
-    add_tree(
-        &mut b,
-        &store.layer_path(digest),
-        Path::new(""),
-        &mut HashMap::new(),
-    )?;
+    add_tree(&mut b, &store.layer_path(digest))?;
     let inner = b.into_inner().ctx(|| "finishing a layer".to_string())?;
     let diff_id = format!("sha256:{}", hex::encode(inner.hasher.finalize()));
     let mut outer = inner
@@ -704,6 +708,18 @@ pub fn export(
     dest: &Path,
     log: &mut dyn FnMut(String),
 ) -> Result<String, ImageError> {
+    export_as(store, r, dest, log, true)
+}
+
+/// [`export`]; without `with_source` the store's `source` (which may name a sandbox of
+/// another project, for a commit) is left out of the manifest, as for a push.
+pub fn export_as(
+    store: &ImageStore,
+    r: &ImageRef,
+    dest: &Path,
+    log: &mut dyn FnMut(String),
+    with_source: bool,
+) -> Result<String, ImageError> {
     let (_, m) = store.resolve(r)?;
     if dest.exists()
         && std::fs::read_dir(dest)
@@ -747,7 +763,10 @@ pub fn export(
         &serde_json::to_vec(&config).unwrap_or_default(),
         OCI_CONFIG,
     )?;
-    let mut annotations = json!({ SOURCE_ANNOTATION: m.source });
+    let mut annotations = json!({});
+    if with_source {
+        annotations[SOURCE_ANNOTATION] = m.source.clone().into();
+    }
     if let Some(s) = &m.start {
         annotations[START_ANNOTATION] = serde_json::to_string(s).unwrap_or_default().into();
     }
@@ -967,6 +986,40 @@ mod tests {
                     0
                 );
             });
+    }
+
+    /// A layer 1,500 directories deep exports on a thread with a small stack: the walk
+    /// keeps its own stack.
+    #[test]
+    fn a_deep_layer_exports_without_recursion() {
+        let t = tempfile::tempdir().unwrap();
+        let a = ImageStore::open(t.path().join("a")).unwrap();
+        let d = a.temp_dir("deep").unwrap();
+        let deep = d.join("d/".repeat(1500));
+        std::fs::create_dir_all(&deep).unwrap();
+        std::fs::write(deep.join("f"), b"bottom").unwrap();
+        let (l, size) = a.add_layer(&d).unwrap();
+        let m = Manifest {
+            schema_version: 1,
+            layers: vec![l],
+            env: BTreeMap::new(),
+            workdir: None,
+            start: None,
+            created_ms: 0,
+            size_bytes: size,
+            source: "test".into(),
+        };
+        let name = ImageRef::parse("root/deep:v1").unwrap();
+        a.tag(&name, &a.put_manifest(&m).unwrap()).unwrap();
+        let out = t.path().join("layout");
+        let (a2, n2, o2) = (a.clone(), name.clone(), out.clone());
+        std::thread::Builder::new()
+            .stack_size(256 << 10)
+            .spawn(move || export(&a2, &n2, &o2, &mut |_| {}).unwrap())
+            .unwrap()
+            .join()
+            .unwrap();
+        assert!(out.join("index.json").is_file());
     }
 
     #[test]

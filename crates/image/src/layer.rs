@@ -35,8 +35,8 @@ pub struct LayerLimits {
 impl Default for LayerLimits {
     fn default() -> Self {
         LayerLimits {
-            max_entries: 2_000_000,
-            max_bytes: 256 << 30,
+            max_entries: 1_000_000,
+            max_bytes: 64 << 30,
         }
     }
 }
@@ -87,6 +87,108 @@ pub fn sniff_media_type(blob: &Path) -> Result<&'static str, ImageError> {
         [0x28, 0xb5, 0x2f, 0xfd] => "application/vnd.oci.image.layer.v1.tar+zstd",
         _ => "application/vnd.oci.image.layer.v1.tar",
     })
+}
+
+/// The most a tar extension entry (PAX `x`/`g`, GNU long name or link `L`/`K`) may hold:
+/// the tar crate reads those whole into memory, so a layer of a few MiB could otherwise
+/// declare one of a hundred GiB.
+const MAX_EXTENSION: u64 = 1 << 20;
+
+/// The deepest path a pulled layer may hold (a real image's are a few dozen levels).
+const MAX_DEPTH: usize = 256;
+
+/// Watches a tar stream as it passes, block by block: refuses an extension entry over
+/// [`MAX_EXTENSION`] before the tar crate reads it, and a stream longer than `budget`
+/// decompressed bytes (what the unpacker does not keep is counted too).
+struct TarGuard<R> {
+    inner: R,
+    header: [u8; 512],
+    filled: usize,
+    /// Bytes of the current entry's data (rounded up to blocks) still to pass.
+    data_left: u64,
+    total: u64,
+    budget: u64,
+}
+
+fn tar_size(field: &[u8]) -> Option<u64> {
+    if field[0] & 0x80 != 0 {
+        // base-256, big-endian, in the bytes after the marker
+        let mut v: u64 = 0;
+        for (i, b) in field.iter().enumerate() {
+            let b = if i == 0 { b & 0x7f } else { *b };
+            v = v.checked_mul(256)?.checked_add(u64::from(b))?;
+        }
+        return Some(v);
+    }
+    let text: Vec<u8> = field
+        .iter()
+        .copied()
+        .skip_while(|b| *b == b' ')
+        .take_while(|b| (b'0'..=b'7').contains(b))
+        .collect();
+    if text.is_empty() {
+        return Some(0);
+    }
+    u64::from_str_radix(std::str::from_utf8(&text).ok()?, 8).ok()
+}
+
+impl<R: Read> TarGuard<R> {
+    fn new(inner: R, budget: u64) -> Self {
+        TarGuard {
+            inner,
+            header: [0; 512],
+            filled: 0,
+            data_left: 0,
+            total: 0,
+            budget,
+        }
+    }
+
+    fn see(&mut self, mut b: &[u8]) -> std::io::Result<()> {
+        while !b.is_empty() {
+            if self.data_left > 0 {
+                let k = (self.data_left.min(b.len() as u64)) as usize;
+                self.data_left -= k as u64;
+                b = &b[k..];
+                continue;
+            }
+            let k = (512 - self.filled).min(b.len());
+            self.header[self.filled..self.filled + k].copy_from_slice(&b[..k]);
+            self.filled += k;
+            b = &b[k..];
+            if self.filled < 512 {
+                break;
+            }
+            self.filled = 0;
+            if self.header.iter().all(|x| *x == 0) {
+                continue; // an end-of-archive block
+            }
+            let size = tar_size(&self.header[124..136])
+                .ok_or_else(|| std::io::Error::other("a tar header with a bad size"))?;
+            if matches!(self.header[156], b'x' | b'g' | b'L' | b'K') && size > MAX_EXTENSION {
+                return Err(std::io::Error::other(format!(
+                    "a tar extension entry of {size} bytes, over the limit of {MAX_EXTENSION}"
+                )));
+            }
+            self.data_left = size.div_ceil(512) * 512;
+        }
+        Ok(())
+    }
+}
+
+impl<R: Read> Read for TarGuard<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.total += n as u64;
+        if self.total > self.budget {
+            return Err(std::io::Error::other(format!(
+                "the layer unpacks to more than {} bytes",
+                self.budget
+            )));
+        }
+        self.see(&buf[..n])?;
+        Ok(n)
+    }
 }
 
 /// A reader that hashes what passes through it.
@@ -174,6 +276,12 @@ impl Unpacker {
         let Some(rel) = relative(&raw)? else {
             return Ok(()); // the layer's root: the store sets its mode
         };
+        if rel.components().count() > MAX_DEPTH {
+            return Err(bad(format!(
+                "{}: more than {MAX_DEPTH} directories deep",
+                rel.display()
+            )));
+        }
         let name = rel
             .file_name()
             .map(|n| n.as_bytes().to_vec())
@@ -355,8 +463,13 @@ pub fn unpack_layer_checked(
         opaque: Vec::new(),
         stats: LayerStats::default(),
     };
+    // Files' bytes, and room for headers and padding besides.
+    let budget = limits
+        .max_bytes
+        .saturating_add(limits.max_bytes / 8)
+        .saturating_add(limits.max_entries.saturating_mul(2048));
     let mut archive = tar::Archive::new(Hashing {
-        inner: open_tar(blob, media_type)?,
+        inner: TarGuard::new(open_tar(blob, media_type)?, budget),
         hasher: <sha2::Sha256 as sha2::Digest>::new(),
     });
     for ent in archive
@@ -572,6 +685,44 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("more than"), "{e}");
+    }
+
+    /// A PAX extension header that declares 100 GiB is refused at its header, before the
+    /// tar crate would read it into memory; a path deeper than the limit is refused.
+    #[test]
+    fn extension_bombs_and_deep_paths_are_refused() {
+        let mut h = tar::Header::new_ustar();
+        h.set_entry_type(tar::EntryType::XHeader);
+        h.set_size(100 << 30);
+        h.set_path("PaxHeaders/x").unwrap();
+        h.set_cksum();
+        let mut raw = h.as_bytes().to_vec();
+        raw.extend_from_slice(&[b'0'; 4096]);
+        let (_t, r) = unpack(&raw, "application/vnd.oci.image.layer.v1.tar");
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("extension entry of 107374182400 bytes"), "{e}");
+        let deep = "d/".repeat(MAX_DEPTH) + "f";
+        let mut b = tar::Builder::new(Vec::new());
+        let mut fh = tar::Header::new_gnu();
+        fh.set_size(1);
+        fh.set_mode(0o644);
+        b.append_data(&mut fh, &deep, &b"x"[..]).unwrap();
+        let (_t, r) = unpack(
+            &b.into_inner().unwrap(),
+            "application/vnd.oci.image.layer.v1.tar",
+        );
+        assert!(r.unwrap_err().to_string().contains("directories deep"));
+    }
+
+    #[test]
+    fn tar_sizes_parse_as_the_format_has_them() {
+        assert_eq!(tar_size(b"00000000012\0"), Some(10));
+        assert_eq!(tar_size(b"     12     "), Some(10));
+        assert_eq!(tar_size(b"\0\0\0\0\0\0\0\0\0\0\0\0"), Some(0));
+        let mut big = [0u8; 12];
+        big[0] = 0x80;
+        big[11] = 5;
+        assert_eq!(tar_size(&big), Some(5));
     }
 
     /// `raw` as a zstd stream, from the `zstd` tool (the crate here only decodes).

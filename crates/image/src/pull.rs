@@ -91,6 +91,10 @@ pub struct PullLimits {
     pub max_compressed_bytes: u64,
     /// One layer unpacked: its files' bytes, and its entries.
     pub layer: LayerLimits,
+    /// All layers unpacked, their files' bytes together.
+    pub max_unpacked_bytes: u64,
+    /// The longest a pull may take, waiting for its turn included.
+    pub deadline: std::time::Duration,
 }
 
 impl Default for PullLimits {
@@ -101,6 +105,8 @@ impl Default for PullLimits {
             max_document_bytes: 4 << 20,
             max_compressed_bytes: 64 << 30,
             layer: LayerLimits::default(),
+            max_unpacked_bytes: 128 << 30,
+            deadline: std::time::Duration::from_secs(3600),
         }
     }
 }
@@ -152,7 +158,9 @@ pub(crate) fn registry_error(reference: &str, e: OciDistributionError) -> ImageE
                 .iter()
                 .map(|x| format!("{:?}", x.code))
                 .collect();
-            if codes
+            if codes.iter().any(|c| c == "TooManyRequests") {
+                PullFailure::Unreachable
+            } else if codes
                 .iter()
                 .any(|c| c.contains("Unknown") || c == "NotFound")
             {
@@ -181,6 +189,12 @@ pub(crate) fn registry_error(reference: &str, e: OciDistributionError) -> ImageE
         message.push_str(&format!(": {s}"));
         src = s.source();
     }
+    // A registry's error text is its own: kept short, without control characters.
+    let mut message: String = message
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .take(1024)
+        .collect();
     if kind == PullFailure::Unauthorized {
         message.push_str(
             "; give the registry's credentials (`dsec image pull --username U --password-stdin`)",
@@ -306,7 +320,8 @@ pub(crate) fn rfc3339_ms(t: &str) -> Option<u64> {
     let offset_s = match rest {
         "Z" | "z" => 0,
         o if o.len() == 6 && (o.starts_with('+') || o.starts_with('-')) => {
-            let v = o[1..3].parse::<i64>().ok()? * 3600 + o[4..6].parse::<i64>().ok()? * 60;
+            let v =
+                o.get(1..3)?.parse::<i64>().ok()? * 3600 + o.get(4..6)?.parse::<i64>().ok()? * 60;
             if o.starts_with('-') { -v } else { v }
         }
         _ => return None,
@@ -344,6 +359,15 @@ fn sha256_of(b: &[u8]) -> String {
     hex::encode(Sha256::digest(b))
 }
 
+/// A work directory removed when dropped.
+pub(crate) struct TempDir(pub(crate) PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = crate::store::remove_tree(&self.0);
+    }
+}
+
 /// Per-blob locks: two pulls of one layer at once fetch it once.
 fn blob_lock(hex: &str) -> Arc<tokio::sync::Mutex<()>> {
     static LOCKS: OnceLock<Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>> = OnceLock::new();
@@ -361,11 +385,31 @@ fn blob_record(store: &ImageStore, hex: &str) -> PathBuf {
 }
 
 /// The layer a blob unpacked to before (its digest and size), if the store still has it.
-fn cached_layer(store: &ImageStore, hex: &str) -> Option<(String, u64)> {
+/// A record is `<layer digest> <size> <media type> <diff_id>`: a blob is reused only as
+/// the same media type (a file that is both a tar and a gzip unpacks differently as each)
+/// and with the `diff_id` the image's config names.
+fn cached_layer(
+    store: &ImageStore,
+    hex: &str,
+    media_type: &str,
+    diff_id: Option<&str>,
+) -> Option<(String, u64)> {
     let text = std::fs::read_to_string(blob_record(store, hex)).ok()?;
-    let (d, size) = text.trim().split_once(' ')?;
+    let mut f = text.split_whitespace();
+    let (d, size, media, diff) = (f.next()?, f.next()?, f.next()?, f.next()?);
     let size = size.parse().ok()?;
-    (crate::digest::valid_digest(d) && store.layer_path(d).is_dir()).then(|| (d.to_string(), size))
+    let same = media == media_type && diff_id.is_none_or(|want| want.eq_ignore_ascii_case(diff));
+    (same && crate::digest::valid_digest(d) && store.layer_path(d).is_dir())
+        .then(|| (d.to_string(), size))
+}
+
+/// Pulls under way on this node at once; the rest wait their turn (each holds a
+/// connection, a temporary blob and an unpacking thread).
+const PULLS_AT_ONCE: usize = 4;
+
+fn pull_turns() -> &'static tokio::sync::Semaphore {
+    static TURNS: OnceLock<tokio::sync::Semaphore> = OnceLock::new();
+    TURNS.get_or_init(|| tokio::sync::Semaphore::new(PULLS_AT_ONCE))
 }
 
 pub fn client_for(req: &PullRequest) -> Result<Client, ImageError> {
@@ -524,6 +568,33 @@ pub async fn pull(
     req: &PullRequest,
     log: &mut (dyn FnMut(String) + Send),
 ) -> Result<Pulled, ImageError> {
+    let deadline = req.limits.deadline;
+    match tokio::time::timeout(deadline, async {
+        let _turn = pull_turns().acquire().await.map_err(|_| {
+            fail(
+                &req.reference,
+                PullFailure::Unreachable,
+                "the node is stopping",
+            )
+        })?;
+        pull_now(store, req, log).await
+    })
+    .await
+    {
+        Ok(r) => r,
+        Err(_) => Err(fail(
+            &req.reference,
+            PullFailure::Unreachable,
+            format!("did not finish within {} s", deadline.as_secs()),
+        )),
+    }
+}
+
+async fn pull_now(
+    store: &ImageStore,
+    req: &PullRequest,
+    log: &mut (dyn FnMut(String) + Send),
+) -> Result<Pulled, ImageError> {
     let reference = req.reference.as_str();
     let r: Reference = reference.parse().map_err(|e| {
         fail(
@@ -574,8 +645,8 @@ pub async fn pull(
                     ),
                 )
             })?;
-        log(format!("index {digest}: linux/amd64 is {}", pick.digest));
         check_digest(reference, &pick.digest)?;
+        log(format!("index {digest}: linux/amd64 is {}", pick.digest));
         let platform_ref = r.clone_with_digest(pick.digest.clone());
         (bytes, digest) = document(&client, &platform_ref, &auth, limits, reference).await?;
         doc = serde_json::from_slice(&bytes).map_err(|e| {
@@ -670,12 +741,12 @@ pub async fn pull(
         declared as f64 / (1 << 20) as f64
     ));
     let tmp = store.temp_dir("pull")?;
-    let result = pull_blobs(
+    // Removed however the pull ends, a deadline that drops it included.
+    let _tmp = TempDir(tmp.clone());
+    pull_blobs(
         store, req, &client, &r, &config, &layers, &tmp, &digest, log,
     )
-    .await;
-    let _ = crate::store::remove_tree(&tmp);
-    result
+    .await
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -723,11 +794,19 @@ async fn pull_blobs(
     std::fs::create_dir_all(store.root().join("blobs")).ctx(|| "creating blobs/".to_string())?;
     let mut out = Vec::with_capacity(layers.len());
     let (mut fetched, mut cached, mut fetched_bytes, mut size_bytes) = (0, 0, 0u64, 0u64);
+    let mut unpacked_bytes = 0u64;
     for (i, l) in layers.iter().enumerate() {
         let hex = check_digest(reference, &l.digest)?;
         let lock = blob_lock(&hex);
         let _held = lock.lock().await;
-        if let Some((d, size)) = cached_layer(store, &hex) {
+        let diff_id = diff_ids.get(i).cloned();
+        // Reused only if the registry has the blob for this caller too: a layer another
+        // project pulled is not handed to one that cannot fetch it.
+        let hit = match cached_layer(store, &hex, &l.media_type, diff_id.as_deref()) {
+            Some(c) if client.blob_exists(r, &l.digest).await.unwrap_or(false) => Some(c),
+            _ => None,
+        };
+        if let Some((d, size)) = hit {
             log(format!(
                 "layer {}/{} {}: in the store already",
                 i + 1,
@@ -749,10 +828,10 @@ async fn pull_blobs(
             blob.clone(),
             req.limits.layer,
         );
-        let diff_id = diff_ids.get(i).cloned();
+        let checked = diff_id.clone();
         let unpacked = tokio::task::spawn_blocking(move || {
             let dir = store2.temp_dir("layer")?;
-            match unpack_layer_checked(&blob2, &media, &dir, limits, diff_id.as_deref()) {
+            match unpack_layer_checked(&blob2, &media, &dir, limits, checked.as_deref()) {
                 Ok(stats) => {
                     let (d, size) = store2.add_layer(&dir)?;
                     Ok((d, size, stats))
@@ -775,10 +854,22 @@ async fn pull_blobs(
             other => other,
         })?;
         size_bytes += size;
+        unpacked_bytes += stats.bytes;
+        if unpacked_bytes > req.limits.max_unpacked_bytes {
+            return Err(fail(
+                reference,
+                PullFailure::Refused,
+                format!(
+                    "the layers unpack to more than {} bytes",
+                    req.limits.max_unpacked_bytes
+                ),
+            ));
+        }
+        let diff = diff_id.unwrap_or_else(|| "-".to_string());
         crate::store::write_atomic(
             &store.root().join("tmp"),
             &blob_record(store, &hex),
-            format!("{layer_digest} {size}").as_bytes(),
+            format!("{layer_digest} {size} {} {diff}", l.media_type).as_bytes(),
         )?;
         log(format!(
             "layer {}/{} {}: {:.1} MiB fetched, {} entries unpacked ({:.1} MiB) in {:.1} s{}",
@@ -799,6 +890,15 @@ async fn pull_blobs(
         out.push(layer_digest);
     }
     let source = format!("pull {}/{}@{digest}", r.resolve_registry(), r.repository());
+    // A layer the store's collector removed meanwhile (an `image rm` of another image)
+    // would leave a name pointing at nothing.
+    if let Some(gone) = out.iter().find(|d| !store.layer_path(d).is_dir()) {
+        return Err(fail(
+            reference,
+            PullFailure::Unreachable,
+            format!("layer {gone} was removed from the store during the pull; pull again"),
+        ));
+    }
     let manifest = image_manifest(cfg, out, size_bytes, source, None);
     let image_digest = store.put_manifest(&manifest)?;
     store.tag(&req.target, &image_digest)?;
@@ -831,6 +931,8 @@ mod tests {
         );
         assert_eq!(rfc3339_ms("yesterday"), None);
         assert_eq!(rfc3339_ms("2023-11-14T22:13:20"), None);
+        assert_eq!(rfc3339_ms("2023-11-14T22:13:20+0é00"), None);
+        assert_eq!(rfc3339_ms("2023-11-14T22:13:20.éZ"), None);
     }
 
     #[test]

@@ -107,9 +107,8 @@ pub async fn push(
         ));
     }
     let tmp = store.temp_dir("push")?;
-    let result = push_from(store, image, dest, &r, how, log, &tmp).await;
-    let _ = crate::store::remove_tree(&tmp);
-    result
+    let _tmp = crate::pull::TempDir(tmp.clone());
+    push_from(store, image, dest, &r, how, log, &tmp).await
 }
 
 async fn push_from(
@@ -125,7 +124,8 @@ async fn push_from(
     let (store2, image2, layout2) = (store.clone(), image.clone(), layout.clone());
     let lines = tokio::task::spawn_blocking(move || {
         let mut l = Vec::new();
-        crate::archive::export(&store2, &image2, &layout2, &mut |s| l.push(s)).map(|_| l)
+        // Without the store's `source`: it may name another project's sandbox.
+        crate::archive::export_as(&store2, &image2, &layout2, &mut |s| l.push(s), false).map(|_| l)
     })
     .await
     .map_err(|e| ImageError::Build(format!("export worker failed: {e}")))??;
