@@ -25,8 +25,10 @@ from opendsec.errors import DSecError
 
 # Small sandboxes; the TTL only matters if a test and its cleanup both fail.
 SMALL = dict(image="root/base", memory_limit_mb=64, cpu_cores_limit=0.1, ttl_seconds=1800)
-# A shell loop the faults must not interrupt: /tmp/c counts up 5 times a second.
-COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.2; done"
+# A shell loop the faults must not interrupt: /tmp/c counts up 5 times a second. Each
+# value is renamed into place, so a read never sees the file between its truncation and
+# its write (empty).
+COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/c; sleep 0.2; done"
 RECOVERY_S = 15.0
 # How long a recovery is waited for (beyond the limit, so that a slow one is still measured).
 GIVE_UP_S = RECOVERY_S + 10.0
