@@ -533,3 +533,30 @@ def test_an_e2b_template_from_a_registry_image_builds_and_runs(insecure_node, tm
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+async def test_a_pull_holds_disk_in_its_projects_quota(insecure_node):
+    """A pulled image holds its size in its project's disk quota before it is named: a
+    project cannot fill the node's disk with pulls."""
+    from opendsec import ResourceExhaustedError
+
+    registry = insecure_node
+    uid = os.urandom(3).hex()
+    small, big = f"root/pt-small-{uid}", f"root/pt-big-{uid}"
+    async with DSecClient() as c:
+        await c.create_project(small, disk_mb=1)
+        await c.create_project(big, disk_mb=200)
+        ks = await c.create_key("s", project=small)
+        kb = await c.create_key("b", project=big)
+        async with DSecClient(api_key=ks["key"]) as t:
+            with pytest.raises(ResourceExhaustedError) as e:
+                await t.pull_image(f"{registry.host}/team/env:v1", target=f"{small}/env:v1")
+            assert "quota" in e.value.message and small in e.value.message, e.value.message
+            assert f"{small}/env:v1" not in [i["reference"] for i in await t.images()]
+        async with DSecClient(api_key=kb["key"]) as t:
+            done = await t.pull_image(f"{registry.host}/team/env:v1", target=f"{big}/env:v1")
+            assert done["image"] == f"{big}/env:v1"
+        usage = next(p for p in await c.projects() if p["path"] == big)["usage"]
+        assert usage["disk_mb"] >= 1, usage
+    for ref in (f"{big}/env:v1",):
+        dsec("image", "rm", ref, "--data-dir", str(DATA), check=False)

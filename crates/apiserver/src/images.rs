@@ -222,6 +222,7 @@ pub(crate) fn pull_error(e: dsec_image::ImageError) -> ApiError {
                 F::NotFound => ErrorCode::NotFound,
                 F::Unauthorized => ErrorCode::PermissionDenied,
                 F::Refused => ErrorCode::FailedPrecondition,
+                F::Quota => ErrorCode::ResourceExhausted,
                 F::Unreachable => ErrorCode::Unavailable,
             };
             ApiError::new(code, e.to_string())
@@ -281,7 +282,7 @@ pub(crate) async fn pull_image(
         ca_pem: b.ca_pem,
         limits: PullLimits::default(),
     };
-    let store = st.edge.images().clone();
+    let edge = st.edge.clone();
     let (out_tx, out_rx) = tokio::sync::mpsc::unbounded_channel::<axum::body::Bytes>();
     let line = |v: serde_json::Value| {
         let mut b = serde_json::to_vec(&v).unwrap_or_default();
@@ -296,7 +297,7 @@ pub(crate) async fn pull_image(
             let _ = tx.send(line(serde_json::json!({ "log": l })));
         };
         // Run to the end even when the caller left, so nothing is left half-made.
-        let last = match dsec_image::pull::pull(&store, &req, &mut log).await {
+        let last = match edge.pull_image(&req, &mut log).await {
             Ok(done) => serde_json::json!({
                 "image": req.target.to_string(),
                 "digest": done.digest,

@@ -90,10 +90,42 @@ impl Edge {
 }
 
 impl Edge {
+    /// Pulls an image into the store; before it is named, its size is held in its
+    /// project's disk quota (as a commit's is, under the same hold id), so a project
+    /// cannot fill the node's disk with pulls.
+    pub async fn pull_image(
+        self: &Arc<Self>,
+        req: &dsec_image::pull::PullRequest,
+        log: &mut (dyn FnMut(String) + Send),
+    ) -> Result<dsec_image::pull::Pulled, ImageError> {
+        let edge = self.clone();
+        let target = req.target.clone();
+        let hold: dsec_image::pull::BeforeTag = Box::new(move |bytes| {
+            Box::pin(async move {
+                let id = crate::commit::image_hold_id(&edge.cfg.name, &target);
+                let (project, name) = (target.project(), edge.cfg.name.clone());
+                let held = edge
+                    .quota(move |q| q.hold_disk(&id, &project, &name, bytes))
+                    .await
+                    .and_then(|r| r.transpose());
+                held.map(|_| ()).map_err(|e| ImageError::Pull {
+                    reference: target.to_string(),
+                    kind: if e.code == dsec_common::ErrorCode::ResourceExhausted {
+                        dsec_image::pull::PullFailure::Quota
+                    } else {
+                        dsec_image::pull::PullFailure::Unreachable
+                    },
+                    message: e.message,
+                })
+            })
+        });
+        dsec_image::pull::pull_held(&self.images, req, log, Some(hold)).await
+    }
+
     /// Pulls `reference`, a build's `FROM`, as the building project's base image
     /// (`dsec_image::pull::base_name`), anonymously; the pull's lines go to `progress`.
     async fn pull_base(
-        &self,
+        self: &Arc<Self>,
         reference: &str,
         project: &str,
         progress: &tokio::sync::mpsc::UnboundedSender<String>,
@@ -126,7 +158,7 @@ impl Edge {
         let mut log = move |l: String| {
             let _ = tx.send(l);
         };
-        dsec_image::pull::pull(&self.images, &req, &mut log)
+        self.pull_image(&req, &mut log)
             .await
             .map_err(|e| match &e {
                 ImageError::Pull { kind, .. } => ApiError::new(
@@ -140,6 +172,9 @@ impl Edge {
                         }
                         dsec_image::pull::PullFailure::Refused => {
                             dsec_common::ErrorCode::FailedPrecondition
+                        }
+                        dsec_image::pull::PullFailure::Quota => {
+                            dsec_common::ErrorCode::ResourceExhausted
                         }
                         dsec_image::pull::PullFailure::Unreachable => {
                             dsec_common::ErrorCode::Unavailable

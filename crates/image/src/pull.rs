@@ -53,6 +53,8 @@ pub enum PullFailure {
     /// What the registry sent breaks a rule: a digest or size that does not match, a
     /// manifest over the limits, a media type this node cannot unpack.
     Refused,
+    /// The image does not fit the project's disk quota.
+    Quota,
     /// The registry could not be reached, or failed.
     Unreachable,
 }
@@ -563,10 +565,31 @@ fn media_ok(m: &str) -> bool {
 }
 
 /// Pulls `req.reference` into `store` as `req.target`; `log` gets a line per step.
+/// Called with the image's size (its layers' trees) just before it is named; an error
+/// stops the pull there, with nothing named (its layers stay, unnamed, for the next pull
+/// or the collector).
+pub type BeforeTag = Box<
+    dyn FnOnce(
+            u64,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = Result<(), ImageError>> + Send>,
+        > + Send,
+>;
+
 pub async fn pull(
     store: &ImageStore,
     req: &PullRequest,
     log: &mut (dyn FnMut(String) + Send),
+) -> Result<Pulled, ImageError> {
+    pull_held(store, req, log, None).await
+}
+
+/// [`pull`], with `before_tag` (a quota hold, say) run just before the image is named.
+pub async fn pull_held(
+    store: &ImageStore,
+    req: &PullRequest,
+    log: &mut (dyn FnMut(String) + Send),
+    before_tag: Option<BeforeTag>,
 ) -> Result<Pulled, ImageError> {
     let deadline = req.limits.deadline;
     match tokio::time::timeout(deadline, async {
@@ -577,7 +600,7 @@ pub async fn pull(
                 "the node is stopping",
             )
         })?;
-        pull_now(store, req, log).await
+        pull_now(store, req, log, before_tag).await
     })
     .await
     {
@@ -594,6 +617,7 @@ async fn pull_now(
     store: &ImageStore,
     req: &PullRequest,
     log: &mut (dyn FnMut(String) + Send),
+    before_tag: Option<BeforeTag>,
 ) -> Result<Pulled, ImageError> {
     let reference = req.reference.as_str();
     let r: Reference = reference.parse().map_err(|e| {
@@ -744,7 +768,7 @@ async fn pull_now(
     // Removed however the pull ends, a deadline that drops it included.
     let _tmp = TempDir(tmp.clone());
     pull_blobs(
-        store, req, &client, &r, &config, &layers, &tmp, &digest, log,
+        store, req, &client, &r, &config, &layers, &tmp, &digest, log, before_tag,
     )
     .await
 }
@@ -760,6 +784,7 @@ async fn pull_blobs(
     tmp: &Path,
     digest: &str,
     log: &mut (dyn FnMut(String) + Send),
+    before_tag: Option<BeforeTag>,
 ) -> Result<Pulled, ImageError> {
     let reference = req.reference.as_str();
     let cfg_path = tmp.join("config");
@@ -900,6 +925,9 @@ async fn pull_blobs(
         ));
     }
     let manifest = image_manifest(cfg, out, size_bytes, source, None);
+    if let Some(hold) = before_tag {
+        hold(manifest.size_bytes).await?;
+    }
     let image_digest = store.put_manifest(&manifest)?;
     store.tag(&req.target, &image_digest)?;
     log(format!("{} is {image_digest}", req.target));
