@@ -166,17 +166,32 @@ def teardown_network() -> None:
     _allow_bridge_forwarding(False)
 
 
+# Whether the `ip filter` table was there before the harness's first iptables call (with
+# the nft backend, even `iptables -C` makes it); one the harness made goes with the rule.
+_FILTER_TABLE_WAS_THERE: bool | None = None
+
+
+def _filter_table_exists() -> bool:
+    return shutil.which("nft") is not None and _run("nft", "list", "table", "ip", "filter",
+                                                     check=False).returncode == 0
+
+
 def _allow_bridge_forwarding(on: bool) -> None:
     """With br_netfilter loaded, frames between bridge ports pass iptables' FORWARD chain,
     whose policy may be DROP (e.g. where Docker runs): let the bridge's own traffic through."""
+    global _FILTER_TABLE_WAS_THERE
     if shutil.which("iptables") is None:
         return
+    if _FILTER_TABLE_WAS_THERE is None:
+        _FILTER_TABLE_WAS_THERE = _filter_table_exists()
     rule = ["FORWARD", "-i", BRIDGE, "-o", BRIDGE, "-j", "ACCEPT"]
     present = _run("iptables", "-C", *rule, check=False).returncode == 0
     if on and not present:
         _run("iptables", "-I", *rule, check=False)
     elif not on and present:
         _run("iptables", "-D", *rule, check=False)
+    if not on and not _FILTER_TABLE_WAS_THERE and _filter_table_exists():
+        _run("nft", "delete", "table", "ip", "filter", check=False)
 
 
 def in_netns(name: str, argv: list[str]) -> list[str]:
