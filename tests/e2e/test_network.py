@@ -18,6 +18,7 @@ import asyncio
 import ipaddress
 import json
 import re
+import subprocess
 import time
 
 import pytest
@@ -201,8 +202,10 @@ def key(sb: Sandbox) -> str:
 
 
 def gateway(address: str) -> str:
-    """The node's side of a sandbox's /30."""
-    return str(ipaddress.IPv4Address(address) - 1)
+    """The gateway of the sandbox at `address`: the first address of the node's pool
+    (10.200.0.0/16), the same for every sandbox, held by the node's loopback."""
+    assert ipaddress.IPv4Address(address) in ipaddress.IPv4Network("10.200.0.0/16"), address
+    return "10.200.0.1"
 
 
 async def node_connect(lab: Netlab, host: str, port: int) -> str:
@@ -506,6 +509,60 @@ async def test_no_raw_sockets(lab: Netlab, node: DSecClient):
     })
     for label, v in got.items():
         assert str(v).startswith("FAIL PermissionError"), f"{label}: {v}"
+
+
+# A DNS query for pypi.test from `src` to `dst`:53, as one raw IPv4 packet (the kernel
+# fills in the header checksum; a UDP checksum of 0 means none).
+FORGE = r"""
+import socket, struct, sys
+src, dst = sys.argv[1], sys.argv[2]
+name = b"".join(bytes([len(p)]) + p.encode() for p in "pypi.test".split(".")) + b"\0"
+q = struct.pack(">HHHHHH", 0x5151, 0x0100, 1, 0, 0, 0) + name + struct.pack(">HH", 1, 1)
+udp = struct.pack(">HHHH", 40000, 53, 8 + len(q), 0) + q
+ip = struct.pack(">BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 1, 0, 64, 17, 0,
+                 socket.inet_aton(src), socket.inet_aton(dst)) + udp
+s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+for _ in range(3):
+    s.sendto(ip, (dst, 0))
+"""
+
+
+async def test_a_sandbox_that_forges_another_sandboxs_address_is_dropped(lab: Netlab, node: DSecClient):
+    """An attacker with raw sockets in its sandbox's network namespace (which a sandbox
+    never has: here the test enters the namespace from the node) sends DNS queries as
+    another sandbox. The DNS proxy knows a sandbox by its source address, so a forged
+    query would open addresses in the victim's name and count against its rate; the node
+    drops it before it gets there. The same packet with the attacker's own address is
+    answered (so the drop is the forgery's doing)."""
+    attacker, victim = await asyncio.gather(
+        node.run_sandbox(DSecRunArgs(**PY, network_rules={"pypi": True})),
+        node.run_sandbox(DSecRunArgs(**PY, network_rules={"pypi": True})))
+    mark = f"{4000 + int(time.time()) % 1000}.{int(key(attacker), 36) % 10**6}"  # a number: sleep's argument
+    await attacker.exec_background(argv=["sleep", mark])
+    end, pid = time.monotonic() + 10, ""
+    while not pid and time.monotonic() < end:
+        pid = subprocess.run(["pgrep", "-xf", f"sleep {mark}"], capture_output=True,
+                             text=True).stdout.split("\n")[0].strip()
+        await asyncio.sleep(0.1)
+    assert pid, "the attacker's process is not to be found on the node"
+    gw = gateway(attacker.info.network["address"])
+
+    def forge(src: str) -> None:
+        subprocess.run(["nsenter", f"--net=/proc/{pid}/ns/net", "--", "python3", "-c", FORGE, src, gw],
+                       check=True, timeout=10)
+
+    def learned(sb: Sandbox) -> list[str]:
+        end = time.monotonic() + 3
+        while not (got := elements(lab, "a", sb)) and time.monotonic() < end:
+            time.sleep(0.1)
+        return got
+
+    await asyncio.to_thread(forge, victim.info.network["address"])
+    assert await asyncio.to_thread(learned, victim) == [], "a forged query opened addresses as the victim"
+    await asyncio.to_thread(forge, attacker.info.network["address"])
+    own = await asyncio.to_thread(learned, attacker)
+    assert any(e.startswith(PYPI_IP) for e in own), f"the attacker's own query opened nothing: {own}"
+    assert elements(lab, "a", victim) == []
 
 
 # ---- 4. scale and cleanup ------------------------------------------------------------------

@@ -1,9 +1,17 @@
 //! A sandbox's network namespace and veth pair, made in-process over rtnetlink
 //! ([`super::rtnl`]): the namespace `dsec-<id>` (pinned at `/run/dsec/netns/dsec-<id>` in
 //! the sandboxes' mount namespace; the OCI runtime joins it at [`netns_path`]), `eth0`
-//! inside with the sandbox's address and a default route, `dsv<k>` on the node with the
-//! gateway address, and the namespace's own DNS guard
-//! ([`super::guard`]). Each sandbox has a /30 of the pool.
+//! inside with the sandbox's address and a default route, `dsv<k>` on the node, and the
+//! namespace's own DNS guard ([`super::guard`]).
+//!
+//! Each sandbox has an address of its own (the second of a /30 of the pool); the node's
+//! side has none. Every sandbox's gateway is the pool's first address, held once by the
+//! node's loopback ([`install_gateway`]), and every `dsv<k>` has the same hardware
+//! address, which each sandbox knows for its gateway from the start (a permanent
+//! neighbour entry: no ARP, whatever the node's `arp_ignore`); the node reaches a sandbox
+//! by a /32 route out of its `dsv<k>`. An address
+//! per sandbox on the node's side would make every address added on the node walk all
+//! the others (the kernel's lifetime check), and cost four routes instead of one.
 
 use std::net::Ipv4Addr;
 use std::os::fd::AsFd;
@@ -15,7 +23,8 @@ use super::nft::IFACE_PREFIX;
 use super::rtnl::{self, Rtnl};
 use super::rules::Cidr;
 
-/// A sandbox's addresses: the node side (`gateway`) and its own (`ip`), a /30.
+/// A sandbox's addresses: its gateway (the node's, the same for every sandbox) and its
+/// own (`ip`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Slot {
     pub index: u32,
@@ -32,7 +41,7 @@ impl Slot {
         }
         Some(Slot {
             index,
-            gateway: Ipv4Addr::from(base + index * 4 + 1),
+            gateway: gateway(pool),
             ip: Ipv4Addr::from(base + index * 4 + 2),
         })
     }
@@ -40,6 +49,38 @@ impl Slot {
     /// How many sandboxes a pool holds.
     pub fn capacity(pool: &Cidr) -> u32 {
         ((1u64 << (32 - pool.prefix as u64)) / 4).min(u32::MAX as u64) as u32
+    }
+}
+
+/// The hardware address of the node's side of every sandbox's veth (locally
+/// administered, unicast).
+pub const GATEWAY_MAC: [u8; 6] = [0x02, 0xd5, 0xec, 0x00, 0x00, 0x01];
+
+/// The sandboxes' gateway: the pool's first address (never a sandbox's, whose addresses
+/// are the second of each /30).
+pub fn gateway(pool: &Cidr) -> Ipv4Addr {
+    Ipv4Addr::from(u32::from(pool.addr) + 1)
+}
+
+/// Puts the sandboxes' gateway on the node's loopback (it may be there already).
+pub fn install_gateway(pool: &Cidr) -> Result<(), String> {
+    let gw = gateway(pool);
+    let mut r = Rtnl::open().map_err(|e| e.to_string())?;
+    let lo = rtnl::index("lo").map_err(|e| e.to_string())?;
+    match r.add_address(lo, gw, 32) {
+        Err(e) if e.errno() != Some(libc::EEXIST) => {
+            Err(format!("putting the sandboxes' gateway {gw} on lo: {e}"))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Takes the sandboxes' gateway off the node's loopback (the last sandbox is gone).
+pub fn remove_gateway(pool: &Cidr) {
+    let gw = gateway(pool);
+    let gone = Rtnl::open().and_then(|mut r| r.delete_address(rtnl::index("lo")?, gw, 32));
+    if let Err(e) = gone {
+        tracing::warn!("taking the sandboxes' gateway {gw} off lo: {e}");
     }
 }
 
@@ -62,7 +103,7 @@ pub fn create(id: &str, k: &str, slot: &Slot) -> Result<(), String> {
         let ns = rtnl::create_netns(&netns_name(id))?;
         let host = host_iface(k);
         let mut r = Rtnl::open()?;
-        r.add_veth(&host, "eth0", ns.as_fd())?;
+        r.add_veth(&host, GATEWAY_MAC, "eth0", ns.as_fd())?;
         let i = rtnl::index(&host)?;
         // IPv6 off on the node's side before it comes up. Sandboxes are reached over IPv4
         // only; with IPv6 on, each pair would add its link-local and multicast routes to
@@ -70,20 +111,21 @@ pub fn create(id: &str, k: &str, slot: &Slot) -> Result<(), String> {
         // every link coming up (which walks the table) would cost more with each sandbox,
         // and each sandbox's own solicitations and reports would be routed there too.
         rtnl::disable_ipv6(&host)?;
-        r.add_address(i, slot.gateway, 30)?;
         r.set_up(i)?;
+        r.add_host_route(i, slot.ip, slot.gateway)?;
         let (ip, gw) = (slot.ip, slot.gateway);
         rtnl::in_netns(&ns, move || {
             let mut r = Rtnl::open()?;
             r.set_up(rtnl::index("lo")?)?;
-            // eth0 came with IPv6 off (the namespace's default, see `create_netns`): it has
-            // nowhere to reach over IPv6, and with it on, each new sandbox would send
+            // eth0 came with IPv6 off (the namespace's default, see `create_netns`):
+            // it has nowhere to reach over IPv6, and with it on, each new sandbox would send
             // solicitations and listener reports, and run address timers, for seconds. Its
             // loopback keeps `::1`, which `localhost` may resolve to.
             let eth0 = rtnl::index("eth0")?;
-            r.add_address(eth0, ip, 30)?;
+            r.add_address(eth0, ip, 32)?;
             r.set_up(eth0)?;
-            r.add_default_route(gw)?;
+            r.add_neighbour(eth0, gw, GATEWAY_MAC)?;
+            r.add_default_route(eth0, gw)?;
             super::guard::install_here().map_err(NetlinkError::Other)
         })
     })();
@@ -144,7 +186,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn slots_are_disjoint_slash_30s_inside_the_pool() {
+    fn slots_are_disjoint_slash_30s_inside_the_pool_behind_one_gateway() {
         let pool = Cidr::parse("10.200.0.0/16").unwrap();
         let s0 = Slot::in_pool(&pool, 0).unwrap();
         assert_eq!(
@@ -153,6 +195,7 @@ mod tests {
         );
         let s5 = Slot::in_pool(&pool, 5).unwrap();
         assert_eq!(s5.ip.to_string(), "10.200.0.22");
+        assert_eq!(s5.gateway, s0.gateway);
         assert_eq!(Slot::capacity(&pool), 16384);
         assert!(Slot::in_pool(&pool, 16383).is_some());
         assert!(Slot::in_pool(&pool, 16384).is_none());

@@ -132,6 +132,7 @@ impl Network {
             forwarding_file: state_dir.join("ip_forward.before"),
         };
         if cfg.enabled {
+            link::install_gateway(&pool)?;
             nft::apply_script(&nft::base(&pool, cfg.dns_port)).map_err(|e| {
                 format!(
                     "{e} (sandbox networking needs nftables; or set [edge.network] enabled = false)"
@@ -448,6 +449,7 @@ impl Network {
             return;
         }
         let _ = nft::apply_script(&nft::drop_table());
+        link::remove_gateway(&self.pool);
         if let Ok(was) = std::fs::read_to_string(&self.forwarding_file) {
             let _ = std::fs::write(IP_FORWARD, was.trim());
             let _ = std::fs::remove_file(&self.forwarding_file);

@@ -11,9 +11,11 @@
 //!   (`a`, each with its TTL) and its CIDR rules (`c`, `p`); the rest is dropped. IPv6
 //!   is dropped; nothing may open a connection into a sandbox; replies pass.
 //! - input: from a sandbox only DNS to the proxy reaches the node.
-//! - nat: DNS on port 53 to any address is redirected to the proxy; the pool is
-//!   masqueraded behind the node's uplink. Before it (raw priority), each sandbox's DNS
-//!   packets past a rate are dropped by the kernel.
+//! - nat: DNS on port 53 to any address goes to the proxy at the sandboxes' gateway; the
+//!   pool is masqueraded behind the node's uplink. Before it (raw priority), a packet
+//!   whose source address is not the one routed to its interface (a sandbox posing as
+//!   another) is dropped, and each sandbox's DNS packets past a rate are dropped by the
+//!   kernel.
 //!
 //! Set keys are `iifname . ip daddr [. th dport]`: the interface a packet came in on,
 //! which a sandbox cannot forge (an address it can).
@@ -361,6 +363,7 @@ pub fn base(pool: &Cidr, dns_port: u16) -> String {
         .collect::<Vec<_>>()
         .join(", ");
     let p = IFACE_PREFIX;
+    let gateway = super::link::gateway(pool);
     format!(
         "add table inet {TABLE}
 add set inet {TABLE} never4 {{ type ipv4_addr; flags interval; }}
@@ -407,10 +410,11 @@ add rule inet {TABLE} input iifname \"{p}*\" drop
 add set inet {TABLE} dnsrate {{ type ipv4_addr; flags dynamic,timeout; timeout 1m; size 65536; }}
 add chain inet {TABLE} dnslimit {{ type filter hook prerouting priority raw; policy accept; }}
 flush chain inet {TABLE} dnslimit
+add rule inet {TABLE} dnslimit iifname \"{p}*\" fib saddr . iif oif missing drop
 add rule inet {TABLE} dnslimit iifname \"{p}*\" meta l4proto {{ tcp, udp }} th dport 53 update @dnsrate {{ ip saddr limit rate over {DNS_PACKETS_PER_S}/second burst {DNS_PACKETS_BURST} packets }} drop
 add chain inet {TABLE} prerouting {{ type nat hook prerouting priority dstnat; policy accept; }}
 flush chain inet {TABLE} prerouting
-add rule inet {TABLE} prerouting iifname \"{p}*\" meta nfproto ipv4 meta l4proto {{ tcp, udp }} th dport 53 redirect to :{dns_port}
+add rule inet {TABLE} prerouting iifname \"{p}*\" meta nfproto ipv4 meta l4proto {{ tcp, udp }} th dport 53 dnat ip to {gateway}:{dns_port}
 add chain inet {TABLE} postrouting {{ type nat hook postrouting priority srcnat; policy accept; }}
 flush chain inet {TABLE} postrouting
 add rule inet {TABLE} postrouting ip saddr {pool} oifname != \"{p}*\" masquerade

@@ -20,8 +20,12 @@ use netlink_packet_route::address::{AddressAttribute, AddressMessage, AddressSco
 use netlink_packet_route::link::{
     InfoData, InfoKind, InfoVeth, LinkAttribute, LinkFlags, LinkInfo, LinkMessage,
 };
+use netlink_packet_route::neighbour::{
+    NeighbourAddress, NeighbourAttribute, NeighbourMessage, NeighbourState,
+};
 use netlink_packet_route::route::{
-    RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope, RouteType,
+    RouteAddress, RouteAttribute, RouteFlags, RouteHeader, RouteMessage, RouteProtocol, RouteScope,
+    RouteType,
 };
 use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
@@ -123,10 +127,13 @@ impl Rtnl {
         }
     }
 
-    /// A veth pair: `name` here, `peer` in the namespace `peer_ns`.
+    /// A veth pair: `name` here (with hardware address `mac`), `peer` in the namespace
+    /// `peer_ns`, both down. (Neither end can be made up in the same message: the
+    /// kernel opens an end before it is joined to its peer, and refuses.)
     pub fn add_veth(
         &mut self,
         name: &str,
+        mac: [u8; 6],
         peer: &str,
         peer_ns: BorrowedFd<'_>,
     ) -> Result<(), NetlinkError> {
@@ -136,6 +143,7 @@ impl Rtnl {
             .push(LinkAttribute::NetNsFd(peer_ns.as_raw_fd()));
         let mut m = LinkMessage::default();
         m.attributes.push(LinkAttribute::IfName(name.to_string()));
+        m.attributes.push(LinkAttribute::Address(mac.to_vec()));
         m.attributes.push(LinkAttribute::LinkInfo(vec![
             LinkInfo::Kind(InfoKind::Veth),
             LinkInfo::Data(InfoData::Veth(InfoVeth::Peer(p))),
@@ -181,21 +189,86 @@ impl Rtnl {
         )
     }
 
-    /// The default route, via `gateway`.
-    pub fn add_default_route(&mut self, gateway: Ipv4Addr) -> Result<(), NetlinkError> {
-        let mut m = RouteMessage::default();
-        m.header.address_family = AddressFamily::Inet;
-        m.header.table = RouteHeader::RT_TABLE_MAIN;
-        m.header.protocol = RouteProtocol::Boot;
-        m.header.scope = RouteScope::Universe;
-        m.header.kind = RouteType::Unicast;
+    /// The default route, via `gateway` on link `index`, which has no address of the
+    /// gateway's network: the gateway is on the link by fiat (`onlink`).
+    pub fn add_default_route(&mut self, index: u32, gateway: Ipv4Addr) -> Result<(), NetlinkError> {
+        let mut m = route_message(RouteScope::Universe);
+        m.header.flags = RouteFlags::Onlink;
         m.attributes
             .push(RouteAttribute::Gateway(RouteAddress::Inet(gateway)));
+        m.attributes.push(RouteAttribute::Oif(index));
         self.request(
             RouteNetlinkMessage::NewRoute(m),
             NLM_F_CREATE | NLM_F_EXCL,
             &format!("adding the default route via {gateway}"),
         )
+    }
+
+    /// A route to the single address `ip` straight out of link `index` (no gateway),
+    /// answered from `source`, a local address of another link.
+    pub fn add_host_route(
+        &mut self,
+        index: u32,
+        ip: Ipv4Addr,
+        source: Ipv4Addr,
+    ) -> Result<(), NetlinkError> {
+        let mut m = route_message(RouteScope::Link);
+        m.header.destination_prefix_length = 32;
+        m.attributes
+            .push(RouteAttribute::Destination(RouteAddress::Inet(ip)));
+        m.attributes
+            .push(RouteAttribute::PrefSource(RouteAddress::Inet(source)));
+        m.attributes.push(RouteAttribute::Oif(index));
+        self.request(
+            RouteNetlinkMessage::NewRoute(m),
+            NLM_F_CREATE | NLM_F_EXCL,
+            &format!("adding the route to {ip}"),
+        )
+    }
+
+    /// A permanent neighbour entry: `ip` is at `mac` on link `index` (never asked by ARP).
+    pub fn add_neighbour(
+        &mut self,
+        index: u32,
+        ip: Ipv4Addr,
+        mac: [u8; 6],
+    ) -> Result<(), NetlinkError> {
+        let mut m = NeighbourMessage::default();
+        m.header.family = AddressFamily::Inet;
+        m.header.ifindex = index;
+        m.header.state = NeighbourState::Permanent;
+        m.header.kind = RouteType::Unicast;
+        m.attributes
+            .push(NeighbourAttribute::Destination(NeighbourAddress::Inet(ip)));
+        m.attributes
+            .push(NeighbourAttribute::LinkLayerAddress(mac.to_vec()));
+        self.request(
+            RouteNetlinkMessage::NewNeighbour(m),
+            NLM_F_CREATE | NLM_F_EXCL,
+            &format!("adding the neighbour {ip}"),
+        )
+    }
+
+    /// Removes `ip/prefix` from link `index`; an address that is not there is no error.
+    pub fn delete_address(
+        &mut self,
+        index: u32,
+        ip: Ipv4Addr,
+        prefix: u8,
+    ) -> Result<(), NetlinkError> {
+        let mut m = AddressMessage::default();
+        m.header.family = AddressFamily::Inet;
+        m.header.prefix_len = prefix;
+        m.header.index = index;
+        m.attributes.push(AddressAttribute::Local(ip.into()));
+        match self.request(
+            RouteNetlinkMessage::DelAddress(m),
+            0,
+            &format!("removing {ip}/{prefix}"),
+        ) {
+            Err(e) if e.errno() == Some(libc::EADDRNOTAVAIL) => Ok(()),
+            r => r,
+        }
     }
 
     /// Sets the hardware address of link `index`.
@@ -220,6 +293,17 @@ impl Rtnl {
             &format!("deleting link {name}"),
         )
     }
+}
+
+/// A unicast route of the main table, of this software's making.
+fn route_message(scope: RouteScope) -> RouteMessage {
+    let mut m = RouteMessage::default();
+    m.header.address_family = AddressFamily::Inet;
+    m.header.table = RouteHeader::RT_TABLE_MAIN;
+    m.header.protocol = RouteProtocol::Boot;
+    m.header.scope = scope;
+    m.header.kind = RouteType::Unicast;
+    m
 }
 
 /// The index of interface `name` in the calling thread's namespace.
