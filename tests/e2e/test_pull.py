@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DATA, dsec, node_config, wait_for
+from conftest import DATA, DSEC, dsec, node_config, wait_for
 from opendsec import DSecClient, DSecRunArgs, PermissionDeniedError
 
 pytestmark = pytest.mark.skipif(
@@ -347,7 +347,7 @@ def test_credentials_are_checked_and_docker_config_is_read(tmp_path):
         p = dsec("image", "pull", ref, "--plain-http", "--as", "root/pt-private:v1", "--data-dir", str(DATA),
                  "--username", "puller", "--password-stdin", check=False)
         assert p.returncode != 0  # no password on stdin
-        bad = subprocess.run([os.environ.get("DSEC_BIN", "dsec"), "image", "pull", ref, "--plain-http", "--as",
+        bad = subprocess.run([DSEC, "image", "pull", ref, "--plain-http", "--as",
                               "root/pt-private:v1", "--data-dir", str(DATA), "--username", "puller",
                               "--password-stdin"], input="wrong\n", capture_output=True, text=True, timeout=120,
                              env={**os.environ, "DSEC_CONFIG": str(DATA / "client.toml")})

@@ -213,20 +213,72 @@ fn check_registry(p: &Principal, registry: &str, edge: &dsec_edge::Edge) -> ApiR
     .into())
 }
 
-pub(crate) fn pull_error(e: dsec_image::ImageError) -> ApiError {
-    use dsec_image::pull::PullFailure as F;
-    match &e {
-        dsec_image::ImageError::Pull { kind, .. } => {
-            let code = match kind {
-                F::Invalid => ErrorCode::InvalidArgument,
-                F::NotFound => ErrorCode::NotFound,
-                F::Unauthorized => ErrorCode::PermissionDenied,
-                F::Refused => ErrorCode::FailedPrecondition,
-                F::Quota => ErrorCode::ResourceExhausted,
-                F::Unreachable => ErrorCode::Unavailable,
-            };
-            ApiError::new(code, e.to_string())
+/// What a request gives to reach a registry, checked: the registry is one the key may
+/// reach, `plain_http` and `ca_pem` come from a key of `root` only, and the credentials
+/// are a username with a password, a token alone, or none.
+struct Access {
+    username: Option<String>,
+    password: Option<String>,
+    token: Option<String>,
+    plain_http: bool,
+    ca_pem: Option<String>,
+}
+
+impl Access {
+    /// The [`PullRequest`](dsec_image::pull::PullRequest) for `reference` (parsed as `r`)
+    /// to or from image `target` here.
+    fn request(
+        self,
+        p: &Principal,
+        edge: &dsec_edge::Edge,
+        reference: String,
+        r: &oci_client::Reference,
+        target: ImageRef,
+    ) -> ApiResult<dsec_image::pull::PullRequest> {
+        use dsec_image::pull::{Credentials, PullLimits, PullRequest};
+        check_registry(p, r.registry(), edge)?;
+        if (self.plain_http || self.ca_pem.is_some()) && !p.is_admin() {
+            return Err(ApiError::new(
+                ErrorCode::PermissionDenied,
+                "plain_http and ca_pem are for keys of the root project",
+            )
+            .into());
         }
+        let credentials = match (self.username, self.password, self.token) {
+            (Some(username), Some(password), None) => Credentials::Basic { username, password },
+            (None, None, Some(t)) => Credentials::Token(t),
+            (None, None, None) => Credentials::Anonymous,
+            _ => {
+                return Err(ApiError::invalid(
+                    "give username and password together, or a token alone, or neither",
+                )
+                .into());
+            }
+        };
+        Ok(PullRequest {
+            reference,
+            target,
+            credentials,
+            plain_http: self.plain_http || edge.insecure_registry(r.registry()),
+            ca_pem: self.ca_pem,
+            limits: PullLimits::default(),
+        })
+    }
+}
+
+/// `reference` as an OCI reference, or a 400 with an example.
+fn parse_reference(reference: &str, example: &str) -> ApiResult<oci_client::Reference> {
+    reference.parse().map_err(|e| {
+        ApiError::invalid(format!(
+            "{reference:?} is not an image reference ({e}); e.g. {example}"
+        ))
+        .into()
+    })
+}
+
+pub(crate) fn pull_error(e: dsec_image::ImageError) -> ApiError {
+    match &e {
+        dsec_image::ImageError::Pull { kind, .. } => ApiError::new((*kind).into(), e.to_string()),
         _ => ApiError::internal(e.to_string()),
     }
 }
@@ -239,23 +291,8 @@ pub(crate) async fn pull_image(
     axum::extract::Extension(p): axum::extract::Extension<Principal>,
     bytes: axum::body::Bytes,
 ) -> ApiResult<axum::response::Response> {
-    use axum::response::IntoResponse;
-    use dsec_image::pull::{Credentials, PullLimits, PullRequest};
     let b: PullBody = crate::body(&bytes, "image pull")?;
-    let r: oci_client::Reference = b.reference.parse().map_err(|e| {
-        ApiError::invalid(format!(
-            "{:?} is not an image reference ({e}); e.g. registry.example.com/team/python:3.11",
-            b.reference
-        ))
-    })?;
-    check_registry(&p, r.registry(), &st.edge)?;
-    if (b.plain_http || b.ca_pem.is_some()) && !p.is_admin() {
-        return Err(ApiError::new(
-            ErrorCode::PermissionDenied,
-            "plain_http and ca_pem are for keys of the root project",
-        )
-        .into());
-    }
+    let r = parse_reference(&b.reference, "registry.example.com/team/python:3.11")?;
     let target = match &b.target {
         Some(t) => check_write(&p, t)?,
         None => {
@@ -263,41 +300,22 @@ pub(crate) async fn pull_image(
             check_write(&p, &t.to_string())?
         }
     };
-    let credentials = match (b.username, b.password, b.token) {
-        (Some(username), Some(password), None) => Credentials::Basic { username, password },
-        (None, None, Some(t)) => Credentials::Token(t),
-        (None, None, None) => Credentials::Anonymous,
-        _ => {
-            return Err(ApiError::invalid(
-                "give username and password together, or a token alone, or neither",
-            )
-            .into());
-        }
-    };
-    let req = PullRequest {
-        reference: b.reference,
-        target: target.clone(),
-        credentials,
-        plain_http: b.plain_http || st.edge.insecure_registry(r.registry()),
+    let access = Access {
+        username: b.username,
+        password: b.password,
+        token: b.token,
+        plain_http: b.plain_http,
         ca_pem: b.ca_pem,
-        limits: PullLimits::default(),
     };
+    let req = access.request(&p, &st.edge, b.reference, &r, target)?;
     let edge = st.edge.clone();
-    let (out_tx, out_rx) = tokio::sync::mpsc::unbounded_channel::<axum::body::Bytes>();
-    let line = |v: serde_json::Value| {
-        let mut b = serde_json::to_vec(&v).unwrap_or_default();
-        b.push(b'\n');
-        axum::body::Bytes::from(b)
-    };
-    tokio::spawn(async move {
-        let tx = out_tx.clone();
+    Ok(crate::ndjson(move |tx| async move {
         let name = req.target.to_string();
         let mut log = move |l: String| {
             tracing::info!(image = %name, "pull: {l}");
-            let _ = tx.send(line(serde_json::json!({ "log": l })));
+            let _ = tx.send(l);
         };
-        // Run to the end even when the caller left, so nothing is left half-made.
-        let last = match edge.pull_image(&req, &mut log).await {
+        match edge.pull_image(&req, &mut log).await {
             Ok(done) => serde_json::json!({
                 "image": req.target.to_string(),
                 "digest": done.digest,
@@ -312,19 +330,8 @@ pub(crate) async fn pull_image(
                 tracing::warn!(image = %req.target, "pull failed: {e}");
                 serde_json::json!({ "error": pull_error(e) })
             }
-        };
-        let _ = out_tx.send(line(last));
-    });
-    let stream = futures_util::stream::unfold(out_rx, |mut rx| async move {
-        rx.recv()
-            .await
-            .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
-    });
-    Ok((
-        [(axum::http::header::CONTENT_TYPE, "application/x-ndjson")],
-        axum::body::Body::from_stream(stream),
-    )
-        .into_response())
+        }
+    }))
 }
 
 /// `POST /v1/images:push`'s body.
@@ -354,60 +361,27 @@ pub(crate) async fn push_image(
     axum::extract::Extension(p): axum::extract::Extension<Principal>,
     bytes: axum::body::Bytes,
 ) -> ApiResult<axum::response::Response> {
-    use axum::response::IntoResponse;
-    use dsec_image::pull::{Credentials, PullLimits, PullRequest};
     let b: PushBody = crate::body(&bytes, "image push")?;
     check_read(&p, &b.image)?;
     let image = ImageRef::parse(&b.image).map_err(|e| ApiError::invalid(e.to_string()))?;
-    let r: oci_client::Reference = b.reference.parse().map_err(|e| {
-        ApiError::invalid(format!(
-            "{:?} is not an image reference ({e}); e.g. registry.example.com/team/env:v1",
-            b.reference
-        ))
-    })?;
-    check_registry(&p, r.registry(), &st.edge)?;
-    if (b.plain_http || b.ca_pem.is_some()) && !p.is_admin() {
-        return Err(ApiError::new(
-            ErrorCode::PermissionDenied,
-            "plain_http and ca_pem are for keys of the root project",
-        )
-        .into());
-    }
-    let credentials = match (b.username, b.password, b.token) {
-        (Some(username), Some(password), None) => Credentials::Basic { username, password },
-        (None, None, Some(t)) => Credentials::Token(t),
-        (None, None, None) => Credentials::Anonymous,
-        _ => {
-            return Err(ApiError::invalid(
-                "give username and password together, or a token alone, or neither",
-            )
-            .into());
-        }
-    };
-    let how = PullRequest {
-        reference: b.reference.clone(),
-        target: image.clone(),
-        credentials,
-        plain_http: b.plain_http || st.edge.insecure_registry(r.registry()),
+    let r = parse_reference(&b.reference, "registry.example.com/team/env:v1")?;
+    let access = Access {
+        username: b.username,
+        password: b.password,
+        token: b.token,
+        plain_http: b.plain_http,
         ca_pem: b.ca_pem,
-        limits: PullLimits::default(),
     };
+    let how = access.request(&p, &st.edge, b.reference, &r, image.clone())?;
     let store = st.edge.images().clone();
-    let (out_tx, out_rx) = tokio::sync::mpsc::unbounded_channel::<axum::body::Bytes>();
-    let line = |v: serde_json::Value| {
-        let mut b = serde_json::to_vec(&v).unwrap_or_default();
-        b.push(b'\n');
-        axum::body::Bytes::from(b)
-    };
-    tokio::spawn(async move {
-        let tx = out_tx.clone();
+    Ok(crate::ndjson(move |tx| async move {
         let name = image.to_string();
         let mut log = move |l: String| {
             tracing::info!(image = %name, "push: {l}");
-            let _ = tx.send(line(serde_json::json!({ "log": l })));
+            let _ = tx.send(l);
         };
         let dest = how.reference.clone();
-        let last = match dsec_image::push::push(&store, &image, &dest, &how, &mut log).await {
+        match dsec_image::push::push(&store, &image, &dest, &how, &mut log).await {
             Ok(done) => serde_json::json!({
                 "image": image.to_string(),
                 "reference": dest,
@@ -423,17 +397,6 @@ pub(crate) async fn push_image(
                 tracing::warn!(image = %image, "push failed: {e}");
                 serde_json::json!({ "error": pull_error(e) })
             }
-        };
-        let _ = out_tx.send(line(last));
-    });
-    let stream = futures_util::stream::unfold(out_rx, |mut rx| async move {
-        rx.recv()
-            .await
-            .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
-    });
-    Ok((
-        [(axum::http::header::CONTENT_TYPE, "application/x-ndjson")],
-        axum::body::Body::from_stream(stream),
-    )
-        .into_response())
+        }
+    }))
 }

@@ -551,39 +551,50 @@ async fn build_image(
     let name = dsec_image::ImageRef::parse(&spec.name)
         .map_err(|e| ApiError::invalid(e.to_string()))?
         .to_string();
-    let (log_tx, mut log_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
-    let (out_tx, out_rx) = tokio::sync::mpsc::channel::<Bytes>(64);
     let edge = st.edge.clone();
-    let build = tokio::spawn(async move { edge.build_image(spec, p.project, log_tx).await });
-    tokio::spawn(async move {
-        let line = |v: serde_json::Value| {
-            let mut b = serde_json::to_vec(&v).unwrap_or_default();
-            b.push(b'\n');
-            Bytes::from(b)
-        };
-        // Drained to the end even when the caller left, so the build never waits on it.
-        while let Some(l) = log_rx.recv().await {
-            let _ = out_tx.send(line(serde_json::json!({ "log": l }))).await;
+    Ok(ndjson(move |log| async move {
+        match edge.build_image(spec, p.project, log).await {
+            Ok(digest) => serde_json::json!({"image": name, "digest": digest}),
+            Err(e) => serde_json::json!({ "error": e }),
         }
-        let last = match build.await {
-            Ok(Ok(digest)) => serde_json::json!({"image": name, "digest": digest}),
-            Ok(Err(e)) => serde_json::json!({ "error": e }),
-            Err(e) => {
-                serde_json::json!({"error": ApiError::internal(format!("build worker failed: {e}"))})
-            }
-        };
-        let _ = out_tx.send(line(last)).await;
+    }))
+}
+
+/// An NDJSON answer: a `{"log": line}` line for each line `work` sends, then the value
+/// it ends with. `work` runs to its end even when the caller leaves, so that nothing is
+/// left half-made and it never waits on a reader.
+pub(crate) fn ndjson<F, W>(work: W) -> Response
+where
+    W: FnOnce(tokio::sync::mpsc::UnboundedSender<String>) -> F,
+    F: std::future::Future<Output = serde_json::Value> + Send + 'static,
+{
+    let line = |v: serde_json::Value| {
+        let mut b = serde_json::to_vec(&v).unwrap_or_default();
+        b.push(b'\n');
+        Bytes::from(b)
+    };
+    let (log_tx, mut log_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let (out_tx, out_rx) = tokio::sync::mpsc::unbounded_channel::<Bytes>();
+    let done = tokio::spawn(work(log_tx));
+    tokio::spawn(async move {
+        while let Some(l) = log_rx.recv().await {
+            let _ = out_tx.send(line(serde_json::json!({ "log": l })));
+        }
+        let last = done.await.unwrap_or_else(
+            |e| serde_json::json!({"error": ApiError::internal(format!("the worker failed: {e}"))}),
+        );
+        let _ = out_tx.send(line(last));
     });
     let stream = futures_util::stream::unfold(out_rx, |mut rx| async move {
         rx.recv()
             .await
             .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
     });
-    Ok((
+    (
         [(header::CONTENT_TYPE, "application/x-ndjson")],
         axum::body::Body::from_stream(stream),
     )
-        .into_response())
+        .into_response()
 }
 
 async fn images(

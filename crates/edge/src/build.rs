@@ -161,27 +161,9 @@ impl Edge {
         self.pull_image(&req, &mut log)
             .await
             .map_err(|e| match &e {
-                ImageError::Pull { kind, .. } => ApiError::new(
-                    match kind {
-                        dsec_image::pull::PullFailure::Invalid => {
-                            dsec_common::ErrorCode::InvalidArgument
-                        }
-                        dsec_image::pull::PullFailure::NotFound => dsec_common::ErrorCode::NotFound,
-                        dsec_image::pull::PullFailure::Unauthorized => {
-                            dsec_common::ErrorCode::PermissionDenied
-                        }
-                        dsec_image::pull::PullFailure::Refused => {
-                            dsec_common::ErrorCode::FailedPrecondition
-                        }
-                        dsec_image::pull::PullFailure::Quota => {
-                            dsec_common::ErrorCode::ResourceExhausted
-                        }
-                        dsec_image::pull::PullFailure::Unreachable => {
-                            dsec_common::ErrorCode::Unavailable
-                        }
-                    },
-                    format!("FROM: {e}"),
-                ),
+                ImageError::Pull { kind, .. } => {
+                    ApiError::new((*kind).into(), format!("FROM: {e}"))
+                }
                 _ => image_error(e),
             })?;
         Ok(target)

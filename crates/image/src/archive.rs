@@ -21,6 +21,7 @@ use serde_json::json;
 use sha2::{Digest, Sha256};
 
 use crate::layer::{sniff_media_type, unpack_layer_checked};
+use crate::oci::{Descriptor, Document, OCI_CONFIG, OCI_INDEX, OCI_LAYER_GZIP, OCI_MANIFEST};
 use crate::pull::{ConfigFile, PullFailure, PullLimits, check_digest, image_manifest};
 use crate::store::{Manifest, StartCmd, remove_tree};
 use crate::{ImageError, ImageRef, ImageStore, IoContext};
@@ -28,11 +29,6 @@ use crate::{ImageError, ImageRef, ImageStore, IoContext};
 const SOURCE_ANNOTATION: &str = "org.opendsec.source";
 const START_ANNOTATION: &str = "org.opendsec.start";
 const REF_NAME: &str = "org.opencontainers.image.ref.name";
-const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
-const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
-const OCI_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
-const OCI_LAYER_GZIP: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
-
 fn refused(what: &str, m: impl Into<String>) -> ImageError {
     ImageError::Pull {
         reference: what.to_string(),
@@ -177,40 +173,6 @@ fn untar_archive(tar_path: &Path, dir: &Path, what: &str) -> Result<Files, Image
 }
 
 #[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Desc {
-    #[serde(default)]
-    media_type: String,
-    digest: String,
-    size: i64,
-    #[serde(default)]
-    platform: Option<Platform>,
-    #[serde(default)]
-    annotations: BTreeMap<String, String>,
-}
-
-#[derive(Deserialize)]
-struct Platform {
-    #[serde(default)]
-    architecture: String,
-    #[serde(default)]
-    os: String,
-}
-
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Doc {
-    #[serde(default)]
-    manifests: Option<Vec<Desc>>,
-    #[serde(default)]
-    config: Option<Desc>,
-    #[serde(default)]
-    layers: Option<Vec<Desc>>,
-    #[serde(default)]
-    annotations: BTreeMap<String, String>,
-}
-
-#[derive(Deserialize)]
 #[serde(rename_all = "PascalCase")]
 struct SaveEntry {
     config: String,
@@ -221,7 +183,7 @@ struct SaveEntry {
 
 /// A blob of the layout, read whole (a manifest, an index, a config), checked against
 /// its digest.
-fn doc_blob(files: &Files, d: &Desc, limits: &PullLimits) -> Result<Vec<u8>, ImageError> {
+fn doc_blob(files: &Files, d: &Descriptor, limits: &PullLimits) -> Result<Vec<u8>, ImageError> {
     let p = files.blob(&d.digest)?;
     let bytes = files.read(
         &p.strip_prefix(&files.root).unwrap_or(&p).to_string_lossy(),
@@ -265,10 +227,11 @@ struct Plan {
 
 fn plan_oci(files: &Files, limits: &PullLimits) -> Result<Plan, ImageError> {
     let what = files.what.clone();
-    let index: Doc = serde_json::from_slice(&files.read("index.json", limits.max_document_bytes)?)
-        .map_err(|e| refused(&what, format!("index.json: {e}")))?;
+    let index: Document =
+        serde_json::from_slice(&files.read("index.json", limits.max_document_bytes)?)
+            .map_err(|e| refused(&what, format!("index.json: {e}")))?;
     let list = index.manifests.unwrap_or_default();
-    let amd64 = |d: &&Desc| {
+    let amd64 = |d: &&Descriptor| {
         d.platform
             .as_ref()
             .is_none_or(|p| p.os == "linux" && p.architecture == "amd64")
@@ -282,7 +245,7 @@ fn plan_oci(files: &Files, limits: &PullLimits) -> Result<Plan, ImageError> {
             .ok_or_else(|| refused(&what, "the layout holds no linux/amd64 image"))?,
     };
     let mut owned;
-    let mut doc: Doc;
+    let mut doc: Document;
     loop {
         let bytes = doc_blob(files, pick, limits)?;
         doc = serde_json::from_slice(&bytes)
@@ -292,7 +255,7 @@ fn plan_oci(files: &Files, limits: &PullLimits) -> Result<Plan, ImageError> {
                 owned = inner
                     .iter()
                     .filter(amd64)
-                    .map(|d| Desc {
+                    .map(|d| Descriptor {
                         media_type: d.media_type.clone(),
                         digest: d.digest.clone(),
                         size: d.size,

@@ -17,6 +17,7 @@ pub mod digest;
 pub mod guest;
 pub mod import;
 pub mod layer;
+mod oci;
 pub mod pull;
 pub mod push;
 pub mod reference;

@@ -20,6 +20,8 @@ use oci_client::errors::OciDistributionError;
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
 use serde::Deserialize;
+
+use crate::oci::{DOCKER_LIST, DOCKER_MANIFEST, Descriptor, Document, OCI_INDEX, OCI_MANIFEST};
 use sha2::{Digest, Sha256};
 
 use crate::layer::{LayerLimits, unpack_layer_checked};
@@ -57,6 +59,20 @@ pub enum PullFailure {
     Quota,
     /// The registry could not be reached, or failed.
     Unreachable,
+}
+
+impl From<PullFailure> for dsec_common::ErrorCode {
+    fn from(f: PullFailure) -> Self {
+        use dsec_common::ErrorCode as C;
+        match f {
+            PullFailure::Invalid => C::InvalidArgument,
+            PullFailure::NotFound => C::NotFound,
+            PullFailure::Unauthorized => C::PermissionDenied,
+            PullFailure::Refused => C::FailedPrecondition,
+            PullFailure::Quota => C::ResourceExhausted,
+            PullFailure::Unreachable => C::Unavailable,
+        }
+    }
 }
 
 /// How to log in to the registry.
@@ -203,43 +219,6 @@ pub(crate) fn registry_error(reference: &str, e: OciDistributionError) -> ImageE
         );
     }
     fail(reference, kind, message)
-}
-
-const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
-const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
-const DOCKER_LIST: &str = "application/vnd.docker.distribution.manifest.list.v2+json";
-const DOCKER_MANIFEST: &str = "application/vnd.docker.distribution.manifest.v2+json";
-
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Descriptor {
-    #[serde(default)]
-    media_type: String,
-    digest: String,
-    size: i64,
-    #[serde(default)]
-    platform: Option<Platform>,
-}
-
-#[derive(Deserialize)]
-struct Platform {
-    #[serde(default)]
-    architecture: String,
-    #[serde(default)]
-    os: String,
-}
-
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Document {
-    #[serde(default)]
-    media_type: Option<String>,
-    #[serde(default)]
-    manifests: Option<Vec<Descriptor>>,
-    #[serde(default)]
-    config: Option<Descriptor>,
-    #[serde(default)]
-    layers: Option<Vec<Descriptor>>,
 }
 
 #[derive(Deserialize, Default)]

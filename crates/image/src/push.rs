@@ -8,30 +8,10 @@ use std::path::Path;
 use futures_util::StreamExt;
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Reference, RegistryOperation};
-use serde::Deserialize;
 
+use crate::oci::{Descriptor, Document, OCI_MANIFEST};
 use crate::pull::{Credentials, PullFailure, PullRequest, client_for};
 use crate::{ImageError, ImageRef, ImageStore, IoContext};
-
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Desc {
-    #[serde(default)]
-    media_type: String,
-    digest: String,
-    size: u64,
-}
-
-#[derive(Deserialize)]
-struct Index {
-    manifests: Vec<Desc>,
-}
-
-#[derive(Deserialize)]
-struct ManifestDoc {
-    config: Desc,
-    layers: Vec<Desc>,
-}
 
 /// What a push did.
 #[derive(Debug, Clone)]
@@ -61,7 +41,7 @@ async fn send_blob(
     client: &oci_client::Client,
     r: &Reference,
     path: &Path,
-    d: &Desc,
+    d: &Descriptor,
 ) -> Result<(), oci_client::errors::OciDistributionError> {
     let f = tokio::fs::File::open(path).await?;
     let stream = futures_util::stream::unfold(f, |mut f| async move {
@@ -78,7 +58,7 @@ async fn send_blob(
     })
     .boxed();
     client
-        .push_blob_stream(r, stream, &d.digest, Some(d.size))
+        .push_blob_stream(r, stream, &d.digest, u64::try_from(d.size).ok())
         .await
         .map(|_| ())
 }
@@ -137,17 +117,23 @@ async fn push_from(
         let p = blobs.join(d.trim_start_matches("sha256:"));
         std::fs::read(&p).ctx(|| format!("reading {}", p.display()))
     };
-    let index: Index = serde_json::from_slice(
+    let index: Document = serde_json::from_slice(
         &std::fs::read(layout.join("index.json")).ctx(|| "reading index.json".to_string())?,
     )
     .map_err(|e| ImageError::Corrupt(format!("the exported index: {e}")))?;
     let mdesc = index
         .manifests
-        .first()
+        .as_deref()
+        .and_then(<[Descriptor]>::first)
         .ok_or_else(|| ImageError::Corrupt("the exported index is empty".into()))?;
     let manifest_bytes = read(&mdesc.digest)?;
-    let m: ManifestDoc = serde_json::from_slice(&manifest_bytes)
+    let m: Document = serde_json::from_slice(&manifest_bytes)
         .map_err(|e| ImageError::Corrupt(format!("the exported manifest: {e}")))?;
+    let (Some(config), Some(layers)) = (&m.config, &m.layers) else {
+        return Err(ImageError::Corrupt(
+            "the exported manifest has no config or no layers".into(),
+        ));
+    };
     let client = client_for(how)?;
     let auth = match &how.credentials {
         Credentials::Anonymous => RegistryAuth::Anonymous,
@@ -167,7 +153,7 @@ async fn push_from(
         skipped_blobs: 0,
         pushed_bytes: 0,
     };
-    for d in std::iter::once(&m.config).chain(&m.layers) {
+    for d in std::iter::once(config).chain(layers) {
         if client.blob_exists(r, &d.digest).await.unwrap_or(false) {
             out.skipped_blobs += 1;
             log(format!("blob {}: in the registry already", d.digest));
@@ -182,7 +168,7 @@ async fn push_from(
         .await
         .map_err(err)?;
         out.pushed_blobs += 1;
-        out.pushed_bytes += d.size;
+        out.pushed_bytes += u64::try_from(d.size).unwrap_or(0);
         log(format!(
             "blob {} ({}): {:.1} MiB sent",
             d.digest,
@@ -191,11 +177,7 @@ async fn push_from(
         ));
     }
     client
-        .push_manifest_raw(
-            r,
-            manifest_bytes,
-            reqwest_header("application/vnd.oci.image.manifest.v1+json"),
-        )
+        .push_manifest_raw(r, manifest_bytes, reqwest_header(OCI_MANIFEST))
         .await
         .map_err(err)?;
     log(format!("{dest} is {}", out.digest));

@@ -365,16 +365,22 @@ fn registry_body(reference: &str, a: &RegistryArgs) -> Result<serde_json::Value>
     Ok(body)
 }
 
-fn push(a: PushArgs) -> Result<i32> {
-    let mut body = registry_body(&a.reference, &a.registry)?;
-    body["image"] = a.image.clone().into();
+/// Sends `body` to the running node's `path` (a pull or a push), showing its progress,
+/// and prints its result: JSON, or the sentence `say` makes of it.
+fn registry_call(
+    store: &StoreArgs,
+    path: &str,
+    body: serde_json::Value,
+    what: &str,
+    say: impl FnOnce(&serde_json::Value, &str, f64) -> String,
+) -> Result<i32> {
     let t0 = Instant::now();
-    let mut show = Progress::new(a.store.json, t0);
+    let mut show = Progress::new(store.json, t0);
     let v = tokio::runtime::Handle::current().block_on(on_node(
-        &a.store.data.data_dir,
-        "/v1/images:push",
+        &store.data.data_dir,
+        path,
         serde_json::to_vec(&body)?,
-        "a push sends an image of a running node's store",
+        what,
         &mut |l| show.line(l),
     ));
     show.done();
@@ -387,22 +393,35 @@ fn push(a: PushArgs) -> Result<i32> {
         );
         return Ok(1);
     };
-    if a.store.json {
+    let seconds = t0.elapsed().as_secs_f64();
+    if store.json {
         let mut out = v.clone();
-        out["seconds"] = t0.elapsed().as_secs_f64().into();
+        out["seconds"] = seconds.into();
         output::print_json(&out);
     } else {
-        println!(
-            "pushed {} to {} ({digest}): {} blobs sent ({:.1} MiB), {} there already, in {:.1} s",
+        println!("{}", say(&v, digest, seconds));
+    }
+    Ok(0)
+}
+
+fn mib(v: &serde_json::Value) -> f64 {
+    v.as_f64().unwrap_or(0.0) / 1048576.0
+}
+
+fn push(a: PushArgs) -> Result<i32> {
+    let mut body = registry_body(&a.reference, &a.registry)?;
+    body["image"] = a.image.clone().into();
+    let what = "a push sends an image of a running node's store";
+    registry_call(&a.store, "/v1/images:push", body, what, |v, digest, s| {
+        format!(
+            "pushed {} to {} ({digest}): {} blobs sent ({:.1} MiB), {} there already, in {s:.1} s",
             a.image,
             a.reference,
             v["pushed_blobs"],
-            v["pushed_bytes"].as_f64().unwrap_or(0.0) / 1048576.0,
+            mib(&v["pushed_bytes"]),
             v["skipped_blobs"],
-            t0.elapsed().as_secs_f64()
-        );
-    }
-    Ok(0)
+        )
+    })
 }
 
 fn pull(a: PullArgs) -> Result<i32> {
@@ -410,43 +429,19 @@ fn pull(a: PullArgs) -> Result<i32> {
     if let Some(t) = &a.target {
         body["as"] = t.clone().into();
     }
-    let t0 = Instant::now();
-    let mut show = Progress::new(a.store.json, t0);
-    let v = tokio::runtime::Handle::current().block_on(on_node(
-        &a.store.data.data_dir,
-        "/v1/images:pull",
-        serde_json::to_vec(&body)?,
-        "a pull goes into the store of a running node",
-        &mut |l| show.line(l),
-    ));
-    show.done();
-    let v = v?;
-    let Some(digest) = v["digest"].as_str() else {
-        eprintln!(
-            "error ({}): {}",
-            v["error"]["code"].as_str().unwrap_or("error"),
-            v["error"]["message"].as_str().unwrap_or("no message")
-        );
-        return Ok(1);
-    };
-    if a.store.json {
-        let mut out = v.clone();
-        out["seconds"] = t0.elapsed().as_secs_f64().into();
-        output::print_json(&out);
-    } else {
-        println!(
-            "pulled {} as {} ({}): {} layers ({} fetched, {} in the store already), {:.1} MiB in {:.1} s",
+    let what = "a pull goes into the store of a running node";
+    registry_call(&a.store, "/v1/images:pull", body, what, |v, digest, s| {
+        format!(
+            "pulled {} as {} ({}): {} layers ({} fetched, {} in the store already), {:.1} MiB in {s:.1} s",
             a.reference,
             v["image"].as_str().unwrap_or("?"),
             &digest[..12.min(digest.len())],
             v["layers"],
             v["fetched_layers"],
             v["cached_layers"],
-            v["fetched_bytes"].as_f64().unwrap_or(0.0) / 1048576.0,
-            t0.elapsed().as_secs_f64()
-        );
-    }
-    Ok(0)
+            mib(&v["fetched_bytes"]),
+        )
+    })
 }
 
 pub async fn run(c: ImageCommand) -> Result<i32> {
