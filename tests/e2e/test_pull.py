@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from conftest import DATA, DSEC, dsec, node_config, wait_for
-from opendsec import DSecClient, DSecRunArgs, PermissionDeniedError
+from opendsec import DSecClient, DSecRunArgs, NotFoundError, PermissionDeniedError
 
 pytestmark = pytest.mark.skipif(
     not (shutil.which("docker-registry") and shutil.which("skopeo") and shutil.which("zstd")
@@ -237,8 +237,8 @@ def registry():
     shutil.rmtree(layout.path, ignore_errors=True)
 
 
-def pull(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return dsec("image", "pull", *args, "--data-dir", str(DATA), "--json", check=check, timeout=300)
+def pull(*args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    return dsec("image", "pull", *args, "--data-dir", str(DATA), "--json", check=check, timeout=300, env=env)
 
 
 def store_tmp() -> list[str]:
@@ -459,10 +459,26 @@ async def test_import_and_export_round_trip_with_skopeo(client, registry, tmp_pa
 
 
 @pytest.fixture(scope="module")
-def insecure_node(registry):
-    """The test server restarted with the loopback registry as one it talks plain HTTP to,
-    and one the E2B gateway's project (root/e2b) may pull from."""
-    with node_config(f'[edge]\ninsecure_registries = ["{registry.host}"]\npull_registries = ["{registry.host}"]\n'):
+def private_registry():
+    """A registry on loopback that wants a login (puller:s3cret), holding one image."""
+    hashed = subprocess.run(["htpasswd", "-nbB", "puller", "s3cret"], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    r = Registry("private", htpasswd=hashed + "\n")
+    layout = Layout(WORK / "layout-private")
+    desc = layout.image([layout.layer([("hello", "file", b"hi\n", 0o644)], "gzip")], [])
+    layout.tag({k: v for k, v in desc.items() if k != "platform"})
+    r.push(layout.path, "team/private:v1", creds="puller:s3cret")
+    yield r
+    r.stop()
+    shutil.rmtree(layout.path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def insecure_node(registry, private_registry):
+    """The test server restarted with the loopback registries as ones it talks plain HTTP
+    to, and ones every project (the E2B gateway's root/e2b too) may pull from."""
+    hosts = json.dumps([registry.host, private_registry.host])
+    with node_config(f'[edge]\ninsecure_registries = {hosts}\npull_registries = {hosts}\n'):
         yield registry
 
 
@@ -560,3 +576,79 @@ async def test_a_pull_holds_disk_in_its_projects_quota(insecure_node):
         assert usage["disk_mb"] >= 1, usage
     for ref in (f"{big}/env:v1",):
         dsec("image", "rm", ref, "--data-dir", str(DATA), check=False)
+
+
+async def test_a_projects_registry_login_is_sealed_used_and_no_other_projects(insecure_node, private_registry,
+                                                                              tmp_path):
+    """A project keeps a login for a private registry on the node; its pulls (and those of
+    the projects inside it) use it. Another project neither sees it, nor pulls with it,
+    nor changes or removes it; no answer and no file of the node holds the password."""
+    r = private_registry
+    ref = f"{r.host}/team/private:v1"
+    uid = os.urandom(3).hex()
+    a, b = f"root/pt-la-{uid}", f"root/pt-lb-{uid}"
+    async with DSecClient() as c:
+        for p in (a, f"{a}/sub", b):
+            await c.create_project(p)
+        ka, kb = await c.create_key("a", project=a), await c.create_key("b", project=b)
+        async with DSecClient(api_key=ka["key"]) as ta, DSecClient(api_key=kb["key"]) as tb:
+            try:
+                with pytest.raises(PermissionDeniedError):
+                    await ta.pull_image(ref, target=f"{a}/p:v1")
+                await ta.set_registry_login(r.host, username="puller", password="wrong")
+                with pytest.raises(PermissionDeniedError) as e:
+                    await ta.pull_image(ref, target=f"{a}/p:v1")
+                assert f"project {a} keeps" in e.value.message, e.value.message
+                kept = await ta.set_registry_login(r.host, username="puller", password="s3cret")
+                assert {k: kept[k] for k in ("project", "registry", "kind", "username")} == {
+                    "project": a, "registry": r.host, "kind": "basic", "username": "puller"}, kept
+                assert (await ta.pull_image(ref, target=f"{a}/p:v1"))["image"] == f"{a}/p:v1"
+                assert (await ta.pull_image(ref, target=f"{a}/sub/p:v1"))["image"] == f"{a}/sub/p:v1"
+
+                # Another project.
+                assert await tb.registry_logins() == []
+                with pytest.raises(PermissionDeniedError):
+                    await tb.pull_image(ref, target=f"{b}/p:v1")
+                with pytest.raises(PermissionDeniedError):
+                    await tb.set_registry_login(r.host, username="puller", password="mine", project=a)
+                with pytest.raises(PermissionDeniedError):
+                    await tb.delete_registry_login(r.host, project=a)
+                with pytest.raises(NotFoundError):
+                    await tb.delete_registry_login(r.host)
+                assert (await ta.pull_image(ref, target=f"{a}/p:v2"))["image"] == f"{a}/p:v2"
+
+                # Nothing gives the password back.
+                listed = await ta.registry_logins()
+                assert [(x["project"], x["registry"]) for x in listed] == [(a, r.host)], listed
+                assert "s3cret" not in json.dumps(listed) and "s3cret" not in json.dumps(await c.registry_logins())
+                files = list((DATA / "images").glob("registry-credentials*"))
+                assert files, "the logins are not kept in the image store"
+                for f in files:
+                    assert b"s3cret" not in f.read_bytes() and b"puller" not in f.read_bytes(), f
+                    assert f.stat().st_mode & 0o077 == 0, f"{f} is readable by others"
+
+                await ta.delete_registry_login(r.host)
+                with pytest.raises(PermissionDeniedError):
+                    await ta.pull_image(ref, target=f"{a}/p:v3")
+            finally:
+                for p in (a, b):
+                    try:
+                        await c.delete_registry_login(r.host, project=p)
+                    except NotFoundError:
+                        pass
+
+    # The same from the node's CLI, for root; Docker's config.json (here none) comes first.
+    env = {"DOCKER_CONFIG": str(tmp_path)}
+    p = subprocess.run([DSEC, "image", "login", r.host, "--username", "puller", "--password-stdin",
+                        "--data-dir", str(DATA)], input="s3cret\n", capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "kept a basic login (user puller)" in p.stdout, p.stderr
+    try:
+        listed = json.loads(dsec("image", "logins", "--data-dir", str(DATA), "--json").stdout)
+        assert [(x["project"], x["registry"]) for x in listed] == [("root", r.host)], listed
+        done = json.loads(pull(ref, "--as", "root/pt-login:v1", env=env).stdout)
+        assert done["image"] == "root/pt-login:v1"
+    finally:
+        dsec("image", "logout", r.host, "--data-dir", str(DATA), check=False)
+    assert json.loads(dsec("image", "logins", "--data-dir", str(DATA), "--json").stdout) == []
+    p = pull(ref, "--as", "root/pt-login:v2", check=False, env=env)
+    assert p.returncode != 0 and "permission_denied" in p.stderr, p.stderr

@@ -226,7 +226,9 @@ struct Access {
 
 impl Access {
     /// The [`PullRequest`](dsec_image::pull::PullRequest) for `reference` (parsed as `r`)
-    /// to or from image `target` here.
+    /// to or from image `target` here. A request without credentials uses the login kept
+    /// for `login_project` at that registry ([`dsec_image::credentials`]; for a pull also
+    /// a parent's, `inherit`), and says whose it used.
     fn request(
         self,
         p: &Principal,
@@ -234,7 +236,8 @@ impl Access {
         reference: String,
         r: &oci_client::Reference,
         target: ImageRef,
-    ) -> ApiResult<dsec_image::pull::PullRequest> {
+        (login_project, inherit): (&str, bool),
+    ) -> ApiResult<(dsec_image::pull::PullRequest, Option<String>)> {
         use dsec_image::pull::{Credentials, PullLimits, PullRequest};
         check_registry(p, r.registry(), edge)?;
         if (self.plain_http || self.ca_pem.is_some()) && !p.is_admin() {
@@ -255,15 +258,40 @@ impl Access {
                 .into());
             }
         };
-        Ok(PullRequest {
-            reference,
-            target,
-            credentials,
-            plain_http: self.plain_http || edge.insecure_registry(r.registry()),
-            ca_pem: self.ca_pem,
-            limits: PullLimits::default(),
-        })
+        let (credentials, kept) = match credentials {
+            Credentials::Anonymous => match edge
+                .registry_logins()
+                .find(login_project, r.registry(), inherit)
+                .map_err(|e| ApiError::internal(e.to_string()))?
+            {
+                Some((project, c)) => (c, Some(project)),
+                None => (Credentials::Anonymous, None),
+            },
+            given => (given, None),
+        };
+        Ok((
+            PullRequest {
+                reference,
+                target,
+                credentials,
+                plain_http: self.plain_http || edge.insecure_registry(r.registry()),
+                ca_pem: self.ca_pem,
+                limits: PullLimits::default(),
+            },
+            kept,
+        ))
     }
+}
+
+/// A pull's or push's error, naming the kept login it used when the registry refused it.
+fn access_error(e: dsec_image::ImageError, kept: &Option<String>, registry: &str) -> ApiError {
+    let mut err = pull_error(e);
+    if let (Some(project), ErrorCode::PermissionDenied) = (kept, err.code) {
+        err.message.push_str(&format!(
+            " (with the login project {project} keeps for {registry}; replace it with `dsec image login {registry}`)"
+        ));
+    }
+    err
 }
 
 /// `reference` as an OCI reference, or a 400 with an example.
@@ -307,7 +335,9 @@ pub(crate) async fn pull_image(
         plain_http: b.plain_http,
         ca_pem: b.ca_pem,
     };
-    let req = access.request(&p, &st.edge, b.reference, &r, target)?;
+    let project = target.project();
+    let (req, kept) = access.request(&p, &st.edge, b.reference, &r, target, (&project, true))?;
+    let registry = r.registry().to_string();
     let edge = st.edge.clone();
     Ok(crate::ndjson(move |tx| async move {
         let name = req.target.to_string();
@@ -328,7 +358,7 @@ pub(crate) async fn pull_image(
             }),
             Err(e) => {
                 tracing::warn!(image = %req.target, "pull failed: {e}");
-                serde_json::json!({ "error": pull_error(e) })
+                serde_json::json!({ "error": access_error(e, &kept, &registry) })
             }
         }
     }))
@@ -372,7 +402,15 @@ pub(crate) async fn push_image(
         plain_http: b.plain_http,
         ca_pem: b.ca_pem,
     };
-    let how = access.request(&p, &st.edge, b.reference, &r, image.clone())?;
+    let (how, kept) = access.request(
+        &p,
+        &st.edge,
+        b.reference,
+        &r,
+        image.clone(),
+        (&p.project, false),
+    )?;
+    let registry = r.registry().to_string();
     let store = st.edge.images().clone();
     Ok(crate::ndjson(move |tx| async move {
         let name = image.to_string();
@@ -395,8 +433,131 @@ pub(crate) async fn push_image(
             }),
             Err(e) => {
                 tracing::warn!(image = %image, "push failed: {e}");
-                serde_json::json!({ "error": pull_error(e) })
+                serde_json::json!({ "error": access_error(e, &kept, &registry) })
             }
         }
     }))
+}
+
+/// `PUT /v1/registries/{registry}/login`'s body.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct LoginBody {
+    #[serde(default)]
+    username: Option<String>,
+    #[serde(default)]
+    password: Option<String>,
+    #[serde(default)]
+    token: Option<String>,
+    /// Whose login it is (default: the key's project); one the key may write images of.
+    #[serde(default)]
+    project: Option<String>,
+}
+
+#[derive(serde::Deserialize)]
+pub(crate) struct LoginQuery {
+    #[serde(default)]
+    project: Option<String>,
+}
+
+/// The project a login call names (default the key's): 403 unless the key may write
+/// that project's images.
+fn login_project(p: &Principal, project: Option<String>) -> ApiResult<String> {
+    let project = project.unwrap_or_else(|| p.project.clone());
+    let well_formed = project.len() <= 255
+        && project.split('/').all(|seg| {
+            !seg.is_empty()
+                && seg != "."
+                && seg != ".."
+                && seg
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+        });
+    if !well_formed || !p.may_write_images(&project) {
+        return Err(ApiError::new(
+            ErrorCode::PermissionDenied,
+            format!(
+                "this key (project {}) keeps registry logins for its own project and those inside it, not {project:?}",
+                p.project
+            ),
+        )
+        .into());
+    }
+    Ok(project)
+}
+
+fn login_error(e: dsec_image::ImageError) -> ApiError {
+    pull_error(e)
+}
+
+/// `PUT /v1/registries/{registry}/login`: keeps a registry login for the project (sealed
+/// on the node); answers what is kept, never the secret.
+pub(crate) async fn put_login(
+    axum::extract::State(st): axum::extract::State<crate::AppState>,
+    axum::extract::Extension(p): axum::extract::Extension<Principal>,
+    axum::extract::Path(registry): axum::extract::Path<String>,
+    bytes: axum::body::Bytes,
+) -> ApiResult<axum::response::Response> {
+    use dsec_image::pull::Credentials;
+    let b: LoginBody = crate::body(&bytes, "registry login")?;
+    let project = login_project(&p, b.project)?;
+    let login = match (b.username, b.password, b.token) {
+        (Some(username), Some(password), None) => Credentials::Basic { username, password },
+        (None, None, Some(t)) => Credentials::Token(t),
+        _ => {
+            return Err(ApiError::invalid(
+                "give a username and a password together, or a token alone",
+            )
+            .into());
+        }
+    };
+    let book = st.edge.registry_logins();
+    let kept = tokio::task::spawn_blocking(move || book.set(&project, &registry, &login))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .map_err(login_error)?;
+    tracing::info!(project = %kept.project, registry = %kept.registry, by = %p.name, "registry login kept");
+    Ok(crate::json(axum::http::StatusCode::OK, &kept))
+}
+
+/// `DELETE /v1/registries/{registry}/login[?project=]`: forgets the project's login.
+pub(crate) async fn delete_login(
+    axum::extract::State(st): axum::extract::State<crate::AppState>,
+    axum::extract::Extension(p): axum::extract::Extension<Principal>,
+    axum::extract::Path(registry): axum::extract::Path<String>,
+    axum::extract::Query(q): axum::extract::Query<LoginQuery>,
+) -> ApiResult<axum::response::Response> {
+    let project = login_project(&p, q.project)?;
+    let book = st.edge.registry_logins();
+    let (pj, rg) = (project.clone(), registry.clone());
+    let gone = tokio::task::spawn_blocking(move || book.remove(&pj, &rg))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .map_err(login_error)?;
+    if !gone {
+        return Err(ApiError::not_found(format!(
+            "project {project} keeps no login for registry {registry}"
+        ))
+        .into());
+    }
+    Ok(crate::json(
+        axum::http::StatusCode::OK,
+        &serde_json::json!({"project": project, "registry": registry, "removed": true}),
+    ))
+}
+
+/// `GET /v1/registries`: the logins kept for the key's project and those inside it.
+pub(crate) async fn list_logins(
+    axum::extract::State(st): axum::extract::State<crate::AppState>,
+    axum::extract::Extension(p): axum::extract::Extension<Principal>,
+) -> ApiResult<axum::response::Response> {
+    let book = st.edge.registry_logins();
+    let logins = tokio::task::spawn_blocking(move || book.list(|pj| p.may_write_images(pj)))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .map_err(login_error)?;
+    Ok(crate::json(
+        axum::http::StatusCode::OK,
+        &serde_json::json!({ "logins": logins }),
+    ))
 }

@@ -154,6 +154,11 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/images/builds", post(build_image))
         .route("/v1/images:pull", post(images::pull_image))
         .route("/v1/images:push", post(images::push_image))
+        .route("/v1/registries", get(images::list_logins))
+        .route(
+            "/v1/registries/{registry}/login",
+            axum::routing::put(images::put_login).delete(images::delete_login),
+        )
         .route("/v1/functions", get(functions))
         .route("/v1/functions/{call}", post(call_function))
         .merge(runtime::routes())
@@ -756,6 +761,8 @@ mod tests {
             "/v1/images/builds",
             "/v1/images:pull",
             "/v1/images:push",
+            "/v1/registries",
+            "/v1/registries/{registry}/login",
             "/v1/sandboxes/{id}/processes/{pid}/output",
             "/v1/sandboxes/{id}/files",
             "/v1/sandboxes/{id}/files/watch",

@@ -123,7 +123,8 @@ impl Edge {
     }
 
     /// Pulls `reference`, a build's `FROM`, as the building project's base image
-    /// (`dsec_image::pull::base_name`), anonymously; the pull's lines go to `progress`.
+    /// (`dsec_image::pull::base_name`), with the registry login the project (or a parent)
+    /// keeps, else anonymously; the pull's lines go to `progress`.
     async fn pull_base(
         self: &Arc<Self>,
         reference: &str,
@@ -149,7 +150,12 @@ impl Edge {
         let req = dsec_image::pull::PullRequest {
             reference: reference.to_string(),
             target: target.clone(),
-            credentials: dsec_image::pull::Credentials::Anonymous,
+            credentials: self
+                .registry_logins()
+                .find(project, &registry, true)
+                .map_err(image_error)?
+                .map(|(_, c)| c)
+                .unwrap_or_default(),
             plain_http: self.insecure_registry(&registry),
             ca_pem: None,
             limits: dsec_image::pull::PullLimits::default(),

@@ -463,6 +463,11 @@ impl Edge {
         &self.images
     }
 
+    /// The registry logins projects keep, in the image store (shared by a cluster's edges).
+    pub fn registry_logins(&self) -> dsec_image::credentials::CredentialBook {
+        self.images.registry_logins()
+    }
+
     /// Registries keys outside `root` may pull from (`[edge] pull_registries`).
     pub fn pull_registries(&self) -> &[String] {
         &self.cfg.pull_registries

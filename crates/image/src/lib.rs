@@ -13,6 +13,7 @@
 pub mod archive;
 pub mod build;
 pub mod cpio;
+pub mod credentials;
 pub mod digest;
 pub mod guest;
 pub mod import;

@@ -87,6 +87,11 @@ impl ImageStore {
         &self.root
     }
 
+    /// The registry logins projects keep in this store ([`crate::credentials`]).
+    pub fn registry_logins(&self) -> crate::credentials::CredentialBook {
+        crate::credentials::CredentialBook::new(&self.root)
+    }
+
     pub fn layer_path(&self, digest: &str) -> PathBuf {
         self.root.join("layers").join(digest)
     }

@@ -381,6 +381,29 @@ class DSecClient:
                 body[k] = v
         return await self._ndjson_result("/v1/images:push", body, f"the push of {image}", progress)
 
+    async def set_registry_login(self, registry: str, *, username: str | None = None, password: str | None = None,
+                                 token: str | None = None, project: str | None = None) -> dict[str, Any]:
+        """Keeps a login for ``registry`` (``host[:port]``) for ``project`` (default: the
+        key's own; one the key may write images of), sealed on the node: a username with a
+        password, or a token. Pulls, pushes and builds that give no credentials use it; a
+        project's login also serves the pulls of the projects inside it. Returns what is
+        kept (``project``, ``registry``, ``kind``, ``username``), never the secret."""
+        body: dict[str, Any] = {}
+        for k, v in (("username", username), ("password", password), ("token", token), ("project", project)):
+            if v is not None:
+                body[k] = v
+        return await self._request("PUT", f"/v1/registries/{quote(registry, safe=':')}/login", json=body)
+
+    async def registry_logins(self) -> list[dict[str, Any]]:
+        """The registry logins kept for the key's project and those inside it (never their
+        secrets)."""
+        return (await self._request("GET", "/v1/registries"))["logins"]
+
+    async def delete_registry_login(self, registry: str, *, project: str | None = None) -> None:
+        """Forgets ``project``'s (default: the key's) login for ``registry``."""
+        q = f"?project={quote(project, safe='')}" if project else ""
+        await self._request("DELETE", f"/v1/registries/{quote(registry, safe=':')}/login{q}")
+
     async def _ndjson_result(self, path: str, body: dict[str, Any], what: str, progress: Any) -> dict[str, Any]:
         """POSTs ``body`` and follows an answer of ``{"log": …}`` lines and a last line, the
         result or ``{"error": …}``."""

@@ -1,5 +1,6 @@
-//! `dsec image build|pull|push|import|export|ls|inspect|rm`: builds, pulls and pushes go
-//! through the running node; the rest work directly on the image store directory.
+//! `dsec image build|pull|push|login|logout|logins|import|export|ls|inspect|rm`: builds,
+//! pulls and pushes go through the running node; the rest work directly on the image
+//! store directory.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -28,6 +29,20 @@ pub enum ImageCommand {
         after_help = "Examples:\n  dsec image push root/env:v1 registry.example.com/team/env:v1 --username me --password-stdin\n  dsec image push root/env:v1 127.0.0.1:5000/team/env:v1 --plain-http\n\nWithout --username, credentials are read from Docker's config.json when it has them."
     )]
     Push(PushArgs),
+    /// Keep a registry login for a project on the node (sealed), used by its pulls,
+    /// pushes and builds that give none
+    #[command(
+        after_help = "Examples:\n  echo \"$PASSWORD\" | dsec image login registry.example.com --username me --password-stdin\n  echo \"$TOKEN\" | dsec image login ghcr.io --token-stdin --project root/team-a\n\nA project's login also serves the pulls of the projects inside it; a push uses the\npushing project's own login only."
+    )]
+    Login(LoginArgs),
+    /// Forget a project's registry login
+    #[command(
+        after_help = "Example:\n  dsec image logout registry.example.com --project root/team-a"
+    )]
+    Logout(LogoutArgs),
+    /// List the registry logins kept on the node (never their secrets)
+    #[command(after_help = "Example:\n  dsec image logins --json")]
+    Logins(StoreArgs),
     /// Import an image from an OCI image layout (a directory or a tar of one) or a
     /// `docker save` tarball
     #[command(
@@ -104,6 +119,40 @@ pub struct PushArgs {
     pub store: StoreArgs,
 }
 
+#[derive(clap::Args)]
+pub struct LoginArgs {
+    /// The registry: host[:port], e.g. registry.example.com or docker.io
+    pub registry: String,
+    /// Registry user name (the password is read from stdin with --password-stdin)
+    #[arg(long, requires = "password_stdin")]
+    pub username: Option<String>,
+    #[arg(long, requires = "username")]
+    pub password_stdin: bool,
+    /// Read a bearer token for the registry from stdin
+    #[arg(
+        long,
+        conflicts_with = "username",
+        required_unless_present = "username"
+    )]
+    pub token_stdin: bool,
+    /// Whose login it is
+    #[arg(long, default_value = dsec_common::project::ROOT)]
+    pub project: String,
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+#[derive(clap::Args)]
+pub struct LogoutArgs {
+    /// The registry: host[:port]
+    pub registry: String,
+    /// Whose login to forget
+    #[arg(long, default_value = dsec_common::project::ROOT)]
+    pub project: String,
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
 /// How to reach a registry.
 #[derive(clap::Args)]
 pub struct RegistryArgs {
@@ -156,6 +205,11 @@ fn open(a: &StoreArgs) -> Result<ImageStore> {
         .clone()
         .unwrap_or_else(|| a.data.data_dir.join("images"));
     Ok(ImageStore::open(root)?)
+}
+
+/// The node's registry logins, kept in its image store.
+fn book(a: &StoreArgs) -> Result<dsec_image::credentials::CredentialBook> {
+    Ok(open(a)?.registry_logins())
 }
 
 /// Layers that sandboxes of this machine's edge still use, from the edge's registry.
@@ -572,6 +626,68 @@ fn run_blocking(c: ImageCommand) -> Result<i32> {
                     t0.elapsed().as_secs_f64()
                 );
             }
+            Ok(0)
+        }
+        ImageCommand::Login(a) => {
+            let login = match &a.username {
+                Some(u) => dsec_image::pull::Credentials::Basic {
+                    username: u.clone(),
+                    password: read_stdin_secret("password")?,
+                },
+                None => dsec_image::pull::Credentials::Token(read_stdin_secret("token")?),
+            };
+            let kept = book(&a.store)?.set(&a.project, &a.registry, &login)?;
+            if a.store.json {
+                output::print_json(&kept);
+            } else {
+                println!(
+                    "kept a {} login{} for {} for project {}",
+                    kept.kind,
+                    kept.username
+                        .as_deref()
+                        .map(|u| format!(" (user {u})"))
+                        .unwrap_or_default(),
+                    kept.registry,
+                    kept.project
+                );
+            }
+            Ok(0)
+        }
+        ImageCommand::Logout(a) => {
+            let gone = book(&a.store)?.remove(&a.project, &a.registry)?;
+            if a.store.json {
+                output::print_json(&serde_json::json!({
+                    "project": a.project, "registry": a.registry, "removed": gone,
+                }));
+            } else if gone {
+                println!("forgot project {}'s login for {}", a.project, a.registry);
+            } else {
+                eprintln!("project {} keeps no login for {}", a.project, a.registry);
+            }
+            Ok(if gone { 0 } else { 1 })
+        }
+        ImageCommand::Logins(a) => {
+            let list = book(&a)?.list(|_| true)?;
+            if a.json {
+                output::print_json(&list);
+                return Ok(0);
+            }
+            let rows = list
+                .iter()
+                .map(|l| {
+                    vec![
+                        l.project.clone(),
+                        l.registry.clone(),
+                        l.kind.clone(),
+                        l.username.clone().unwrap_or_default(),
+                        output::ago_ms(l.updated_ms),
+                    ]
+                })
+                .collect();
+            println!(
+                "{}",
+                output::table(&["project", "registry", "kind", "user", "kept"], rows)
+            );
             Ok(0)
         }
         ImageCommand::Ls(a) => {
