@@ -652,3 +652,62 @@ async def test_a_projects_registry_login_is_sealed_used_and_no_other_projects(in
     assert json.loads(dsec("image", "logins", "--data-dir", str(DATA), "--json").stdout) == []
     p = pull(ref, "--as", "root/pt-login:v2", check=False, env=env)
     assert p.returncode != 0 and "permission_denied" in p.stderr, p.stderr
+
+
+async def test_removing_an_image_gives_its_quota_back_and_spares_what_a_snapshot_uses(insecure_node):
+    """`remove_image` (and `dsec image rm` through the node) gives back the disk a pull
+    held; a tenant removes only images of its own subtree; a snapshot of a sandbox keeps
+    the image's layers, and restores from it still run once the image is gone."""
+    registry = insecure_node
+    uid = os.urandom(3).hex()
+    mine, other = f"root/pt-rm-{uid}", f"root/pt-rmo-{uid}"
+    async with DSecClient() as c:
+        await c.create_project(mine, disk_mb=4096)  # a sandbox reserves 1 GiB
+        await c.create_project(other)
+        km, ko = await c.create_key("m", project=mine), await c.create_key("o", project=other)
+
+        async def disk_mb() -> float:
+            return next(p for p in await c.projects() if p["path"] == mine)["usage"]["disk_mb"]
+
+        async with DSecClient(api_key=km["key"]) as t, DSecClient(api_key=ko["key"]) as o:
+            await t.pull_image(f"{registry.host}/team/env:v1", target=f"{mine}/env:v1")
+            held = await disk_mb()
+            assert held >= 1, held
+            # Another project's image does not exist for a tenant; a parent's is not its own.
+            with pytest.raises(NotFoundError):
+                await o.remove_image(f"{mine}/env:v1")
+            with pytest.raises(PermissionDeniedError):
+                await t.remove_image("root/base:latest")
+            with pytest.raises(NotFoundError):
+                await t.remove_image(f"{mine}/nothing:v1")
+            assert f"{mine}/env:v1" in [i["reference"] for i in await t.images()]
+
+            sb = await t.run_sandbox(DSecRunArgs(image=f"{mine}/env:v1", ttl_seconds=300))
+            restored, snap = [], None
+            try:
+                await sb.run_shell("echo kept > /state")
+                snap = await sb.snapshot()
+                await sb.stop()
+                done = await t.remove_image(f"{mine}/env:v1")
+                assert done["removed"] and done["freed_layers"] == 0, done
+                assert f"{mine}/env:v1" not in [i["reference"] for i in await t.images()]
+                restored = await t.restore_snapshot(snap.id)
+                r = await restored[0].run_shell("cat /state; ls /bin/busybox")
+                assert r.stdout == "kept\n/bin/busybox\n", r
+            finally:
+                for x in restored:
+                    await x.stop()
+                await sb.stop()
+                if snap is not None:
+                    await t.delete_snapshot(snap.id)
+            # Nothing of the project is left: the image's hold went with it.
+            assert await disk_mb() == 0
+
+    # Through the CLI, which goes through the running node: the quota comes back too.
+    async with DSecClient(api_key=km["key"]) as t:
+        await t.pull_image(f"{registry.host}/team/env:v1", target=f"{mine}/env:v2")
+    async with DSecClient() as c:
+        assert await disk_mb() >= 1
+        out = json.loads(dsec("image", "rm", f"{mine}/env:v2", "--data-dir", str(DATA), "--json").stdout)
+        assert out["removed"] and out["freed_layers"] >= 1, out
+        assert await disk_mb() == 0

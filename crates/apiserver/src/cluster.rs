@@ -286,6 +286,13 @@ pub fn router(c: Arc<Cluster>) -> Router {
         .route("/v1/sandboxes", post(create).get(list))
         .route("/v1/images", get(images))
         .route("/v1/images/builds", post(images))
+        .route("/v1/images:pull", post(images))
+        .route("/v1/images:push", post(images))
+        .route("/v1/registries", get(images))
+        .route(
+            "/v1/registries/{registry}/login",
+            axum::routing::put(images).delete(images),
+        )
         .route("/v1/groups/{verb}", post(group))
         .route("/v1/snapshots", get(list_snapshots))
         .route("/v1/snapshots/{sid}", any(snapshot))
@@ -591,7 +598,8 @@ async fn group(
     Ok(json(StatusCode::OK, &out))
 }
 
-/// `GET /v1/images` and `POST /v1/images/builds`: any healthy edge (the store is shared).
+/// Images and registry logins (`/v1/images`, builds, pulls, pushes, `/v1/registries`):
+/// any healthy edge (the image store, and the logins kept in it, are shared).
 async fn images(State(c): State<Arc<Cluster>>, req: Request) -> ApiResult<Response> {
     let p = c.principal(req.headers()).await?;
     let view = c.view();

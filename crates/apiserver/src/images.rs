@@ -561,3 +561,23 @@ pub(crate) async fn list_logins(
         &serde_json::json!({ "logins": logins }),
     ))
 }
+
+/// `DELETE /v1/images/{reference}` (the reference percent-encoded, `root%2Fenv:v1`):
+/// removes an image of the key's subtree, the layers nothing else uses (no image,
+/// sandbox or snapshot), and the disk it held in its project's quota.
+pub(crate) async fn remove_image(
+    axum::extract::State(st): axum::extract::State<crate::AppState>,
+    axum::extract::Extension(p): axum::extract::Extension<Principal>,
+    axum::extract::Path(reference): axum::extract::Path<String>,
+) -> ApiResult<axum::response::Response> {
+    check_read(&p, &reference)?;
+    let r = check_write(&p, &reference)?;
+    if !st.edge.images().exists(&r) {
+        return Err(ApiError::not_found(format!("image {r} not found")).into());
+    }
+    let freed = st.edge.remove_image(&r).await?;
+    Ok(crate::json(
+        axum::http::StatusCode::OK,
+        &serde_json::json!({"image": r.to_string(), "removed": true, "freed_layers": freed}),
+    ))
+}

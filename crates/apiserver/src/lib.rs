@@ -152,6 +152,10 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/v1/images", get(images))
         .route("/v1/images/builds", post(build_image))
+        .route(
+            "/v1/images/{reference}",
+            axum::routing::delete(images::remove_image),
+        )
         .route("/v1/images:pull", post(images::pull_image))
         .route("/v1/images:push", post(images::push_image))
         .route("/v1/registries", get(images::list_logins))
@@ -759,6 +763,7 @@ mod tests {
             "/v1/status",
             "/v1/images",
             "/v1/images/builds",
+            "/v1/images/{reference}",
             "/v1/images:pull",
             "/v1/images:push",
             "/v1/registries",

@@ -86,7 +86,33 @@ pub(crate) fn image_hold_id(edge: &str, r: &ImageRef) -> String {
     format!("{edge}-image-{}", &d[..16])
 }
 
+/// Layers that something of the edge with state directory `state_dir` still uses: its
+/// sandboxes (running, paused, on disk) and its kept snapshots (whose restores start from
+/// them). Image garbage collection never removes these.
+pub fn layers_in_use(state_dir: &std::path::Path) -> std::collections::HashSet<String> {
+    let mut used = std::collections::HashSet::new();
+    let sandboxes = state_dir.join("sandboxes");
+    if let Ok(reg) = crate::registry::Registry::open(&sandboxes) {
+        used.extend(reg.load_all().into_iter().flatten().flat_map(|r| r.layers));
+    }
+    used.extend(crate::snapshots::kept_layers(&state_dir.join("snapshots")));
+    used
+}
+
 impl Edge {
+    /// Removes image `r` and the layers nothing uses any more (no other image, sandbox
+    /// or snapshot), and gives back the disk its commit, build or pull held in its
+    /// project's quota. Returns how many layers it freed.
+    pub async fn remove_image(self: &Arc<Self>, r: &ImageRef) -> Result<usize, ApiError> {
+        let (images, state_dir, r2) = (self.images.clone(), self.cfg.state_dir.clone(), r.clone());
+        let freed = blocking(move || images.remove(&r2, &layers_in_use(&state_dir)))
+            .await?
+            .map_err(image_error)?;
+        self.release_quota(&image_hold_id(&self.cfg.name, r)).await;
+        tracing::info!(image = %r, freed, "image removed");
+        Ok(freed)
+    }
+
     /// The hold ids of the images in the store (see [`image_hold_id`]): commits and
     /// builds on this edge hold disk under them; for other images they hold nothing.
     pub(crate) fn image_hold_ids(&self) -> Vec<String> {

@@ -7,6 +7,7 @@ mod build;
 pub mod cgroup;
 pub mod channel;
 mod commit;
+pub use commit::layers_in_use;
 pub mod config;
 mod deaths;
 pub mod functions;

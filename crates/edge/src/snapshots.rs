@@ -23,6 +23,18 @@ struct Meta {
     template: SandboxRecord,
 }
 
+/// The image layers of the snapshots kept under `dir` (each one's sandbox template).
+pub(crate) fn kept_layers(dir: &Path) -> Vec<String> {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    rd.filter_map(|e| e.ok())
+        .filter_map(|e| std::fs::read(e.path().join("meta.json")).ok())
+        .filter_map(|b| serde_json::from_slice::<Meta>(&b).ok())
+        .flat_map(|m| m.template.layers)
+        .collect()
+}
+
 /// Restores hold a snapshot (shared), a delete waits for them (exclusive).
 #[derive(Default)]
 pub(crate) struct Locks {

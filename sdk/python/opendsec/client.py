@@ -352,6 +352,12 @@ class DSecClient:
         """The images this key may use: ``reference``, ``digest`` and ``manifest`` each."""
         return (await self._request("GET", "/v1/images"))["images"]
 
+    async def remove_image(self, reference: str) -> dict[str, Any]:
+        """Removes image ``reference`` of the key's subtree and the layers nothing else uses
+        (no other image, sandbox or snapshot); the disk it held in its project's quota is
+        given back. Returns ``image``, ``removed`` and ``freed_layers``."""
+        return await self._request("DELETE", f"/v1/images/{quote(reference, safe=':')}")
+
     async def pull_image(self, reference: str, *, target: str | None = None, username: str | None = None,
                          password: str | None = None, token: str | None = None, plain_http: bool = False,
                          ca_pem: str | None = None, progress: Any = None) -> dict[str, Any]:

@@ -212,20 +212,46 @@ fn book(a: &StoreArgs) -> Result<dsec_image::credentials::CredentialBook> {
     Ok(open(a)?.registry_logins())
 }
 
-/// Layers that sandboxes of this machine's edge still use, from the edge's registry.
-fn layers_in_use(a: &StoreArgs) -> Result<std::collections::HashSet<String>> {
-    let dir = a.data.data_dir.join("edge/sandboxes");
-    if !dir.is_dir() {
-        return Ok(Default::default());
+/// Layers that sandboxes and snapshots of this machine's edge still use.
+fn layers_in_use(a: &StoreArgs) -> std::collections::HashSet<String> {
+    dsec_edge::layers_in_use(&a.data.data_dir.join("edge"))
+}
+
+/// Removes `r` through the node of this data directory; `None` when none is running.
+async fn rm_on_node(a: &StoreArgs, r: &ImageRef) -> Result<Option<usize>> {
+    let Ok(cfg) = crate::client::resolve(None, None, Some(&a.data.data_dir)) else {
+        return Ok(None);
+    };
+    let api = crate::client::Api::new(&cfg)?;
+    let path = format!("/v1/images/{}", url_escape(&r.to_string()));
+    match api
+        .call::<serde_json::Value>(hyper::Method::DELETE, &path, None::<&()>)
+        .await
+    {
+        Ok(v) => Ok(Some(v["freed_layers"].as_u64().unwrap_or(0) as usize)),
+        Err(e)
+            if e.chain().any(|c| {
+                c.downcast_ref::<hyper_util::client::legacy::Error>()
+                    .is_some_and(|h| h.is_connect())
+            }) =>
+        {
+            Ok(None)
+        }
+        Err(e) => Err(e),
     }
-    let registry =
-        dsec_edge::registry::Registry::open(&dir).map_err(|e| anyhow::anyhow!(e.message))?;
-    Ok(registry
-        .load_all()
-        .into_iter()
-        .flatten()
-        .flat_map(|r| r.layers)
-        .collect())
+}
+
+/// `s` with every byte but unreserved ones percent-encoded (an image reference as one
+/// path segment).
+fn url_escape(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' | b':' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
 }
 
 /// A build's progress: a spinner with step lines on a terminal, the lines on stderr
@@ -724,8 +750,20 @@ fn run_blocking(c: ImageCommand) -> Result<i32> {
         }
         ImageCommand::Rm(a) => {
             let r = ImageRef::parse(&a.reference)?;
-            let n = open(&a.store)?.remove(&r, &layers_in_use(&a.store)?)?;
-            println!("removed {r} ({n} layers freed)");
+            // Through the running node, which gives back the disk the image held in its
+            // project's quota; with none running, on the store (the node gives it back
+            // when it next starts and finds the image gone).
+            let n = match tokio::runtime::Handle::current().block_on(rm_on_node(&a.store, &r))? {
+                Some(n) => n,
+                None => open(&a.store)?.remove(&r, &layers_in_use(&a.store))?,
+            };
+            if a.store.json {
+                output::print_json(&serde_json::json!({
+                    "image": r.to_string(), "removed": true, "freed_layers": n,
+                }));
+            } else {
+                println!("removed {r} ({n} layers freed)");
+            }
             Ok(0)
         }
     }
