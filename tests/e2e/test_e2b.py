@@ -102,7 +102,22 @@ def test_create_run_and_exit_codes(e2b, template):
         with pytest.raises(e2b.CommandExitException) as ei:
             sb.commands.run("echo partial; exit 3")
         assert ei.value.exit_code == 3 and ei.value.stdout == "partial\n"
-        # users: root (E2B's default `user` is root here too) or any user of the image
+        # E2B's default user `user` (uid 1000), at home: relative paths and working
+        # directories are under its home, and what it writes is its own
+        assert sb.commands.run("whoami; id -u; pwd; echo $HOME").stdout == "user\n1000\n/home/user\n/home/user\n"
+        assert sb.files.write("a.txt", "mine").path == "/home/user/a.txt"
+        sb.files.write("sub/dir/b.txt", "x")
+        assert sb.files.make_dir("made") is True
+        r = sb.commands.run("stat -c %U a.txt sub sub/dir sub/dir/b.txt made; cat a.txt")
+        assert r.stdout == "user\nuser\nuser\nuser\nuser\nmine", r.stdout
+        assert sb.commands.run("pwd", cwd="sub").stdout == "/home/user/sub\n"
+        assert sb.commands.run("python --version").stdout.startswith("Python 3")
+        # the user writes only where it may; root anywhere
+        with pytest.raises(e2b.SandboxException):
+            sb.files.write("/etc/owned-by-user", "x")
+        assert sb.files.write("/etc/owned-by-root", "x", user="root").path == "/etc/owned-by-root"
+        assert sb.commands.run("stat -c %U /etc/owned-by-root; test -e /etc/owned-by-user || echo no").stdout == "root\nno\n"
+        # other users: root or any user of the image
         assert sb.commands.run("whoami", user="root").stdout == "root\n"
         assert sb.commands.run("whoami; echo $HOME", user="nobody").stdout.startswith("nobody\n")
         # stdin is closed unless asked for: `cat` returns at once

@@ -22,6 +22,43 @@ pub fn check_path(p: &str) -> Result<PathBuf, FsError> {
     Ok(PathBuf::from(p))
 }
 
+/// Runs `f` with the filesystem credentials of `user` (by name or uid, from the
+/// sandbox's /etc/passwd; none: aether's own, root's): on a thread of its own whose
+/// fsuid and fsgid are the user's, so what `f` makes is the user's and the kernel checks
+/// its permissions as the user's (a non-zero fsuid leaves the thread no capability to
+/// override them). The thread, and the credentials, end with `f`.
+pub fn as_user<T: Send>(user: Option<&str>, f: impl FnOnce() -> T + Send) -> Result<T, FsError> {
+    let Some(name) = user else {
+        return Ok(f());
+    };
+    let u = crate::user::lookup(name).map_err(|e| (ErrorCode::InvalidArgument, e))?;
+    if u.uid == 0 {
+        return Ok(f());
+    }
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            // SAFETY: setfsgid/setfsuid change only the calling thread's filesystem
+            // credentials (the raw calls: no library broadcast to other threads). Each
+            // returns the previous value; a call with -1 reads the current one back.
+            let ok = unsafe {
+                libc::syscall(libc::SYS_setfsgid, u.gid);
+                libc::syscall(libc::SYS_setfsuid, u.uid);
+                libc::syscall(libc::SYS_setfsuid, u32::MAX) == u.uid as libc::c_long
+                    && libc::syscall(libc::SYS_setfsgid, u32::MAX) == u.gid as libc::c_long
+            };
+            if !ok {
+                return Err((
+                    ErrorCode::Internal,
+                    format!("could not act as user {name} (uid {})", u.uid),
+                ));
+            }
+            Ok(f())
+        })
+        .join()
+        .unwrap_or_else(|_| Err((ErrorCode::Internal, "the file operation failed".into())))
+    })
+}
+
 /// Maps an I/O error on `path` to an API error code and a sentence.
 pub fn io_err(what: &str, path: &Path, e: std::io::Error) -> FsError {
     use std::io::ErrorKind as K;

@@ -131,14 +131,22 @@ fn main() {
 }
 
 impl Ctx {
-    /// A command's working directory: its own, else the image's.
-    fn default_cwd(&self, cwd: &mut Option<String>) {
+    /// A command's working directory: its own, else the image's, else (for a command run
+    /// as a user other than root) that user's home, where there is one.
+    fn default_cwd(&self, cwd: &mut Option<String>, user: Option<&str>) {
         if cwd.is_none() {
             *cwd = self
                 .workdir
                 .read()
                 .unwrap_or_else(|p| p.into_inner())
                 .clone();
+        }
+        if cwd.is_none()
+            && let Some(u) = user.and_then(|u| user::lookup(u).ok())
+            && u.uid != 0
+            && std::path::Path::new(&u.home).is_dir()
+        {
+            *cwd = Some(u.home);
         }
     }
 
@@ -233,7 +241,7 @@ fn serve_one(
         },
         Request::Exec(mut spec) => match exec::run(
             {
-                ctx.default_cwd(&mut spec.cwd);
+                ctx.default_cwd(&mut spec.cwd, spec.user.as_deref());
                 spec
             },
             &ctx.table,
@@ -243,7 +251,7 @@ fn serve_one(
             Err(message) => invalid(message),
         },
         Request::Start(mut spec) => {
-            ctx.default_cwd(&mut spec.exec.cwd);
+            ctx.default_cwd(&mut spec.exec.cwd, spec.exec.user.as_deref());
             let attach = spec.attach;
             match ctx.procs.start(spec, &ctx.table, &ctx.env()) {
                 Ok(p) => {
@@ -324,9 +332,18 @@ fn serve_one(
                 Err(e) => err(e),
             }
         }
-        Request::WriteFile { path, mode, append } => {
+        Request::WriteFile {
+            path,
+            mode,
+            append,
+            user,
+        } => {
             let r = files::check_path(&path).and_then(|p| {
-                files::receive_file(&p, mode, append, &mut input).map(|size| (p, size))
+                let input = &mut input;
+                files::as_user(user.as_deref(), move || {
+                    files::receive_file(&p, mode, append, input).map(|size| (p, size))
+                })
+                .and_then(|r| r)
             });
             match r {
                 Ok((p, size)) => Response::Written {
@@ -371,7 +388,9 @@ fn serve_one(
                 exists: std::fs::symlink_metadata(p).is_ok(),
             })
         }),
-        Request::Mkdir { path } => fs_reply(&path, |p| files::mkdir(p).map(Response::Stat)),
+        Request::Mkdir { path, user } => fs_reply(&path, |p| {
+            files::as_user(user.as_deref(), || files::mkdir(p).map(Response::Stat)).and_then(|r| r)
+        }),
         Request::Remove { path, recursive } => {
             fs_reply(&path, |p| files::remove(p, recursive).map(|_| Response::Ok))
         }
@@ -395,7 +414,7 @@ fn serve_one(
             env,
             max_output_bytes,
         } => {
-            ctx.default_cwd(&mut cwd);
+            ctx.default_cwd(&mut cwd, None);
             match ctx
                 .sessions
                 .create(&ctx.table, &ctx.env(), cwd, env, max_output_bytes)

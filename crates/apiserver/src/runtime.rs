@@ -331,9 +331,14 @@ async fn upload(
     let mode = parse_mode(q.get("mode"))?;
     let append = flag(&q, "append")?;
     let step = step_ref(&headers)?;
+    let how = dsec_edge::runtime::WriteOptions {
+        mode,
+        append,
+        user: q.get("user").cloned(),
+    };
     let o = st
         .edge
-        .write_file(&id, &path, mode, append, b.into_data_stream(), step)
+        .write_file(&id, &path, how, b.into_data_stream(), step)
         .await?;
     Ok(outcome(StatusCode::OK, o))
 }
@@ -351,6 +356,9 @@ struct BatchFile {
 #[serde(deny_unknown_fields)]
 struct Batch {
     files: Vec<BatchFile>,
+    /// Write every file as this user (default root).
+    #[serde(default)]
+    user: Option<String>,
 }
 
 async fn batch(
@@ -373,10 +381,12 @@ async fn batch(
     let mut written = Vec::new();
     for (path, mode, data) in decoded {
         let one = futures_util::stream::iter([Ok::<Bytes, Infallible>(Bytes::from(data))]);
-        let o = st
-            .edge
-            .write_file(&id, &path, mode, false, one, None)
-            .await?;
+        let how = dsec_edge::runtime::WriteOptions {
+            mode,
+            append: false,
+            user: b.user.clone(),
+        };
+        let o = st.edge.write_file(&id, &path, how, one, None).await?;
         written.push(o.value);
     }
     Ok(json_response(
@@ -435,6 +445,9 @@ struct PathBody {
     path: String,
     #[serde(default)]
     recursive: bool,
+    /// mkdir: make the directories as this user (default root).
+    #[serde(default)]
+    user: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -470,7 +483,10 @@ async fn file_op(
     let req = match op.as_str() {
         "mkdir" => {
             let b: PathBody = body(&bytes, &what)?;
-            Request::Mkdir { path: b.path }
+            Request::Mkdir {
+                path: b.path,
+                user: b.user,
+            }
         }
         "remove" => {
             let b: PathBody = body(&bytes, &what)?;

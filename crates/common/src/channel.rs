@@ -75,6 +75,10 @@ pub enum Request {
         path: String,
         mode: Option<u32>,
         append: bool,
+        /// Write as this user (name or uid from the sandbox's /etc/passwd): what it makes
+        /// is theirs, and only what they may write is written. Default root.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        user: Option<String>,
     },
     Stat {
         path: String,
@@ -94,6 +98,9 @@ pub enum Request {
     },
     Mkdir {
         path: String,
+        /// As [`Request::WriteFile`]'s `user`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        user: Option<String>,
     },
     Remove {
         path: String,

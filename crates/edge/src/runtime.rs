@@ -154,6 +154,32 @@ fn check_path(what: &str, p: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// How [`Edge::write_file`] writes: the mode of a file it makes, whether it appends, and
+/// the user it writes as (what it makes is theirs; default root).
+#[derive(Debug, Clone, Default)]
+pub struct WriteOptions {
+    pub mode: Option<u32>,
+    pub append: bool,
+    pub user: Option<String>,
+}
+
+/// A user a file operation names: a name as in /etc/passwd or a uid, nothing that could
+/// be read as anything else.
+fn check_user(u: &str) -> Result<(), ApiError> {
+    let ok = !u.is_empty()
+        && u.len() <= 32
+        && !u.starts_with(['-', '.'])
+        && u.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"_-.".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(format!(
+            "user {u:?} is not a user name or uid (letters, digits, _ - ., at most 32)"
+        )))
+    }
+}
+
 impl Edge {
     /// A running sandbox's entry and channel socket; counts as activity.
     pub(crate) fn running(&self, id: &str) -> Result<(Arc<Entry>, PathBuf), ApiError> {
@@ -386,8 +412,7 @@ impl Edge {
         self: &Arc<Self>,
         id: &str,
         path: &str,
-        mode: Option<u32>,
-        append: bool,
+        how: WriteOptions,
         mut body: S,
         step: Option<StepRef>,
     ) -> Result<Outcome, ApiError>
@@ -395,7 +420,11 @@ impl Edge {
         S: Stream<Item = Result<Bytes, E>> + Unpin + Send + 'static,
         E: std::fmt::Display + Send + 'static,
     {
+        let WriteOptions { mode, append, user } = how;
         check_path("path", path)?;
+        if let Some(u) = &user {
+            check_user(u)?;
+        }
         if mode.is_some_and(|m| m > 0o7777) {
             return Err(ApiError::invalid(
                 "mode must be a permission mode (at most 0o7777)",
@@ -406,6 +435,7 @@ impl Edge {
             path: path.to_string(),
             mode,
             append,
+            user,
         };
         let mut logged = json!({"path": path, "mode": mode, "append": append});
         let buffered = if step.as_ref().is_some_and(|s| s.seq.is_some()) {
@@ -486,8 +516,11 @@ impl Edge {
         step: Option<StepRef>,
     ) -> Result<Outcome, ApiError> {
         let kind = match &req {
-            Request::Mkdir { path } => {
+            Request::Mkdir { path, user } => {
                 check_path("path", path)?;
+                if let Some(u) = user {
+                    check_user(u)?;
+                }
                 "mkdir"
             }
             Request::Remove { path, .. } => {

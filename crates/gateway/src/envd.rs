@@ -35,13 +35,22 @@ pub(crate) fn routes() -> Router<Gw> {
 pub(crate) struct Target {
     pub id: String,
     /// The user the caller named (`Authorization: Basic` on RPC, `username` on files);
-    /// None for the default user (root; E2B's default `user` maps to it too).
+    /// E2B's default, `user`, when it named none or `user` and the sandbox has that
+    /// account; None (root) when it does not.
     pub user: Option<String>,
 }
 
 impl Target {
     pub fn path(&self, rest: &str) -> String {
         format!("/v1/sandboxes/{}{rest}", self.id)
+    }
+
+    /// `&user=<user>` for an API call that acts as the user (none for root).
+    pub fn user_query(&self) -> String {
+        self.user
+            .as_deref()
+            .map(|u| format!("&user={u}"))
+            .unwrap_or_default()
     }
 
     /// The user's home, for `~` (root's unless another user was named).
@@ -137,7 +146,10 @@ pub(crate) async fn target_signed(
         }
     };
     running(gw, &id).await?;
-    let user = user.filter(|u| u != "user" && !u.is_empty());
+    let user = match user.as_deref() {
+        None | Some("" | "user") => has_default_user(gw, &id).await.then(|| "user".to_string()),
+        Some(_) => user,
+    };
     if let Some(u) = &user
         && !valid_user(u)
     {
@@ -147,6 +159,46 @@ pub(crate) async fn target_signed(
         ));
     }
     Ok(Target { id, user })
+}
+
+/// Whether sandbox `id` has E2B's default user `user` (an account in its /etc/passwd,
+/// as images built from templates have), asked once per sandbox.
+async fn has_default_user(gw: &Gw, id: &str) -> bool {
+    use http_body_util::BodyExt;
+    if let Some(k) = gw.lock_default_users().get(id) {
+        return *k;
+    }
+    let resp = gw
+        .up
+        .open(
+            Method::GET,
+            &format!("/v1/sandboxes/{id}/files?path=%2Fetc%2Fpasswd"),
+            &gw.cfg.service_key,
+            None,
+            crate::upstream::full(bytes::Bytes::new()),
+        )
+        .await;
+    let found = match resp {
+        Ok(r) => match http_body_util::Limited::new(r.into_body(), 1 << 20)
+            .collect()
+            .await
+        {
+            Ok(b) => b
+                .to_bytes()
+                .split(|c| *c == b'\n')
+                .any(|l| l.starts_with(b"user:")),
+            Err(_) => return false,
+        },
+        // An image without /etc/passwd has no such user; anything else is asked again.
+        Err(e) if e.status == 404 => false,
+        Err(_) => return false,
+    };
+    let mut m = gw.lock_default_users();
+    if m.len() >= 65_536 {
+        m.clear(); // sandboxes come and go; the next call of each asks again
+    }
+    m.insert(id.to_string(), found);
+    found
 }
 
 /// The sandbox a signed URL is for, its signature and expiry checked.

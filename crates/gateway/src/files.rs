@@ -34,10 +34,13 @@ pub(crate) fn sandbox_path(t: &Target, p: &str) -> Result<String, UpErr> {
             "path must be 1 to 4096 bytes without NUL",
         ));
     }
+    // As envd: `~` and relative paths are the user's home and under it.
     Ok(if p == "~" {
         t.home()
     } else if let Some(rest) = p.strip_prefix("~/") {
         format!("{}/{rest}", t.home())
+    } else if !p.starts_with('/') {
+        format!("{}/{p}", t.home())
     } else {
         p.to_string()
     })
@@ -165,7 +168,7 @@ async fn put(
         .up
         .open(
             Method::PUT,
-            &t.path(&format!("/files?path={}", enc(&path))),
+            &t.path(&format!("/files?path={}{}", enc(&path), t.user_query())),
             &gw.cfg.service_key,
             Some("application/octet-stream"),
             body,
@@ -412,7 +415,10 @@ pub(crate) async fn rpc(gw: &Gw, t: &Target, method: &str, msg: Value) -> RpcRes
                     Method::POST,
                     &t.path("/files/mkdir"),
                     key,
-                    Some(json!({"path": p})),
+                    Some(match &t.user {
+                        Some(u) => json!({"path": p, "user": u}),
+                        None => json!({"path": p}),
+                    }),
                 )
                 .await?;
             Ok(json!({"entry": entry(&s)}))
@@ -467,7 +473,7 @@ mod tests {
         };
         assert_eq!(sandbox_path(&t, "~/a").unwrap(), "/root/a");
         assert_eq!(sandbox_path(&t, "~").unwrap(), "/root");
-        assert_eq!(sandbox_path(&t, "rel").unwrap(), "rel");
+        assert_eq!(sandbox_path(&t, "rel").unwrap(), "/root/rel");
         assert!(sandbox_path(&t, "").is_err());
         assert!(sandbox_path(&t, "a\0b").is_err());
         assert!(sandbox_path(&t, &"a".repeat(5000)).is_err());
@@ -476,5 +482,7 @@ mod tests {
             user: Some("bob".into()),
         };
         assert_eq!(sandbox_path(&u, "~/a").unwrap(), "/home/bob/a");
+        assert_eq!(sandbox_path(&u, "a.txt").unwrap(), "/home/bob/a.txt");
+        assert_eq!(sandbox_path(&u, "/etc/x").unwrap(), "/etc/x");
     }
 }

@@ -134,6 +134,16 @@ pub(crate) struct Gw {
     up: Upstream,
     watchers: Arc<std::sync::Mutex<watch::Watchers>>,
     builds: Arc<std::sync::Mutex<templates::Builds>>,
+    /// Sandbox id -> whether it has E2B's default user `user` ([`envd`]).
+    default_users: Arc<std::sync::Mutex<std::collections::HashMap<String, bool>>>,
+}
+
+impl Gw {
+    fn lock_default_users(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, bool>> {
+        self.default_users.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 /// One router serves both sides: their paths do not overlap (`/sandboxes`, `/v2/…` for
@@ -146,6 +156,7 @@ pub fn router(cfg: Config) -> Router {
         cfg: Arc::new(cfg),
         watchers: Default::default(),
         builds: Default::default(),
+        default_users: Default::default(),
     };
     control::routes()
         .merge(templates::routes())

@@ -89,7 +89,8 @@ fn exec_request(t: &Target, h: &HeaderMap, msg: &Value) -> Result<(Value, bool),
     let mut req =
         json!({"argv": argv, "stream": true, "env": string_map(&p["envs"], "process.envs")?});
     if let Some(cwd) = p["cwd"].as_str().filter(|c| !c.is_empty()) {
-        req["cwd"] = json!(cwd);
+        // `~` and relative working directories are the user's home and under it.
+        req["cwd"] = json!(crate::files::sandbox_path(t, cwd).map_err(RpcErr::from)?);
     }
     if let Some(u) = &t.user {
         req["user"] = json!(u);

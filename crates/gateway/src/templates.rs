@@ -325,7 +325,7 @@ fn spec_steps(req: &StartBuild) -> Result<Translated, UpErr> {
                 }
                 workdir = Some(w.clone());
             }
-            // E2B's default user `user` is root here, as everywhere in the gateway
+            // Build steps run as root; `user` is E2B's default user, which the image has.
             "USER" => {
                 if !matches!(s.args.first().map(String::as_str), Some("root" | "user")) {
                     return Err(bad(format!(
@@ -384,8 +384,18 @@ fn spec_steps(req: &StartBuild) -> Result<Translated, UpErr> {
             }
         }
     }
+    // E2B's templates all have its default user: made by the first RUN step, or by one
+    // more at the end when there is none (indices of copies stay as they are).
+    match steps.iter_mut().find(|s| s.run.is_some()) {
+        Some(s) => s.run = s.run.take().map(|r| format!("{ENSURE_USER}\n{r}")),
+        None => steps.push(step(Some(ENSURE_USER.to_string()), None)),
+    }
     Ok((steps, workdir.filter(|w| w != "/"), copies))
 }
+
+/// Makes E2B's default user `user` (uid 1000 where free, home /home/user) unless the
+/// image has it: with Debian's `useradd`, BusyBox's `adduser`, or by hand.
+const ENSURE_USER: &str = "id -u user >/dev/null 2>&1 || useradd -m -u 1000 -s /bin/bash user 2>/dev/null || useradd -m -s /bin/bash user 2>/dev/null || adduser -D -s /bin/sh user 2>/dev/null || { echo 'user:x:1000:1000::/home/user:/bin/sh' >> /etc/passwd && echo 'user:x:1000:' >> /etc/group && mkdir -p /home/user && chown 1000:1000 /home/user; }";
 
 /// An upload's name: the SDK's sha256 of the files (hex).
 fn valid_hash(h: &str) -> bool {
@@ -831,7 +841,10 @@ mod tests {
         .unwrap();
         let (steps, wd, _) = spec_steps(&req).unwrap();
         assert_eq!(wd.as_deref(), Some("/app dir"));
-        assert_eq!(steps[0].run.as_deref(), Some("cd '/' && echo hi > /x"));
+        assert_eq!(
+            steps[0].run.as_deref(),
+            Some(format!("{ENSURE_USER}\ncd '/' && echo hi > /x").as_str())
+        );
         assert_eq!(steps[1].env.as_ref().unwrap()["C"], "d");
         assert_eq!(steps[2].run.as_deref(), Some("mkdir -p '/app dir'"));
         assert_eq!(steps[3].run.as_deref(), Some("cd '/app dir' && touch f"));
