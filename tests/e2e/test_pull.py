@@ -709,5 +709,6 @@ async def test_removing_an_image_gives_its_quota_back_and_spares_what_a_snapshot
     async with DSecClient() as c:
         assert await disk_mb() >= 1
         out = json.loads(dsec("image", "rm", f"{mine}/env:v2", "--data-dir", str(DATA), "--json").stdout)
-        assert out["removed"] and out["freed_layers"] >= 1, out
+        # (its layers may stay: other images of this file share them)
+        assert out["removed"] and out["image"] == f"{mine}/env:v2", out
         assert await disk_mb() == 0
