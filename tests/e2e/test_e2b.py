@@ -4,6 +4,7 @@
 
 import importlib
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -47,7 +48,8 @@ def e2b():
 
     env = e2b_env()
     assert set(env) == {"E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY"}
-    assert env["E2B_API_KEY"].startswith("dsk.")
+    # E2B's key shape, which wrappers around its SDK check before they send anything
+    assert re.fullmatch(r"e2b_[0-9a-f]{40}", env["E2B_API_KEY"]), env["E2B_API_KEY"]
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     yield mod
@@ -144,6 +146,10 @@ def test_background_stdin_and_kill(sandbox, e2b):
         h.wait()
     assert ei.value.exit_code == -1
     assert sandbox.commands.kill(999999) is False
+    # a process that has ended: False as well, not an error
+    ended = sandbox.commands.run("true", background=True)
+    ended.wait()
+    assert sandbox.commands.kill(ended.pid) is False
     # a client that goes away does not end the process; another attaches to it
     h = sandbox.commands.run("sleep 1; echo late", background=True)
     h.disconnect()
@@ -331,6 +337,9 @@ def test_errors_map_to_sdk_exceptions(e2b):
         e2b.Sandbox.create(api_key="dsk.not-a-real-key")
     with pytest.raises(e2b.AuthenticationException):
         e2b.Sandbox.list(api_key="dsk.not-a-real-key").next_items()
+    # a key of E2B's shape that no project has
+    with pytest.raises(e2b.AuthenticationException):
+        e2b.Sandbox.create(api_key="e2b_" + "0" * 40)
     with pytest.raises(e2b.SandboxException, match="404: template"):
         e2b.Sandbox.create("no-such-template")
     with pytest.raises(e2b.SandboxNotFoundException):

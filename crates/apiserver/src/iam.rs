@@ -209,6 +209,10 @@ struct KeyBody {
     principal: String,
     #[serde(default = "human")]
     kind: PrincipalKind,
+    /// `dsec` (`dsk.…`, the default) or `e2b` (`e2b_` and 40 hex digits, for programs
+    /// written for E2B that check a key's shape).
+    #[serde(default)]
+    format: dsec_iam::KeyFormat,
 }
 
 fn human() -> PrincipalKind {
@@ -222,9 +226,15 @@ async fn create_key(
 ) -> ApiResult<Response> {
     let b: KeyBody = body(&bytes, "create key")?;
     let project = b.project.unwrap_or_else(|| p.project.clone());
-    let (key, key_id) =
-        dsec_iam::create_key(iam.as_ref(), &p.project, &project, &b.principal, b.kind)
-            .map_err(api_error)?;
+    let (key, key_id) = dsec_iam::create_key_as(
+        iam.as_ref(),
+        &p.project,
+        &project,
+        &b.principal,
+        b.kind,
+        b.format,
+    )
+    .map_err(api_error)?;
     Ok(json_response(
         StatusCode::CREATED,
         &json!({"key": key, "key_id": key_id, "project": project, "principal": b.principal, "kind": b.kind}),

@@ -124,8 +124,9 @@ async fn proxy(gw: &Gw, id: &str, port: u16, mut req: Request) -> Response {
     if let Some(hs) = b.headers_mut() {
         for (k, v) in req.headers() {
             let n = k.as_str();
-            // An OpenDsec key that opened the port goes no further than the gateway.
-            let dsec_key = n == "x-api-key" && v.as_bytes().starts_with(b"dsk.");
+            // An API key that opened the port goes no further than the gateway.
+            let dsec_key = n == "x-api-key"
+                && (v.as_bytes().starts_with(b"dsk.") || v.as_bytes().starts_with(b"e2b_"));
             if !n.starts_with("e2b-") && n != "x-dsec-token" && !dsec_key {
                 hs.append(k.clone(), v.clone());
             }

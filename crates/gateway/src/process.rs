@@ -356,7 +356,7 @@ pub(crate) async fn unary(gw: &Gw, t: &Target, method: &str, msg: Value) -> RpcR
                     ));
                 }
             };
-            let _: Value = gw
+            let sent: Result<Value, _> = gw
                 .up
                 .call(
                     Method::POST,
@@ -364,8 +364,17 @@ pub(crate) async fn unary(gw: &Gw, t: &Target, method: &str, msg: Value) -> RpcR
                     key,
                     Some(json!({"signal": sig})),
                 )
-                .await?;
-            Ok(json!({}))
+                .await;
+            match sent {
+                Ok(_) => Ok(json!({})),
+                // As envd: a process that has ended is not found (the SDK's `kill` then
+                // answers False instead of raising).
+                Err(e) if e.code == "failed_precondition" => Err(RpcErr::new(
+                    "not_found",
+                    format!("process {pid} is not running: {}", e.message),
+                )),
+                Err(e) => Err(e.into()),
+            }
         }
         "Update" => {
             let pid = pid_of(gw, t, &msg["process"]).await?;

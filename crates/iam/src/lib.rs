@@ -24,6 +24,9 @@ pub use state::{
 pub use store::LocalStore;
 
 pub const KEY_PREFIX: &str = "dsk.";
+/// Keys in E2B's format (`e2b_` and 40 hex digits), for programs and wrappers around the
+/// E2B SDK that check a key's shape before they send it; otherwise keys like any other.
+pub const E2B_KEY_PREFIX: &str = "e2b_";
 const KEY_ALPHABET: &[u8; 32] = b"0123456789abcdefghjkmnpqrstvwxyz";
 
 #[derive(Debug, thiserror::Error)]
@@ -124,6 +127,32 @@ pub fn generate_key() -> String {
     format!("{KEY_PREFIX}{body}")
 }
 
+/// A key in E2B's format: `e2b_` and 40 lowercase hex digits (160 random bits).
+pub fn generate_e2b_key() -> String {
+    let mut bytes = [0u8; 20];
+    dsec_common::id::fill_random(&mut bytes);
+    format!("{E2B_KEY_PREFIX}{}", hex::encode(bytes))
+}
+
+/// Whether `key` has the shape of a key this deployment makes (either format).
+pub fn well_formed_key(key: &str) -> bool {
+    if let Some(hexd) = key.strip_prefix(E2B_KEY_PREFIX) {
+        return hexd.len() == 40 && hexd.bytes().all(|b| b.is_ascii_hexdigit());
+    }
+    key.starts_with(KEY_PREFIX) && key.len() <= 256
+}
+
+/// The format of a key [`create_key_as`] makes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KeyFormat {
+    /// `dsk.` and 32 letters and digits.
+    #[default]
+    Dsec,
+    /// E2B's: `e2b_` and 40 hex digits.
+    E2b,
+}
+
 pub fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -139,7 +168,22 @@ pub fn create_key(
     principal: &str,
     kind: PrincipalKind,
 ) -> Result<(String, String), IamError> {
-    let key = generate_key();
+    create_key_as(iam, actor, project, principal, kind, KeyFormat::Dsec)
+}
+
+/// [`create_key`] in the given format.
+pub fn create_key_as(
+    iam: &dyn Iam,
+    actor: &str,
+    project: &str,
+    principal: &str,
+    kind: PrincipalKind,
+    format: KeyFormat,
+) -> Result<(String, String), IamError> {
+    let key = match format {
+        KeyFormat::Dsec => generate_key(),
+        KeyFormat::E2b => generate_e2b_key(),
+    };
     let sha256 = hash_key(&key);
     iam.apply(Command::CreateKey {
         actor: actor.to_string(),
@@ -154,7 +198,7 @@ pub fn create_key(
 
 /// The principal a key belongs to, if the key is known and not revoked.
 pub(crate) fn authenticate_in(s: &IamState, key: &str) -> Option<Principal> {
-    if !key.starts_with(KEY_PREFIX) || key.len() > 256 {
+    if !well_formed_key(key) {
         return None;
     }
     let h = hash_key(key);
@@ -261,6 +305,36 @@ mod tests {
         let admin = p("root");
         assert!(admin.may_write_images("root/t2") && admin.may_read_images("other"));
         assert!(!admin.may_write_images("other"), "outside every project");
+    }
+
+    #[test]
+    fn e2b_format_keys_are_keys_like_any_other_and_only_well_formed_ones_are_looked_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = LocalStore::open(&dir.path().join("iam.redb"), 1).unwrap();
+        let (key, key_id) = create_key_as(
+            &store,
+            ROOT,
+            ROOT,
+            "e2b",
+            PrincipalKind::Human,
+            KeyFormat::E2b,
+        )
+        .unwrap();
+        let hexd = key.strip_prefix("e2b_").unwrap();
+        assert!(
+            hexd.len() == 40 && hexd.bytes().all(|b| b.is_ascii_hexdigit()),
+            "{key}"
+        );
+        let p = store.authenticate(&key).unwrap();
+        assert_eq!(
+            (p.project.as_str(), p.key_id.as_str()),
+            (ROOT, key_id.as_str())
+        );
+        // Another key of the same shape, a cut or padded one: nobody.
+        assert!(store.authenticate(&generate_e2b_key()).is_none());
+        assert!(store.authenticate(&key[..key.len() - 1]).is_none());
+        assert!(store.authenticate(&format!("{key}0")).is_none());
+        assert!(!well_formed_key("e2b_zz") && !well_formed_key("xyz"));
     }
 
     #[test]

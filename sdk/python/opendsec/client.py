@@ -460,9 +460,14 @@ class DSecClient:
         """Projects this key can see, each with ``quota`` and ``usage``."""
         return (await self._request("GET", "/v1/projects"))["projects"]
 
-    async def create_key(self, principal: str, *, project: str | None = None, agent: bool = False) -> dict[str, Any]:
-        """Makes an API key (``["key"]``, shown only now) for a person or an agent."""
+    async def create_key(self, principal: str, *, project: str | None = None, agent: bool = False,
+                         e2b_format: bool = False) -> dict[str, Any]:
+        """Makes an API key (``["key"]``, shown only now) for a person or an agent; with
+        ``e2b_format`` in E2B's shape (``e2b_`` and 40 hex digits), for programs written for
+        E2B that check it."""
         body: dict[str, Any] = {"principal": principal, "kind": "agent" if agent else "human"}
+        if e2b_format:
+            body["format"] = "e2b"
         if project is not None:
             body["project"] = project
         return await self._request("POST", "/v1/keys", json=body)

@@ -34,7 +34,7 @@ pub enum IamCommand {
     /// Create an API key for a person or an agent in a project
     #[command(
         name = "key-create",
-        after_help = "Example:\n  dsec iam key-create --project root/team-a --name rl-trainer --agent"
+        after_help = "Examples:\n  dsec iam key-create --project root/team-a --name rl-trainer --agent\n  dsec iam key-create --project root/team-a --name e2b-jobs --e2b-format"
     )]
     KeyCreate(KeyArgs),
     /// List API keys (ids only; keys are shown once, when made)
@@ -85,6 +85,10 @@ pub struct KeyArgs {
     /// The key is for an agent (a program), not a person
     #[arg(long)]
     pub agent: bool,
+    /// Make the key in E2B's format (`e2b_` and 40 hex digits), for programs written for
+    /// E2B that check a key's shape
+    #[arg(long)]
+    pub e2b_format: bool,
     #[command(flatten)]
     pub api: ApiArgs,
 }
@@ -174,6 +178,7 @@ pub async fn run(c: IamCommand) -> Result<i32> {
                 "project": a.project,
                 "principal": a.name,
                 "kind": if a.agent { "agent" } else { "human" },
+                "format": if a.e2b_format { "e2b" } else { "dsec" },
             });
             let v: Value = api(&a.api)?
                 .call(Method::POST, "/v1/keys", Some(&body))

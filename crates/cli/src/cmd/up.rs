@@ -502,7 +502,9 @@ pub(crate) const E2B_PROJECT: &str = "root/e2b";
 /// missing or no longer valid.
 fn e2b_key(iam: &dyn Iam, dir: &Path) -> Result<String> {
     let path = dir.join("e2b.key");
+    // In E2B's format (`e2b_` and 40 hex digits): wrappers of the E2B SDK check the shape.
     if let Ok(k) = std::fs::read_to_string(&path)
+        && k.trim().starts_with(dsec_iam::E2B_KEY_PREFIX)
         && iam
             .authenticate(k.trim())
             .is_some_and(|p| p.project == E2B_PROJECT)
@@ -521,7 +523,14 @@ fn e2b_key(iam: &dyn Iam, dir: &Path) -> Result<String> {
             now_ms: dsec_iam::now_ms(),
         })?;
     }
-    let (k, _) = dsec_iam::create_key(iam, ROOT, E2B_PROJECT, "e2b", PrincipalKind::Human)?;
+    let (k, _) = dsec_iam::create_key_as(
+        iam,
+        ROOT,
+        E2B_PROJECT,
+        "e2b",
+        PrincipalKind::Human,
+        dsec_iam::KeyFormat::E2b,
+    )?;
     write_private(&path, &k)?;
     Ok(k)
 }
