@@ -54,6 +54,11 @@ const scenarios = {
       await sb.commands.run('for i in 1 2 3; do echo $i; done', { onStdout: (d) => seen.push(d) })
       assert.equal(seen.join(''), '1\n2\n3\n')
       assert.equal((await sb.commands.run('whoami', { user: 'root' })).stdout, 'root\n')
+      // E2B's default user, at home; relative paths under its home, its files its own
+      assert.match(process.env.E2B_API_KEY, /^e2b_[0-9a-f]{40}$/)
+      assert.equal((await sb.commands.run('whoami; pwd')).stdout, 'user\n/home/user\n')
+      assert.equal((await sb.files.write('js.txt', 'from js')).path, '/home/user/js.txt')
+      assert.equal((await sb.commands.run('stat -c %U js.txt', { cwd: '.' })).stdout, 'user\n')
       await assert.rejects(sb.commands.run('sleep 30', { timeoutMs: 1000 }), TimeoutError)
       // background, stdin, kill
       let h = await sb.commands.run('read line; echo got $line', { background: true, stdin: true })
@@ -64,6 +69,9 @@ const scenarios = {
       assert.equal(await sb.commands.kill(h.pid), true)
       await assert.rejects(h.wait(), CommandExitError)
       assert.equal(await sb.commands.kill(999999), false)
+      const ended = await sb.commands.run('true', { background: true })
+      await ended.wait()
+      assert.equal(await sb.commands.kill(ended.pid), false)
       h = await sb.commands.run('cat', { background: true, stdin: true })
       await sb.commands.sendStdin(h.pid, 'ab\n')
       await sb.commands.closeStdin(h.pid)
