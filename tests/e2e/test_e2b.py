@@ -332,6 +332,65 @@ def test_list_connect_timeout_and_kill(e2b, template):
         b.kill()
 
 
+def test_fork_and_snapshots(e2b, template):
+    """`fork(count=)`, `create_snapshot(name=)`, `list_snapshots` (all, per sandbox, by
+    name, paged), `Sandbox.create(<snapshot id or name>)` and `delete_snapshot`, on
+    OpenDsec's fork and snapshots."""
+    sb = e2b.Sandbox.create(template, timeout=300, metadata={"suite": "fork"})
+    made = []
+    snaps = []
+    try:
+        sb.files.write("state.txt", "before")
+        forks = sb.fork(count=2, timeout=120)
+        made += [f for f in forks if isinstance(f, e2b.Sandbox)]
+        assert len(forks) == 2 and all(isinstance(f, e2b.Sandbox) for f in forks), forks
+        assert len({f.sandbox_id for f in forks} | {sb.sandbox_id}) == 3
+        for f in forks:
+            assert f.files.read("state.txt") == "before"
+            f.files.write("state.txt", f.sandbox_id)
+        assert sb.is_running() and sb.files.read("state.txt") == "before"
+        assert [f.files.read("state.txt") for f in forks] == [f.sandbox_id for f in forks]
+
+        name = f"snap-{uuid.uuid4().hex[:8]}"
+        info = sb.create_snapshot(name=name)
+        snaps.append(info.snapshot_id)
+        assert info.snapshot_id and info.names == [name], info
+        sb.files.write("state.txt", "after")
+        other = sb.create_snapshot()
+        snaps.append(other.snapshot_id)
+        assert sb.is_running()
+
+        ids = lambda p: [s.snapshot_id for s in p.next_items()]  # noqa: E731
+        assert {info.snapshot_id, other.snapshot_id} <= set(ids(e2b.Sandbox.list_snapshots()))
+        assert set(ids(sb.list_snapshots())) == {info.snapshot_id, other.snapshot_id}
+        assert ids(e2b.Sandbox.list_snapshots(name=name)) == [info.snapshot_id]
+        page = sb.list_snapshots(limit=1)
+        first = ids(page)
+        assert len(first) == 1 and page.has_next
+        assert len(set(first + ids(page))) == 2 and not page.has_next
+
+        by_id = e2b.Sandbox.create(info.snapshot_id, timeout=120)
+        made.append(by_id)
+        by_name = e2b.Sandbox.create(name, timeout=120)
+        made.append(by_name)
+        for r in (by_id, by_name):
+            assert r.files.read("state.txt") == "before"
+            assert r.commands.run("whoami").stdout == "user\n"
+        assert e2b.Sandbox.create(other.snapshot_id, timeout=60).files.read("state.txt") == "after"
+
+        assert e2b.Sandbox.delete_snapshot(info.snapshot_id) is True
+        assert e2b.Sandbox.delete_snapshot(info.snapshot_id) is False
+        assert ids(e2b.Sandbox.list_snapshots(name=name)) == []
+    finally:
+        for m in made:
+            m.kill()
+        for s in snaps:
+            e2b.Sandbox.delete_snapshot(s)
+        sb.kill()
+        for x in e2b.Sandbox.list(query=e2b.SandboxQuery(metadata={"suite": "fork"})).next_items():
+            e2b.Sandbox.kill(x.sandbox_id)
+
+
 def test_errors_map_to_sdk_exceptions(e2b):
     with pytest.raises(e2b.AuthenticationException):
         e2b.Sandbox.create(api_key="dsk.not-a-real-key")

@@ -262,7 +262,8 @@ async def test_gateway_ports_want_credentials_unless_public(client):
             assert r.status_code == 400 and "signed" in r.text, r.text
             r = httpx.post(up, files={"file": ("/root/.profile", b"moved?")})
             assert r.status_code == 200, r.text
-            got = public.commands.run("cat /tmp/signed.txt; grep -c moved /root/.profile || true").stdout
+            got = public.commands.run("cat /tmp/signed.txt; grep -c moved /root/.profile || true",
+                                      user="root").stdout
             assert got == "moved?0\n", got
         finally:
             public.kill()

@@ -34,11 +34,29 @@ fn visible(st: &AppState, p: &Principal, sid: &str) -> ApiResult<SnapshotInfo> {
     Ok(info)
 }
 
-async fn create(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
+/// `POST /v1/sandboxes/{id}/snapshot`'s body (optional): labels the snapshot has over
+/// those of its sandbox.
+#[derive(serde::Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct SnapshotBody {
+    #[serde(default)]
+    labels: std::collections::BTreeMap<String, String>,
+}
+
+async fn create(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
     route(&st, &id)?;
+    let b: SnapshotBody = if bytes.is_empty() {
+        SnapshotBody::default()
+    } else {
+        body(&bytes, "snapshot")?
+    };
     Ok(json(
         StatusCode::CREATED,
-        &st.edge.create_snapshot(&id).await?,
+        &st.edge.create_snapshot(&id, b.labels).await?,
     ))
 }
 

@@ -115,12 +115,26 @@ impl Edge {
     }
 
     /// Saves running sandbox `id` as a new snapshot (it pauses briefly).
-    pub async fn create_snapshot(self: &Arc<Self>, id: &str) -> Result<SnapshotInfo, ApiError> {
+    /// Takes a snapshot of sandbox `id`; its labels are the sandbox's with `labels` over
+    /// them (a name to find it by, say).
+    pub async fn create_snapshot(
+        self: &Arc<Self>,
+        id: &str,
+        labels: std::collections::BTreeMap<String, String>,
+    ) -> Result<SnapshotInfo, ApiError> {
+        let e = self.entry(id)?;
+        let mut all = e.snapshot().labels;
+        all.extend(labels);
+        validate::labels(&all)?;
         let (edge, id) = (self.clone(), id.to_string());
-        finish(async move { edge.create_snapshot_now(&id).await }).await
+        finish(async move { edge.create_snapshot_now(&id, all).await }).await
     }
 
-    async fn create_snapshot_now(self: &Arc<Self>, id: &str) -> Result<SnapshotInfo, ApiError> {
+    async fn create_snapshot_now(
+        self: &Arc<Self>,
+        id: &str,
+        labels: std::collections::BTreeMap<String, String>,
+    ) -> Result<SnapshotInfo, ApiError> {
         let e = self.entry(id)?;
         let src = e.snapshot();
         let backend = self.backend(&src.backend)?;
@@ -143,7 +157,7 @@ impl Edge {
                 backend: src.backend.clone(),
                 image: src.image.clone(),
                 project: src.project.clone(),
-                labels: src.labels.clone(),
+                labels,
                 created_at_ms: now_ms(),
                 memory_preserved: backend.fork_preserves_memory(),
                 size_bytes: dir_size(&state),

@@ -52,7 +52,7 @@ pub(crate) fn key(h: &HeaderMap) -> Result<String, UpErr> {
 }
 
 /// An id from a path: a well-formed sandbox id, or not found (never passed on raw).
-fn sandbox_id(id: &str) -> Result<String, UpErr> {
+pub(crate) fn sandbox_id(id: &str) -> Result<String, UpErr> {
     SandboxId::parse(id)
         .map(|p| p.to_string())
         .map_err(|_| not_found(id))
@@ -87,7 +87,7 @@ fn metadata_of(info: &SandboxInfo) -> BTreeMap<&str, &str> {
 }
 
 /// `Sandbox` (create and connect).
-fn sandbox_json(gw: &Gw, info: &SandboxInfo) -> Value {
+pub(crate) fn sandbox_json(gw: &Gw, info: &SandboxInfo) -> Value {
     let mut v = json!({
         "templateID": template_of(info),
         "sandboxID": info.id,
@@ -258,9 +258,8 @@ async fn create(State(gw): State<Gw>, h: HeaderMap, body: Bytes) -> Response {
 async fn create_inner(gw: &Gw, h: &HeaderMap, body: &Bytes) -> Res {
     let k = key(h)?;
     let req: NewSandbox = parse(body, "create sandbox")?;
-    let template = template_for(gw, &k, &req.template_id).await?;
-    let mut labels = req.metadata.unwrap_or_default();
-    if let Some(k) = labels.keys().find(|k| k.starts_with(LABEL_PREFIX)) {
+    let metadata = req.metadata.clone().unwrap_or_default();
+    if let Some(k) = metadata.keys().find(|k| k.starts_with(LABEL_PREFIX)) {
         return Err(UpErr::new(
             400,
             "invalid_argument",
@@ -269,6 +268,24 @@ async fn create_inner(gw: &Gw, h: &HeaderMap, body: &Bytes) -> Res {
             ),
         ));
     }
+    // A snapshot's id or name (`Sandbox.create(snapshot_id)`), unless the gateway maps
+    // that name to a template of its own.
+    if !gw.cfg.templates.contains_key(&req.template_id)
+        && let Some(s) = crate::snapshots::find(gw, &k, &req.template_id).await?
+    {
+        let info = crate::snapshots::create_from(
+            gw,
+            &k,
+            &s,
+            &req.template_id,
+            metadata,
+            req.timeout.unwrap_or(DEFAULT_TIMEOUT_S),
+        )
+        .await?;
+        return Ok((StatusCode::CREATED, axum::Json(sandbox_json(gw, &info))).into_response());
+    }
+    let template = template_for(gw, &k, &req.template_id).await?;
+    let mut labels = metadata;
     labels.insert(TEMPLATE_LABEL.to_string(), req.template_id.clone());
     let mut rules = BTreeMap::new();
     let public = req

@@ -26,6 +26,7 @@ mod multipart;
 mod ports;
 mod process;
 pub mod proto;
+mod snapshots;
 mod templates;
 pub mod untar;
 
@@ -159,6 +160,7 @@ pub fn router(cfg: Config) -> Router {
         default_users: Default::default(),
     };
     control::routes()
+        .merge(snapshots::routes())
         .merge(templates::routes())
         .merge(envd::routes())
         .fallback(|| async { e2b_error(404, "no such endpoint on the OpenDsec E2B gateway") })

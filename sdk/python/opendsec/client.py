@@ -770,11 +770,13 @@ class Sandbox:
             url += ("&" if "?" in url else "?") + f"dsec_token={self.info.port_token}"
         return url
 
-    async def snapshot(self) -> SnapshotInfo:
+    async def snapshot(self, labels: dict[str, str] | None = None) -> SnapshotInfo:
         """Keeps this sandbox's state under a new id (it pauses briefly): a VM's memory and
         devices, a container's files. Start sandboxes from it with
-        ``DSecClient.restore_snapshot``; it stays until ``delete_snapshot``."""
-        r = await self._client._request("POST", f"{self._base}/snapshot", timeout=900.0)
+        ``DSecClient.restore_snapshot``; it stays until ``delete_snapshot``. Its labels are
+        the sandbox's with ``labels`` over them."""
+        body = {"labels": labels} if labels else None
+        r = await self._client._request("POST", f"{self._base}/snapshot", json=body, timeout=900.0)
         return SnapshotInfo.from_json(r)
 
     async def pause(self, to_disk: bool = False) -> SandboxInfo:
