@@ -185,6 +185,37 @@ const scenarios = {
     }
   },
 
+  async snapshots() {
+    const sb = await Sandbox.create(template, { timeoutMs: 300_000 })
+    const made = []
+    const snaps = []
+    try {
+      await sb.files.write('state.txt', 'before')
+      const forks = await sb.fork({ count: 2 })
+      made.push(...forks.filter((f) => f instanceof Sandbox))
+      assert.equal(made.length, 2, String(forks))
+      for (const f of made) assert.equal(await f.files.read('state.txt'), 'before')
+      const name = `js-snap-${randomBytes(4).toString('hex')}`
+      const info = await sb.createSnapshot({ name })
+      snaps.push(info.snapshotId)
+      assert.deepEqual(info.names, [name])
+      await sb.files.write('state.txt', 'after')
+      const listed = await sb.listSnapshots().nextItems()
+      assert.deepEqual(listed.map((x) => x.snapshotId), [info.snapshotId])
+      const byName = await Sandbox.listSnapshots({ name }).nextItems()
+      assert.deepEqual(byName.map((x) => x.snapshotId), [info.snapshotId])
+      const r = await Sandbox.create(info.snapshotId, { timeoutMs: 120_000 })
+      made.push(r)
+      assert.equal(await r.files.read('state.txt'), 'before')
+      assert.equal(await Sandbox.deleteSnapshot(info.snapshotId), true)
+      assert.equal(await Sandbox.deleteSnapshot(info.snapshotId), false)
+    } finally {
+      for (const m of made) await m.kill()
+      for (const id of snaps) await Sandbox.deleteSnapshot(id)
+      await sb.kill()
+    }
+  },
+
   async ports() {
     const sb = await Sandbox.create(template, { timeoutMs: 120_000 })
     try {
