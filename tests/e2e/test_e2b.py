@@ -114,6 +114,7 @@ def test_create_run_and_exit_codes(e2b, template):
         assert r.stdout == "user\nuser\nuser\nuser\nuser\nmine", r.stdout
         assert sb.commands.run("pwd", cwd="sub").stdout == "/home/user/sub\n"
         assert sb.commands.run("python --version").stdout.startswith("Python 3")
+        assert sb.commands.run("node -v").stdout.startswith("v")
         # the user writes only where it may; root anywhere
         with pytest.raises(e2b.SandboxException):
             sb.files.write("/etc/owned-by-user", "x")
@@ -389,6 +390,65 @@ def test_fork_and_snapshots(e2b, template):
         sb.kill()
         for x in e2b.Sandbox.list(query=e2b.SandboxQuery(metadata={"suite": "fork"})).next_items():
             e2b.Sandbox.kill(x.sandbox_id)
+
+
+@pytest.mark.parametrize("template", ["base"])
+def test_update_network_replaces_the_rules(sandbox, e2b):
+    """`update_network` replaces a running sandbox's egress rules at once (allowed entries
+    win over denied ones); what the gateway cannot do is refused, not ignored."""
+    import json
+
+    def rules() -> dict:
+        out = json.loads(dsec("ls", "--data-dir", str(DATA), "--json").stdout)
+        rows = out["sandboxes"] if isinstance(out, dict) else out
+        return next(r for r in rows if r["id"] == sandbox.sandbox_id)["network"]["rules"]
+
+    sandbox.update_network({"allow_out": ["203.0.113.7", "198.51.100.0/24"], "deny_out": ["203.0.113.7"]})
+    assert rules() == {"203.0.113.7": True, "198.51.100.0/24": True}
+    sandbox.update_network({"deny_out": ["0.0.0.0/0"]})
+    assert rules() == {"0.0.0.0/0": False}
+    sandbox.update_network({})
+    assert rules() == {}
+    with pytest.raises(e2b.SandboxException, match="dnsServers"):
+        sandbox.update_network({"allow_out": ["203.0.113.7"], "dns_servers": ["1.1.1.1"]})
+    assert rules() == {}
+    # a rule the node refuses (another sandbox's range) leaves the rules as they were
+    with pytest.raises(e2b.SandboxException):
+        sandbox.update_network({"allow_out": ["10.200.0.0/16"]})
+    assert rules() == {}
+
+
+def test_list_order_started_after_and_template(e2b):
+    """Listing: `order`, `started_after` and the `template` filter, with the pages."""
+    import datetime
+    import time
+
+    tag = uuid.uuid4().hex[:8]
+    first = e2b.Sandbox.create("base", metadata={"lt": tag}, timeout=120)
+    try:
+        time.sleep(0.05)
+        cut = datetime.datetime.now(datetime.timezone.utc)
+        time.sleep(0.05)
+        second = e2b.Sandbox.create("code-interpreter-v1", metadata={"lt": tag}, timeout=120)
+        try:
+            def ids(order=None, **q):
+                p = e2b.Sandbox.list(query=e2b.SandboxQuery(metadata={"lt": tag}, **q), order=order, limit=1)
+                out = []
+                while p.has_next:
+                    out += [s.sandbox_id for s in p.next_items()]
+                return out
+
+            a, b = first.sandbox_id, second.sandbox_id
+            assert ids() == [a, b] and ids("asc") == [a, b]
+            assert ids("desc") == [b, a]
+            assert ids(started_after=cut) == [b]
+            assert ids(template="base") == [a]
+            assert ids(template="code-interpreter-v1") == [b]
+            assert ids(template="no-such-template") == []
+        finally:
+            second.kill()
+    finally:
+        first.kill()
 
 
 def test_errors_map_to_sdk_exceptions(e2b):

@@ -32,6 +32,10 @@ pub(crate) fn routes() -> Router<Gw> {
         .route("/sandboxes/{id}/timeout", post(set_timeout))
         .route("/sandboxes/{id}/metrics", get(metrics))
         .route("/sandboxes/{id}/pause", post(pause))
+        .route(
+            "/sandboxes/{id}/network",
+            axum::routing::put(update_network),
+        )
 }
 
 type Res = Result<Response, UpErr>;
@@ -143,6 +147,66 @@ pub(crate) fn rfc3339(ms: u64) -> String {
         rem % 60,
         ms % 1000
     )
+}
+
+/// An RFC 3339 time (`2026-12-05T10:00:00.5Z`, `…+01:00`; without an offset, UTC) as
+/// Unix milliseconds.
+pub(crate) fn parse_rfc3339(t: &str) -> Option<u64> {
+    let b = t.as_bytes();
+    let num = |r: std::ops::Range<usize>| -> Option<i64> {
+        let s = t.get(r)?;
+        s.bytes()
+            .all(|c| c.is_ascii_digit())
+            .then(|| s.parse().ok())?
+    };
+    if b.len() < 19 || b[4] != b'-' || b[7] != b'-' || !matches!(b[10], b'T' | b't' | b' ') {
+        return None;
+    }
+    let (y, mo, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
+    let (h, mi, sec) = (num(11..13)?, num(14..16)?, num(17..19)?);
+    if b[13] != b':' || b[16] != b':' || !(1..=12).contains(&mo) || !(1..=31).contains(&d) {
+        return None;
+    }
+    if h > 23 || mi > 59 || sec > 60 {
+        return None;
+    }
+    let mut i = 19;
+    let mut ms = 0i64;
+    if b.get(i) == Some(&b'.') {
+        let start = i + 1;
+        i = start;
+        while b.get(i).is_some_and(|c| c.is_ascii_digit()) {
+            i += 1;
+        }
+        let frac = t.get(start..i).filter(|f| !f.is_empty())?;
+        let f3: String = frac.chars().chain("000".chars()).take(3).collect();
+        ms = f3.parse().ok()?;
+    }
+    let offset_s = match t.get(i..) {
+        None | Some("") | Some("Z") | Some("z") => 0,
+        Some(o)
+            if o.len() == 6
+                && matches!(o.as_bytes()[0], b'+' | b'-')
+                && o.as_bytes()[3] == b':' =>
+        {
+            let sign = if o.starts_with('-') { -1 } else { 1 };
+            sign * (num(i + 1..i + 3)? * 3600 + num(i + 4..i + 6)? * 60)
+        }
+        _ => return None,
+    };
+    // days from civil (Howard Hinnant), the inverse of `rfc3339`'s
+    let (yy, mm) = if mo <= 2 {
+        (y - 1, mo + 9)
+    } else {
+        (y, mo - 3)
+    };
+    let era = yy.div_euclid(400);
+    let yoe = yy - era * 400;
+    let doy = (153 * mm + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let secs = days * 86_400 + h * 3600 + mi * 60 + sec - offset_s;
+    u64::try_from(secs * 1000 + ms).ok()
 }
 
 pub(crate) fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes, what: &str) -> Result<T, UpErr> {
@@ -388,6 +452,74 @@ async fn kill(State(gw): State<Gw>, h: HeaderMap, Path(id): Path<String>) -> Res
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
+/// `PUT /sandboxes/{id}/network`'s body: the whole egress configuration, replacing the
+/// one before (what it leaves out is cleared).
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct NetworkUpdate {
+    #[serde(default)]
+    allow_out: Vec<String>,
+    #[serde(default)]
+    deny_out: Vec<String>,
+    #[serde(default)]
+    dns_servers: Vec<String>,
+    #[serde(default)]
+    egress_proxy: Option<Value>,
+    #[serde(default)]
+    rules: Option<Value>,
+    allow_internet_access: Option<bool>,
+}
+
+/// `Sandbox.update_network`: the sandbox's egress rules replaced at once (OpenDsec's
+/// `PUT /v1/sandboxes/{id}/network`); allowed entries win over denied ones, as at create.
+async fn update_network(
+    State(gw): State<Gw>,
+    h: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Res {
+    let k = key(&h)?;
+    let id = sandbox_id(&id)?;
+    let req: NetworkUpdate = parse(&body, "network update")?;
+    let unsupported = [
+        ("dnsServers", !req.dns_servers.is_empty()),
+        (
+            "egressProxy",
+            req.egress_proxy.as_ref().is_some_and(|v| !v.is_null()),
+        ),
+        (
+            "rules",
+            req.rules
+                .as_ref()
+                .is_some_and(|v| !v.is_null() && v.as_object().is_none_or(|o| !o.is_empty())),
+        ),
+    ];
+    if let Some((name, _)) = unsupported.iter().find(|(_, given)| *given) {
+        return Err(UpErr::new(
+            400,
+            "invalid_argument",
+            format!(
+                "network {name} is not supported by this gateway (the node's DNS proxy answers every sandbox; egress is allowOut/denyOut)"
+            ),
+        ));
+    }
+    let mut rules = BTreeMap::new();
+    if req.allow_internet_access != Some(false) {
+        rules.extend(req.deny_out.into_iter().map(|d| (d, false)));
+        rules.extend(req.allow_out.into_iter().map(|d| (d, true)));
+    }
+    let _: Value = gw
+        .up
+        .call(
+            Method::PUT,
+            &format!("/v1/sandboxes/{id}/network"),
+            &k,
+            Some(json!({ "network_rules": rules })),
+        )
+        .await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
 #[derive(Deserialize)]
 struct TimeoutBody {
     timeout: u64,
@@ -523,9 +655,35 @@ async fn list(State(gw): State<Gw>, h: HeaderMap, RawQuery(q): RawQuery) -> Res 
     let mut states: Option<Vec<String>> = None;
     let mut limit = 100usize;
     let mut offset = 0usize;
+    let mut newest_first = false;
+    let mut started_after: Option<u64> = None;
+    let mut template: Option<String> = None;
     for (name, v) in query_pairs(q.as_deref().unwrap_or("")) {
         match name.as_str() {
             "metadata" => labels.extend(metadata_filter(&v)),
+            "order" => {
+                newest_first = match v.as_str() {
+                    "asc" => false,
+                    "desc" => true,
+                    _ => {
+                        return Err(UpErr::new(
+                            400,
+                            "invalid_argument",
+                            format!("order {v:?}: asc or desc"),
+                        ));
+                    }
+                }
+            }
+            "startedAfter" => {
+                started_after = Some(parse_rfc3339(&v).ok_or_else(|| {
+                    UpErr::new(
+                        400,
+                        "invalid_argument",
+                        format!("startedAfter {v:?} is not an RFC 3339 time"),
+                    )
+                })?)
+            }
+            "template" if !v.is_empty() => template = Some(v),
             "state" => states = Some(v.split(',').map(|s| s.trim().to_string()).collect()),
             "limit" => {
                 limit = v
@@ -562,8 +720,13 @@ async fn list(State(gw): State<Gw>, h: HeaderMap, RawQuery(q): RawQuery) -> Res 
         .into_iter()
         .filter_map(|s| e2b_state(s.state).map(|st| (s, st)))
         .filter(|(_, st)| states.as_ref().is_none_or(|w| w.iter().any(|x| x == st)))
+        .filter(|(s, _)| started_after.is_none_or(|t| s.created_at_ms > t))
+        .filter(|(s, _)| template.as_deref().is_none_or(|t| template_of(s) == t))
         .collect();
     all.sort_by(|a, b| (a.0.created_at_ms, &a.0.id).cmp(&(b.0.created_at_ms, &b.0.id)));
+    if newest_first {
+        all.reverse();
+    }
     let page: Vec<Value> = all
         .iter()
         .skip(offset)
@@ -588,6 +751,27 @@ mod tests {
         assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
         assert_eq!(rfc3339(1_735_689_600_123), "2025-01-01T00:00:00.123Z");
         assert_eq!(rfc3339(951_782_400_000), "2000-02-29T00:00:00.000Z");
+        for ms in [0, 1_735_689_600_123, 951_782_400_000, 1_796_512_363_999] {
+            assert_eq!(parse_rfc3339(&rfc3339(ms)), Some(ms));
+        }
+        // as Python's isoformat() writes them: microseconds, an offset, or none
+        assert_eq!(
+            parse_rfc3339("2025-01-01T01:00:00.123456+01:00"),
+            Some(1_735_689_600_123)
+        );
+        assert_eq!(
+            parse_rfc3339("2025-01-01T00:00:00"),
+            Some(1_735_689_600_000)
+        );
+        for bad in [
+            "",
+            "2025-13-01T00:00:00Z",
+            "2025-01-01",
+            "2025-01-01T00:00:00+1",
+            "x".repeat(30).as_str(),
+        ] {
+            assert_eq!(parse_rfc3339(bad), None, "{bad}");
+        }
     }
 
     #[test]
