@@ -399,7 +399,7 @@ def test_update_network_replaces_the_rules(sandbox, e2b):
     import json
 
     def rules() -> dict:
-        out = json.loads(dsec("ls", "--data-dir", str(DATA), "--json").stdout)
+        out = json.loads(dsec("ls", "--json").stdout)
         rows = out["sandboxes"] if isinstance(out, dict) else out
         return next(r for r in rows if r["id"] == sandbox.sandbox_id)["network"]["rules"]
 
