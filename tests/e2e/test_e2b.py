@@ -165,6 +165,14 @@ def test_background_stdin_and_kill(sandbox, e2b):
     sandbox.pty.send_stdin(pty.pid, b"stty size; exit\n")
     assert pty.wait(on_pty=out.append).exit_code == 0
     assert b"30 100" in b"".join(out)
+    # another client connects to a running terminal and gets its output
+    term = sandbox.pty.create(e2b.PtySize(rows=24, cols=80))
+    term.disconnect()
+    seen = []
+    again = sandbox.pty.connect(term.pid)
+    sandbox.pty.send_stdin(term.pid, b"echo via-$((40+2)); exit\n")
+    assert again.wait(on_pty=seen.append).exit_code == 0
+    assert b"via-42" in b"".join(seen)
 
 
 def test_files_and_filesystem(sandbox, e2b):

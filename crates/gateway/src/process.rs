@@ -47,6 +47,24 @@ async fn pid_of(gw: &Gw, t: &Target, sel: &Value) -> Result<u32, RpcErr> {
         .ok_or_else(|| RpcErr::new("not_found", format!("no running process is tagged {tag:?}")))
 }
 
+/// Whether process `pid` of the sandbox runs on a terminal.
+async fn is_pty(gw: &Gw, t: &Target, pid: u32) -> Result<bool, RpcErr> {
+    let v: Value = gw
+        .up
+        .call(
+            Method::GET,
+            &t.path("/processes"),
+            &gw.cfg.service_key,
+            None,
+        )
+        .await?;
+    Ok(v["processes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|p| p["pid"].as_u64() == Some(pid as u64) && p["pty"] == json!(true)))
+}
+
 /// The pid of a selector that names one.
 fn pid_in(sel: &Value) -> Result<u32, RpcErr> {
     let p = &sel["pid"];
@@ -144,6 +162,8 @@ pub(crate) async fn stream(
             Ok::<_, RpcErr>((r, pty))
         } else {
             let pid = pid_of(gw, t, &msg["process"]).await?;
+            // A terminal's output goes out as `pty` data (what `pty.connect` reads).
+            let pty = is_pty(gw, t, pid).await?;
             let r = gw
                 .up
                 .open(
@@ -154,7 +174,7 @@ pub(crate) async fn stream(
                     full(bytes::Bytes::new()),
                 )
                 .await?;
-            Ok((r, false))
+            Ok((r, pty))
         }
     }
     .await;
