@@ -194,11 +194,13 @@ class CounterWatch:
 
 
 async def _two_per_edge(clients: list[DSecClient], args: DSecRunArgs) -> list[Sandbox]:
-    """Creates sandboxes until every edge runs two of them; stops the extra ones."""
+    """Creates sandboxes until every edge runs two of them; stops the extra ones. Placement
+    samples nodes at random (power of two choices), so an edge may be passed over for a
+    few rounds."""
     kept: dict[str, list[Sandbox]] = {e: [] for e in EDGES}
     extra: list[Sandbox] = []
     try:
-        for _ in range(10):
+        for _ in range(40):
             missing = sum(max(0, 2 - len(v)) for v in kept.values())
             if not missing:
                 break

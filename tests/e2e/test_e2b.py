@@ -459,6 +459,25 @@ def test_list_order_started_after_and_template(e2b):
         first.kill()
 
 
+def test_on_timeout_pause_and_connect_resumes(e2b):
+    """`lifecycle={"on_timeout": "pause"}`: at its timeout the sandbox is paused, not
+    killed; `connect` resumes it with its files."""
+    import time
+
+    sb = e2b.Sandbox.create("base", timeout=3, lifecycle={"on_timeout": "pause"})
+    try:
+        sb.files.write("kept.txt", "yes")
+        end = time.monotonic() + 20
+        while (st := e2b.Sandbox.get_info(sb.sandbox_id).state) != e2b.SandboxState.PAUSED and time.monotonic() < end:
+            time.sleep(0.2)
+        assert st == e2b.SandboxState.PAUSED, st
+        c = e2b.Sandbox.connect(sb.sandbox_id, timeout=60)
+        assert c.get_info().state == e2b.SandboxState.RUNNING
+        assert c.files.read("kept.txt") == "yes"
+    finally:
+        e2b.Sandbox.kill(sb.sandbox_id)
+
+
 def test_errors_map_to_sdk_exceptions(e2b):
     with pytest.raises(e2b.AuthenticationException):
         e2b.Sandbox.create(api_key="dsk.not-a-real-key")

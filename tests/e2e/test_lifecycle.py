@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import DATA, dsec, leftovers, server_down, server_up, wait_for
-from opendsec import DSecClient, DSecRunArgs, NotFoundError
+from opendsec import DSecClient, DSecRunArgs, InvalidArgumentError, NotFoundError
 from opendsec.errors import DSecError
 
 # Counts `sleep 1000` processes (the base image has no pgrep).
@@ -207,6 +207,29 @@ async def test_down_stops_every_sandbox_with_progress_while_iam_is_up(client):
         usage = next(p for p in await c2.projects() if p["path"] == project)["usage"]
         assert usage["sandboxes"] == 0, usage
         assert [s for s in await c2.list_sandboxes() if s.project == project] == []
+
+
+async def test_on_timeout_pause_pauses_at_the_ttl_and_a_resume_gives_it_as_long_again(client):
+    """`on_timeout = "pause"`: when its TTL runs out the sandbox is paused, not stopped;
+    resumed, it has its files and as long again as it was created with. Anything but
+    stop or pause is refused."""
+    with pytest.raises(InvalidArgumentError, match="on_timeout"):
+        await client.run_sandbox(DSecRunArgs(image="root/base", on_timeout="sleep"))
+    sb = await client.run_sandbox(DSecRunArgs(image="root/base", ttl_seconds=3, on_timeout="pause"))
+    try:
+        await sb.run_shell("echo kept > /root/state")
+        end = time.monotonic() + 20
+        while (state := (await client.get_sandbox(sb.id)).info.state) != "paused" and time.monotonic() < end:
+            await asyncio.sleep(0.2)
+        assert state == "paused", state
+        await asyncio.sleep(1)
+        assert (await client.get_sandbox(sb.id)).info.state == "paused", "a paused sandbox's TTL stands still"
+        info = await sb.resume()
+        left_s = info.expires_at_ms / 1000 - time.time()
+        assert info.state == "running" and 1.5 < left_s <= 3.5, (info.state, left_s)
+        assert (await sb.run_shell("cat /root/state")).stdout == "kept\n"
+    finally:
+        await sb.stop()
 
 
 async def test_container_snapshot_keeps_files_for_later(client):

@@ -29,6 +29,10 @@ pub struct CreateSandboxRequest {
     /// Stop after this long without an API call for the sandbox.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_timeout_seconds: Option<f64>,
+    /// What happens when the TTL runs out: `"stop"` (the default) or `"pause"` (frozen in
+    /// place, as `pause` does; resumed, it has as long again as it was created with).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_timeout: Option<String>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub labels: BTreeMap<String, String>,
     /// Environment given to every command run in the sandbox.

@@ -724,6 +724,8 @@ impl Edge {
             moved_from: None,
             pool_waiting: pool,
             from_pool: None,
+            pause_on_timeout: v.pause_on_timeout,
+            ttl_ms: v.ttl_seconds * 1000,
         };
         // To the end even if the caller goes away: a half-made sandbox is never left.
         let edge = self.clone();
@@ -1404,6 +1406,7 @@ impl Edge {
         // judged dead: its agent may be stopped on purpose. A sandbox the kernel watches
         // for its death (`deaths.rs`) is not polled.
         let mut due: Vec<(String, &'static str)> = Vec::new();
+        let mut to_pause: Vec<String> = Vec::new();
         let mut polled: Vec<(String, String)> = Vec::new();
         {
             let map = self.sandboxes.lock().unwrap_or_else(|p| p.into_inner());
@@ -1412,7 +1415,9 @@ impl Edge {
                 if r.state != SandboxState::Running {
                     continue;
                 }
-                if now >= r.expires_at_ms {
+                if now >= r.expires_at_ms && r.pause_on_timeout {
+                    to_pause.push(id.clone());
+                } else if now >= r.expires_at_ms {
                     due.push((id.clone(), "ttl expired"));
                 } else if r
                     .idle_timeout_seconds
@@ -1447,6 +1452,10 @@ impl Edge {
                 }
             }
         }
+        for id in to_pause {
+            let edge = self.clone();
+            tokio::spawn(async move { edge.pause_on_timeout(&id).await });
+        }
         for (id, why) in due {
             tracing::info!(sandbox = %id, "{why}; stopping");
             let edge = self.clone();
@@ -1455,6 +1464,25 @@ impl Edge {
                     tracing::warn!(sandbox = %id, "stopping: {}", e.message);
                 }
             });
+        }
+    }
+
+    /// A sandbox whose TTL ran out with `on_timeout = "pause"`: its TTL is set to run
+    /// again in full (from when it is resumed) and it is paused; if it cannot be, stopped.
+    async fn pause_on_timeout(self: &Arc<Self>, id: &str) {
+        let Ok(e) = self.entry(id) else { return };
+        let now = now_ms();
+        let rec = e.update(|r| {
+            r.expires_at_ms = now + r.ttl_ms.max(1000);
+            r.clone()
+        });
+        let _ = self.registry.save(&rec);
+        tracing::info!(sandbox = %id, "ttl expired; pausing (on_timeout = pause)");
+        if let Err(err) = self.pause(id, false).await {
+            tracing::warn!(sandbox = %id, "pausing at its timeout: {}; stopping", err.message);
+            if let Err(e) = self.stop(id).await {
+                tracing::warn!(sandbox = %id, "stopping: {}", e.message);
+            }
         }
     }
 

@@ -264,6 +264,8 @@ impl Edge {
             rec.created_at_ms = now;
             rec.expires_at_ms = now + v.ttl_seconds * 1000;
             rec.idle_timeout_seconds = v.idle_timeout_seconds;
+            rec.pause_on_timeout = v.pause_on_timeout;
+            rec.ttl_ms = v.ttl_seconds * 1000;
             rec.last_activity_ms = now;
             rec.port_token = port_token();
             rec.pool_waiting = None;

@@ -56,6 +56,12 @@ pub struct SandboxRecord {
     /// The warm pool a create took it from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub from_pool: Option<String>,
+    /// Paused, not stopped, when its TTL runs out (`on_timeout = "pause"`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pause_on_timeout: bool,
+    /// The TTL it was created with: what it has again once resumed from such a pause.
+    #[serde(default)]
+    pub ttl_ms: u64,
 }
 
 /// A sandbox's place in the node's network.

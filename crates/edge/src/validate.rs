@@ -12,6 +12,8 @@ pub struct CreateParams {
     pub limits: Limits,
     pub ttl_seconds: u64,
     pub idle_timeout_seconds: Option<u64>,
+    /// `on_timeout = "pause"`.
+    pub pause_on_timeout: bool,
 }
 
 const MAX_FORK_COUNT: u64 = 256;
@@ -101,6 +103,15 @@ pub fn create(cfg: &EdgeConfig, req: &CreateSandboxRequest) -> Result<CreatePara
             )));
         }
     }
+    let pause_on_timeout = match req.on_timeout.as_deref() {
+        None | Some("stop") => false,
+        Some("pause") => true,
+        Some(other) => {
+            return Err(ApiError::invalid(format!(
+                "on_timeout {other:?}: \"stop\" (the default) or \"pause\""
+            )));
+        }
+    };
     Ok(CreateParams {
         limits: Limits {
             cpu_cores: cpu,
@@ -110,6 +121,7 @@ pub fn create(cfg: &EdgeConfig, req: &CreateSandboxRequest) -> Result<CreatePara
         },
         ttl_seconds,
         idle_timeout_seconds,
+        pause_on_timeout,
     })
 }
 

@@ -232,6 +232,9 @@ struct NewSandbox {
     allow_internet_access: Option<bool>,
     #[serde(default)]
     network: Option<NetworkOpts>,
+    /// `lifecycle={"on_timeout": "pause"}`: paused, not killed, at its timeout.
+    #[serde(default, rename = "autoPause")]
+    auto_pause: Option<bool>,
 }
 
 /// The create body's `network`: who may reach the sandbox's ports, and egress rules
@@ -378,6 +381,9 @@ async fn create_inner(gw: &Gw, h: &HeaderMap, body: &Bytes) -> Res {
     }
     if let Some(b) = template.backend() {
         create["backend"] = json!(b);
+    }
+    if req.auto_pause == Some(true) {
+        create["on_timeout"] = json!("pause");
     }
     let info: SandboxInfo = gw
         .up

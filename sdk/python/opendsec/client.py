@@ -48,6 +48,9 @@ class DSecRunArgs:
     pids_limit: int | None = None
     ttl_seconds: int | None = None
     idle_timeout_seconds: int | None = None
+    # When the TTL runs out: "stop" (default) or "pause" (resume it later; it then has as
+    # long again as it was created with).
+    on_timeout: str | None = None
     labels: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     # The project whose quota the sandbox counts against (default: the API key's).

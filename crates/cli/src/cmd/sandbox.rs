@@ -42,6 +42,10 @@ pub struct RunArgs {
     /// Lifetime in seconds
     #[arg(long)]
     pub ttl: Option<f64>,
+    /// When the lifetime runs out: stop (the default) or pause (resume it later; it then
+    /// has as long again)
+    #[arg(long, value_parser = ["stop", "pause"])]
+    pub on_timeout: Option<String>,
     #[arg(long = "label", value_parser = parse_label)]
     pub labels: Vec<(String, String)>,
     #[arg(long = "env", short = 'e', value_parser = parse_label)]
@@ -215,6 +219,7 @@ pub async fn run(a: RunArgs) -> Result<i32> {
         pids_limit: a.pids,
         ttl_seconds: a.ttl,
         idle_timeout_seconds: None,
+        on_timeout: a.on_timeout.clone(),
         labels: a.labels.iter().cloned().collect::<BTreeMap<_, _>>(),
         env: BTreeMap::new(),
         project: a.project.clone(),
