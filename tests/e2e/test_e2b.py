@@ -478,6 +478,43 @@ def test_on_timeout_pause_and_connect_resumes(e2b):
         e2b.Sandbox.kill(sb.sandbox_id)
 
 
+def test_a_request_to_its_port_wakes_an_auto_resume_sandbox(e2b):
+    """`lifecycle={"on_timeout": "pause", "auto_resume": True}`: paused at its timeout, the
+    sandbox is resumed by the next request to one of its ports, which its server (frozen
+    with it, not restarted) answers. Without `auto_resume` a paused sandbox's port is
+    not reached."""
+    import time
+
+    import httpx
+
+    url = e2b_env()["E2B_SANDBOX_URL"]
+    sb = e2b.Sandbox.create("base", timeout=6, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    plain = e2b.Sandbox.create("base", timeout=6, lifecycle={"on_timeout": "pause"})
+    try:
+        for s in (sb, plain):
+            s.files.write("/tmp/srv.py", PORT_SERVER)
+            s.commands.run("python3 /tmp/srv.py", background=True, timeout=0)
+        host, plain_host = sb.get_host(8000), plain.get_host(8000)
+        for _ in range(100):
+            if httpx.get(f"{url}/up", headers={"Host": host}).status_code == 200:
+                break
+            time.sleep(0.1)
+        end = time.monotonic() + 30
+        while time.monotonic() < end and not all(
+                e2b.Sandbox.get_info(s.sandbox_id).state == e2b.SandboxState.PAUSED for s in (sb, plain)):
+            time.sleep(0.2)
+        assert e2b.Sandbox.get_info(sb.sandbox_id).state == e2b.SandboxState.PAUSED
+        r = httpx.get(f"{url}/wake", headers={"Host": host}, timeout=60)
+        assert r.status_code == 200 and r.text.startswith("/wake "), (r.status_code, r.text)
+        assert e2b.Sandbox.get_info(sb.sandbox_id).state == e2b.SandboxState.RUNNING
+        r = httpx.get(f"{url}/wake", headers={"Host": plain_host}, timeout=60)
+        assert r.status_code == 502, (r.status_code, r.text)
+        assert e2b.Sandbox.get_info(plain.sandbox_id).state == e2b.SandboxState.PAUSED
+    finally:
+        for s in (sb, plain):
+            e2b.Sandbox.kill(s.sandbox_id)
+
+
 def test_errors_map_to_sdk_exceptions(e2b):
     with pytest.raises(e2b.AuthenticationException):
         e2b.Sandbox.create(api_key="dsk.not-a-real-key")

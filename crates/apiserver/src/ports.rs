@@ -113,6 +113,7 @@ async fn proxy(
             )));
         }
     }
+    st.edge.wake_for_request(&id).await?;
     let stream = st.edge.connect_port(&id, port).await?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake::<_, Body>(TokioIo::new(stream))
         .await

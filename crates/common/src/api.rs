@@ -33,6 +33,9 @@ pub struct CreateSandboxRequest {
     /// place, as `pause` does; resumed, it has as long again as it was created with).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub on_timeout: Option<String>,
+    /// A paused sandbox resumes on the next request to one of its ports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto_resume: Option<bool>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub labels: BTreeMap<String, String>,
     /// Environment given to every command run in the sandbox.

@@ -726,6 +726,7 @@ impl Edge {
             from_pool: None,
             pause_on_timeout: v.pause_on_timeout,
             ttl_ms: v.ttl_seconds * 1000,
+            resume_on_request: req.auto_resume == Some(true),
         };
         // To the end even if the caller goes away: a half-made sandbox is never left.
         let edge = self.clone();
@@ -1465,6 +1466,17 @@ impl Edge {
                 }
             });
         }
+    }
+
+    /// Before a request to one of its ports: a paused sandbox made with `auto_resume` is
+    /// resumed (others are left as they are; the request then finds what it finds).
+    pub async fn wake_for_request(self: &Arc<Self>, id: &str) -> Result<(), ApiError> {
+        let rec = self.entry(id)?.snapshot();
+        if rec.state == SandboxState::Paused && rec.resume_on_request {
+            tracing::info!(sandbox = %id, "a request to its port resumes it (auto_resume)");
+            self.resume(id).await?;
+        }
+        Ok(())
     }
 
     /// A sandbox whose TTL ran out with `on_timeout = "pause"`: its TTL is set to run

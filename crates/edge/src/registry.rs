@@ -62,6 +62,9 @@ pub struct SandboxRecord {
     /// The TTL it was created with: what it has again once resumed from such a pause.
     #[serde(default)]
     pub ttl_ms: u64,
+    /// Resumed, when paused, by the next request to one of its ports (`auto_resume`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub resume_on_request: bool,
 }
 
 /// A sandbox's place in the node's network.

@@ -235,6 +235,15 @@ struct NewSandbox {
     /// `lifecycle={"on_timeout": "pause"}`: paused, not killed, at its timeout.
     #[serde(default, rename = "autoPause")]
     auto_pause: Option<bool>,
+    /// `lifecycle={…, "auto_resume": True}`: a request to a port resumes it.
+    #[serde(default, rename = "autoResume")]
+    auto_resume: Option<AutoResume>,
+}
+
+#[derive(Deserialize)]
+struct AutoResume {
+    #[serde(default)]
+    enabled: bool,
 }
 
 /// The create body's `network`: who may reach the sandbox's ports, and egress rules
@@ -384,6 +393,10 @@ async fn create_inner(gw: &Gw, h: &HeaderMap, body: &Bytes) -> Res {
     }
     if req.auto_pause == Some(true) {
         create["on_timeout"] = json!("pause");
+    }
+    if req.auto_resume.is_some_and(|a| a.enabled) {
+        create["auto_resume"] = json!(true);
+        create["labels"][crate::AUTO_RESUME_LABEL] = json!("true");
     }
     let info: SandboxInfo = gw
         .up

@@ -261,6 +261,32 @@ pub(crate) async fn running(gw: &Gw, id: &str) -> Result<SandboxInfo, Response> 
     }
 }
 
+/// As [`running`], and also a paused sandbox made with `auto_resume` (a request to its
+/// port resumes it).
+pub(crate) async fn running_or_waking(gw: &Gw, id: &str) -> Result<SandboxInfo, Response> {
+    let info: Result<SandboxInfo, UpErr> = gw
+        .up
+        .call(
+            Method::GET,
+            &format!("/v1/sandboxes/{id}"),
+            &gw.cfg.service_key,
+            None,
+        )
+        .await;
+    match info {
+        Ok(i) if matches!(i.state, SandboxState::Running | SandboxState::Creating) => Ok(i),
+        Ok(i)
+            if i.state == SandboxState::Paused
+                && i.labels.get(crate::AUTO_RESUME_LABEL).map(String::as_str) == Some("true") =>
+        {
+            Ok(i)
+        }
+        Ok(_) => Err(gone()),
+        Err(e) if e.status == 404 || e.status == 400 => Err(gone()),
+        Err(e) => Err(e2b_error(e.status, &e.message)),
+    }
+}
+
 /// User names as in /etc/passwd (or a numeric uid): nothing that changes a path.
 pub(crate) fn valid_user(u: &str) -> bool {
     u.len() <= 32

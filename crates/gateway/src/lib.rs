@@ -55,6 +55,9 @@ pub const TEMPLATE_LABEL: &str = "e2b.template";
 pub const PUBLIC_LABEL: &str = "e2b.public_traffic";
 /// Labels the gateway keeps for itself start so; they are not shown as metadata.
 pub const LABEL_PREFIX: &str = "e2b.";
+/// On sandboxes made with `auto_resume`: a request to a port of a paused one goes on to
+/// the API, which resumes it.
+pub const AUTO_RESUME_LABEL: &str = "e2b.auto_resume";
 /// Sandbox lifetime when create names none (E2B's default).
 pub const DEFAULT_TIMEOUT_S: u64 = 300;
 

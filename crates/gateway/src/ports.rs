@@ -103,7 +103,7 @@ async fn proxy(gw: &Gw, id: &str, port: u16, mut req: Request) -> Response {
     let Ok(id) = SandboxId::parse(id).map(|p| p.to_string()) else {
         return crate::envd::gone();
     };
-    let info = match crate::envd::running(gw, &id).await {
+    let info = match crate::envd::running_or_waking(gw, &id).await {
         Ok(i) => i,
         Err(r) => return r,
     };

@@ -51,6 +51,8 @@ class DSecRunArgs:
     # When the TTL runs out: "stop" (default) or "pause" (resume it later; it then has as
     # long again as it was created with).
     on_timeout: str | None = None
+    # When paused, resume on the next request to one of its ports.
+    auto_resume: bool | None = None
     labels: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     # The project whose quota the sandbox counts against (default: the API key's).

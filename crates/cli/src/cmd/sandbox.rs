@@ -46,6 +46,9 @@ pub struct RunArgs {
     /// has as long again)
     #[arg(long, value_parser = ["stop", "pause"])]
     pub on_timeout: Option<String>,
+    /// When paused, resume on the next request to one of its ports
+    #[arg(long)]
+    pub auto_resume: bool,
     #[arg(long = "label", value_parser = parse_label)]
     pub labels: Vec<(String, String)>,
     #[arg(long = "env", short = 'e', value_parser = parse_label)]
@@ -220,6 +223,7 @@ pub async fn run(a: RunArgs) -> Result<i32> {
         ttl_seconds: a.ttl,
         idle_timeout_seconds: None,
         on_timeout: a.on_timeout.clone(),
+        auto_resume: a.auto_resume.then_some(true),
         labels: a.labels.iter().cloned().collect::<BTreeMap<_, _>>(),
         env: BTreeMap::new(),
         project: a.project.clone(),
