@@ -216,6 +216,33 @@ const scenarios = {
     }
   },
 
+  async parity() {
+    const tag = randomBytes(4).toString('hex')
+    const a = await Sandbox.create(template, { metadata: { par: tag }, timeoutMs: 120_000 })
+    try {
+      // update_network replaces the rules; one the node refuses is an error
+      await a.updateNetwork({ allowOut: ['203.0.113.7'], denyOut: ['0.0.0.0/0'] })
+      await assert.rejects(a.updateNetwork({ allowOut: ['10.200.0.0/16'] }))
+      // listing by template and order
+      const mine = await Sandbox.list({ query: { metadata: { par: tag }, template }, order: 'desc' }).nextItems()
+      assert.deepEqual(mine.map((s) => s.sandboxId), [a.sandboxId])
+      const none = await Sandbox.list({ query: { metadata: { par: tag }, template: 'no-such-template' } }).nextItems()
+      assert.deepEqual(none, [])
+    } finally {
+      await Sandbox.kill(a.sandboxId)
+    }
+    // paused, not killed, at its timeout; connect resumes it with its files
+    const p = await Sandbox.create(template, { timeoutMs: 5_000, lifecycle: { onTimeout: 'pause' } })
+    try {
+      await p.files.write('kept.txt', 'yes')
+      assert.ok(await until(async () => (await Sandbox.getInfo(p.sandboxId)).state === 'paused', 30_000))
+      const c = await Sandbox.connect(p.sandboxId, { timeoutMs: 60_000 })
+      assert.equal(await c.files.read('kept.txt'), 'yes')
+    } finally {
+      await Sandbox.kill(p.sandboxId)
+    }
+  },
+
   async ports() {
     const sb = await Sandbox.create(template, { timeoutMs: 120_000 })
     try {
