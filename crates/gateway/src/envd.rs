@@ -244,26 +244,16 @@ async fn signed_id(
 
 /// The sandbox's record if it runs; E2B's 502 "not found" if it does not.
 pub(crate) async fn running(gw: &Gw, id: &str) -> Result<SandboxInfo, Response> {
-    let info: Result<SandboxInfo, UpErr> = gw
-        .up
-        .call(
-            Method::GET,
-            &format!("/v1/sandboxes/{id}"),
-            &gw.cfg.service_key,
-            None,
-        )
-        .await;
-    match info {
-        Ok(i) if matches!(i.state, SandboxState::Running | SandboxState::Creating) => Ok(i),
-        Ok(_) => Err(gone()),
-        Err(e) if e.status == 404 || e.status == 400 => Err(gone()),
-        Err(e) => Err(e2b_error(e.status, &e.message)),
-    }
+    reachable(gw, id, false).await
 }
 
 /// As [`running`], and also a paused sandbox made with `auto_resume` (a request to its
 /// port resumes it).
 pub(crate) async fn running_or_waking(gw: &Gw, id: &str) -> Result<SandboxInfo, Response> {
+    reachable(gw, id, true).await
+}
+
+async fn reachable(gw: &Gw, id: &str, waking: bool) -> Result<SandboxInfo, Response> {
     let info: Result<SandboxInfo, UpErr> = gw
         .up
         .call(
@@ -273,14 +263,14 @@ pub(crate) async fn running_or_waking(gw: &Gw, id: &str) -> Result<SandboxInfo, 
             None,
         )
         .await;
+    let wakes = |i: &SandboxInfo| {
+        waking
+            && i.state == SandboxState::Paused
+            && i.labels.get(crate::AUTO_RESUME_LABEL).map(String::as_str) == Some("true")
+    };
     match info {
         Ok(i) if matches!(i.state, SandboxState::Running | SandboxState::Creating) => Ok(i),
-        Ok(i)
-            if i.state == SandboxState::Paused
-                && i.labels.get(crate::AUTO_RESUME_LABEL).map(String::as_str) == Some("true") =>
-        {
-            Ok(i)
-        }
+        Ok(i) if wakes(&i) => Ok(i),
         Ok(_) => Err(gone()),
         Err(e) if e.status == 404 || e.status == 400 => Err(gone()),
         Err(e) => Err(e2b_error(e.status, &e.message)),

@@ -22,47 +22,43 @@ const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STA
 
 /// The pid a `ProcessSelector` names: its pid, or the running process with its tag.
 async fn pid_of(gw: &Gw, t: &Target, sel: &Value) -> Result<u32, RpcErr> {
+    if sel.get("tag").is_none_or(Value::is_null) {
+        return pid_in(sel);
+    }
+    pid_among(sel, &processes(gw, t).await?)
+}
+
+/// The sandbox's managed processes, as the API lists them.
+async fn processes(gw: &Gw, t: &Target) -> Result<Vec<Value>, RpcErr> {
+    let mut v: Value = gw
+        .up
+        .call(
+            Method::GET,
+            &t.path("/processes"),
+            &gw.cfg.service_key,
+            None,
+        )
+        .await?;
+    Ok(match v["processes"].take() {
+        Value::Array(a) => a,
+        _ => Vec::new(),
+    })
+}
+
+/// The pid a selector names among `procs`: its pid, or the running process with its tag.
+fn pid_among(sel: &Value, procs: &[Value]) -> Result<u32, RpcErr> {
     let Some(tag) = sel.get("tag").filter(|v| !v.is_null()) else {
         return pid_in(sel);
     };
     let tag = tag
         .as_str()
         .ok_or_else(|| RpcErr::new("invalid_argument", "process.tag must be a string"))?;
-    let v: Value = gw
-        .up
-        .call(
-            Method::GET,
-            &t.path("/processes"),
-            &gw.cfg.service_key,
-            None,
-        )
-        .await?;
-    v["processes"]
-        .as_array()
-        .into_iter()
-        .flatten()
+    procs
+        .iter()
         .find(|p| p["running"] == json!(true) && p["tag"].as_str() == Some(tag))
         .and_then(|p| p["pid"].as_u64())
         .and_then(|n| u32::try_from(n).ok())
         .ok_or_else(|| RpcErr::new("not_found", format!("no running process is tagged {tag:?}")))
-}
-
-/// Whether process `pid` of the sandbox runs on a terminal.
-async fn is_pty(gw: &Gw, t: &Target, pid: u32) -> Result<bool, RpcErr> {
-    let v: Value = gw
-        .up
-        .call(
-            Method::GET,
-            &t.path("/processes"),
-            &gw.cfg.service_key,
-            None,
-        )
-        .await?;
-    Ok(v["processes"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .any(|p| p["pid"].as_u64() == Some(pid as u64) && p["pty"] == json!(true)))
 }
 
 /// The pid of a selector that names one.
@@ -161,9 +157,12 @@ pub(crate) async fn stream(
                 .await?;
             Ok::<_, RpcErr>((r, pty))
         } else {
-            let pid = pid_of(gw, t, &msg["process"]).await?;
+            let procs = processes(gw, t).await?;
+            let pid = pid_among(&msg["process"], &procs)?;
             // A terminal's output goes out as `pty` data (what `pty.connect` reads).
-            let pty = is_pty(gw, t, pid).await?;
+            let pty = procs
+                .iter()
+                .any(|p| p["pid"].as_u64() == Some(pid as u64) && p["pty"] == json!(true));
             let r = gw
                 .up
                 .open(

@@ -16,7 +16,6 @@
 
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use aws_lc_rs::aead::{AES_256_GCM, Aad, LessSafeKey, NONCE_LEN, Nonce, UnboundKey};
@@ -134,12 +133,7 @@ impl CredentialBook {
                     .fill(&mut k)
                     .map_err(|_| ImageError::Corrupt("no randomness for a key".into()))?;
                 let tmp = self.dir.join(format!("{KEY}.{}", std::process::id()));
-                let mut f = std::fs::OpenOptions::new()
-                    .write(true)
-                    .create(true)
-                    .truncate(true)
-                    .mode(0o600)
-                    .open(&tmp)
+                let mut f = dsec_common::private::open(&tmp, false)
                     .ctx(|| format!("making {}", tmp.display()))?;
                 f.write_all(&k)
                     .and_then(|_| f.sync_all())
@@ -207,13 +201,8 @@ impl CredentialBook {
             .map_err(|_| ImageError::Corrupt("sealing the credentials book failed".into()))?;
         let path = self.dir.join(SEALED);
         let tmp = self.dir.join(format!("{SEALED}.tmp"));
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)
-            .ctx(|| format!("writing {}", tmp.display()))?;
+        let mut f =
+            dsec_common::private::open(&tmp, false).ctx(|| format!("writing {}", tmp.display()))?;
         f.write_all(&n)
             .and_then(|_| f.write_all(&body))
             .and_then(|_| f.sync_all())
@@ -227,12 +216,7 @@ impl CredentialBook {
         f: impl FnOnce(&mut Book) -> Result<T, ImageError>,
     ) -> Result<T, ImageError> {
         std::fs::create_dir_all(&self.dir).ctx(|| format!("making {}", self.dir.display()))?;
-        let lock = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .open(self.dir.join(LOCK))
+        let lock = dsec_common::private::open(&self.dir.join(LOCK), true)
             .ctx(|| "opening the credentials lock".to_string())?;
         lock.lock()
             .ctx(|| "locking the credentials book".to_string())?;
