@@ -7,9 +7,11 @@ for the same number at once.
 
     python3 bench/burst.py -n 1000 [--e2b]
 
-Prints, for each: p50 and p99 of create -> first exec, when the first was ready, and the
-wall time of the burst; and a single create's time (what the first of a burst should be
-near). Next to them, where the time went: when the server made its first and last
+Prints, for each: p50 and p99 of create -> first exec and of the creates' answers, when
+the first was ready, and the wall time of the burst; a single create's time (what the
+first of a burst should be near); a single pooled create's time, one at a time on a quiet
+node; and the floor of the SDK itself, the same number of calls that do nothing
+(`whoami`) sent at once from the same client (what no create in a burst can beat). Next to them, where the time went: when the server made its first and last
 sandbox of the burst (`created_at_ms`, the same clock; for a pooled one, when it was
 handed out) and when the client had the creates' answers; the edge's log has each
 hand-out's steps (`phases=`). JSON goes to bench/results/.
@@ -147,6 +149,41 @@ async def single(url: str, key: str, n: int = 10) -> float:
     return sorted(lat)[len(lat) // 2]
 
 
+async def single_pooled(url: str, key: str, n: int = 20) -> dict:
+    """Pooled creates one at a time on a quiet node: the create's answer and create ->
+    first exec, p50 in ms."""
+    async with DSecClient(api_url=url, api_key=key, timeout=120) as c:
+        answer, ready = [], []
+        for _ in range(n):
+            s = time.perf_counter()
+            sb = await c.run_sandbox(args())
+            answer.append(time.perf_counter() - s)
+            await sb.exec(["true"])
+            ready.append(time.perf_counter() - s)
+            assert sb.info.from_pool == POOL, "a single create missed the pool"
+            await sb.stop()
+    return {"answer_p50_ms": lat_summary(answer)["p50_ms"], "ready_p50_ms": lat_summary(ready)["p50_ms"]}
+
+
+async def request_floor(url: str, key: str, n: int) -> dict:
+    """n calls that do nothing (`whoami`) at once through the SDK, twice on one client
+    (the second on kept-alive connections); the second's p50 and wall."""
+    async with DSecClient(api_url=url, api_key=key, timeout=120) as c:
+        for _ in range(2):
+            lat: list[float] = []
+            t0 = time.perf_counter()
+
+            async def one() -> None:
+                await c.whoami()
+                lat.append(time.perf_counter() - t0)
+
+            await asyncio.gather(*(one() for _ in range(n)))
+            wall = time.perf_counter() - t0
+    out = lat_summary(lat)
+    out["wall_s"] = round(wall, 3)
+    return out
+
+
 async def fill(url: str, key: str, n: int) -> float:
     async with DSecClient(api_url=url, api_key=key, timeout=60) as c:
         t0 = time.perf_counter()
@@ -189,6 +226,11 @@ def main() -> None:
         url, key = server_up(data, a.listen, store, "--oci-runtime", a.runtime)
         print(f"filling a pool of {a.n}", flush=True)
         out["pool_fill_s"] = round(asyncio.run(fill(url, key, a.n)), 1)
+        print("single pooled creates, one at a time", flush=True)
+        out["pool_single"] = asyncio.run(single_pooled(url, key))
+        asyncio.run(fill(url, key, a.n))
+        print(f"{a.n} calls that do nothing at once (the SDK's floor)", flush=True)
+        out["request_floor"] = asyncio.run(request_floor(url, key, a.n))
         print(f"{a.n} creates at once, from the pool", flush=True)
         out["pool"] = asyncio.run(burst(url, key, a.n))
     finally:
@@ -213,6 +255,12 @@ def main() -> None:
               f"{b.get('server_first_ms')} ms, the last at {b.get('server_last_ms')} ms; creates answered "
               f"p50 {b.get('create_answered', {}).get('p50_ms')} ms")
     print(f"pool of {a.n} filled in {out['pool_fill_s']} s")
+    ps = out["pool_single"]
+    print(f"single pooled create, one at a time: answered p50 {ps['answer_p50_ms']} ms, "
+          f"-> first exec p50 {ps['ready_p50_ms']} ms")
+    rf = out["request_floor"]
+    print(f"floor of the SDK: {a.n} calls that do nothing at once: p50 {rf['p50_ms']} ms, "
+          f"p99 {rf['p99_ms']} ms, all in {rf['wall_s']} s")
     f = out["floor"]
     print(f"floor: {f['n']} plain `{a.runtime} run` at once in {f['wall_s']} s (p50 {f['p50_ms']} ms)")
     write_result("burst", out)

@@ -220,7 +220,8 @@ async def test_commit_cli_and_errors(client, commit_base):
 
 
 async def raw_post(client, path: str, body):
-    r = await client._http.post(path, json=body) if body is not None else await client._http.post(path)
+    # The SDK's transport, below its error handling: the raw status and body.
+    r = await client._http.send("POST", path, json=body)
     return r.status_code, r.json()
 
 

@@ -151,13 +151,17 @@ async fn tell_environment(
     within: Duration,
     alive: impl Fn() -> bool,
 ) -> Result<(), ApiError> {
+    channel::wait_ready_ok(channel, &environment_request(rec), within, alive).await
+}
+
+/// What the agent is told of the sandbox's environment and working directory.
+fn environment_request(rec: &SandboxRecord) -> Request {
     let mut env = rec.env.clone();
     env.insert("DSEC_SANDBOX_ID".into(), rec.id.clone());
-    let req = Request::Environment {
+    Request::Environment {
         env,
         workdir: rec.workdir.clone(),
-    };
-    channel::wait_ready_ok(channel, &req, within, alive).await
+    }
 }
 
 /// How long an image's start command may take to become ready, unless it says.

@@ -23,11 +23,12 @@ use dsec_common::ApiError;
 use dsec_common::api::{
     CreateSandboxRequest, ExecRequest, Limits, PoolStatus, SandboxInfo, SandboxState,
 };
+use dsec_common::channel::Response;
 use dsec_image::ImageRef;
 
 use crate::config::{EdgeConfig, PoolConfig};
 use crate::registry::now_ms;
-use crate::{Edge, blocking, port_token, tell_environment, validate};
+use crate::{Edge, blocking, channel, environment_request, port_token, validate};
 
 /// A member ready to hand out.
 struct Ready {
@@ -299,14 +300,19 @@ impl Edge {
                 self.registry.save(&rec)?;
                 e.update(|r| *r = rec.clone());
                 phases.mark("record");
+                // The member's agent is up: one request, on a connection kept for the
+                // sandbox's first exec where the backend keeps them.
                 let backend = self.backend(&rec.backend)?;
-                tell_environment(
-                    &self.paths(&id).channel,
-                    &rec,
-                    backend.start_timeout(),
-                    || !backend.exited(&rec),
-                )
-                .await
+                let (sock, req) = (self.paths(&id).channel, environment_request(&rec));
+                let answer = if backend.keeps_agent_connections() {
+                    channel::call_kept(&e.agent, &sock, &req, backend.start_timeout()).await?
+                } else {
+                    channel::call(&sock, &req, backend.start_timeout()).await?
+                };
+                match answer {
+                    Response::Ok => Ok(()),
+                    other => Err(channel::unexpected(&other)),
+                }
             }
             .await;
             drop(g);

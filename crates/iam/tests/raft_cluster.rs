@@ -459,6 +459,39 @@ async fn a_single_replica_cluster_works_and_keeps_its_state_over_a_restart() {
             .unwrap();
         r.node.write(project("root/solo2", None)).await.unwrap();
         assert!(has_project(&r, "root/solo2"));
+        // A burst: the writes are proposed in batches, and each still gets its own answer.
+        r.node
+            .write(project("root/burst", Some(250)))
+            .await
+            .unwrap();
+        let tasks: Vec<_> = (0..600)
+            .map(|i| {
+                let node = r.node.clone();
+                tokio::spawn(async move {
+                    node.write(Command::Reserve(Reservation {
+                        sandbox_id: format!("b{i}"),
+                        project: "root/burst".into(),
+                        edge: "e".into(),
+                        usage: Usage {
+                            sandboxes: 1,
+                            ..Usage::default()
+                        },
+                    }))
+                    .await
+                })
+            })
+            .collect();
+        let (mut ok, mut over) = (0, 0);
+        for t in tasks {
+            match t.await.unwrap() {
+                Ok(()) => ok += 1,
+                Err(IamError::Refused(Refusal::Quota(_))) => over += 1,
+                Err(e) => panic!("unexpected: {e}"),
+            }
+        }
+        assert_eq!((ok, over), (250, 350));
+        let usage = r.node.projects("root/burst").unwrap()[0].usage.sandboxes;
+        assert_eq!(usage, 250);
         r.stop().await;
     })
     .await;

@@ -19,16 +19,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator, BinaryIO, Iterable, Union
 from urllib.parse import quote
 
-import httpx
-
 from . import config
+from ._http import Response, Timeout, Transport, TransportError
 from .errors import DSecError, FunctionError, PreconditionError, UnavailableError, from_event, from_response
 
 # Extra time over a command's own timeout before the HTTP call gives up.
 _EXEC_SLACK_S = 60.0
 # Streams (process output, watches) may be quiet for as long as the process or the watch
 # lives: no read timeout, only a connect timeout.
-_STREAM_TIMEOUT = httpx.Timeout(None, connect=10.0)
+_STREAM_TIMEOUT = Timeout(None)
 # How much of each output stream a Process keeps for wait(): the server's default
 # max_output_bytes, so wait() on a stream matches a plain exec.
 _KEEP_OUTPUT = 16 << 20
@@ -209,12 +208,7 @@ class DSecClient:
     def __init__(self, api_url: str | None = None, api_key: str | None = None, timeout: float = 120.0):
         self.api_url, self.api_key = config.resolve(api_url, api_key)
         self._timeout = timeout
-        self._http = httpx.AsyncClient(
-            base_url=self.api_url,
-            headers={"Authorization": f"Bearer {self.api_key}"},
-            timeout=httpx.Timeout(timeout, connect=10.0),
-            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200),
-        )
+        self._http = Transport(self.api_url, {"Authorization": f"Bearer {self.api_key}"}, Timeout(timeout))
 
     async def __aenter__(self) -> "DSecClient":
         return self
@@ -227,20 +221,19 @@ class DSecClient:
 
     async def _send(self, method: str, path: str, *, json: Any = None, params: Any = None,
                     content: Any = None, headers: dict[str, str] | None = None,
-                    timeout: float | httpx.Timeout | None = None, stream: bool = False) -> httpx.Response:
+                    timeout: float | Timeout | None = None, stream: bool = False) -> Response:
         """Sends one request and returns the response, raising the matching DSecError for
         an error status. With ``stream`` the body is left unread: the caller closes it."""
         # Reads and deletes are safe to send again when a pooled connection went stale
         # (e.g. the server restarted); other calls are never repeated.
         attempts = 2 if method in ("GET", "DELETE") and content is None else 1
-        t = timeout if timeout is not None else self._timeout
+        t = timeout if isinstance(timeout, Timeout) else Timeout(timeout if timeout is not None else self._timeout)
         for attempt in range(attempts):
             try:
-                req = self._http.build_request(method, path, json=json, params=params, content=content,
-                                               headers=headers, timeout=t)
-                r = await self._http.send(req, stream=stream)
+                r = await self._http.send(method, path, json=json, params=params, content=content,
+                                          headers=headers, timeout=t, stream=stream)
                 break
-            except httpx.TransportError as e:
+            except TransportError as e:
                 if attempt + 1 < attempts:
                     continue
                 raise UnavailableError("unavailable", f"cannot reach the OpenDsec API at {self.api_url}: {e}") from e
@@ -253,7 +246,7 @@ class DSecClient:
                     body = r.json()
                 except ValueError:
                     body = r.text
-            except httpx.HTTPError as e:
+            except TransportError as e:
                 body = f"(body unreadable: {e})"
             finally:
                 if stream:
@@ -431,7 +424,7 @@ class DSecClient:
                     raise from_event(line["error"])
                 else:
                     return line
-        except httpx.HTTPError as e:
+        except TransportError as e:
             raise UnavailableError("unavailable", f"{what} broke off: {e}") from e
         finally:
             await r.aclose()
@@ -484,7 +477,7 @@ class DSecClient:
         await self._request("DELETE", f"/v1/keys/{key_id}")
 
 
-def _json_of(r: httpx.Response) -> Any:
+def _json_of(r: Response) -> Any:
     if r.status_code == 204 or not r.content:
         return None
     return r.json()
@@ -849,7 +842,7 @@ class Sandbox:
 class _Ndjson:
     """Reads one NDJSON response line by line; ``next()`` is None at the end."""
 
-    def __init__(self, response: httpx.Response):
+    def __init__(self, response: Response):
         self.response = response
         self._lines = response.aiter_lines()
 
@@ -859,7 +852,7 @@ class _Ndjson:
                 line = await self._lines.__anext__()
             except StopAsyncIteration:
                 return None
-            except httpx.HTTPError as e:
+            except TransportError as e:
                 raise UnavailableError("unavailable", f"the stream from the OpenDsec API broke: {e}") from e
             line = line.strip()
             if line:
@@ -910,7 +903,7 @@ class Process:
     ``async with``) stops reading; the process keeps running. One reader at a time.
     """
 
-    def __init__(self, sandbox: Sandbox, pid: int | None = None, response: httpx.Response | None = None,
+    def __init__(self, sandbox: Sandbox, pid: int | None = None, response: Response | None = None,
                  keep_output: int = _KEEP_OUTPUT):
         self._sb = sandbox
         self.pid = pid
@@ -1086,7 +1079,7 @@ class Files:
         memory; returns the number of bytes written."""
         client = self._sb._client
         r = await client._send("GET", self._base, params={"path": path}, stream=True,
-                               timeout=httpx.Timeout(client._timeout, connect=10.0))
+                               timeout=Timeout(client._timeout))
         own = not hasattr(local_path, "write")
         f: Any = open(local_path, "wb") if own else local_path  # type: ignore[arg-type]
         n = 0
@@ -1104,7 +1097,7 @@ class Files:
             if parts:
                 await asyncio.to_thread(f.write, b"".join(parts))
                 n += held
-        except httpx.HTTPError as e:
+        except TransportError as e:
             raise UnavailableError("unavailable", f"download of {path} broke after {n} bytes: {e}") from e
         finally:
             await r.aclose()
@@ -1151,7 +1144,7 @@ class Files:
         h = {"content-type": "application/octet-stream", **(headers or {})}
         client = self._sb._client
         r = await client._send("PUT", self._base, params=params, content=content, headers=h,
-                               timeout=httpx.Timeout(client._timeout, connect=10.0))
+                               timeout=Timeout(client._timeout))
         return _json_of(r)
 
     async def write_many(self, files: Iterable[Any]) -> list[dict[str, Any]]:
@@ -1400,7 +1393,7 @@ class Trajectory:
         return f"Trajectory({self.name!r}, step={self.step}, replayed={self.replayed})"
 
     async def _call(self, method: str, path: str, *, json: Any = None, params: Any = None, content: Any = None,
-                    headers: dict[str, str] | None = None, timeout: Any = None) -> httpx.Response:
+                    headers: dict[str, str] | None = None, timeout: Any = None) -> Response:
         async with self._lock:
             n = self.step + 1
             h = {"X-Dsec-Trajectory": self.name, "X-Dsec-Step": str(n), **(headers or {})}
