@@ -288,6 +288,66 @@ def test_watch_dir(sandbox, e2b):
         sandbox.files.watch_dir("/tmp/w/missing")
 
 
+def test_file_metadata_and_entries_in_watch_events(sandbox, e2b, template):
+    """envd 0.6.2-0.6.4 as the SDK gates them: metadata on uploads, kept as `user.e2b.*`
+    extended attributes (shown by get_info and list, kept by a rename, cleared by an
+    overwrite, read from attributes set inside), and watch events with their entries."""
+    import time
+
+    import httpx
+    from packaging.version import Version
+
+    assert sandbox._envd_version >= Version("0.6.4")
+    info = sandbox.files.write("meta/a.txt", "x", metadata={"owner": "team-a", "Stage": "raw 1"})
+    want = {"owner": "team-a", "stage": "raw 1"}
+    assert info.path == "/home/user/meta/a.txt" and info.metadata == want, info
+    assert sandbox.files.get_info("meta/a.txt").metadata == want
+    assert [e.metadata for e in sandbox.files.list("meta") if e.name == "a.txt"] == [want]
+    # In the file itself, as extended attributes: `user.e2b.*`, or `trusted.e2b.*` where the
+    # filesystem keeps no user attributes (a VM's writable tmpfs, on the guest's Linux 6.1).
+    r = sandbox.commands.run("python3 -c \"import os; print(sorted(os.listxattr('/home/user/meta/a.txt')))\"",
+                             user="root")
+    prefix = "trusted.e2b." if "trusted.e2b." in r.stdout else "user.e2b."
+    assert r.stdout.strip() == str([f"{prefix}owner", f"{prefix}stage"]), r
+    assert prefix == "user.e2b." or template.endswith("-vm"), "a container's files keep user attributes"
+    moved = sandbox.files.rename("meta/a.txt", "meta/b.txt")
+    assert moved.metadata == want and sandbox.files.get_info("meta/b.txt").metadata == want
+    # An overwrite without metadata clears it; one with metadata replaces it.
+    sandbox.files.write("meta/b.txt", "y")
+    assert sandbox.files.get_info("meta/b.txt").metadata is None
+    sandbox.files.write_files([{"path": "meta/c.txt", "data": "z"}], metadata={"k": "v"})
+    assert sandbox.files.get_info("meta/c.txt").metadata == {"k": "v"}
+    # Set inside the sandbox (as an image's files would have it): read back.
+    sandbox.commands.run(f"python3 -c \"import os; os.setxattr('/home/user/meta/b.txt', '{prefix}source', b'img')\"",
+                         user="root")
+    assert sandbox.files.get_info("meta/b.txt").metadata == {"source": "img"}
+    # The gateway checks what the SDK does not: too many keys, a value that is not ASCII.
+    with pytest.raises(e2b.InvalidArgumentException):
+        sandbox.files.write("meta/d.txt", "x", metadata={f"k{i}": "v" for i in range(65)})
+    url = sandbox.upload_url("meta/d.txt")
+    r = httpx.post(url, content=b"x", headers={"Content-Type": "application/octet-stream",
+                                               "X-Metadata-k": "caf\u00e9".encode("latin-1")})
+    assert r.status_code == 400 and "US-ASCII" in r.text, r.text
+    assert not sandbox.files.exists("meta/d.txt"), "a refused upload wrote its file"
+
+    # Watch events with their entries (none for a removal).
+    w = sandbox.files.watch_dir("meta", include_entry=True, allow_network_mounts=True)
+    sandbox.files.write("meta/e.txt", "12345")
+    sandbox.files.remove("meta/c.txt")
+    seen = {}
+    for _ in range(50):
+        for e in w.get_new_events():
+            seen.setdefault((e.name, e.type), e)
+        if ("c.txt", e2b.FilesystemEventType.REMOVE) in seen:
+            break
+        time.sleep(0.1)
+    w.stop()
+    created = seen[("e.txt", e2b.FilesystemEventType.CREATE)]
+    assert created.entry is not None and created.entry.path == "/home/user/meta/e.txt", created
+    assert created.entry.type == e2b.FileType.FILE
+    assert seen[("c.txt", e2b.FilesystemEventType.REMOVE)].entry is None
+
+
 def test_list_connect_timeout_and_kill(e2b, template):
     tag = uuid.uuid4().hex[:8]
     a = e2b.Sandbox.create(template, metadata={"run": tag, "role": "a"})
@@ -639,6 +699,22 @@ def test_pause_and_connect_resumes(sandbox, e2b):
     c = e2b.Sandbox.connect(sandbox.sandbox_id)
     assert c.get_info().state == SandboxState.RUNNING
     assert c.commands.run("cat /tmp/p").stdout == "kept\n"
+
+
+def test_filesystem_only_pause_keeps_files_and_ends_processes(sandbox, e2b, template):
+    """`pause(mode="filesystem")`: the sandbox's processes end, its files stay; connect
+    resumes it (a container starts afresh; a VM, whose files live in its memory, keeps
+    its memory on disk and its processes with it)."""
+    from e2b import SandboxState
+
+    sandbox.commands.run("echo kept > /home/user/fs.txt")
+    sandbox.commands.run("sleep 1000", background=True)
+    assert sandbox.pause(mode="filesystem") is True
+    assert sandbox.get_info().state == SandboxState.PAUSED
+    c = e2b.Sandbox.connect(sandbox.sandbox_id)
+    assert c.commands.run("cat fs.txt").stdout == "kept\n"
+    r = c.commands.run("for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; done | grep -c '^sleep 1000' || true")
+    assert r.stdout.strip() == ("1" if template.endswith("-vm") else "0"), r
 
 
 def test_metrics(sandbox):

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import DATA, dsec, leftovers, server_down, server_up, wait_for
+from conftest import DATA, cgroup_file, cgroup_mode, dsec, leftovers, server_down, server_up, wait_for
 from opendsec import DSecClient, DSecRunArgs, InvalidArgumentError, NotFoundError
 from opendsec.errors import DSecError
 
@@ -44,8 +44,8 @@ async def test_exec_env_cwd_stdin_exit_codes_and_timeout(client):
 
 async def test_container_pause_freezes_processes_and_groups_pause_by_label(client):
     """Containers pause through the freezer: a counting loop stands still while paused and
-    goes on after; the TTL does not run meanwhile; pause to disk is refused with a reason;
-    a group (by label) pauses and resumes in one call, other sandboxes untouched."""
+    goes on after; the TTL does not run meanwhile; a group (by label) pauses and resumes in
+    one call, other sandboxes untouched."""
     labels = {"job": f"freeze-{os.getpid()}"}
     a = await client.run_sandbox(DSecRunArgs(image="root/base", labels=labels, ttl_seconds=600))
     b = await client.run_sandbox(DSecRunArgs(image="root/base", labels=labels, ttl_seconds=600))
@@ -74,10 +74,6 @@ async def test_container_pause_freezes_processes_and_groups_pause_by_label(clien
         await asyncio.sleep(0.5)
         assert await count(a) > p1, "the counter did not go on after resume"
         assert (await a.refresh()).expires_at_ms >= expires + 900, "the TTL ran while paused"
-
-        with pytest.raises(DSecError) as e:
-            await a.pause(to_disk=True)
-        assert e.value.code == "unimplemented" and "in place" in e.value.message
 
         r = await client.pause_group(labels)
         assert sorted(r["done"]) == sorted([a.id, b.id]) and not r["failed"], r
@@ -141,6 +137,57 @@ async def test_fork_copies_files_not_memory_and_copies_are_independent(client):
             await f.stop()
     finally:
         await src.stop()
+
+
+async def test_container_paused_to_disk_ends_its_processes_keeps_its_files_and_a_restart(client):
+    """A container paused to disk has no process left (the memory they held is freed) and
+    keeps its files; a restart of the server keeps it paused; a resume starts it afresh
+    on its files with its environment and TTL; a stop then leaves nothing."""
+    sb = await client.run_sandbox(DSecRunArgs(image="root/py:3.11", env={"KEPT": "env"}, ttl_seconds=600))
+    stopped = False
+    try:
+        await sb.run_shell("echo kept > /root/file; (sleep 1000 >/dev/null 2>&1 &)")
+        await sb.exec_background(cmd="python3 -c 'b = bytearray(96 << 20); import time; time.sleep(1000)'")
+        usage = cgroup_file("memory", sb.id, "memory.current" if cgroup_mode() == "v2" else "memory.usage_in_bytes")
+        assert wait_for(lambda: int(usage.read_text()) > 96 << 20, 10), "the process did not take its memory"
+        init = int((DATA / f"edge/sandboxes/{sb.id}/init.pid").read_text())
+        info = await sb.pause(to_disk=True)
+        assert info.state == "paused" and info.paused_to_disk
+        def ended(pid: int) -> bool:
+            try:
+                return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+            except FileNotFoundError:
+                return True
+
+        assert ended(init), "its init still runs"
+        assert not usage.exists() or int(usage.read_text()) < 8 << 20, "its memory was not freed"
+        with pytest.raises(DSecError):
+            await sb.exec(["true"], timeout=5)
+        # Paused twice is paused; in place after to disk stays on disk.
+        assert (await sb.pause()).paused_to_disk
+        server_down("--keep-sandboxes")
+        server_up()
+        async with DSecClient() as c2:
+            again = await c2.get_sandbox(sb.id)
+            assert again.info.state == "paused" and again.info.paused_to_disk
+            await asyncio.sleep(1.0)
+            info = await again.resume()
+            assert info.state == "running" and not info.paused_to_disk
+            r = await again.run_shell(f"cat /root/file; echo $KEPT; {COUNT_SLEEPS}")
+            assert r.stdout == "kept\nenv\n0\n", r
+            # It runs as a new sandbox does: files written now are kept too.
+            await again.files.write("/root/after", "x")
+            assert await again.files.read_text("/root/after") == "x"
+            await again.stop()
+            stopped = True
+        assert leftovers(sb.id) == []
+    finally:
+        if not stopped:
+            async with DSecClient() as c3:
+                try:
+                    await (await c3.get_sandbox(sb.id)).stop()
+                except NotFoundError:
+                    pass
 
 
 async def test_restart_keeps_sandboxes_running(client):

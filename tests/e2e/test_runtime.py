@@ -539,6 +539,50 @@ async def test_watch_reports_changes_in_order(client):
         await sb.stop()
 
 
+async def test_file_metadata_and_watch_entries(client):
+    """Metadata given on a write is the file's `user.e2b.*` extended attributes; the API
+    refuses bad metadata before touching the file; a watch with `entry` carries stats."""
+    from opendsec import InvalidArgumentError
+
+    sb = await client.run_sandbox(DSecRunArgs(image="root/py:3.11"))
+    try:
+        w = await sb.files.write("/root/m/a.txt", "one", metadata={"owner": "me"})
+        assert w["metadata"] == {"owner": "me"}, w
+        assert (await sb.files.stat("/root/m/a.txt"))["metadata"] == {"owner": "me"}
+        await sb.files.write("/root/m/a.txt", "+", append=True)
+        assert (await sb.files.stat("/root/m/a.txt"))["metadata"] == {"owner": "me"}, "an append keeps it"
+        r = await sb.run_shell("python3 -c \"import os; print(os.getxattr('/root/m/a.txt', 'user.e2b.owner'))\"")
+        assert r.stdout.strip() == "b'me'", r
+        for bad in ({"k": "x" * 3000}, {f"k{i}": "" for i in range(65)}):
+            with pytest.raises(InvalidArgumentError):
+                await sb.files.write("/root/m/a.txt", "clobbered", metadata=bad)
+        with pytest.raises(InvalidArgumentError):  # (header names have no case)
+            await sb.files.write_many([{"path": "/root/m/a.txt", "data": "x", "metadata": {"Upper": "v"}}])
+        assert await sb.files.read_text("/root/m/a.txt") == "one+", "a refused write touched the file"
+        await sb.files.write_many([{"path": "/root/m/b.txt", "data": "b", "metadata": {"k": "v"}}])
+        assert (await sb.files.stat("/root/m/b.txt"))["metadata"] == {"k": "v"}
+        await sb.files.write("/root/m/b.txt", "new")
+        assert "metadata" not in await sb.files.stat("/root/m/b.txt"), "an overwrite clears it"
+        async with sb.files.watch("/root/m", recursive=False, entry=True) as watch:
+            await sb.files.write("/root/m/c.txt", "12345", metadata={"from": "watch"})
+            await sb.run_shell("rm /root/m/b.txt")
+            seen = []
+
+            async def until_removed() -> None:
+                async for ev in watch:
+                    seen.append(ev)
+                    if ev["type"] == "remove":
+                        return
+
+            await asyncio.wait_for(until_removed(), 15)
+        created = [e for e in seen if e["path"] == "/root/m/c.txt" and e["type"] == "create"]
+        assert created and created[0]["entry"]["name"] == "c.txt", seen
+        assert [e for e in seen if e["type"] == "remove"][0].get("entry") is None, seen
+        assert any(e.get("entry", {}).get("metadata") == {"from": "watch"} for e in seen), seen
+    finally:
+        await sb.stop()
+
+
 # ---- terminals ------------------------------------------------------------------------
 
 async def test_pty_repl_resize_interrupt_and_exit(client):

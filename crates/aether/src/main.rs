@@ -337,11 +337,13 @@ fn serve_one(
             mode,
             append,
             user,
+            metadata,
         } => {
             let r = files::check_path(&path).and_then(|p| {
                 let input = &mut input;
+                let metadata = metadata.as_ref();
                 files::as_user(user.as_deref(), move || {
-                    files::receive_file(&p, mode, append, input).map(|size| (p, size))
+                    files::receive_file(&p, mode, append, metadata, input).map(|size| (p, size))
                 })
                 .and_then(|r| r)
             });
@@ -403,8 +405,18 @@ fn serve_one(
         Request::Chown { path, uid, gid } => {
             fs_reply(&path, |p| files::chown(p, uid, gid).map(Response::Stat))
         }
-        Request::Watch { path, recursive } => {
-            match files::check_path(&path).and_then(|p| watch::run(&p, recursive, &mut out)) {
+        Request::Watch {
+            path,
+            recursive,
+            entry,
+            allow_network_mounts,
+        } => {
+            let how = watch::Options {
+                recursive,
+                entry,
+                allow_network_mounts,
+            };
+            match files::check_path(&path).and_then(|p| watch::run(&p, how, &mut out)) {
                 Ok(()) => return None,
                 Err(e) => err(e),
             }

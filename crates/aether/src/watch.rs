@@ -69,6 +69,7 @@ impl Watcher {
                             path: e.path().display().to_string(),
                             is_dir,
                             from: None,
+                            entry: None,
                         },
                     ));
                 }
@@ -81,8 +82,43 @@ impl Watcher {
     }
 }
 
+/// What a watch watches and reports.
+#[derive(Debug, Clone, Copy)]
+pub struct Options {
+    pub recursive: bool,
+    /// Events carry the entry's stat.
+    pub entry: bool,
+    pub allow_network_mounts: bool,
+}
+
+/// `statfs` magic numbers of filesystems whose files change elsewhere too (inotify sees
+/// only this machine's changes): NFS, SMB/CIFS, 9p, FUSE (sshfs and the like), Ceph, AFS,
+/// virtio-fs (FUSE's number) and Coda.
+const NETWORK_FS: [i64; 10] = [
+    0x6969,
+    0x517b,
+    0xff53_4d42,
+    0xfe53_4d42,
+    0x0102_1997,
+    0x6573_5546,
+    0x00c3_6400,
+    0x5346_414f,
+    0x6b41_4653,
+    0x7375_7245,
+];
+
+fn on_network_fs(p: &Path) -> bool {
+    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    // SAFETY: statfs fills the zeroed struct for a NUL-terminated path.
+    let mut s: libc::statfs = unsafe { std::mem::zeroed() };
+    unsafe { libc::statfs(c.as_ptr(), &mut s) == 0 && NETWORK_FS.contains(&(s.f_type as i64)) }
+}
+
 /// Watches `path` and writes `Ready`, then one `Event` per change, to `out`.
-pub fn run(path: &Path, recursive: bool, out: &mut UnixStream) -> Result<(), FsError> {
+pub fn run(path: &Path, how: Options, out: &mut UnixStream) -> Result<(), FsError> {
+    let recursive = how.recursive;
     let root = if path.is_absolute() {
         path.to_path_buf()
     } else {
@@ -95,6 +131,15 @@ pub fn run(path: &Path, recursive: bool, out: &mut UnixStream) -> Result<(), FsE
         return Err((
             ErrorCode::InvalidArgument,
             format!("{} is not a directory; watch a directory", root.display()),
+        ));
+    }
+    if !how.allow_network_mounts && on_network_fs(&root) {
+        return Err((
+            ErrorCode::FailedPrecondition,
+            format!(
+                "{} is on a network filesystem, where changes made elsewhere are not seen; allow network mounts to watch it anyway",
+                root.display()
+            ),
         ));
     }
     // SAFETY: plain syscall; the fd is owned below.
@@ -193,13 +238,17 @@ pub fn run(path: &Path, recursive: bool, out: &mut UnixStream) -> Result<(), FsE
                     path: path.display().to_string(),
                     is_dir,
                     from: None,
+                    entry: None,
                 },
             ));
             if is_dir && recursive && (kind == "create" || kind == "moved_to") {
                 let _ = w.add(&path, Some(&mut events));
             }
         }
-        for ev in pair_renames(events) {
+        for mut ev in pair_renames(events) {
+            if how.entry && ev.kind != "remove" {
+                ev.entry = crate::files::stat(Path::new(&ev.path)).ok();
+            }
             if write_json(out, &Response::Event(ev)).is_err() {
                 return Ok(());
             }
@@ -252,6 +301,7 @@ mod tests {
             path: path.into(),
             is_dir: false,
             from: None,
+            entry: None,
         }
     }
 

@@ -335,12 +335,33 @@ async fn upload(
         mode,
         append,
         user: q.get("user").cloned(),
+        metadata: metadata_headers(&headers)?,
     };
     let o = st
         .edge
         .write_file(&id, &path, how, b.into_data_stream(), step)
         .await?;
     Ok(outcome(StatusCode::OK, o))
+}
+
+/// Header prefix of a file's metadata on an upload: `X-Dsec-Metadata-<key>: <value>`.
+const METADATA_HEADER: &str = "x-dsec-metadata-";
+
+/// The metadata an upload gives its file (None: no such header).
+fn metadata_headers(h: &HeaderMap) -> Result<Option<BTreeMap<String, String>>, Failure> {
+    let mut m = BTreeMap::new();
+    for (name, value) in h {
+        // Header names arrive in lower case.
+        if let Some(key) = name.as_str().strip_prefix(METADATA_HEADER) {
+            let v = value.to_str().map_err(|_| {
+                ApiError::invalid(format!(
+                    "the value of metadata key {key:?} must be printable US-ASCII"
+                ))
+            })?;
+            m.insert(key.to_string(), v.to_string());
+        }
+    }
+    Ok((!m.is_empty()).then_some(m))
 }
 
 #[derive(Deserialize)]
@@ -350,6 +371,9 @@ struct BatchFile {
     data: String,
     #[serde(default)]
     mode: Option<u32>,
+    /// The file's metadata.
+    #[serde(default)]
+    metadata: Option<BTreeMap<String, String>>,
 }
 
 #[derive(Deserialize)]
@@ -376,15 +400,16 @@ async fn batch(
         let data = base64::engine::general_purpose::STANDARD
             .decode(f.data.as_bytes())
             .map_err(|e| ApiError::invalid(format!("data of {} is not base64: {e}", f.path)))?;
-        decoded.push((f.path, f.mode, data));
+        decoded.push((f.path, f.mode, f.metadata, data));
     }
     let mut written = Vec::new();
-    for (path, mode, data) in decoded {
+    for (path, mode, metadata, data) in decoded {
         let one = futures_util::stream::iter([Ok::<Bytes, Infallible>(Bytes::from(data))]);
         let how = dsec_edge::runtime::WriteOptions {
             mode,
             append: false,
             user: b.user.clone(),
+            metadata,
         };
         let o = st.edge.write_file(&id, &path, how, one, None).await?;
         written.push(o.value);
@@ -541,7 +566,9 @@ async fn watch(
     let q = query(q.as_deref());
     let path = required(&q, "path")?;
     let recursive = flag(&q, "recursive")?;
-    let ws = st.edge.watch(&id, &path, recursive).await?;
+    let entry = flag(&q, "entry")?;
+    let network = flag(&q, "allow_network_mounts")?;
+    let ws = st.edge.watch(&id, &path, recursive, entry, network).await?;
     let ready = line(json!({"type": "ready"}));
     let s = futures_util::stream::unfold((ws, Some(ready)), |(mut ws, first)| async move {
         if let Some(f) = first {

@@ -84,8 +84,9 @@ enum Command {
         after_help = "Example:\n  dsec fork local-0123456789ab --count 4 --label job=7\n\nThe source pauses briefly while its state is saved, then runs on; every copy starts\nwhere the source was (a vm copy with its processes and memory) and diverges from there."
     )]
     Fork(cmd::sandbox::ForkArgs),
-    /// Pause a sandbox: frozen in place, or with --to-disk (vm) saved to disk with its memory
-    /// and its processes ended, freeing the host's memory
+    /// Pause a sandbox: frozen in place, or with --to-disk its processes ended, freeing the
+    /// host's memory (a vm's memory is saved to disk; a container keeps its files and
+    /// starts afresh on resume)
     #[command(
         after_help = "Example:\n  dsec pause local-0123456789ab\n  dsec pause --to-disk local-0123456789ab && dsec resume local-0123456789ab\n\nA paused sandbox's lifetime is extended by the time it stays paused."
     )]

@@ -187,8 +187,10 @@ pub struct SandboxInfo {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PauseRequest {
-    /// Write the sandbox's memory to disk and end its processes (VM backends), freeing
-    /// the host's memory until it is resumed; false: freeze it in place.
+    /// End the sandbox's processes, freeing the host's memory until it is resumed: a VM's
+    /// memory is written to disk and restored on resume; a container keeps its files and
+    /// starts afresh on resume (its image's start command runs again). False: freeze it
+    /// in place.
     #[serde(default)]
     pub to_disk: bool,
 }
@@ -460,6 +462,51 @@ pub struct FileStat {
     /// A symlink's target.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target: Option<String>,
+    /// The file's metadata: its extended attributes named [`METADATA_XATTR_PREFIX`]`<key>`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// Where a file's metadata is kept: extended attributes of this prefix and the key.
+/// The prefix is E2B envd's, so metadata set by either is seen by both (a template's
+/// files keep theirs).
+pub const METADATA_XATTR_PREFIX: &str = "user.e2b.";
+/// The most metadata keys one file may be given.
+pub const METADATA_MAX_KEYS: usize = 64;
+/// The most bytes of keys and values together (one filesystem block holds them).
+pub const METADATA_MAX_BYTES: usize = 2048;
+
+/// Checks metadata a caller gives a file: keys of HTTP token characters (they travel as
+/// header names, so they are lower case), values of printable US-ASCII, within the
+/// limits above.
+pub fn check_metadata(m: &BTreeMap<String, String>) -> Result<(), String> {
+    if m.len() > METADATA_MAX_KEYS {
+        return Err(format!(
+            "a file may have at most {METADATA_MAX_KEYS} metadata keys ({} given)",
+            m.len()
+        ));
+    }
+    let token = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
+    let mut bytes = 0;
+    for (k, v) in m {
+        if k.is_empty() || !k.chars().all(token) || k.chars().any(|c| c.is_ascii_uppercase()) {
+            return Err(format!(
+                "metadata key {k:?} must be non-empty lower-case letters, digits and !#$%&'*+-.^_`|~"
+            ));
+        }
+        if !v.chars().all(|c| (' '..='~').contains(&c)) {
+            return Err(format!(
+                "the value of metadata key {k:?} must be printable US-ASCII"
+            ));
+        }
+        bytes += k.len() + v.len();
+    }
+    if bytes > METADATA_MAX_BYTES {
+        return Err(format!(
+            "metadata keys and values may hold at most {METADATA_MAX_BYTES} bytes together ({bytes} given)"
+        ));
+    }
+    Ok(())
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -557,4 +604,37 @@ pub struct FunctionInfo {
     pub timeout_seconds: f64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pool: Option<String>,
+}
+
+#[cfg(test)]
+mod metadata_tests {
+    use super::*;
+
+    fn m(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn metadata_keys_values_and_sizes_are_checked() {
+        assert!(check_metadata(&m(&[("owner", "team a"), ("x-1.b~", "~!")])).is_ok());
+        for bad in [
+            m(&[("", "v")]),
+            m(&[("Upper", "v")]),
+            m(&[("a/b", "v")]),
+            m(&[("a b", "v")]),
+            m(&[("a\0", "v")]),
+            m(&[("k", "line\nbreak")]),
+            m(&[("k", "caf\u{e9}")]),
+            m(&[("k", &"v".repeat(METADATA_MAX_BYTES))]),
+        ] {
+            assert!(check_metadata(&bad).is_err(), "{bad:?}");
+        }
+        let many: BTreeMap<String, String> = (0..=METADATA_MAX_KEYS)
+            .map(|i| (format!("k{i}"), String::new()))
+            .collect();
+        assert!(check_metadata(&many).is_err());
+    }
 }

@@ -79,6 +79,10 @@ pub enum Request {
         /// is theirs, and only what they may write is written. Default root.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         user: Option<String>,
+        /// The file's metadata after the write (replacing what it had); none: a write
+        /// that truncates clears it, an append keeps it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        metadata: Option<std::collections::BTreeMap<String, String>>,
     },
     Stat {
         path: String,
@@ -123,6 +127,14 @@ pub enum Request {
     Watch {
         path: String,
         recursive: bool,
+        /// Each event carries the entry's stat as it is after the change (none for a
+        /// removal).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        entry: bool,
+        /// Watch a directory on a network filesystem (NFS, SMB, 9p, FUSE, …), where
+        /// changes made elsewhere are not seen; refused otherwise.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        allow_network_mounts: bool,
     },
     SessionCreate {
         cwd: Option<String>,
@@ -252,6 +264,9 @@ pub struct FsEvent {
     /// For `rename`: the old path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub from: Option<String>,
+    /// The entry after the change, when the watch asked for it (and it is still there).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub entry: Option<crate::api::FileStat>,
 }
 
 /// The output strings of a reply that carries output (an exec's or a session command's

@@ -202,6 +202,11 @@ impl Kept {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).pop()
     }
 
+    /// Forgets every kept connection (the agent they reach has ended).
+    pub fn clear(&self) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+
     fn put(&self, c: Conn) {
         let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
         if kept.len() < KEPT_MAX {

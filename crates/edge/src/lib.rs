@@ -1227,6 +1227,9 @@ impl Edge {
             Ok(())
         })
         .await??;
+        if to_disk {
+            e.agent.clear(); // connections to an agent that has ended
+        }
         let rec = e.update(|r| {
             r.state = SandboxState::Paused;
             r.paused_at_ms.get_or_insert(now_ms());
@@ -1270,7 +1273,11 @@ impl Edge {
             // The guest's clock stood still while it was paused.
             tell_restored(&channel, id, backend.start_timeout(), alive).await?;
         } else if rec.paused_to_disk {
-            channel::wait_ready(&channel, backend.start_timeout(), alive).await?;
+            // Its processes ended with the pause: a fresh start, as at create.
+            tell_environment(&channel, &rec, backend.start_timeout(), alive).await?;
+            if let Some(s) = &rec.start {
+                start_command(&channel, s).await?;
+            }
         }
         let now = now_ms();
         let rec = e.update(|r| {

@@ -161,6 +161,8 @@ pub struct WriteOptions {
     pub mode: Option<u32>,
     pub append: bool,
     pub user: Option<String>,
+    /// The file's metadata after the write; none: a write clears it, an append keeps it.
+    pub metadata: Option<std::collections::BTreeMap<String, String>>,
 }
 
 /// A user a file operation names: a name as in /etc/passwd or a uid, nothing that could
@@ -420,10 +422,18 @@ impl Edge {
         S: Stream<Item = Result<Bytes, E>> + Unpin + Send + 'static,
         E: std::fmt::Display + Send + 'static,
     {
-        let WriteOptions { mode, append, user } = how;
+        let WriteOptions {
+            mode,
+            append,
+            user,
+            metadata,
+        } = how;
         check_path("path", path)?;
         if let Some(u) = &user {
             check_user(u)?;
+        }
+        if let Some(m) = &metadata {
+            dsec_common::api::check_metadata(m).map_err(ApiError::invalid)?;
         }
         if mode.is_some_and(|m| m > 0o7777) {
             return Err(ApiError::invalid(
@@ -431,13 +441,18 @@ impl Edge {
             ));
         }
         let (_, sock) = self.running(id)?;
+        let echo = metadata.clone();
         let req = Request::WriteFile {
             path: path.to_string(),
             mode,
             append,
             user,
+            metadata,
         };
         let mut logged = json!({"path": path, "mode": mode, "append": append});
+        if let Some(m) = &echo {
+            logged["metadata"] = json!(m);
+        }
         let buffered = if step.as_ref().is_some_and(|s| s.seq.is_some()) {
             let mut all = Vec::new();
             while let Some(c) = body.next().await {
@@ -484,7 +499,10 @@ impl Edge {
                     }
                     conn.data(&[]).await?;
                     match conn.reply().await? {
-                        Response::Written { path, size } => Ok(json!({"path": path, "size": size})),
+                        Response::Written { path, size } => Ok(match echo {
+                            Some(m) => json!({"path": path, "size": size, "metadata": m}),
+                            None => json!({"path": path, "size": size}),
+                        }),
                         other => Err(unexpected(&other)),
                     }
                 },
@@ -549,17 +567,23 @@ impl Edge {
         self.mutate(id, step, kind, logged, req).await
     }
 
+    /// Watches directory `path`: `recursive` into its subdirectories, `entry`: each
+    /// event with the entry's stat, `allow_network_mounts`: also on a network filesystem.
     pub async fn watch(
         &self,
         id: &str,
         path: &str,
         recursive: bool,
+        entry: bool,
+        allow_network_mounts: bool,
     ) -> Result<WatchStream, ApiError> {
         check_path("path", path)?;
         let (_, sock) = self.running(id)?;
         let req = Request::Watch {
             path: path.to_string(),
             recursive,
+            entry,
+            allow_network_mounts,
         };
         let mut conn = Conn::open(&sock, &req).await?;
         match tokio::time::timeout(CALL_TIMEOUT, conn.reply()).await {

@@ -599,8 +599,33 @@ async fn metrics(State(gw): State<Gw>, h: HeaderMap, Path(id): Path<String>) -> 
     .into_response())
 }
 
-async fn pause(State(gw): State<Gw>, h: HeaderMap, Path(id): Path<String>) -> Res {
+/// `POST /sandboxes/{id}/pause`, `{"memory": false}` for a filesystem-only pause: the
+/// sandbox's processes end and its memory is freed (OpenDsec's pause to disk; a VM keeps
+/// its memory there, since its files live in it); resuming starts a container afresh.
+async fn pause(
+    State(gw): State<Gw>,
+    h: HeaderMap,
+    Path(id): Path<String>,
+    body: axum::body::Bytes,
+) -> Res {
     let k = key(&h)?;
+    let memory = if body.iter().all(u8::is_ascii_whitespace) {
+        true
+    } else {
+        let v: Value = serde_json::from_slice(&body)
+            .map_err(|e| UpErr::new(400, "invalid_argument", format!("pause body: {e}")))?;
+        match &v["memory"] {
+            Value::Null => true,
+            Value::Bool(b) => *b,
+            _ => {
+                return Err(UpErr::new(
+                    400,
+                    "invalid_argument",
+                    "pause body: memory must be true or false",
+                ));
+            }
+        }
+    };
     let (info, state) = get_info(&gw, &k, &id).await?;
     if state == "paused" {
         return Err(UpErr::new(
@@ -615,7 +640,7 @@ async fn pause(State(gw): State<Gw>, h: HeaderMap, Path(id): Path<String>) -> Re
             Method::POST,
             &format!("/v1/sandboxes/{}/pause", info.id),
             &k,
-            Some(json!({})),
+            Some(json!({"to_disk": !memory})),
         )
         .await?;
     Ok(StatusCode::NO_CONTENT.into_response())

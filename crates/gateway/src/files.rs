@@ -1,6 +1,8 @@
 //! envd's files: `GET`/`POST /files` and the `filesystem.Filesystem` RPCs, on OpenDsec's
 //! files API.
 
+use std::collections::BTreeMap;
+
 use axum::body::{Body, Bytes};
 use axum::extract::{RawQuery, State};
 use axum::http::{HeaderMap, StatusCode, header};
@@ -115,13 +117,18 @@ pub(crate) async fn write(
         Ok(t) => t,
         Err(r) => return r,
     };
+    let meta = match metadata(&h) {
+        Ok(m) => m,
+        Err(e) => return e.into_response(),
+    };
+    let (gw, t) = (&gw, &Put { t: &t, meta: &meta });
     let ct = header_str(&h, "content-type").unwrap_or("");
     let multi = ct.starts_with("multipart/form-data");
     let r = match header_str(&h, "content-encoding") {
         None | Some("identity") if multi => {
-            write_multipart(&gw, &t, ct, &q, bound, body.into_data_stream()).await
+            write_multipart(gw, t, ct, &q, bound, body.into_data_stream()).await
         }
-        None | Some("identity") => write_stream(&gw, &t, &q, body).await,
+        None | Some("identity") => write_stream(gw, t, &q, body).await,
         Some("gzip") => match axum::body::to_bytes(body, MAX_UPLOAD).await {
             Err(_) => Err(UpErr::new(
                 413,
@@ -132,9 +139,9 @@ pub(crate) async fn write(
                 Err(e) => Err(e),
                 Ok(data) if multi => {
                     let one = futures_util::stream::iter([Ok::<_, std::convert::Infallible>(data)]);
-                    write_multipart(&gw, &t, ct, &q, bound, one).await
+                    write_multipart(gw, t, ct, &q, bound, one).await
                 }
-                Ok(data) => write_stream(&gw, &t, &q, Body::from(data)).await,
+                Ok(data) => write_stream(gw, t, &q, Body::from(data)).await,
             },
         },
         Some(other) => Err(UpErr::new(
@@ -149,36 +156,80 @@ pub(crate) async fn write(
     }
 }
 
-async fn write_stream(gw: &Gw, t: &Target, q: &Option<String>, body: Body) -> Result<Value, UpErr> {
+/// Header prefix of a file's metadata on an envd upload: `X-Metadata-<key>: <value>`.
+const METADATA_HEADER: &str = "x-metadata-";
+
+/// The metadata an upload gives each of its files (checked as the API checks it, so a
+/// bad key is refused before the body is read).
+fn metadata(h: &HeaderMap) -> Result<BTreeMap<String, String>, UpErr> {
+    let mut m = BTreeMap::new();
+    for (name, value) in h {
+        if let Some(key) = name.as_str().strip_prefix(METADATA_HEADER) {
+            let v = value.to_str().map_err(|_| {
+                UpErr::new(
+                    400,
+                    "invalid_argument",
+                    format!("the value of metadata key {key:?} must be printable US-ASCII"),
+                )
+            })?;
+            m.insert(key.to_string(), v.to_string());
+        }
+    }
+    dsec_common::api::check_metadata(&m).map_err(|e| UpErr::new(400, "invalid_argument", e))?;
+    Ok(m)
+}
+
+/// Where an upload's files go: the sandbox, and the metadata each file gets.
+struct Put<'a> {
+    t: &'a Target,
+    meta: &'a BTreeMap<String, String>,
+}
+
+async fn write_stream(
+    gw: &Gw,
+    t: &Put<'_>,
+    q: &Option<String>,
+    body: Body,
+) -> Result<Value, UpErr> {
     let p = query(q, "path")
         .ok_or_else(|| UpErr::new(400, "invalid_argument", "path is required for a raw upload"))?;
-    let path = sandbox_path(t, &p)?;
+    let path = sandbox_path(t.t, &p)?;
     let body = body.map_err(std::io::Error::other).boxed_unsync();
-    Ok(Value::Array(vec![put(gw, t, path, body).await?]))
+    Ok(Value::Array(vec![put(gw, t.t, t.meta, path, body).await?]))
 }
 
 /// Writes one file from a streamed body; its `WriteInfo`.
 async fn put(
     gw: &Gw,
     t: &Target,
+    meta: &BTreeMap<String, String>,
     path: String,
     body: crate::upstream::Body,
 ) -> Result<Value, UpErr> {
+    let headers: Vec<(String, String)> = meta
+        .iter()
+        .map(|(k, v)| (format!("x-dsec-metadata-{k}"), v.clone()))
+        .collect();
     let r = gw
         .up
-        .open(
+        .open_with(
             Method::PUT,
             &t.path(&format!("/files?path={}{}", enc(&path), t.user_query())),
             &gw.cfg.service_key,
             Some("application/octet-stream"),
+            &headers,
             body,
         )
         .await?;
-    Ok(written(r, &path).await)
+    Ok(written(r, &path, meta).await)
 }
 
 /// The `WriteInfo` of a file the API wrote (its answer names the absolute path).
-async fn written(r: hyper::Response<hyper::body::Incoming>, path: &str) -> Value {
+async fn written(
+    r: hyper::Response<hyper::body::Incoming>,
+    path: &str,
+    meta: &BTreeMap<String, String>,
+) -> Value {
     let b = r
         .into_body()
         .collect()
@@ -188,14 +239,18 @@ async fn written(r: hyper::Response<hyper::body::Incoming>, path: &str) -> Value
     let v: Value = serde_json::from_slice(&b).unwrap_or_default();
     let abs = v["path"].as_str().unwrap_or(path).to_string();
     let name = abs.rsplit('/').next().unwrap_or("").to_string();
-    json!({"name": name, "type": "file", "path": abs})
+    let mut info = json!({"name": name, "type": "file", "path": abs});
+    if !meta.is_empty() {
+        info["metadata"] = json!(meta);
+    }
+    info
 }
 
 /// Each `file` part of a multipart body is written as it arrives, one after another.
 /// `bound` (a signed URL): one part only, written to the signed `path`.
 async fn write_multipart<S, E>(
     gw: &Gw,
-    t: &Target,
+    put_to: &Put<'_>,
     ct: &str,
     q: &Option<String>,
     bound: bool,
@@ -205,6 +260,7 @@ where
     S: futures_util::Stream<Item = Result<Bytes, E>> + Unpin,
     E: std::fmt::Display,
 {
+    let t = put_to.t;
     let mut m = Multipart::new(ct, body)?;
     let mut path_param = query(q, "path");
     let mut seen = std::collections::BTreeSet::new();
@@ -253,8 +309,8 @@ where
                 .map(|c| (c.map(hyper::body::Frame::data), rx))
         });
         let body = http_body_util::StreamBody::new(data).boxed_unsync();
-        let (gw2, t2) = (gw.clone(), t.clone());
-        let writing = tokio::spawn(async move { put(&gw2, &t2, path, body).await });
+        let (gw2, t2, meta) = (gw.clone(), t.clone(), put_to.meta.clone());
+        let writing = tokio::spawn(async move { put(&gw2, &t2, &meta, path, body).await });
         let fed = async {
             while let Some(c) = m.chunk().await? {
                 if tx.send(Ok(c)).await.is_err() {
@@ -297,7 +353,7 @@ fn gunzip(b: &[u8]) -> Result<Bytes, UpErr> {
 }
 
 /// `EntryInfo` for a stat.
-fn entry(s: &FileStat) -> Value {
+pub(crate) fn entry(s: &FileStat) -> Value {
     let (ty, tchar) = match s.kind.as_str() {
         "file" => ("FILE_TYPE_FILE", '-'),
         "dir" => ("FILE_TYPE_DIRECTORY", 'd'),
@@ -332,6 +388,9 @@ fn entry(s: &FileStat) -> Value {
     });
     if let Some(target) = &s.target {
         e["symlinkTarget"] = json!(target);
+    }
+    if !s.metadata.is_empty() {
+        e["metadata"] = json!(s.metadata);
     }
     e
 }

@@ -40,10 +40,11 @@ pub use templates::Builder;
 
 use upstream::{UpErr, Upstream};
 
-/// The `envdVersion` the gateway reports: the SDK turns features on by it (octet-stream
-/// and gzip uploads from 0.5.7; file metadata and watch options, which need more, stay
-/// refused client-side).
-pub const ENVD_VERSION: &str = "0.5.7";
+/// The `envdVersion` the gateway reports: the SDK turns features on by it, so it is the
+/// newest version whose features are all served: octet-stream and gzip uploads (0.5.7),
+/// file metadata as `user.e2b.*` extended attributes (0.6.2), entries in watch events
+/// (0.6.3), and watches refused on network filesystems unless allowed (0.6.4).
+pub const ENVD_VERSION: &str = "0.6.4";
 /// The port envd listens on in an E2B sandbox; the SDK names it in `E2b-Sandbox-Port`.
 pub const ENVD_PORT: u16 = 49983;
 /// The label that keeps a sandbox's E2B template id.

@@ -84,12 +84,29 @@ impl Upstream {
         content_type: Option<&str>,
         body: Body,
     ) -> Result<Response<Incoming>, UpErr> {
+        self.open_with(method, path, key, content_type, &[], body)
+            .await
+    }
+
+    /// [`Upstream::open`] with more request headers.
+    pub async fn open_with(
+        &self,
+        method: Method,
+        path: &str,
+        key: &str,
+        content_type: Option<&str>,
+        headers: &[(String, String)],
+        body: Body,
+    ) -> Result<Response<Incoming>, UpErr> {
         let mut b = Request::builder()
             .method(method)
             .uri(self.url(path))
             .header("authorization", format!("Bearer {key}"));
         if let Some(ct) = content_type {
             b = b.header("content-type", ct);
+        }
+        for (k, v) in headers {
+            b = b.header(k.as_str(), v.as_str());
         }
         let req = b
             .body(body)

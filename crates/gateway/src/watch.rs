@@ -14,6 +14,8 @@ use hyper::Method;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
+use dsec_common::api::FileStat;
+
 use crate::connect;
 use crate::envd::{RpcErr, RpcResult, Target, stream_error, stream_response};
 use crate::files::sandbox_path;
@@ -58,16 +60,21 @@ async fn open(gw: &Gw, t: &Target, msg: &Value) -> Result<(hyper::body::Incoming
             format!("{p} is not a directory"),
         ));
     }
-    let rec = if msg["recursive"] == json!(true) {
-        "&recursive=true"
-    } else {
-        ""
-    };
+    let mut opts = String::new();
+    for (field, param) in [
+        ("recursive", "recursive"),
+        ("includeEntry", "entry"),
+        ("allowNetworkMounts", "allow_network_mounts"),
+    ] {
+        if msg[field] == json!(true) {
+            opts.push_str(&format!("&{param}=true"));
+        }
+    }
     let r = gw
         .up
         .open(
             Method::GET,
-            &t.path(&format!("/files/watch?path={}{rec}", enc(&st.path))),
+            &t.path(&format!("/files/watch?path={}{opts}", enc(&st.path))),
             &gw.cfg.service_key,
             None,
             full(bytes::Bytes::new()),
@@ -89,7 +96,12 @@ fn fs_event(ev: &Value, dir: &str) -> Option<Value> {
     let path = ev["path"].as_str()?;
     let prefix = format!("{}/", dir.trim_end_matches('/'));
     let name = path.strip_prefix(&prefix).unwrap_or(path);
-    Some(json!({"name": name, "type": ty}))
+    let mut e = json!({"name": name, "type": ty});
+    // Present when the watch asked for entries and the entry is still there.
+    if let Ok(s) = serde_json::from_value::<FileStat>(ev["entry"].clone()) {
+        e["entry"] = crate::files::entry(&s);
+    }
+    Some(e)
 }
 
 /// The next NDJSON event of a watch stream (an `error` line as the error it carries);

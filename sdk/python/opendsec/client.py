@@ -780,8 +780,10 @@ class Sandbox:
     async def pause(self, to_disk: bool = False) -> SandboxInfo:
         """Pauses the sandbox: its processes stop where they are and its TTL stops running.
 
-        ``to_disk=True`` (VM backends) also writes its memory to disk and ends the VM
-        process, so the host's memory is freed until :meth:`resume`.
+        ``to_disk=True`` ends its processes instead, so the host's memory is freed until
+        :meth:`resume`: a VM's memory is written to disk and restored on resume; a
+        container keeps its files and starts afresh on resume (running processes are
+        gone; its image's start command runs again).
         """
         r = await self._client._request("POST", f"{self._base}/pause", json={"to_disk": to_disk}, timeout=600.0)
         self.info = SandboxInfo.from_json(r)
@@ -1106,10 +1108,13 @@ class Files:
         return n
 
     async def write(self, path: str, data: bytes | str, mode: int | str | None = None,
-                    append: bool = False) -> dict[str, Any]:
+                    append: bool = False, metadata: dict[str, str] | None = None) -> dict[str, Any]:
         """Writes (or with ``append`` appends) ``data``, creating parent directories.
-        ``mode`` is a number (``0o644``) or octal text (``"644"``). Returns ``{"path","size"}``."""
-        return await self._put(path, _as_bytes(data), mode, append, None)
+        ``mode`` is a number (``0o644``) or octal text (``"644"``). ``metadata`` (lower-case
+        keys, printable ASCII values) replaces the file's metadata, kept as its
+        ``user.e2b.*`` extended attributes and shown by ``stat``/``list``; without it a
+        write clears the metadata and an append keeps it. Returns ``{"path","size"}``."""
+        return await self._put(path, _as_bytes(data), mode, append, _metadata_headers(metadata))
 
     async def write_from(self, path: str, local_path: PathLike | BinaryIO, mode: int | str | None = None,
                          chunk_size: int = 1 << 20) -> dict[str, Any]:
@@ -1149,7 +1154,7 @@ class Files:
 
     async def write_many(self, files: Iterable[Any]) -> list[dict[str, Any]]:
         """Writes several small files in one call. Each item is ``(path, data)``,
-        ``(path, data, mode)`` or ``{"path", "data", "mode"?}`` with data bytes or str.
+        ``(path, data, mode)`` or ``{"path", "data", "mode"?, "metadata"?}`` with data bytes or str.
         Returns ``[{"path","size"}]``."""
         return (await self._sb._client._request("POST", f"{self._base}/batch", json=_batch_body(files)))["written"]
 
@@ -1185,19 +1190,29 @@ class Files:
         return await self._sb._client._request("POST", f"{self._base}/chown",
                                                json={"path": path, "uid": int(uid), "gid": int(gid)})
 
-    def watch(self, path: str, recursive: bool = True) -> "Watch":
+    def watch(self, path: str, recursive: bool = True, *, entry: bool = False,
+              allow_network_mounts: bool = False) -> "Watch":
         """Watches ``path`` for changes. Either ``async with sb.files.watch(p) as w:`` or
         ``w = await sb.files.watch(p)`` (then ``await w.close()``); both return once the
         watch is in place. ``async for ev in w`` yields ``{"type","path","is_dir"}`` (and
-        ``from`` for a rename), type one of create, write, remove, rename, chmod."""
-        return Watch(self._sb, path, recursive)
+        ``from`` for a rename), type one of create, write, remove, rename, chmod; with
+        ``entry`` also ``entry``, the stat after the change (not for a removal). A
+        directory on a network filesystem is refused unless ``allow_network_mounts``."""
+        return Watch(self._sb, path, recursive, entry, allow_network_mounts)
+
+
+def _metadata_headers(metadata: dict[str, str] | None) -> dict[str, str] | None:
+    if metadata is None:
+        return None
+    return {f"x-dsec-metadata-{k}": v for k, v in metadata.items()}
 
 
 def _batch_body(files: Iterable[Any]) -> dict[str, Any]:
     out = []
     for item in files:
+        metadata = None
         if isinstance(item, dict):
-            path, data, mode = item["path"], item["data"], item.get("mode")
+            path, data, mode, metadata = item["path"], item["data"], item.get("mode"), item.get("metadata")
         elif len(item) == 3:
             path, data, mode = item
         else:
@@ -1205,6 +1220,8 @@ def _batch_body(files: Iterable[Any]) -> dict[str, Any]:
         e: dict[str, Any] = {"path": path, "data": base64.b64encode(_as_bytes(data)).decode()}
         if mode is not None:
             e["mode"] = int(mode, 8) if isinstance(mode, str) else int(mode)
+        if metadata is not None:
+            e["metadata"] = dict(metadata)
         out.append(e)
     return {"files": out}
 
@@ -1212,10 +1229,13 @@ def _batch_body(files: Iterable[Any]) -> dict[str, Any]:
 class Watch:
     """A directory watch; see ``Files.watch``."""
 
-    def __init__(self, sandbox: Sandbox, path: str, recursive: bool):
+    def __init__(self, sandbox: Sandbox, path: str, recursive: bool, entry: bool = False,
+                 allow_network_mounts: bool = False):
         self._sb = sandbox
         self.path = path
         self.recursive = recursive
+        self.entry = entry
+        self.allow_network_mounts = allow_network_mounts
         self._stream: _Ndjson | None = None
         self._closed = False
 
@@ -1223,8 +1243,9 @@ class Watch:
         if self._stream is not None:
             return self
         params = {"path": self.path}
-        if self.recursive:
-            params["recursive"] = "true"
+        for name in ("recursive", "entry", "allow_network_mounts"):
+            if getattr(self, name):
+                params[name] = "true"
         r = await self._sb._client._send("GET", f"{self._sb._base}/files/watch", params=params,
                                          timeout=_STREAM_TIMEOUT, stream=True)
         self._stream = _Ndjson(r)

@@ -144,6 +144,32 @@ const scenarios = {
     }
   },
 
+  // envd 0.6.2-0.6.4: file metadata kept as extended attributes, entries in watch events
+  async metadata() {
+    const sb = await Sandbox.create(template, { timeoutMs: 120_000 })
+    try {
+      const want = { owner: 'js', step: '2' }
+      const info = await sb.files.write('jm/a.txt', 'x', { metadata: { owner: 'js', Step: '2' } })
+      assert.deepEqual(info.metadata, want)
+      assert.deepEqual((await sb.files.getInfo('jm/a.txt')).metadata, want)
+      assert.deepEqual((await sb.files.list('jm')).find((e) => e.name === 'a.txt').metadata, want)
+      assert.deepEqual((await sb.files.rename('jm/a.txt', 'jm/b.txt')).metadata, want)
+      await sb.files.write('jm/b.txt', 'y')
+      const cleared = (await sb.files.getInfo('jm/b.txt')).metadata
+      assert.ok(cleared === undefined || Object.keys(cleared).length === 0, JSON.stringify(cleared))
+      const events = []
+      const w = await sb.files.watchDir('jm', (e) => events.push(e), { includeEntry: true })
+      await sb.files.write('jm/c.txt', '123')
+      assert.ok(await until(() => events.some((e) => e.name === 'c.txt' && e.entry)))
+      await w.stop()
+      const e = events.find((e) => e.name === 'c.txt' && e.entry)
+      assert.equal(e.entry.path, '/home/user/jm/c.txt')
+      assert.equal(e.entry.type, FileType.FILE)
+    } finally {
+      await sb.kill()
+    }
+  },
+
   async lifecycle() {
     const tag = randomBytes(4).toString('hex')
     const a = await Sandbox.create(template, { metadata: { run: tag, role: 'a' } })

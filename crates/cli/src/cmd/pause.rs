@@ -13,8 +13,8 @@ use crate::{ApiArgs, output};
 #[derive(clap::Args)]
 pub struct PauseArgs {
     pub id: String,
-    /// Write the sandbox's memory to disk and end its processes (vm backends), freeing
-    /// the host's memory until `dsec resume`
+    /// End the sandbox's processes, freeing the host's memory until `dsec resume` (a vm's
+    /// memory is saved to disk; a container keeps its files and starts afresh)
     #[arg(long)]
     pub to_disk: bool,
     #[command(flatten)]

@@ -120,14 +120,16 @@ pub trait Backend: Send + Sync {
     }
     /// Frees what [`Backend::snapshot`] kept outside `dest` (the caller removes `dest`).
     fn discard_snapshot(&self, _dest: &Path) {}
-    /// Writes a paused sandbox to disk and ends its processes, freeing its memory.
+    /// Ends a paused sandbox's processes, freeing its memory: a VM's memory is written to
+    /// disk first; a container keeps only its files.
     fn suspend(&self, _rec: &SandboxRecord, _paths: &SandboxPaths) -> Result<(), ApiError> {
         Err(ApiError::unimplemented(format!(
             "the {} backend cannot pause to disk; pause in place instead (to_disk: false)",
             self.name()
         )))
     }
-    /// Starts a sandbox [`Backend::suspend`]ed to disk again where it stopped.
+    /// Starts a sandbox [`Backend::suspend`]ed to disk again: a VM where it stopped, a
+    /// container afresh on its files.
     fn wake(&self, _rec: &SandboxRecord, _paths: &SandboxPaths) -> Result<(), ApiError> {
         Err(ApiError::unimplemented(format!(
             "the {} backend cannot resume from disk",

@@ -15,7 +15,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use dsec_common::ApiError;
-use dsec_common::api::BackendStatus;
+use dsec_common::api::{BackendStatus, SandboxState};
 use dsec_image::ImageStore;
 
 pub use oci::{ALLOWED_SYSCALLS, CAPABILITIES};
@@ -255,34 +255,19 @@ impl ContainerBackend {
         let dir = &paths.dir;
         let disk = dir.join("disk");
         let rootfs = dir.join("rootfs");
-        let lowers: Vec<PathBuf> = rec
-            .layers
-            .iter()
-            .rev()
-            .map(|l| self.images.layer_path(l))
-            .collect();
         let disk_mb = rec.limits.disk_mb;
-        // The disk and the overlay are made in the sandboxes' mount namespace; the overlay
-        // leaves it detached, for the runtime's call to attach (see `rootfs.rs`).
-        // runc refuses a bind at /sys: it mounts a sysfs of its own.
-        let view = match rt.kind {
-            runtime::Kind::Crun => self
-                .sysfs_view
-                .get_or_init(|| sysfs_view(&self.sandboxes))
-                .as_deref(),
-            _ => None,
-        };
-        let (root_fd, sys_fd) = crate::mountns::get()?.run(|| -> Result<_, String> {
+        // The disk is made in the sandboxes' mount namespace, where it stays while the
+        // sandbox lives (also while it is paused without its processes).
+        crate::mountns::get()?.run(|| -> Result<_, String> {
             rootfs::mount_disk(&disk, disk_mb)?;
             if let Some(seed) = seed {
                 copy_tree(seed, &disk.join("upper")).map_err(|e| {
                     format!("copying the fork source's files (disk_limit_mb too small?): {e}")
                 })?;
             }
-            rootfs::mount_overlay(&lowers, &disk, &rootfs)?;
-            let sys: Option<OwnedFd> = view.map(rootfs::clone_mount).transpose()?;
-            Ok((rootfs::detach(&rootfs)?, sys))
+            Ok(())
         })??;
+        let view = self.sysfs_view(rt);
         let hosts = dir.join("hosts");
         std::fs::write(
             &hosts,
@@ -323,7 +308,7 @@ impl ContainerBackend {
                 resolv_conf: gateway.as_ref().map(|_| resolv.as_path()),
                 seccomp_bpf: self.seccomp_bpf.as_deref(),
                 empty_dir: self.empty_dir.as_deref(),
-                sysfs: sys_fd.as_ref().map(|_| dir.join("sysfs")).as_deref(),
+                sysfs: view.map(|_| dir.join("sysfs")).as_deref(),
             },
         );
         // The bundle carries the sandbox's environment: root's alone.
@@ -332,6 +317,59 @@ impl ContainerBackend {
             &serde_json::to_vec_pretty(&config).unwrap_or_default(),
         )
         .map_err(|e| format!("writing config.json: {e}"))?;
+        self.start_container(rec, paths)
+    }
+
+    /// Every process of the container is in the sandbox's cgroup: killed here (thawed
+    /// first; the cgroup goes once they have), whatever the runtime knows of them, also
+    /// when it lost the container's state. Then the runtime is asked once to forget the
+    /// container: a stop of thousands costs one runtime process each.
+    fn end_processes(&self, rec: &SandboxRecord) {
+        cgroup::empty_and_remove(
+            self.mode,
+            &cgroup::sandbox_cgroup_path(&rec.id),
+            Duration::from_secs(10),
+        );
+        if let Ok(rt) = self.rt()
+            && let Err(e) = rt.delete_force(&cid(rec))
+        {
+            // Also what a container that was never started answers.
+            tracing::debug!(sandbox = %rec.id, "{e}");
+        }
+    }
+
+    /// The node's sysfs view for a crun container (runc refuses a bind at /sys: it
+    /// mounts a sysfs of its own).
+    fn sysfs_view(&self, rt: &OciRuntime) -> Option<&Path> {
+        match rt.kind {
+            runtime::Kind::Crun => self
+                .sysfs_view
+                .get_or_init(|| sysfs_view(&self.sandboxes))
+                .as_deref(),
+            _ => None,
+        }
+    }
+
+    /// Mounts the sandbox's root (its layers under the writable layer on its disk) and
+    /// starts its container from the bundle: at create, and when a sandbox paused without
+    /// its processes resumes. The overlay is made in the sandboxes' mount namespace and
+    /// left detached there, for the runtime's call to attach (see `rootfs.rs`).
+    fn start_container(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), String> {
+        let rt = self.runtime.as_ref().map_err(Clone::clone)?;
+        let dir = &paths.dir;
+        let (disk, rootfs) = (dir.join("disk"), dir.join("rootfs"));
+        let lowers: Vec<PathBuf> = rec
+            .layers
+            .iter()
+            .rev()
+            .map(|l| self.images.layer_path(l))
+            .collect();
+        let view = self.sysfs_view(rt);
+        let (root_fd, sys_fd) = crate::mountns::get()?.run(|| -> Result<_, String> {
+            rootfs::mount_overlay(&lowers, &disk, &rootfs)?;
+            let sys: Option<OwnedFd> = view.map(rootfs::clone_mount).transpose()?;
+            Ok((rootfs::detach(&rootfs)?, sys))
+        })??;
         let _ = std::fs::remove_file(&paths.channel);
         let listener = UnixListener::bind(&paths.channel)
             .map_err(|e| format!("creating channel socket {}: {e}", paths.channel.display()))?;
@@ -402,6 +440,14 @@ impl Backend for ContainerBackend {
     /// before pid files were written is asked of the runtime.
     fn is_alive(&self, rec: &SandboxRecord) -> bool {
         let dir = self.sandboxes.join(&rec.id);
+        if rec.state == SandboxState::Paused && rec.paused_to_disk {
+            // No process: alive while its files are (its disk still mounted).
+            let paths = SandboxPaths {
+                channel: dir.join("aether.sock"),
+                dir,
+            };
+            return upper(&paths).is_ok();
+        }
         if let Some(pid) = read_pid(&dir.join(INIT_PID)) {
             return init_in_cgroup(pid, &rec.id);
         }
@@ -430,6 +476,38 @@ impl Backend for ContainerBackend {
             .map_err(|e| ApiError::internal(format!("resuming: {e}")))
     }
 
+    /// Ends the container's processes, freeing their memory; its files stay on its disk
+    /// (and its network), so [`Backend::wake`] starts it afresh on them.
+    fn suspend(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError> {
+        upper(paths)?;
+        self.end_processes(rec);
+        let _ = std::fs::remove_file(paths.dir.join(INIT_PID));
+        Ok(())
+    }
+
+    /// Starts a [`Backend::suspend`]ed container again on its files: a fresh start (its
+    /// processes ended with the pause).
+    fn wake(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError> {
+        upper(paths)?;
+        // The ended container's overlay is let go of as its last process is reaped; until
+        // then its writable layer counts as in use.
+        let mut tries = 0;
+        loop {
+            match self.start_container(rec, paths) {
+                Ok(()) => return Ok(()),
+                Err(e) if tries < 40 && e.contains("busy") => {
+                    tries += 1;
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => {
+                    return Err(ApiError::internal(format!(
+                        "starting the container again: {e}"
+                    )));
+                }
+            }
+        }
+    }
+
     fn snapshot(
         &self,
         _rec: &SandboxRecord,
@@ -443,21 +521,7 @@ impl Backend for ContainerBackend {
     }
 
     fn destroy(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError> {
-        // Every process of the container is in the sandbox's cgroup: killed here (thawed
-        // first; the cgroup goes once they have), whatever the runtime knows of them, also
-        // when it lost the container's state. Then the runtime is asked once to forget the
-        // container: a stop of thousands costs one runtime process each.
-        cgroup::empty_and_remove(
-            self.mode,
-            &cgroup::sandbox_cgroup_path(&rec.id),
-            Duration::from_secs(10),
-        );
-        if let Ok(rt) = self.rt()
-            && let Err(e) = rt.delete_force(&cid(rec))
-        {
-            // Also what a container that was never started answers.
-            tracing::debug!(sandbox = %rec.id, "{e}");
-        }
+        self.end_processes(rec);
         let dir = &paths.dir;
         let mut problems = Vec::new();
         let (rootfs, disk) = (dir.join("rootfs"), dir.join("disk"));
