@@ -519,14 +519,18 @@ def test_list_order_started_after_and_template(e2b):
         first.kill()
 
 
-def test_on_timeout_pause_and_connect_resumes(e2b):
+@pytest.mark.parametrize("on_timeout", ["pause", {"action": "pause", "mode": "filesystem"}],
+                         ids=["full", "filesystem"])
+def test_on_timeout_pause_and_connect_resumes(e2b, on_timeout):
     """`lifecycle={"on_timeout": "pause"}`: at its timeout the sandbox is paused, not
-    killed; `connect` resumes it with its files."""
+    killed; `connect` resumes it with its files, and its processes unless the pause was
+    filesystem-only."""
     import time
 
-    sb = e2b.Sandbox.create("base", timeout=3, lifecycle={"on_timeout": "pause"})
+    sb = e2b.Sandbox.create("base", timeout=3, lifecycle={"on_timeout": on_timeout})
     try:
         sb.files.write("kept.txt", "yes")
+        sb.commands.run("sleep 1000", background=True)
         end = time.monotonic() + 20
         while (st := e2b.Sandbox.get_info(sb.sandbox_id).state) != e2b.SandboxState.PAUSED and time.monotonic() < end:
             time.sleep(0.2)
@@ -534,6 +538,8 @@ def test_on_timeout_pause_and_connect_resumes(e2b):
         c = e2b.Sandbox.connect(sb.sandbox_id, timeout=60)
         assert c.get_info().state == e2b.SandboxState.RUNNING
         assert c.files.read("kept.txt") == "yes"
+        r = c.commands.run("for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; done | grep -c '^sleep 1000' || true")
+        assert r.stdout.strip() == ("1" if on_timeout == "pause" else "0"), r
     finally:
         e2b.Sandbox.kill(sb.sandbox_id)
 
@@ -718,21 +724,36 @@ def test_filesystem_only_pause_keeps_files_and_ends_processes(sandbox, e2b, temp
 
 
 def test_metrics(sandbox):
-    """get_metrics(): CPU over a short window, memory and disk, from the sandbox's cgroup and
-    its writable filesystem."""
-    idle = sandbox.get_metrics()
-    assert len(idle) == 1
-    m = idle[0]
-    assert m.cpu_count >= 1 and 0 <= m.cpu_used_pct < 50
+    """get_metrics(): the node's kept readings (one every 5 s): CPU over each interval and
+    memory from the sandbox's cgroup, the disk as it is now; `start` narrows them."""
+    import datetime
+    import time
+
+    first = sandbox.get_metrics()
+    assert len(first) >= 1
+    m = first[-1]
+    assert m.cpu_count >= 1 and 0 <= m.cpu_used_pct <= 100
     assert 0 < m.mem_used < m.mem_total == sandbox.get_info().memory_mb << 20
     assert 0 <= m.disk_used < m.disk_total
     sandbox.commands.run("head -c 20000000 /dev/urandom > /tmp/fill.bin")
-    sandbox.commands.run("timeout 5 sh -c 'while :; do :; done'", background=True)
-    busy = sandbox.get_metrics()[0]
-    print(f"metrics idle cpu {m.cpu_used_pct}% mem {m.mem_used >> 20} MiB disk {m.disk_used >> 20} MiB; "
-          f"busy cpu {busy.cpu_used_pct}% disk {busy.disk_used >> 20} MiB")
-    assert busy.cpu_used_pct > 50
-    assert busy.disk_used >= m.disk_used + 19_000_000
+    busy_from = datetime.datetime.now(datetime.timezone.utc)
+    sandbox.commands.run("timeout 11 sh -c 'while :; do :; done' || true", timeout=60)
+    time.sleep(5)  # one more reading after the busy ones
+    series = sandbox.get_metrics()
+    stamps = [e.timestamp for e in series]
+    assert len(series) >= 2 and stamps == sorted(stamps), stamps
+    gaps = [(b - a).total_seconds() for a, b in zip(stamps, stamps[1:])]
+    assert all(3 <= g <= 7 for g in gaps), gaps
+    busy = [e for e in series if e.timestamp > busy_from + datetime.timedelta(seconds=5)]
+    print(f"metrics: {len(series)} readings, cpu {[e.cpu_used_pct for e in series]}%, "
+          f"disk {m.disk_used >> 20} -> {series[-1].disk_used >> 20} MiB")
+    assert busy and max(e.cpu_used_pct for e in busy) > 50, series
+    assert series[-1].disk_used >= m.disk_used + 19_000_000
+    later = sandbox.get_metrics(start=busy_from)
+    assert later and len(later) <= len(series)
+    assert all(e.timestamp >= busy_from - datetime.timedelta(seconds=6) for e in later)
+    ahead = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=1)
+    assert sandbox.get_metrics(start=ahead) == []
 
 
 # A server run inside the sandbox: GET echoes what reached it, POST answers the body's

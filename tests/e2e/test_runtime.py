@@ -539,6 +539,31 @@ async def test_watch_reports_changes_in_order(client):
         await sb.stop()
 
 
+async def test_metrics_now_and_over_time(client):
+    """The node keeps a sandbox's CPU time and memory every 5 s (`metrics_history`), a
+    range narrows them, and a bad range is refused."""
+    from opendsec import InvalidArgumentError
+
+    sb = await client.run_sandbox(DSecRunArgs(image="root/base"))
+    try:
+        now = await sb.metrics()
+        assert now["memory_used_bytes"] > 0 and now["disk_total_bytes"] > 0, now
+        await asyncio.sleep(6)
+        h = await sb.metrics_history()
+        assert h["interval_ms"] == 5000 and h["memory_limit_bytes"] > 0, h
+        assert h["samples"] and all(s["memory_used_bytes"] > 0 for s in h["samples"]), h
+        t = [s["timestamp_ms"] for s in h["samples"]]
+        assert t == sorted(t)
+        assert (await sb.metrics_history(start_ms=t[-1] + 1))["samples"] == []
+        assert len((await sb.metrics_history(end_ms=t[0]))["samples"]) == 1
+        with pytest.raises(InvalidArgumentError):
+            await client._request("GET", f"/v1/sandboxes/{sb.id}/metrics/history", params={"start_ms": "yesterday"})
+        await sb.pause()
+        assert (await sb.metrics_history())["samples"], "a paused sandbox keeps its readings"
+    finally:
+        await sb.stop()
+
+
 async def test_file_metadata_and_watch_entries(client):
     """Metadata given on a write is the file's `user.e2b.*` extended attributes; the API
     refuses bad metadata before touching the file; a watch with `entry` carries stats."""

@@ -138,6 +138,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sandboxes", post(create).get(list))
         .route("/v1/sandboxes/{id}", get(get_one).delete(stop))
         .route("/v1/sandboxes/{id}/metrics", get(metrics))
+        .route("/v1/sandboxes/{id}/metrics/history", get(metrics_history))
         .route("/v1/sandboxes/{id}/exec", post(exec))
         .route("/v1/sandboxes/{id}/commit", post(commit))
         .route("/v1/sandboxes/{id}/fork", post(fork))
@@ -399,6 +400,43 @@ async fn get_one(State(st): State<AppState>, Path(id): Path<String>) -> ApiResul
 async fn metrics(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
     route(&st, &id)?;
     Ok(json(StatusCode::OK, &st.edge.metrics(&id).await?))
+}
+
+/// `?start_ms=&end_ms=` (milliseconds since the epoch, both optional).
+async fn metrics_history(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Response> {
+    route(&st, &id)?;
+    let mut range = [None, None];
+    for pair in q
+        .as_deref()
+        .unwrap_or("")
+        .split('&')
+        .filter(|p| !p.is_empty())
+    {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let at = match k {
+            "start_ms" => 0,
+            "end_ms" => 1,
+            other => {
+                return Err(ApiError::invalid(format!(
+                    "unknown query parameter {other:?}: start_ms and end_ms (milliseconds since the epoch) are taken"
+                ))
+                .into());
+            }
+        };
+        range[at] = Some(v.parse::<u64>().map_err(|_| {
+            ApiError::invalid(format!(
+                "{k} must be milliseconds since the epoch, not {v:?}"
+            ))
+        })?);
+    }
+    Ok(json(
+        StatusCode::OK,
+        &st.edge.metrics_history(&id, range[0], range[1])?,
+    ))
 }
 
 async fn stop(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
@@ -758,6 +796,7 @@ mod tests {
             "/v1/snapshots/{sid}/restore",
             "/v1/sandboxes/{id}/commit",
             "/v1/sandboxes/{id}/metrics",
+            "/v1/sandboxes/{id}/metrics/history",
             "/v1/sandboxes/{id}/timeout",
             "/v1/sandboxes/{id}/network",
             "/v1/status",

@@ -29,8 +29,9 @@ pub struct CreateSandboxRequest {
     /// Stop after this long without an API call for the sandbox.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_timeout_seconds: Option<f64>,
-    /// What happens when the TTL runs out: `"stop"` (the default) or `"pause"` (frozen in
-    /// place, as `pause` does; resumed, it has as long again as it was created with).
+    /// What happens when the TTL runs out: `"stop"` (the default), `"pause"` (frozen in
+    /// place, as `pause` does; resumed, it has as long again as it was created with) or
+    /// `"pause_to_disk"` (paused to disk instead: its processes end, its memory is freed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub on_timeout: Option<String>,
     /// A paused sandbox resumes on the next request to one of its ports.
@@ -68,6 +69,27 @@ pub struct SandboxMetrics {
     /// The writable filesystem (`disk_limit_mb`).
     pub disk_used_bytes: u64,
     pub disk_total_bytes: u64,
+}
+
+/// One kept reading of a sandbox's resource use (the node takes one every
+/// `metrics_interval_ms` while the sandbox runs). CPU time is a running total.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct MetricsSample {
+    pub timestamp_ms: u64,
+    pub cpu_used_ns: u64,
+    pub memory_used_bytes: u64,
+    pub memory_cache_bytes: u64,
+}
+
+/// `GET /v1/sandboxes/{id}/metrics/history[?start_ms=&end_ms=]`: the kept readings in
+/// that range, oldest first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MetricsHistory {
+    /// How far apart readings are taken (0: the node keeps none).
+    pub interval_ms: u64,
+    pub cpu_cores: f64,
+    pub memory_limit_bytes: u64,
+    pub samples: Vec<MetricsSample>,
 }
 
 /// A sandbox's network as the API shows it.

@@ -71,6 +71,9 @@ pub struct EdgeConfig {
     /// here. The setting is the kernel's, for the whole host, and stays on after `dsec
     /// down`; `false` leaves the host as it is.
     pub cgroup_favor_dynmods: bool,
+    /// How often each running sandbox's CPU time and memory are read and kept, for its
+    /// metrics over a time range (`samples.rs`); 0 keeps none.
+    pub metrics_interval_ms: u64,
     /// Registries (`host[:port]`, as in an image reference) that keys of projects other
     /// than `root` may pull from. A pull makes the node fetch from the network, so a
     /// tenant must not be able to point it at the node's own services or the local
@@ -297,6 +300,7 @@ impl Default for EdgeConfig {
             functions: Vec::new(),
             create_parallelism: 0,
             cgroup_favor_dynmods: true,
+            metrics_interval_ms: 5000,
             pull_registries: default_pull_registries(),
             insecure_registries: Vec::new(),
         }

@@ -17,6 +17,7 @@ pub mod net;
 mod pools;
 pub mod registry;
 pub mod runtime;
+mod samples;
 mod snapshots;
 pub mod spawn;
 pub mod trajectory;
@@ -73,6 +74,8 @@ pub(crate) struct Entry {
     op: tokio::sync::Mutex<()>,
     /// Agent connections kept open between execs.
     agent: channel::Kept,
+    /// Its resource use over time.
+    samples: samples::Ring,
 }
 
 impl Entry {
@@ -585,6 +588,7 @@ impl Edge {
             rec: Mutex::new(rec.clone()),
             op: tokio::sync::Mutex::new(()),
             agent: channel::Kept::default(),
+            samples: samples::Ring::default(),
         });
         self.sandboxes
             .lock()
@@ -729,6 +733,7 @@ impl Edge {
             pool_waiting: pool,
             from_pool: None,
             pause_on_timeout: v.pause_on_timeout,
+            pause_to_disk_on_timeout: v.pause_to_disk_on_timeout,
             ttl_ms: v.ttl_seconds * 1000,
             resume_on_request: req.auto_resume == Some(true),
         };
@@ -1500,8 +1505,9 @@ impl Edge {
             r.clone()
         });
         let _ = self.registry.save(&rec);
-        tracing::info!(sandbox = %id, "ttl expired; pausing (on_timeout = pause)");
-        if let Err(err) = self.pause(id, false).await {
+        let to_disk = rec.pause_to_disk_on_timeout;
+        tracing::info!(sandbox = %id, to_disk, "ttl expired; pausing (on_timeout = pause)");
+        if let Err(err) = self.pause(id, to_disk).await {
             tracing::warn!(sandbox = %id, "pausing at its timeout: {}; stopping", err.message);
             if let Err(e) = self.stop(id).await {
                 tracing::warn!(sandbox = %id, "stopping: {}", e.message);
@@ -1544,12 +1550,66 @@ impl Edge {
                 }
             });
         }
+        if self.cfg.metrics_interval_ms > 0 {
+            let edge = self.clone();
+            tokio::spawn(async move { edge.sample_forever().await });
+        }
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(500));
             for n in 0u64.. {
                 tick.tick().await;
                 edge.reap_once(n % 10 == 0).await;
             }
+        })
+    }
+
+    /// Every `metrics_interval_ms`: each running sandbox's CPU time and memory, read from
+    /// its cgroup (two file reads each, on one blocking thread for all) and kept.
+    async fn sample_forever(self: Arc<Self>) {
+        let mut tick =
+            tokio::time::interval(Duration::from_millis(self.cfg.metrics_interval_ms.max(100)));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let running: Vec<(String, Arc<Entry>)> = self
+                .sandboxes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .filter(|(_, e)| e.update(|r| r.state == SandboxState::Running))
+                .map(|(id, e)| (id.clone(), e.clone()))
+                .collect();
+            let mode = self.mode;
+            let _ = blocking(move || {
+                for (id, e) in running {
+                    let rel = cgroup::sandbox_cgroup_path(&id);
+                    let (memory_used_bytes, memory_cache_bytes) = cgroup::memory(mode, &rel);
+                    e.samples.push(dsec_common::api::MetricsSample {
+                        timestamp_ms: now_ms(),
+                        cpu_used_ns: cgroup::cpu_usage_ns(mode, &rel),
+                        memory_used_bytes,
+                        memory_cache_bytes,
+                    });
+                }
+            })
+            .await;
+        }
+    }
+
+    /// The kept readings of sandbox `id` (running or paused) from `start_ms` to `end_ms`.
+    pub fn metrics_history(
+        &self,
+        id: &str,
+        start_ms: Option<u64>,
+        end_ms: Option<u64>,
+    ) -> Result<dsec_common::api::MetricsHistory, ApiError> {
+        let e = self.entry(id)?;
+        let limits = e.snapshot().limits;
+        Ok(dsec_common::api::MetricsHistory {
+            interval_ms: self.cfg.metrics_interval_ms,
+            cpu_cores: limits.cpu_cores,
+            memory_limit_bytes: limits.memory_mb << 20,
+            samples: e.samples.between(start_ms, end_ms),
         })
     }
 

@@ -266,6 +266,7 @@ impl Edge {
             rec.expires_at_ms = now + v.ttl_seconds * 1000;
             rec.idle_timeout_seconds = v.idle_timeout_seconds;
             rec.pause_on_timeout = v.pause_on_timeout;
+            rec.pause_to_disk_on_timeout = v.pause_to_disk_on_timeout;
             rec.ttl_ms = v.ttl_seconds * 1000;
             rec.resume_on_request = req.auto_resume == Some(true);
             rec.last_activity_ms = now;

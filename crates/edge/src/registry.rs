@@ -59,6 +59,9 @@ pub struct SandboxRecord {
     /// Paused, not stopped, when its TTL runs out (`on_timeout = "pause"`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub pause_on_timeout: bool,
+    /// That pause is to disk (`on_timeout = "pause_to_disk"`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pause_to_disk_on_timeout: bool,
     /// The TTL it was created with: what it has again once resumed from such a pause.
     #[serde(default)]
     pub ttl_ms: u64,

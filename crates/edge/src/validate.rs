@@ -14,6 +14,8 @@ pub struct CreateParams {
     pub idle_timeout_seconds: Option<u64>,
     /// `on_timeout = "pause"`.
     pub pause_on_timeout: bool,
+    /// `on_timeout = "pause_to_disk"`: that pause is to disk.
+    pub pause_to_disk_on_timeout: bool,
 }
 
 const MAX_FORK_COUNT: u64 = 256;
@@ -103,12 +105,13 @@ pub fn create(cfg: &EdgeConfig, req: &CreateSandboxRequest) -> Result<CreatePara
             )));
         }
     }
-    let pause_on_timeout = match req.on_timeout.as_deref() {
-        None | Some("stop") => false,
-        Some("pause") => true,
+    let (pause_on_timeout, pause_to_disk_on_timeout) = match req.on_timeout.as_deref() {
+        None | Some("stop") => (false, false),
+        Some("pause") => (true, false),
+        Some("pause_to_disk") => (true, true),
         Some(other) => {
             return Err(ApiError::invalid(format!(
-                "on_timeout {other:?}: \"stop\" (the default) or \"pause\""
+                "on_timeout {other:?}: \"stop\" (the default), \"pause\" or \"pause_to_disk\""
             )));
         }
     };
@@ -122,6 +125,7 @@ pub fn create(cfg: &EdgeConfig, req: &CreateSandboxRequest) -> Result<CreatePara
         ttl_seconds,
         idle_timeout_seconds,
         pause_on_timeout,
+        pause_to_disk_on_timeout,
     })
 }
 

@@ -9,7 +9,7 @@ use axum::extract::{Path, RawQuery, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use dsec_common::api::{SandboxInfo, SandboxMetrics, SandboxState};
+use dsec_common::api::{MetricsHistory, SandboxInfo, SandboxMetrics, SandboxState};
 use dsec_common::id::SandboxId;
 use hyper::Method;
 use serde::Deserialize;
@@ -235,6 +235,10 @@ struct NewSandbox {
     /// `lifecycle={"on_timeout": "pause"}`: paused, not killed, at its timeout.
     #[serde(default, rename = "autoPause")]
     auto_pause: Option<bool>,
+    /// `{"on_timeout": {"action": "pause", "mode": "filesystem"}}` sends false: that
+    /// pause ends the sandbox's processes (a pause to disk).
+    #[serde(default, rename = "autoPauseMemory")]
+    auto_pause_memory: Option<bool>,
     /// `lifecycle={…, "auto_resume": True}`: a request to a port resumes it.
     #[serde(default, rename = "autoResume")]
     auto_resume: Option<AutoResume>,
@@ -392,7 +396,11 @@ async fn create_inner(gw: &Gw, h: &HeaderMap, body: &Bytes) -> Res {
         create["backend"] = json!(b);
     }
     if req.auto_pause == Some(true) {
-        create["on_timeout"] = json!("pause");
+        create["on_timeout"] = json!(if req.auto_pause_memory == Some(false) {
+            "pause_to_disk"
+        } else {
+            "pause"
+        });
     }
     if req.auto_resume.is_some_and(|a| a.enabled) {
         create["auto_resume"] = json!(true);
@@ -568,35 +576,126 @@ async fn set_timeout(
 /// How far apart the two readings are that give a CPU rate.
 const CPU_WINDOW: std::time::Duration = std::time::Duration::from_millis(250);
 
-/// One `SandboxMetric`, now: CPU use over a short window, memory and disk. A paused
-/// sandbox has none (an empty series, as in E2B).
-async fn metrics(State(gw): State<Gw>, h: HeaderMap, Path(id): Path<String>) -> Res {
+/// `SandboxMetric`s from `start` to `end` (unix seconds; default: since the sandbox
+/// started, until now): one per kept reading after the first, CPU use over the time
+/// since the one before, memory then, and the sandbox's disk as it is now (disk is not
+/// kept). A running sandbox with fewer than two readings yet, and no range asked for,
+/// gets one entry measured now over a short window.
+async fn metrics(
+    State(gw): State<Gw>,
+    h: HeaderMap,
+    Path(id): Path<String>,
+    RawQuery(q): RawQuery,
+) -> Res {
     let k = key(&h)?;
-    let (info, state) = get_info(&gw, &k, &id).await?;
-    if state != "running" {
-        return Ok(axum::Json(json!([])).into_response());
+    let mut range = String::new();
+    for (name, v) in query_pairs(q.as_deref().unwrap_or("")) {
+        let param = match name.as_str() {
+            "start" => "start_ms",
+            "end" => "end_ms",
+            _ => continue,
+        };
+        let secs: u64 = v.parse().map_err(|_| {
+            UpErr::new(
+                400,
+                "invalid_argument",
+                format!("{name} must be a unix timestamp in seconds, not {v:?}"),
+            )
+        })?;
+        range.push_str(&format!(
+            "{}{param}={}",
+            if range.is_empty() { '?' } else { '&' },
+            secs.saturating_mul(1000)
+        ));
     }
+    let (info, state) = get_info(&gw, &k, &id).await?;
+    let hist: MetricsHistory = gw
+        .up
+        .call(
+            Method::GET,
+            &format!("/v1/sandboxes/{}/metrics/history{range}", info.id),
+            &k,
+            None,
+        )
+        .await?;
     let path = format!("/v1/sandboxes/{}/metrics", info.id);
-    let a: SandboxMetrics = gw.up.call(Method::GET, &path, &k, None).await?;
+    let now: Option<SandboxMetrics> = if state == "running" {
+        Some(gw.up.call(Method::GET, &path, &k, None).await?)
+    } else {
+        None
+    };
+    let cpus = hist.cpu_cores.ceil().max(1.0);
+    let (disk_used, disk_total) = now
+        .as_ref()
+        .map_or((0, 0), |m| (m.disk_used_bytes, m.disk_total_bytes));
+    let series: Vec<Value> = hist
+        .samples
+        .windows(2)
+        .map(|w| {
+            let wall_ns =
+                (w[1].timestamp_ms.saturating_sub(w[0].timestamp_ms) as f64 * 1e6).max(1.0);
+            let used = w[1].cpu_used_ns.saturating_sub(w[0].cpu_used_ns) as f64;
+            metric_entry(
+                w[1].timestamp_ms,
+                cpus,
+                used / (wall_ns * cpus) * 100.0,
+                w[1].memory_used_bytes,
+                hist.memory_limit_bytes,
+                w[1].memory_cache_bytes,
+                disk_used,
+                disk_total,
+            )
+        })
+        .collect();
+    if !series.is_empty() || !range.is_empty() || state != "running" {
+        return Ok(axum::Json(Value::Array(series)).into_response());
+    }
+    let Some(a) = now else {
+        return Ok(axum::Json(json!([])).into_response());
+    };
     let t0 = std::time::Instant::now();
     tokio::time::sleep(CPU_WINDOW).await;
     let b: SandboxMetrics = gw.up.call(Method::GET, &path, &k, None).await?;
     let wall_ns = t0.elapsed().as_nanos().max(1) as f64;
     let cpus = b.cpu_cores.ceil().max(1.0);
     let used = b.cpu_used_ns.saturating_sub(a.cpu_used_ns) as f64;
-    let pct = (used / (wall_ns * cpus) * 100.0).clamp(0.0, 100.0);
-    Ok(axum::Json(json!([{
-        "timestamp": rfc3339(b.timestamp_ms),
-        "timestampUnix": b.timestamp_ms / 1000,
+    Ok(axum::Json(json!([metric_entry(
+        b.timestamp_ms,
+        cpus,
+        used / (wall_ns * cpus) * 100.0,
+        b.memory_used_bytes,
+        b.memory_limit_bytes,
+        b.memory_cache_bytes,
+        b.disk_used_bytes,
+        b.disk_total_bytes,
+    )]))
+    .into_response())
+}
+
+/// One E2B `SandboxMetric`.
+#[allow(clippy::too_many_arguments)]
+fn metric_entry(
+    at_ms: u64,
+    cpus: f64,
+    pct: f64,
+    mem_used: u64,
+    mem_total: u64,
+    mem_cache: u64,
+    disk_used: u64,
+    disk_total: u64,
+) -> Value {
+    let pct = pct.clamp(0.0, 100.0);
+    json!({
+        "timestamp": rfc3339(at_ms),
+        "timestampUnix": at_ms / 1000,
         "cpuCount": cpus as u64,
         "cpuUsedPct": (pct * 100.0).round() / 100.0,
-        "memUsed": b.memory_used_bytes,
-        "memTotal": b.memory_limit_bytes,
-        "memCache": b.memory_cache_bytes,
-        "diskUsed": b.disk_used_bytes,
-        "diskTotal": b.disk_total_bytes,
-    }]))
-    .into_response())
+        "memUsed": mem_used,
+        "memTotal": mem_total,
+        "memCache": mem_cache,
+        "diskUsed": disk_used,
+        "diskTotal": disk_total,
+    })
 }
 
 /// `POST /sandboxes/{id}/pause`, `{"memory": false}` for a filesystem-only pause: the

@@ -47,8 +47,9 @@ class DSecRunArgs:
     pids_limit: int | None = None
     ttl_seconds: int | None = None
     idle_timeout_seconds: int | None = None
-    # When the TTL runs out: "stop" (default) or "pause" (resume it later; it then has as
-    # long again as it was created with).
+    # When the TTL runs out: "stop" (default), "pause" (resume it later; it then has as
+    # long again as it was created with) or "pause_to_disk" (its processes end, freeing
+    # its memory; see Sandbox.pause).
     on_timeout: str | None = None
     # When paused, resume on the next request to one of its ports.
     auto_resume: bool | None = None
@@ -756,6 +757,21 @@ class Sandbox:
     async def refresh(self) -> SandboxInfo:
         self.info = SandboxInfo.from_json(await self._client._request("GET", self._base))
         return self.info
+
+    async def metrics(self) -> dict[str, Any]:
+        """What the running sandbox uses now: ``cpu_used_ns`` (CPU time so far),
+        ``memory_used_bytes``, ``memory_cache_bytes``, ``memory_limit_bytes``,
+        ``disk_used_bytes``, ``disk_total_bytes``, ``cpu_cores``, ``timestamp_ms``."""
+        return await self._client._request("GET", f"{self._base}/metrics")
+
+    async def metrics_history(self, start_ms: int | None = None, end_ms: int | None = None) -> dict[str, Any]:
+        """The node's kept readings of the sandbox's CPU time and memory (one every
+        ``interval_ms`` while it ran, the last 360) from ``start_ms`` to ``end_ms``
+        (milliseconds since the epoch): ``{"interval_ms", "cpu_cores",
+        "memory_limit_bytes", "samples": [{"timestamp_ms", "cpu_used_ns",
+        "memory_used_bytes", "memory_cache_bytes"}]}``, oldest first."""
+        params = {k: v for k, v in (("start_ms", start_ms), ("end_ms", end_ms)) if v is not None}
+        return await self._client._request("GET", f"{self._base}/metrics/history", params=params or None)
 
     def port_url(self, port: int, path: str = "/", with_token: bool = True) -> str:
         """URL of ``port`` inside the sandbox, through the API (HTTP and WebSocket).

@@ -42,9 +42,9 @@ pub struct RunArgs {
     /// Lifetime in seconds
     #[arg(long)]
     pub ttl: Option<f64>,
-    /// When the lifetime runs out: stop (the default) or pause (resume it later; it then
-    /// has as long again)
-    #[arg(long, value_parser = ["stop", "pause"])]
+    /// When the lifetime runs out: stop (the default), pause (resume it later; it then
+    /// has as long again) or pause_to_disk (its processes end, freeing its memory)
+    #[arg(long, value_parser = ["stop", "pause", "pause_to_disk"])]
     pub on_timeout: Option<String>,
     /// When paused, resume on the next request to one of its ports
     #[arg(long)]
