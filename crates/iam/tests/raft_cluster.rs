@@ -459,7 +459,7 @@ async fn a_single_replica_cluster_works_and_keeps_its_state_over_a_restart() {
             .unwrap();
         r.node.write(project("root/solo2", None)).await.unwrap();
         assert!(has_project(&r, "root/solo2"));
-        // A burst: the writes are proposed in batches, and each still gets its own answer.
+        // A burst of writes at once: each gets its own answer, and the quota holds.
         r.node
             .write(project("root/burst", Some(250)))
             .await

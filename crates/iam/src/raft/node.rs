@@ -19,7 +19,6 @@ use openraft::raft::{
 use openraft::{BasicNode, Raft, RaftMetrics, ServerState, SnapshotPolicy};
 use serde::{Deserialize, Serialize};
 use tokio::runtime::{Handle, RuntimeFlavor};
-use tokio::sync::{mpsc, oneshot};
 
 use super::log_store::LogStore;
 use super::network::{
@@ -87,67 +86,6 @@ struct Inner {
     log: LogStore,
     http: HttpClient,
     runtime: Handle,
-    /// Writes proposed on this replica, handed to [`batch_writes`].
-    writes: mpsc::UnboundedSender<QueuedWrite>,
-}
-
-/// A write waiting for the next batch, and where its answer goes.
-type QueuedWrite = (Command, oneshot::Sender<WriteReply>);
-
-/// The most writes proposed in one batch.
-const MAX_WRITE_BATCH: usize = 1024;
-
-/// Proposes the writes queued on this replica together: everything that arrived while
-/// the previous batch was being committed goes into one `client_write_many`, so a
-/// thousand creates at once cost one log append and one apply (each a disk sync), not a
-/// thousand. openraft itself runs its storage commands after every message it receives.
-async fn batch_writes(raft: IamRaft, mut rx: mpsc::UnboundedReceiver<QueuedWrite>) {
-    use futures_util::StreamExt;
-    while let Some(first) = rx.recv().await {
-        let mut batch = vec![first];
-        while batch.len() < MAX_WRITE_BATCH {
-            match rx.try_recv() {
-                Ok(q) => batch.push(q),
-                Err(_) => break,
-            }
-        }
-        let (cmds, answers): (Vec<IamRequest>, Vec<oneshot::Sender<WriteReply>>) = batch
-            .into_iter()
-            .map(|(cmd, tx)| (IamRequest(cmd), tx))
-            .unzip();
-        let mut answers = answers.into_iter();
-        match raft.client_write_many(cmds).await {
-            Ok(mut results) => {
-                while let Some(result) = results.next().await {
-                    let Some(tx) = answers.next() else { break };
-                    let reply = match result {
-                        Ok(Ok(w)) => WriteReply::Applied {
-                            response: w.response,
-                            index: w.log_id.index,
-                        },
-                        Ok(Err(ClientWriteError::ForwardToLeader(f))) => WriteReply::NotLeader {
-                            leader: f
-                                .leader_id
-                                .zip(f.leader_node.as_ref().map(|n| n.addr.clone())),
-                        },
-                        Ok(Err(e)) => WriteReply::Failed(e.to_string()),
-                        Err(fatal) => WriteReply::Failed(fatal.to_string()),
-                    };
-                    let _ = tx.send(reply);
-                }
-            }
-            Err(fatal) => {
-                for tx in answers.by_ref() {
-                    let _ = tx.send(WriteReply::Failed(fatal.to_string()));
-                }
-            }
-        }
-        for tx in answers {
-            let _ = tx.send(WriteReply::Failed(
-                "the IAM replica stopped before the write was answered".into(),
-            ));
-        }
-    }
 }
 
 /// One replica. Cheap to clone (a handle).
@@ -220,8 +158,6 @@ impl RaftIam {
         .await
         .map_err(|e| IamError::Storage(format!("starting the IAM replica {}: {e}", cfg.id)))?;
         tracing::info!(id = cfg.id, addr = %cfg.addr, dir = %cfg.dir.display(), "IAM replica started");
-        let (writes, queued) = mpsc::unbounded_channel();
-        tokio::spawn(batch_writes(raft.clone(), queued));
         Ok(RaftIam {
             inner: Arc::new(Inner {
                 cfg,
@@ -230,7 +166,6 @@ impl RaftIam {
                 log,
                 http: network.http,
                 runtime: Handle::current(),
-                writes,
             }),
         })
     }
@@ -355,13 +290,16 @@ impl RaftIam {
     }
 
     async fn local_write(&self, cmd: Command) -> WriteReply {
-        let (tx, rx) = oneshot::channel();
-        if self.inner.writes.send((cmd, tx)).is_err() {
-            return WriteReply::Failed("the IAM replica has stopped".into());
+        match self.inner.raft.client_write(IamRequest(cmd)).await {
+            Ok(r) => WriteReply::Applied {
+                response: r.data,
+                index: r.log_id.index,
+            },
+            Err(e) => match leader_of(&e) {
+                Some(leader) => WriteReply::NotLeader { leader },
+                None => WriteReply::Failed(e.to_string()),
+            },
         }
-        rx.await.unwrap_or_else(|_| {
-            WriteReply::Failed("the IAM replica stopped before the write was answered".into())
-        })
     }
 
     /// Applies `cmd` through the leader and waits until this replica has applied it too, so
