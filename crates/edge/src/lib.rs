@@ -1581,6 +1581,7 @@ impl Edge {
                 .collect();
             let mode = self.mode;
             let _ = blocking(move || {
+                let (t0, n) = (Instant::now(), running.len());
                 for (id, e) in running {
                     let rel = cgroup::sandbox_cgroup_path(&id);
                     let (memory_used_bytes, memory_cache_bytes) = cgroup::memory(mode, &rel);
@@ -1590,6 +1591,13 @@ impl Edge {
                         memory_used_bytes,
                         memory_cache_bytes,
                     });
+                }
+                // Reading thousands of cgroups is not free: said when it is slow.
+                let took_ms = t0.elapsed().as_millis() as u64;
+                if took_ms >= 100 {
+                    tracing::info!(sandboxes = n, took_ms, "metrics sampled (slowly)");
+                } else {
+                    tracing::debug!(sandboxes = n, took_ms, "metrics sampled");
                 }
             })
             .await;
