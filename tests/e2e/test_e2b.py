@@ -47,7 +47,7 @@ def e2b():
     import e2b as mod
 
     env = e2b_env()
-    assert set(env) == {"E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY"}
+    assert set(env) == {"E2B_API_URL", "E2B_SANDBOX_URL", "E2B_VOLUME_API_URL", "E2B_API_KEY"}
     # E2B's key shape, which wrappers around its SDK check before they send anything
     assert re.fullmatch(r"e2b_[0-9a-f]{40}", env["E2B_API_KEY"]), env["E2B_API_KEY"]
     saved = {k: os.environ.get(k) for k in env}
@@ -1065,3 +1065,51 @@ def test_binary_protobuf_codec(sandbox):
     assert gz.stat(filesystem_pb.StatRequest(path="/tmp/pb/" + "./" * 600 + "a.txt"), headers=h).entry.size == 5
     last = list(process_connect.ProcessClientSync(url).start(start, headers=h, timeout_ms=20000))[-1]
     assert last.event.event.field == "end" and last.event.event.value.exit_code == 3
+
+
+def test_volumes(e2b):
+    """E2B's `Volume` (control plane and content API) and `volume_mounts` on create."""
+    import httpx
+
+    name = f"vol-{os.urandom(3).hex()}"
+    vol = e2b.Volume.create(name)
+    try:
+        assert vol.name == name and vol.token
+        assert name in [v.name for v in e2b.Volume.list()]
+        assert e2b.Volume.get_info(vol.volume_id).token == vol.token
+        entry = vol.write_file("/data/a.txt", "from the SDK", mode=0o640)
+        assert (entry.path, entry.size, entry.mode & 0o777) == ("/data/a.txt", 12, 0o640), entry
+        assert vol.read_file("/data/a.txt") == "from the SDK"
+        d = vol.make_dir("/x/y", force=True)
+        assert d.type.value == "directory", d
+        paths = sorted(e.path for e in vol.list("/", depth=3))
+        assert paths == ["/data", "/data/a.txt", "/x", "/x/y"], paths
+        assert vol.get_info("/data/a.txt").type.value == "file"
+        assert vol.exists("/data/a.txt") and not vol.exists("/nope")
+
+        sb = e2b.Sandbox.create("base", timeout=120, volume_mounts={"/mnt/data": vol})
+        try:
+            r = sb.commands.run("cat /mnt/data/data/a.txt; echo more > /mnt/data/b.txt")
+            assert r.stdout == "from the SDK", r
+        finally:
+            sb.kill()
+        assert vol.read_file("/b.txt") == "more\n"
+        vol.remove("/x")
+        assert not vol.exists("/x")
+
+        # The content API wants this volume's token: none, another's, a sandbox's.
+        url = e2b_env()["E2B_SANDBOX_URL"]
+        for token in ("", "0" * 64, e2b.Volume.create(name + "-b").token):
+            r = httpx.get(f"{url}/volumecontent/{vol.volume_id}/file", params={"path": "/data/a.txt"},
+                          headers={"Authorization": f"Bearer {token}"} if token else {})
+            assert r.status_code == 401, (token, r.status_code, r.text)
+        e2b.Volume.destroy(
+            next(v.volume_id for v in e2b.Volume.list() if v.name == name + "-b"))
+        # Volumes are mounted into containers; a VM says so.
+        with pytest.raises(Exception) as e:
+            e2b.Sandbox.create("base-vm", timeout=60, volume_mounts={"/mnt/data": vol})
+        assert "container" in str(e.value), e.value
+    finally:
+        assert e2b.Volume.destroy(vol.volume_id)
+    assert name not in [v.name for v in e2b.Volume.list()]
+    assert not e2b.Volume.destroy(vol.volume_id)

@@ -424,6 +424,12 @@ async fn create(
 ) -> ApiResult<Response> {
     let p = c.principal(&headers).await?;
     let req = crate::create_request(&bytes, &p)?;
+    if !req.volumes.is_empty() {
+        return Err(ApiError::unimplemented(
+            "volumes are kept by one edge: create a sandbox with volumes through that edge's API (the cluster apiserver does not place them yet)",
+        )
+        .into());
+    }
     let demand = Demand {
         backend: req.backend.clone(),
         memory_mb: req

@@ -29,6 +29,7 @@ mod ports;
 mod runtime;
 mod snapshots;
 pub mod transfer;
+mod volumes;
 
 pub const OPENAPI: &str = include_str!("../openapi.json");
 
@@ -168,6 +169,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/functions/{call}", post(call_function))
         .merge(runtime::routes())
         .merge(snapshots::routes())
+        .merge(volumes::routes())
         .merge(iam::routes().with_state(state.iam.clone()))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     public_routes()
@@ -334,6 +336,12 @@ async fn create(
     bytes: Bytes,
 ) -> ApiResult<Response> {
     let req = create_request(&bytes, &p)?;
+    volumes::check_mounts(
+        &st,
+        &p,
+        req.project.as_deref().unwrap_or(&p.project),
+        &req.volumes,
+    )?;
     let info = st.edge.create(req).await?;
     Ok(json(StatusCode::CREATED, &info))
 }
@@ -814,6 +822,12 @@ mod tests {
             "/v1/sandboxes/{id}/trajectories/{name}",
             "/v1/functions",
             "/v1/functions/{name}:call",
+            "/v1/volumes",
+            "/v1/volumes/{vid}",
+            "/v1/volumes/{vid}/files",
+            "/v1/volumes/{vid}/stat",
+            "/v1/volumes/{vid}/list",
+            "/v1/volumes/{vid}/mkdir",
         ] {
             assert!(v["paths"].get(p).is_some(), "{p} missing from openapi.json");
         }

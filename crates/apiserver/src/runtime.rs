@@ -78,7 +78,7 @@ pub fn outcome(status: StatusCode, o: Outcome) -> Response {
     r
 }
 
-fn query(q: Option<&str>) -> BTreeMap<String, String> {
+pub(crate) fn query(q: Option<&str>) -> BTreeMap<String, String> {
     q.unwrap_or("")
         .split('&')
         .filter(|s| !s.is_empty())
@@ -89,7 +89,7 @@ fn query(q: Option<&str>) -> BTreeMap<String, String> {
         .collect()
 }
 
-fn required(q: &BTreeMap<String, String>, k: &str) -> Result<String, Failure> {
+pub(crate) fn required(q: &BTreeMap<String, String>, k: &str) -> Result<String, Failure> {
     q.get(k).cloned().ok_or_else(|| {
         ApiError::invalid(format!(
             "the query parameter {k} is required (e.g. ?{k}=/root/file)"
@@ -98,7 +98,7 @@ fn required(q: &BTreeMap<String, String>, k: &str) -> Result<String, Failure> {
     })
 }
 
-fn flag(q: &BTreeMap<String, String>, k: &str) -> Result<bool, Failure> {
+pub(crate) fn flag(q: &BTreeMap<String, String>, k: &str) -> Result<bool, Failure> {
     match q.get(k).map(String::as_str) {
         None | Some("false") | Some("0") => Ok(false),
         Some("true") | Some("1") | Some("") => Ok(true),

@@ -67,7 +67,7 @@ enum Command {
     Status(cmd::up::StatusArgs),
     /// Create a sandbox from an image; with a command, run it and print its output
     #[command(
-        after_help = "Example:\n  dsec run root/py:3.11 --memory 1024 -- python3 -c 'print(6*7)'\n  dsec run --rm root/base -- uname -a\n  dsec run --allow pypi --allow 203.0.113.0/24:443 root/py:3.11 -- pip download requests"
+        after_help = "Example:\n  dsec run root/py:3.11 --memory 1024 -- python3 -c 'print(6*7)'\n  dsec run --rm root/base -- uname -a\n  dsec run --allow pypi --allow 203.0.113.0/24:443 root/py:3.11 -- pip download requests\n  dsec run -v data:/mnt/data root/base -- ls /mnt/data"
     )]
     Run(cmd::sandbox::RunArgs),
     /// Run a command in a sandbox
@@ -151,6 +151,9 @@ enum Command {
     /// Keep a sandbox's state under an id and start sandboxes from it later
     #[command(subcommand)]
     Snapshot(cmd::snapshot::SnapshotCommand),
+    /// Volumes: file systems kept apart from sandboxes, mounted by many (`dsec run -v`)
+    #[command(subcommand)]
+    Volume(cmd::volume::VolumeCommand),
     /// Build, list, inspect and remove images
     #[command(subcommand)]
     Image(cmd::image::ImageCommand),
@@ -199,6 +202,7 @@ fn main() {
             Command::Trajectory(a) => cmd::runtime::trajectory(a).await,
             Command::Commit(a) => cmd::commit::commit(a).await,
             Command::Snapshot(c) => cmd::snapshot::run(c).await,
+            Command::Volume(c) => cmd::volume::run(c).await,
             Command::Image(c) => cmd::image::run(c).await,
             Command::Iam(c) => cmd::iam::run(c).await,
             Command::Certs(c) => cmd::certs::run(c),

@@ -53,6 +53,90 @@ pub struct CreateSandboxRequest {
     /// (`"*.example.com": true`), IPv4 CIDRs with an optional port (`"203.0.113.0/24:443"`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub network_rules: BTreeMap<String, bool>,
+    /// Volumes mounted into the sandbox (container backend).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VolumeMount>,
+}
+
+/// A volume in a sandbox: `volume` (its id, or its name in the sandbox's project or a
+/// parent of it) at `path`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeMount {
+    pub volume: String,
+    /// Absolute path in the sandbox, e.g. `/mnt/data`.
+    pub path: String,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub read_only: bool,
+}
+
+/// `POST /v1/volumes`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateVolumeRequest {
+    /// Unique in its project: `[a-z0-9][a-z0-9._-]*`, at most 63 characters.
+    pub name: String,
+    /// Its project (default: the API key's project).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project: Option<String>,
+    /// What it may hold (default 1024); counts against the project's disk quota.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_mb: Option<f64>,
+}
+
+/// A volume: a file system kept on an edge, apart from any sandbox, that sandboxes of its
+/// project mount (many at once) and the volume file API reads and writes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VolumeInfo {
+    /// `<edge>-<12 characters>`: the edge that keeps it.
+    pub id: String,
+    pub edge: String,
+    pub name: String,
+    pub project: String,
+    pub size_mb: u64,
+    /// Bytes its files take now.
+    #[serde(default)]
+    pub used_bytes: u64,
+    pub created_at_ms: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ListVolumesResponse {
+    pub volumes: Vec<VolumeInfo>,
+}
+
+/// A file, directory or link in a volume (`GET /v1/volumes/{id}/stat`, listings).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VolumeEntry {
+    pub name: String,
+    /// Absolute within the volume, e.g. `/data/a.txt`.
+    pub path: String,
+    /// `file`, `directory`, `symlink` or `other`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub size: u64,
+    /// Permission bits and the type's, as `st_mode`.
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub atime_ms: i64,
+    pub mtime_ms: i64,
+    pub ctime_ms: i64,
+    /// Where a link points (as written; resolved inside the volume).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<String>,
+}
+
+/// `PATCH /v1/volumes/{id}/stat?path=`: the owner or permission bits to set.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeEntryUpdate {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gid: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<u32>,
 }
 
 /// `GET /v1/sandboxes/{id}/metrics`: what a running sandbox uses now. CPU time is a
@@ -203,6 +287,9 @@ pub struct SandboxInfo {
     /// The warm pool (`[[edge.pools]]`) it was taken from, made before the create asked.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub from_pool: Option<String>,
+    /// Its volumes (by id).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VolumeMount>,
 }
 
 /// `POST /v1/sandboxes/{id}/pause`.

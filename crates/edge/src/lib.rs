@@ -23,6 +23,7 @@ pub mod spawn;
 pub mod trajectory;
 pub mod transfer;
 mod validate;
+pub mod volumes;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -117,6 +118,7 @@ pub struct Edge {
     died: Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<String>>>,
     /// Warm pools (`[[edge.pools]]`).
     pools: pools::Pools,
+    volumes: volumes::Volumes,
 }
 
 /// Runs an operation that changes a sandbox as a task of its own, so it ends in a
@@ -428,9 +430,14 @@ impl Edge {
             deaths,
             died: Mutex::new(Some(died_rx)),
             pools,
+            volumes: volumes::Volumes::default(),
         });
         let e2 = edge.clone();
-        blocking(move || e2.adopt()).await?;
+        blocking(move || {
+            e2.load_volumes();
+            e2.adopt()
+        })
+        .await?;
         if let Some(n) = edge.net.clone() {
             let (name, ids) = (edge.cfg.name.clone(), edge.ids());
             blocking(move || n.sweep(&name, &ids)).await?;
@@ -455,6 +462,7 @@ impl Edge {
             // A waiting pool member holds no reservation; it takes one when handed out.
             let mut live = edge.listed_ids();
             live.extend(edge.snapshot_ids());
+            live.extend(edge.volume_ids());
             let e2 = edge.clone();
             live.extend(blocking(move || e2.image_hold_ids()).await?);
             let name = edge.cfg.name.clone();
@@ -674,9 +682,11 @@ impl Edge {
     ) -> Result<SandboxInfo, ApiError> {
         let backend = self.backend(&req.backend)?;
         let network = self.network_for(&req)?;
-        if let Some(info) = self
-            .take_pooled(&req, &v, &digest, backend.name(), network.is_some())
-            .await?
+        // A pool's members mount no volumes.
+        if req.volumes.is_empty()
+            && let Some(info) = self
+                .take_pooled(&req, &v, &digest, backend.name(), network.is_some())
+                .await?
         {
             return Ok(info);
         }
@@ -699,6 +709,11 @@ impl Edge {
         seed: Option<PathBuf>,
     ) -> Result<SandboxInfo, ApiError> {
         let backend = self.backend(&req.backend)?;
+        let project = req
+            .project
+            .clone()
+            .unwrap_or_else(dsec_common::api::root_project);
+        let volumes = self.sandbox_volumes(backend.name(), &project, &req.volumes)?;
         let now = now_ms();
         let mut env = manifest.env.clone();
         env.extend(req.env.clone());
@@ -714,10 +729,7 @@ impl Edge {
             start: manifest.start.clone(),
             limits: v.limits,
             labels: req.labels.clone(),
-            project: req
-                .project
-                .clone()
-                .unwrap_or_else(dsec_common::api::root_project),
+            project,
             state: SandboxState::Creating,
             created_at_ms: now,
             expires_at_ms: now + v.ttl_seconds * 1000,
@@ -736,6 +748,7 @@ impl Edge {
             pause_to_disk_on_timeout: v.pause_to_disk_on_timeout,
             ttl_ms: v.ttl_seconds * 1000,
             resume_on_request: req.auto_resume == Some(true),
+            volumes,
         };
         // To the end even if the caller goes away: a half-made sandbox is never left.
         let edge = self.clone();

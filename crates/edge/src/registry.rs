@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use dsec_common::ApiError;
-use dsec_common::api::{Limits, SandboxInfo, SandboxState};
+use dsec_common::api::{Limits, SandboxInfo, SandboxState, VolumeMount};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -68,6 +68,9 @@ pub struct SandboxRecord {
     /// Resumed, when paused, by the next request to one of its ports (`auto_resume`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub resume_on_request: bool,
+    /// Volumes mounted into it, each by its id.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VolumeMount>,
 }
 
 /// A sandbox's place in the node's network.
@@ -100,6 +103,7 @@ impl SandboxRecord {
             paused_to_disk: self.paused_to_disk,
             moved_from: self.moved_from.clone(),
             from_pool: self.from_pool.clone(),
+            volumes: self.volumes.clone(),
             network: match &self.network {
                 Some(n) => dsec_common::api::NetworkInfo {
                     mode: "rules".into(),

@@ -242,6 +242,15 @@ struct NewSandbox {
     /// `lifecycle={…, "auto_resume": True}`: a request to a port resumes it.
     #[serde(default, rename = "autoResume")]
     auto_resume: Option<AutoResume>,
+    /// `volume_mounts={"/mnt/data": volume}`: each a volume's name and where it goes.
+    #[serde(default, rename = "volumeMounts")]
+    volume_mounts: Option<Vec<VolumeMountBody>>,
+}
+
+#[derive(Deserialize)]
+struct VolumeMountBody {
+    name: String,
+    path: String,
 }
 
 #[derive(Deserialize)]
@@ -401,6 +410,13 @@ async fn create_inner(gw: &Gw, h: &HeaderMap, body: &Bytes) -> Res {
         } else {
             "pause"
         });
+    }
+    if let Some(m) = &req.volume_mounts {
+        create["volumes"] = json!(
+            m.iter()
+                .map(|v| json!({ "volume": v.name, "path": v.path }))
+                .collect::<Vec<_>>()
+        );
     }
     if req.auto_resume.is_some_and(|a| a.enabled) {
         create["auto_resume"] = json!(true);

@@ -29,6 +29,7 @@ pub mod proto;
 mod snapshots;
 mod templates;
 pub mod untar;
+mod volumes;
 
 /// Inputs each fuzz target runs as a property test under `cargo test` (CI).
 #[cfg(test)]
@@ -166,6 +167,7 @@ pub fn router(cfg: Config) -> Router {
     control::routes()
         .merge(snapshots::routes())
         .merge(templates::routes())
+        .merge(volumes::routes())
         .merge(envd::routes())
         .fallback(|| async { e2b_error(404, "no such endpoint on the OpenDsec E2B gateway") })
         .layer(axum::extract::DefaultBodyLimit::max(

@@ -145,27 +145,31 @@ impl Upstream {
             Some(v) => (Some("application/json"), full(v.to_string())),
             None => (None, full(Bytes::new())),
         };
-        let resp = self.open(method, path, key, ct, body).await?;
-        let status = resp.status();
-        let bytes = resp
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| UpErr::new(502, "unavailable", e.to_string()))?
-            .to_bytes();
-        let bytes = if status == StatusCode::NO_CONTENT || bytes.is_empty() {
-            Bytes::from_static(b"null")
-        } else {
-            bytes
-        };
-        serde_json::from_slice(&bytes).map_err(|e| {
-            UpErr::new(
-                500,
-                "internal",
-                format!("unexpected answer from the OpenDsec API: {e}"),
-            )
-        })
+        json_of(self.open(method, path, key, ct, body).await?).await
     }
+}
+
+/// A successful answer's JSON body (`null` for 204 or an empty body).
+pub async fn json_of<T: DeserializeOwned>(resp: Response<Incoming>) -> Result<T, UpErr> {
+    let status = resp.status();
+    let bytes = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| UpErr::new(502, "unavailable", e.to_string()))?
+        .to_bytes();
+    let bytes = if status == StatusCode::NO_CONTENT || bytes.is_empty() {
+        Bytes::from_static(b"null")
+    } else {
+        bytes
+    };
+    serde_json::from_slice(&bytes).map_err(|e| {
+        UpErr::new(
+            500,
+            "internal",
+            format!("unexpected answer from the OpenDsec API: {e}"),
+        )
+    })
 }
 
 /// Percent-encodes a query value.

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: AGPL-3.0-only
 // The released `e2b` npm package, unmodified, against the OpenDsec E2B gateway. Configured
-// only by E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY (from <data-dir>/e2b.env).
+// only by E2B_API_URL, E2B_SANDBOX_URL, E2B_VOLUME_API_URL and E2B_API_KEY (from
+// <data-dir>/e2b.env).
 // Usage: node scenarios.mjs <template>   (prints "ok <scenario>" per scenario; exits 1 on
 // the first failure, with the error)
 import assert from 'node:assert/strict'
@@ -16,6 +17,7 @@ import {
   SandboxNotFoundError,
   TimeoutError,
   AuthenticationError,
+  Volume,
 } from 'e2b'
 
 const template = process.argv[2] ?? 'base'
@@ -267,6 +269,41 @@ const scenarios = {
     } finally {
       await Sandbox.kill(p.sandboxId)
     }
+  },
+
+  async volumes() {
+    const name = `js-vol-${randomBytes(3).toString('hex')}`
+    const vol = await Volume.create(name)
+    try {
+      assert.ok(vol.token)
+      assert.ok((await Volume.list()).some((v) => v.name === name))
+      const e = await vol.writeFile('/d/a.txt', 'from js')
+      assert.deepEqual([e.path, e.size], ['/d/a.txt', 7])
+      assert.equal(await vol.readFile('/d/a.txt'), 'from js')
+      const paths = (await vol.list('/', { depth: 2 })).map((x) => x.path).sort()
+      assert.deepEqual(paths, ['/d', '/d/a.txt'])
+      if (template === 'base') {
+        const sb = await Sandbox.create(template, { timeoutMs: 120_000, volumeMounts: { '/mnt/v': vol } })
+        try {
+          const r = await sb.commands.run('cat /mnt/v/d/a.txt && echo js > /mnt/v/b.txt')
+          assert.equal(r.stdout, 'from js')
+        } finally {
+          await sb.kill()
+        }
+        assert.equal(await vol.readFile('/b.txt'), 'js\n')
+      } else {
+        // volumes mount into containers only; a VM template says so
+        await assert.rejects(
+          Sandbox.create(template, { timeoutMs: 60_000, volumeMounts: { '/mnt/v': vol } }),
+          /container/,
+        )
+      }
+      await vol.remove('/d')
+      assert.equal(await vol.exists('/d'), false)
+    } finally {
+      assert.equal(await Volume.destroy(vol.volumeId), true)
+    }
+    assert.equal(await Volume.destroy(vol.volumeId), false)
   },
 
   async ports() {

@@ -9,6 +9,7 @@ pub mod runtime;
 pub mod sandbox;
 pub mod snapshot;
 pub mod up;
+pub mod volume;
 
 use anyhow::Result;
 

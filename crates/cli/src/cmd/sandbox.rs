@@ -67,8 +67,33 @@ pub struct RunArgs {
     /// `none`: no network at all, loopback only
     #[arg(long)]
     pub network: Option<String>,
+    /// Mount a volume (repeatable): VOLUME:/PATH, or VOLUME:/PATH:ro read-only; VOLUME is
+    /// its id or name (see `dsec volume ls`)
+    #[arg(long = "volume", short = 'v', value_name = "VOLUME:/PATH[:ro]", value_parser = parse_volume)]
+    pub volumes: Vec<dsec_common::api::VolumeMount>,
     #[command(flatten)]
     pub api: ApiArgs,
+}
+
+/// `VOLUME:/PATH[:ro]`.
+fn parse_volume(s: &str) -> Result<dsec_common::api::VolumeMount, String> {
+    let (volume, rest) = s
+        .split_once(':')
+        .ok_or_else(|| format!("{s:?} is not VOLUME:/PATH[:ro] (e.g. data:/mnt/data)"))?;
+    let (path, read_only) = match rest.strip_suffix(":ro") {
+        Some(p) => (p, true),
+        None => (rest.strip_suffix(":rw").unwrap_or(rest), false),
+    };
+    if volume.is_empty() || !path.starts_with('/') {
+        return Err(format!(
+            "{s:?} is not VOLUME:/PATH[:ro] (e.g. data:/mnt/data)"
+        ));
+    }
+    Ok(dsec_common::api::VolumeMount {
+        volume: volume.to_string(),
+        path: path.to_string(),
+        read_only,
+    })
 }
 
 /// `dsec network`: replace a running sandbox's egress rules.
@@ -229,6 +254,7 @@ pub async fn run(a: RunArgs) -> Result<i32> {
         project: a.project.clone(),
         network: a.network.clone(),
         network_rules: rules(&a.allow),
+        volumes: a.volumes.clone(),
     };
     let sb: SandboxInfo = api.call(Method::POST, "/v1/sandboxes", Some(&req)).await?;
     if a.command.is_empty() {

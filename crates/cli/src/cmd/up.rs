@@ -618,7 +618,9 @@ async fn bind_gateway(
     let url = format!("http://{bound}");
     write_private(
         &env_path,
-        &format!("E2B_API_URL={url}\nE2B_SANDBOX_URL={url}\nE2B_API_KEY={user_key}\n"),
+        &format!(
+            "E2B_API_URL={url}\nE2B_SANDBOX_URL={url}\nE2B_VOLUME_API_URL={url}\nE2B_API_KEY={user_key}\n"
+        ),
     )?;
     tracing::info!("E2B gateway listening on {url}");
     Ok(Some((listener, app)))

@@ -47,6 +47,9 @@ fn cid(rec: &SandboxRecord) -> String {
     format!("dsec-{}", rec.id)
 }
 
+/// Where a sandbox's volumes are attached for its runtime, in the sandbox's directory.
+const VOLUMES: &str = "volumes";
+
 /// The container's init pid, written by the OCI runtime, in the sandbox's directory.
 const INIT_PID: &str = "init.pid";
 
@@ -309,6 +312,7 @@ impl ContainerBackend {
                 seccomp_bpf: self.seccomp_bpf.as_deref(),
                 empty_dir: self.empty_dir.as_deref(),
                 sysfs: view.map(|_| dir.join("sysfs")).as_deref(),
+                volumes: &dir.join(VOLUMES),
             },
         );
         // The bundle carries the sandbox's environment: root's alone.
@@ -365,11 +369,18 @@ impl ContainerBackend {
             .map(|l| self.images.layer_path(l))
             .collect();
         let view = self.sysfs_view(rt);
-        let (root_fd, sys_fd) = crate::mountns::get()?.run(|| -> Result<_, String> {
-            rootfs::mount_overlay(&lowers, &disk, &rootfs)?;
-            let sys: Option<OwnedFd> = view.map(rootfs::clone_mount).transpose()?;
-            Ok((rootfs::detach(&rootfs)?, sys))
-        })??;
+        let state_dir = self.sandboxes.parent().unwrap_or(&self.sandboxes);
+        let (root_fd, sys_fd, vol_fds) =
+            crate::mountns::get()?.run(|| -> Result<_, String> {
+                // Copies of the volumes' mounts, attached in the runtime's namespace below.
+                let vols: Vec<OwnedFd> = crate::volumes::mount_points(state_dir, &rec.volumes)?
+                    .iter()
+                    .map(|p| rootfs::clone_mount(p))
+                    .collect::<Result<_, _>>()?;
+                rootfs::mount_overlay(&lowers, &disk, &rootfs)?;
+                let sys: Option<OwnedFd> = view.map(rootfs::clone_mount).transpose()?;
+                Ok((rootfs::detach(&rootfs)?, sys, vols))
+            })??;
         let _ = std::fs::remove_file(&paths.channel);
         let listener = UnixListener::bind(&paths.channel)
             .map_err(|e| format!("creating channel socket {}: {e}", paths.channel.display()))?;
@@ -378,6 +389,7 @@ impl ContainerBackend {
             dir,
             root_fd.as_raw_fd(),
             sys_fd.as_ref().map(|f| f.as_raw_fd()),
+            &vol_fds.iter().map(|f| f.as_raw_fd()).collect::<Vec<_>>(),
             listener.as_raw_fd(),
             &dir.join("console.log"),
             &dir.join(INIT_PID),

@@ -406,6 +406,9 @@ pub struct BundleInput<'a> {
     /// A sysfs to bind at /sys (read-only), shared by every sandbox; `None`: a sysfs
     /// mounted in the sandbox's own network namespace.
     pub sysfs: Option<&'a Path>,
+    /// Where the runtime finds the sandbox's volumes: `<volumes>/<i>` is the mount of
+    /// `rec.volumes[i]` (see `ContainerBackend::start_container`).
+    pub volumes: &'a Path,
 }
 
 pub fn config(rec: &SandboxRecord, inp: &BundleInput<'_>) -> Value {
@@ -527,6 +530,12 @@ pub fn config(rec: &SandboxRecord, inp: &BundleInput<'_>) -> Value {
             mounts.push(json!({ "destination": "/etc/resolv.conf", "type": "bind", "source": r, "options": ["bind", "ro", "nosuid", "nodev", "noexec"] }));
         }
         mounts.extend(mask_binds);
+        for (i, v) in rec.volumes.iter().enumerate() {
+            let access = if v.read_only { "ro" } else { "rw" };
+            mounts.push(json!({ "destination": v.path, "type": "bind",
+                "source": inp.volumes.join(i.to_string()),
+                "options": ["bind", access, "nosuid", "nodev"] }));
+        }
     }
     config
 }
@@ -575,6 +584,7 @@ mod tests {
             empty_dir,
             seccomp_bpf,
             sysfs: None,
+            volumes: p,
         }
     }
 

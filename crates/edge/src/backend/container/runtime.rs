@@ -248,6 +248,7 @@ impl OciRuntime {
         bundle: &Path,
         rootfs: RawFd,
         sysfs: Option<RawFd>,
+        volumes: &[RawFd],
         listen_fd: RawFd,
         log: &Path,
         pid_file: &Path,
@@ -271,6 +272,17 @@ impl OciRuntime {
                 _ => {}
             }
             attach.push((fd, in_bundle("sysfs")?));
+        }
+        for (i, fd) in volumes.iter().enumerate() {
+            let rel = format!("volumes/{i}");
+            let dir = bundle.join(&rel);
+            match std::fs::create_dir_all(&dir) {
+                Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+                    return Err(format!("creating {}: {e}", dir.display()));
+                }
+                _ => {}
+            }
+            attach.push((*fd, in_bundle(&rel)?));
         }
         let uses: Vec<RawFd> = attach.iter().map(|a| a.0).chain([listen_fd]).collect();
         let null =

@@ -1,0 +1,284 @@
+//! Volume routes on an edge's router: create, list, show, delete, and the volume file
+//! API (read, write, stat, list, mkdir, remove, owner and mode). A volume belongs to a
+//! project; a key sees the volumes of its project and those inside it, and others' are
+//! 404, as if they did not exist.
+
+use std::collections::BTreeMap;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Extension, Path, RawQuery, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use dsec_common::ApiError;
+use dsec_common::api::{CreateVolumeRequest, ListVolumesResponse, VolumeEntryUpdate, VolumeInfo};
+use dsec_edge::volumes::fs::Owner;
+use dsec_iam::Principal;
+
+use crate::runtime::{flag, query, required};
+use crate::{ApiResult, AppState, Failure, body, json, usable_project};
+
+pub(crate) fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/v1/volumes", post(create).get(list))
+        .route("/v1/volumes/{vid}", get(show).delete(delete))
+        .route(
+            "/v1/volumes/{vid}/files",
+            get(read).put(write).delete(remove),
+        )
+        .route("/v1/volumes/{vid}/stat", get(stat).patch(update))
+        .route("/v1/volumes/{vid}/list", get(listing))
+        .route("/v1/volumes/{vid}/mkdir", post(mkdir))
+}
+
+fn gone(vid: &str) -> Failure {
+    ApiError::not_found(format!(
+        "volume {vid} does not exist (it may have been deleted)"
+    ))
+    .into()
+}
+
+/// The volume, if the caller's project may see it (404 otherwise, so ids don't leak).
+fn visible(st: &AppState, p: &Principal, vid: &str) -> ApiResult<VolumeInfo> {
+    let info = st
+        .edge
+        .resolve_volume(vid, &p.project)
+        .map_err(|_| gone(vid))?;
+    if info.id != vid || !dsec_iam::within(&info.project, &p.project) {
+        return Err(gone(vid));
+    }
+    Ok(info)
+}
+
+/// The volumes a create names, each one the key may see (by id, or by name in the
+/// sandbox's project and its parents up to the key's own).
+pub(crate) fn check_mounts(
+    st: &AppState,
+    p: &Principal,
+    project: &str,
+    mounts: &[dsec_common::api::VolumeMount],
+) -> ApiResult<()> {
+    for m in mounts {
+        let v = st.edge.resolve_volume(&m.volume, project)?;
+        if !dsec_iam::within(&v.project, &p.project) {
+            return Err(ApiError::not_found(format!(
+                "volume {:?} does not exist in project {project}",
+                m.volume
+            ))
+            .into());
+        }
+    }
+    Ok(())
+}
+
+async fn create(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    let mut req: CreateVolumeRequest = body(&bytes, "create volume")?;
+    let project = req.project.clone().unwrap_or_else(|| p.project.clone());
+    usable_project(&p, &project)?;
+    req.project = Some(project);
+    Ok(json(
+        StatusCode::CREATED,
+        &st.edge.create_volume(req).await?,
+    ))
+}
+
+async fn list(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+) -> ApiResult<Response> {
+    let mut volumes = st.edge.list_volumes().await;
+    volumes.retain(|v| dsec_iam::within(&v.project, &p.project));
+    Ok(json(StatusCode::OK, &ListVolumesResponse { volumes }))
+}
+
+async fn show(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+    Path(vid): Path<String>,
+) -> ApiResult<Response> {
+    visible(&st, &p, &vid)?;
+    Ok(json(StatusCode::OK, &st.edge.get_volume(&vid).await?))
+}
+
+async fn delete(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+    Path(vid): Path<String>,
+) -> ApiResult<Response> {
+    visible(&st, &p, &vid)?;
+    st.edge.delete_volume(&vid).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+fn number<T: std::str::FromStr>(q: &BTreeMap<String, String>, k: &str) -> ApiResult<Option<T>> {
+    q.get(k)
+        .map(|v| {
+            v.parse::<T>().map_err(|_| {
+                ApiError::invalid(format!("{k} must be a whole number (got {v:?})")).into()
+            })
+        })
+        .transpose()
+}
+
+/// `uid`, `gid` and `mode` (octal like `644`, or decimal with `mode_decimal`) of a query.
+fn owner(q: &BTreeMap<String, String>) -> ApiResult<Owner> {
+    let mode = match q.get("mode") {
+        None => None,
+        Some(m) => Some(
+            u32::from_str_radix(m.trim_start_matches("0o"), 8)
+                .ok()
+                .filter(|m| *m <= 0o7777)
+                .ok_or_else(|| {
+                    Failure::from(ApiError::invalid(format!(
+                        "mode must be octal permission bits like 644 (got {m:?})"
+                    )))
+                })?,
+        ),
+    };
+    Ok(Owner {
+        uid: number(q, "uid")?,
+        gid: number(q, "gid")?,
+        mode,
+    })
+}
+
+/// A file call's query and the path it names, once the caller may see the volume.
+fn target(
+    st: &AppState,
+    p: &Principal,
+    vid: &str,
+    q: Option<&str>,
+) -> ApiResult<(BTreeMap<String, String>, String)> {
+    visible(st, p, vid)?;
+    let q = query(q);
+    let path = required(&q, "path")?;
+    Ok((q, path))
+}
+
+async fn read(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+    Path(vid): Path<String>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Response> {
+    let (_, path) = target(&st, &p, &vid, q.as_deref())?;
+    let r = st.edge.volume_read(&vid, &path).await?;
+    let size = r.size;
+    let s = futures_util::stream::unfold(r, |mut r| async move {
+        let c = r.chunk().await?;
+        Some((c.map_err(|e| std::io::Error::other(e.message)), r))
+    });
+    Ok((
+        [
+            (header::CONTENT_TYPE, "application/octet-stream".to_string()),
+            (header::CONTENT_LENGTH, size.to_string()),
+        ],
+        Body::from_stream(s),
+    )
+        .into_response())
+}
+
+async fn write(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+    Path(vid): Path<String>,
+    RawQuery(q): RawQuery,
+    b: Body,
+) -> ApiResult<Response> {
+    let (q, path) = target(&st, &p, &vid, q.as_deref())?;
+    let o = owner(&q)?;
+    let e = st
+        .edge
+        .volume_write(&vid, &path, o, b.into_data_stream())
+        .await?;
+    Ok(json(StatusCode::CREATED, &e))
+}
+
+async fn remove(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+    Path(vid): Path<String>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Response> {
+    let (_, path) = target(&st, &p, &vid, q.as_deref())?;
+    st.edge.volume_remove(&vid, &path).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn stat(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+    Path(vid): Path<String>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Response> {
+    let (_, path) = target(&st, &p, &vid, q.as_deref())?;
+    Ok(json(
+        StatusCode::OK,
+        &st.edge.volume_stat(&vid, &path).await?,
+    ))
+}
+
+async fn update(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+    Path(vid): Path<String>,
+    RawQuery(q): RawQuery,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    let (_, path) = target(&st, &p, &vid, q.as_deref())?;
+    let u: VolumeEntryUpdate = body(&bytes, "update")?;
+    if u.mode.is_some_and(|m| m > 0o7777) {
+        return Err(ApiError::invalid("mode must be permission bits, at most 0o7777").into());
+    }
+    let o = Owner {
+        uid: u.uid,
+        gid: u.gid,
+        mode: u.mode,
+    };
+    Ok(json(
+        StatusCode::OK,
+        &st.edge.volume_update(&vid, &path, o).await?,
+    ))
+}
+
+#[derive(serde::Serialize)]
+struct Listing {
+    entries: Vec<dsec_common::api::VolumeEntry>,
+}
+
+async fn listing(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+    Path(vid): Path<String>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Response> {
+    visible(&st, &p, &vid)?;
+    let q = query(q.as_deref());
+    let path = q.get("path").cloned().unwrap_or_else(|| "/".into());
+    let depth = number::<u32>(&q, "depth")?.unwrap_or(1);
+    if !(1..=64).contains(&depth) {
+        return Err(ApiError::invalid(format!("depth must be from 1 to 64 (got {depth})")).into());
+    }
+    let entries = st.edge.volume_list(&vid, &path, depth).await?;
+    Ok(json(StatusCode::OK, &Listing { entries }))
+}
+
+async fn mkdir(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+    Path(vid): Path<String>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Response> {
+    let (q, path) = target(&st, &p, &vid, q.as_deref())?;
+    let parents = flag(&q, "parents")?;
+    let o = owner(&q)?;
+    Ok(json(
+        StatusCode::CREATED,
+        &st.edge.volume_mkdir(&vid, &path, parents, o).await?,
+    ))
+}
