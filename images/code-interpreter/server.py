@@ -14,8 +14,10 @@ through the gateway.
   GET    /health                -> "OK"
 
 Each context is a Python process of its own that keeps its globals between executions (as a
-Jupyter kernel does); the value of a trailing expression is the main result. Standard
-library only.
+Jupyter kernel does); the value of a trailing expression is the main result, and each
+matplotlib figure left open is a result too (its PNG, and its data as E2B's chart: line,
+scatter, bar, pie, or a superchart of several axes). Standard library only (matplotlib is
+the image's).
 """
 
 import json
@@ -60,6 +62,116 @@ class Stream:
     def isatty(self):
         return False
 sys.stdout, sys.stderr = Stream("stdout"), Stream("stderr")
+import base64, importlib.util, io
+class _Inline:
+    """matplotlib's backend here, `module://dsec_inline`: Agg canvases, and a show() that
+    sends each open figure as a result (its PNG and its data as a chart) and closes it;
+    figures still open at the end of an execution are sent then, as a notebook's inline
+    backend does."""
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        return importlib.util.spec_from_loader(name, _Inline) if name == "dsec_inline" else None
+    @staticmethod
+    def create_module(spec):
+        return None
+    @staticmethod
+    def exec_module(m):
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        m.FigureCanvas = FigureCanvasAgg
+        m.show = lambda *a, **k: figures()
+sys.meta_path.append(_Inline)
+os.environ.setdefault("MPLBACKEND", "module://dsec_inline")
+MAX_POINTS = 10000
+def _value(v):
+    """A data value as JSON has it: numbers, or text (dates as ISO 8601)."""
+    if hasattr(v, "item") and not isinstance(v, str):
+        try:
+            v = v.item()
+        except Exception:
+            pass
+    if hasattr(v, "isoformat"):
+        return v.isoformat()
+    if isinstance(v, float) and v != v:
+        return None
+    return v if isinstance(v, (int, float, str)) or v is None else str(v)
+def _label(artist):
+    l = artist.get_label() or ""
+    return "" if l.startswith("_") else l
+def _xy(ax):
+    return {"title": ax.get_title() or None, "x_label": ax.get_xlabel() or None,
+            "y_label": ax.get_ylabel() or None, "x_unit": None, "y_unit": None}
+def _ticks(ax, dates):
+    return {"x_ticks": [_value(t) for t in ax.get_xticks()],
+            "x_tick_labels": [t.get_text() for t in ax.get_xticklabels()],
+            "x_scale": "datetime" if dates else ax.get_xscale(),
+            "y_ticks": [_value(t) for t in ax.get_yticks()],
+            "y_tick_labels": [t.get_text() for t in ax.get_yticklabels()],
+            "y_scale": ax.get_yscale()}
+def _axes_chart(ax):
+    from matplotlib.collections import PathCollection
+    from matplotlib.container import BarContainer
+    from matplotlib.patches import Wedge
+    wedges = [p for p in ax.patches if isinstance(p, Wedge)]
+    if wedges:
+        return {"type": "pie", "title": ax.get_title() or None,
+                "elements": [{"label": _label(w), "angle": float(w.theta2 - w.theta1),
+                              "radius": float(w.r)} for w in wedges]}
+    bars = [c for c in ax.containers if isinstance(c, BarContainer)]
+    if bars:
+        ticks = dict(zip([float(t) for t in ax.get_xticks()],
+                         [t.get_text() for t in ax.get_xticklabels()]))
+        elements = []
+        for c in bars:
+            for r in c.patches:
+                x = float(r.get_x() + r.get_width() / 2)
+                near = min(ticks, key=lambda t: abs(t - x)) if ticks else None
+                label = ticks[near] if near is not None and abs(near - x) < 1e-6 else str(_value(x))
+                elements.append({"label": label, "group": _label(c), "value": _value(r.get_height())})
+        return dict(type="bar", elements=elements, **_xy(ax))
+    scatters = [c for c in ax.collections if isinstance(c, PathCollection)]
+    lines = ax.get_lines()
+    if scatters or lines:
+        elements, dates = [], False
+        for c in scatters:
+            pts = [(_value(x), _value(y)) for x, y in c.get_offsets()[:MAX_POINTS]]
+            elements.append({"label": _label(c), "points": pts})
+        for l in lines:
+            xs, ys = list(l.get_xdata())[:MAX_POINTS], list(l.get_ydata())[:MAX_POINTS]
+            dates = dates or any(hasattr(x, "isoformat") or "datetime64" in type(x).__name__ for x in xs[:1])
+            elements.append({"label": _label(l), "points": [(_value(x), _value(y)) for x, y in zip(xs, ys)]})
+        kind = "scatter" if scatters and not lines else "line"
+        return dict(type=kind, elements=elements, **_xy(ax), **_ticks(ax, dates))
+    return None
+def _chart(fig):
+    charts = [c for c in (_axes_chart(ax) for ax in fig.axes) if c]
+    if not charts:
+        return None
+    if len(charts) == 1:
+        return charts[0]
+    title = fig._suptitle.get_text() if getattr(fig, "_suptitle", None) else None
+    return {"type": "superchart", "title": title, "elements": charts}
+def figures():
+    """Each figure left open, as a result: its text, PNG and chart; then closed."""
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is None:
+        return
+    for num in plt.get_fignums():
+        fig = plt.figure(num)
+        r = {"text": repr(fig)}
+        try:
+            buf = io.BytesIO()
+            fig.savefig(buf, format="png")
+            r["png"] = base64.b64encode(buf.getvalue()).decode()
+        except Exception:
+            pass
+        try:
+            c = _chart(fig)
+            if c:
+                r["chart"] = c
+        except Exception:
+            pass
+        plt.close(fig)
+        send(type="result", is_main_result=False, **r)
 scope = {"__name__": "__main__"}
 count = 0
 def formats(v):
@@ -99,6 +211,10 @@ for line in req_in:
             tb = traceback.format_exception(type(e), e, e.__traceback__.tb_next)
             send(type="error", name=type(e).__name__, value=str(e), traceback="".join(tb))
     finally:
+        try:
+            figures()
+        except Exception:
+            pass
         sys.stdout.flush()
         sys.stderr.flush()
         os.environ.clear()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import glob
+import hashlib
 import json
 import os
 import shutil
@@ -113,8 +114,20 @@ def build_images() -> None:
     """Everything the suite needs from outside, fetched here, in the host's network
     namespace: tests that run an edge inside a namespace of their own (the cluster, the
     network lab) have no route to a package registry."""
+    # An image is built again when its spec or its files (images/<name>/) changed since it was built
+    # into this data directory (a kept test directory would otherwise test the old image).
+    built = DATA / "built-specs.json"
+    seen = json.loads(built.read_text()) if built.exists() else {}
     for spec in ("images/base.toml", "images/py-3.11.toml", "images/code-interpreter.toml"):
-        dsec("image", "build", str(ROOT / spec), "--if-missing", "--data-dir", str(DATA), timeout=1800)
+        h = hashlib.sha256((ROOT / spec).read_bytes())
+        for f in sorted((ROOT / spec).with_suffix("").rglob("*")):  # images/<name>/, its files
+            if f.is_file():
+                h.update(f.read_bytes())
+        fresh = seen.get(spec) == h.hexdigest()
+        dsec("image", "build", str(ROOT / spec), *(["--if-missing"] if fresh else []),
+             "--data-dir", str(DATA), timeout=1800)
+        seen[spec] = h.hexdigest()
+        built.write_text(json.dumps(seen))
     # The VM guest kernel (Debian's linux-image-cloud-amd64) and its initramfs.
     dsec("image", "vm-kernel", "--data-dir", str(DATA), timeout=1800)
     installed = JS / "node_modules/e2b/package.json"

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -579,6 +580,36 @@ def test_a_request_to_its_port_wakes_an_auto_resume_sandbox(e2b):
     finally:
         for s in (sb, plain):
             e2b.Sandbox.kill(s.sandbox_id)
+
+
+def test_traffic_does_not_wake_a_sandbox_paused_without_its_memory(e2b):
+    """E2B: a filesystem-only pause cannot be combined with `auto_resume` (refused at
+    create), and a sandbox paused without its memory is resumed with connect(), not by a
+    request to its port (its server would not be running)."""
+    import httpx
+
+    url = e2b_env()["E2B_API_URL"]
+    r = httpx.post(f"{url}/sandboxes", headers={"X-API-Key": e2b_env()["E2B_API_KEY"]},
+                   json={"templateID": "base", "autoPause": True, "autoPauseMemory": False,
+                         "autoResume": {"enabled": True}})
+    assert r.status_code == 400 and "auto_resume" in r.json()["message"], r.text
+    sb = e2b.Sandbox.create("base", timeout=120, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        sb.files.write("/tmp/srv.py", PORT_SERVER)
+        sb.commands.run("python3 /tmp/srv.py", background=True, timeout=0)
+        host = sb.get_host(8000)
+        for _ in range(100):
+            if httpx.get(f"{url}/up", headers={"Host": host}).status_code == 200:
+                break
+            time.sleep(0.1)
+        sb.pause(mode="filesystem")
+        r = httpx.get(f"{url}/wake", headers={"Host": host}, timeout=60)
+        assert r.status_code in (409, 502), (r.status_code, r.text)
+        assert e2b.Sandbox.get_info(sb.sandbox_id).state == e2b.SandboxState.PAUSED
+        e2b.Sandbox.connect(sb.sandbox_id)
+        assert e2b.Sandbox.get_info(sb.sandbox_id).state == e2b.SandboxState.RUNNING
+    finally:
+        e2b.Sandbox.kill(sb.sandbox_id)
 
 
 def test_errors_map_to_sdk_exceptions(e2b):

@@ -55,6 +55,39 @@ def test_run_code(ci, e2b, template):  # noqa: F811
         sb.kill()
 
 
+@pytest.mark.parametrize("template", TEMPLATES[:1])
+def test_matplotlib_figures_come_back_as_png_and_chart(ci, e2b, template):  # noqa: F811
+    import base64
+
+    sb = ci.Sandbox.create(template, timeout=120)
+    try:
+        ex = sb.run_code(
+            "import matplotlib.pyplot as plt\n"
+            "plt.plot([1, 2, 3], [4, 5, 6], label='loss')\n"
+            "plt.title('training'); plt.xlabel('step'); plt.ylabel('value')\n"
+            "plt.show()")
+        assert ex.error is None, ex.error
+        assert len(ex.results) == 1, ex.results
+        r = ex.results[0]
+        assert base64.b64decode(r.png)[:8] == b"\x89PNG\r\n\x1a\n"
+        c = r.chart
+        assert isinstance(c, ci.charts.LineChart), c
+        assert (c.title, c.x_label, c.y_label) == ("training", "step", "value")
+        assert [(e.label, e.points) for e in c.elements] == [("loss", [(1, 4), (2, 5), (3, 6)])]
+        ex = sb.run_code("import matplotlib.pyplot as plt\n"
+                         "plt.bar(['a', 'b'], [3, 1]); plt.show()\n"
+                         "plt.pie([1, 3], labels=['x', 'y']); plt.show()")
+        bar, pie = ex.results[0].chart, ex.results[1].chart
+        assert [(e.label, e.value) for e in bar.elements] == [("a", 3), ("b", 1)], bar.elements
+        assert [e.label for e in pie.elements] == ["x", "y"]
+        assert [round(e.angle) for e in pie.elements] == [90, 270]
+        # A figure is shown once: the next execution has none.
+        assert sb.run_code("1 + 1").results[0].text == "2"
+        assert len(sb.run_code("1 + 1").results) == 1
+    finally:
+        sb.kill()
+
+
 def test_a_start_command_that_never_gets_ready_fails_the_create(e2b, tmp_path):  # noqa: F811
     """An image's [start] command must become ready; otherwise create fails, says why, and
     leaves no sandbox behind."""

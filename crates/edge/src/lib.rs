@@ -1498,10 +1498,15 @@ impl Edge {
     }
 
     /// Before a request to one of its ports: a paused sandbox made with `auto_resume` is
-    /// resumed (others are left as they are; the request then finds what it finds).
+    /// resumed (others are left as they are; the request then finds what it finds). Not
+    /// one paused without its memory (a container paused to disk): it would start
+    /// afresh, with nothing of what the request was for running, so it is resumed
+    /// explicitly.
     pub async fn wake_for_request(self: &Arc<Self>, id: &str) -> Result<(), ApiError> {
         let rec = self.entry(id)?.snapshot();
-        if rec.state == SandboxState::Paused && rec.resume_on_request {
+        let memory_kept =
+            !rec.paused_to_disk || self.backend(&rec.backend)?.fork_preserves_memory();
+        if rec.state == SandboxState::Paused && rec.resume_on_request && memory_kept {
             tracing::info!(sandbox = %id, "a request to its port resumes it (auto_resume)");
             self.resume(id).await?;
         }

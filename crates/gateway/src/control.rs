@@ -419,6 +419,13 @@ async fn create_inner(gw: &Gw, h: &HeaderMap, body: &Bytes) -> Res {
         );
     }
     if req.auto_resume.is_some_and(|a| a.enabled) {
+        if req.auto_pause_memory == Some(false) {
+            return Err(UpErr::new(
+                400,
+                "invalid_argument",
+                "on_timeout mode \"filesystem\" cannot be combined with auto_resume: a sandbox paused without its memory is resumed with connect()",
+            ));
+        }
         create["auto_resume"] = json!(true);
         create["labels"][crate::AUTO_RESUME_LABEL] = json!("true");
     }
