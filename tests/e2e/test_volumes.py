@@ -6,7 +6,8 @@
    wrote and the reverse; a delete waits until no sandbox mounts it and leaves nothing.
 2. Attacks on the node through the volume file API: links a sandbox planted (absolute, up
    and out, to `/`), `..` in paths, chmod through a link: nothing outside the volume is
-   read, written or changed.
+   read, written or changed; a FIFO is refused at once (it would hold a node thread), a
+   deep tree is removed.
 3. Tenants: another project's volume is invisible (list, get, files, delete, mount by id
    or name all 404); bad mount paths are refused with 400.
 4. Limits: a volume's size counts against its project's disk quota (a second one past it
@@ -15,6 +16,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import hashlib
 import os
@@ -124,7 +126,8 @@ async def test_the_volume_file_api_never_leaves_the_volume(client):
             # The attack: links a sandbox plants for the node to follow.
             r = await sb.run_shell(
                 "cd /v && ln -s /etc/shadow shadow && ln -s ../../../../../../etc up"
-                " && ln -s / root && mkdir sub && ln -s ../../.. sub/out && echo ok")
+                " && ln -s / root && mkdir sub && ln -s ../../.. sub/out && mkfifo pipe"
+                " && d=/v/deep && for i in $(seq 600); do d=$d/d; done && mkdir -p $d && echo ok")
             assert r.stdout == "ok\n", r
         finally:
             await sb.stop()
@@ -141,6 +144,14 @@ async def test_the_volume_file_api_never_leaves_the_volume(client):
                 pass
         assert not Path("/etc/pwned-by-volume").exists()
         assert not Path("/tmp/pwned-by-volume").exists()
+        # A FIFO would hold the node's thread waiting for a peer: refused at once.
+        for op in (files.read("pipe"), files.write("pipe", b"x")):
+            with pytest.raises(InvalidArgumentError) as e:
+                await asyncio.wait_for(op, 10)
+            assert "not a regular file" in e.value.message, e.value.message
+        # A deep tree goes without the node recursing through it.
+        await files.remove("deep")
+        assert "deep" not in [e["name"] for e in await files.list("/")]
         # chmod and chown through a link to the host's file.
         with pytest.raises(NotFoundError):
             await files.update("shadow", mode=0o777, uid=1000)

@@ -335,13 +335,9 @@ async fn create(
     Extension(p): Extension<Principal>,
     bytes: Bytes,
 ) -> ApiResult<Response> {
-    let req = create_request(&bytes, &p)?;
-    volumes::check_mounts(
-        &st,
-        &p,
-        req.project.as_deref().unwrap_or(&p.project),
-        &req.volumes,
-    )?;
+    let mut req = create_request(&bytes, &p)?;
+    let project = req.project.clone().unwrap_or_else(|| p.project.clone());
+    volumes::check_mounts(&st, &p, &project, &mut req.volumes)?;
     let info = st.edge.create(req).await?;
     Ok(json(StatusCode::CREATED, &info))
 }

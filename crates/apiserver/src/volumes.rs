@@ -52,22 +52,22 @@ fn visible(st: &AppState, p: &Principal, vid: &str) -> ApiResult<VolumeInfo> {
 }
 
 /// The volumes a create names, each one the key may see (by id, or by name in the
-/// sandbox's project and its parents up to the key's own).
+/// sandbox's project and its parents), each replaced by its id: the edge mounts exactly
+/// what was checked here. Any other is 404, alike whether it exists or not.
 pub(crate) fn check_mounts(
     st: &AppState,
     p: &Principal,
     project: &str,
-    mounts: &[dsec_common::api::VolumeMount],
+    mounts: &mut [dsec_common::api::VolumeMount],
 ) -> ApiResult<()> {
     for m in mounts {
-        let v = st.edge.resolve_volume(&m.volume, project)?;
-        if !dsec_iam::within(&v.project, &p.project) {
-            return Err(ApiError::not_found(format!(
-                "volume {:?} does not exist in project {project}",
-                m.volume
-            ))
-            .into());
-        }
+        let v = st
+            .edge
+            .resolve_volume(&m.volume, project)
+            .ok()
+            .filter(|v| dsec_iam::within(&v.project, &p.project))
+            .ok_or_else(|| dsec_edge::volumes::missing(&m.volume, project))?;
+        m.volume = v.id;
     }
     Ok(())
 }

@@ -873,6 +873,11 @@ impl Edge {
         mut rec: SandboxRecord,
         seed: Option<PathBuf>,
     ) -> Result<SandboxInfo, ApiError> {
+        // Its volumes cannot be deleted while it is made (then it mounts them).
+        let ids: Vec<String> = rec.volumes.iter().map(|v| v.volume.clone()).collect();
+        let _volumes = (!ids.is_empty())
+            .then(|| self.use_volumes(&ids))
+            .transpose()?;
         self.creating.fetch_add(1, Ordering::SeqCst);
         let mut phases = Phases::start();
         let result = async {

@@ -78,7 +78,7 @@ pub fn make(dir: &Path, size_mb: u64) -> Result<(), String> {
 }
 
 /// Whether `target` is a mount point in the calling thread's mount namespace.
-fn mounted(target: &Path) -> bool {
+pub fn mounted(target: &Path) -> bool {
     let info = std::fs::read_to_string("/proc/thread-self/mountinfo").unwrap_or_default();
     let t = crate::mountns::mountinfo_path(target);
     info.lines()
@@ -131,6 +131,9 @@ fn attach_loop(image: &Path) -> Result<(File, String), String> {
 /// file system was just made (the root is opened to every user of the sandboxes, and
 /// mkfs's `lost+found` goes). Runs in the sandboxes' mount namespace.
 pub fn mount(dir: &Path, fresh: bool) -> Result<(), String> {
+    // One mount at a time: two first uses at once must not mount one file system twice.
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE.lock().unwrap_or_else(|p| p.into_inner());
     let target = dir.join(MOUNT);
     if mounted(&target) {
         return Ok(());

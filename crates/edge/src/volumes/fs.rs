@@ -104,6 +104,8 @@ fn parent<'a>(root: &OwnedFd, rel: &'a str) -> Result<(OwnedFd, &'a str), ApiErr
 /// An I/O error as the API says it, about `what` (a volume path).
 pub fn error(e: io::Error, what: &str) -> ApiError {
     match e.raw_os_error() {
+        // What this module refuses itself (too deep, too large), in words.
+        None => ApiError::invalid(format!("{what}: {e}")),
         Some(libc::ENOENT) => ApiError::not_found(format!("{what} does not exist in the volume")),
         Some(libc::EEXIST) => ApiError::new(
             dsec_common::ErrorCode::AlreadyExists,
@@ -118,6 +120,7 @@ pub fn error(e: io::Error, what: &str) -> ApiError {
         Some(libc::ELOOP) => ApiError::invalid(format!("{what}: too many levels of links")),
         Some(libc::EXDEV) => ApiError::invalid(format!("{what} leaves the volume")),
         Some(libc::ENAMETOOLONG) => ApiError::invalid(format!("{what}: a name is too long")),
+        Some(libc::ENXIO) => ApiError::invalid(format!("{what} is not a regular file")),
         Some(libc::EROFS) => ApiError::unavailable(format!(
             "the volume's file system went read-only writing {what} (it found an error)"
         )),
@@ -188,56 +191,62 @@ pub fn stat(root: &OwnedFd, rel: &str) -> Result<VolumeEntry, ApiError> {
     entry(d.as_raw_fd(), name.as_bytes(), show(rel)).map_err(|e| error(e, &show(rel)))
 }
 
+/// Most bytes of paths one listing holds (its entries' names and paths).
+pub const MAX_LIST_BYTES: usize = 32 << 20;
+
 /// The entries of directory `rel`, `depth` levels down (1: its own).
 pub fn list(root: &OwnedFd, rel: &str, depth: u32) -> Result<Vec<VolumeEntry>, ApiError> {
     let dir = resolve(root, rel, libc::O_RDONLY | libc::O_DIRECTORY, 0)
         .map_err(|e| error(e, &show(rel)))?;
     let mut out = Vec::new();
-    walk(dir, &show(rel), depth.max(1), &mut out).map_err(|e| error(e, &show(rel)))?;
+    let mut budget = MAX_LIST_BYTES;
+    walk(dir, &show(rel), depth.max(1), &mut out, &mut budget).map_err(|e| error(e, &show(rel)))?;
     Ok(out)
 }
 
-fn walk(dir: OwnedFd, at: &str, depth: u32, out: &mut Vec<VolumeEntry>) -> io::Result<()> {
+fn walk(
+    dir: OwnedFd,
+    at: &str,
+    depth: u32,
+    out: &mut Vec<VolumeEntry>,
+    budget: &mut usize,
+) -> io::Result<()> {
     let base = at.trim_end_matches('/');
     // The directory's own descriptor, by its exact inode: nothing is resolved again.
-    let names: Vec<Vec<u8>> = std::fs::read_dir(format!("/proc/self/fd/{}", dir.as_raw_fd()))?
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().as_bytes().to_vec())
-        .collect();
-    let mut names = names;
+    let mut names = names_in(&dir)?;
     names.sort();
     for name in names {
         if out.len() >= MAX_LIST {
             return Ok(());
         }
         let path = format!("{base}/{}", String::from_utf8_lossy(&name));
+        let cost = 2 * path.len() + 128;
+        if cost > *budget {
+            return Err(io::Error::other(format!(
+                "the listing is larger than {} MiB: list a directory further down, or fewer levels",
+                MAX_LIST_BYTES >> 20
+            )));
+        }
+        *budget -= cost;
         let Ok(e) = entry(dir.as_raw_fd(), &name, path.clone()) else {
             continue; // gone meanwhile
         };
         let is_dir = e.kind == "directory";
         out.push(e);
-        if is_dir && depth > 1 {
-            let c = cstr(&name)?;
-            // SAFETY: openat relative to a directory fd, not following a link.
-            let fd = unsafe {
-                libc::openat(
-                    dir.as_raw_fd(),
-                    c.as_ptr(),
-                    libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-                )
-            };
-            if fd >= 0 {
-                // SAFETY: a fresh descriptor from the kernel.
-                walk(unsafe { OwnedFd::from_raw_fd(fd) }, &path, depth - 1, out)?;
-            }
+        if is_dir
+            && depth > 1
+            && let Ok(sub) = open_dir_at(dir.as_raw_fd(), &name)
+        {
+            walk(sub, &path, depth - 1, out, budget)?;
         }
     }
     Ok(())
 }
 
-/// File `rel` opened to read, and its size.
-pub fn open_read(root: &OwnedFd, rel: &str) -> Result<(File, u64), ApiError> {
-    let fd = resolve(root, rel, libc::O_RDONLY, 0).map_err(|e| error(e, &show(rel)))?;
+/// `fd` as a regular file, blocking again: it was opened `O_NONBLOCK`, so that a FIFO a
+/// sandbox put there never holds the node's thread waiting for a peer, and anything but a
+/// regular file is refused.
+fn regular(fd: OwnedFd, rel: &str) -> Result<(File, u64), ApiError> {
     let f = File::from(fd);
     let m = f.metadata().map_err(|e| error(e, &show(rel)))?;
     if m.is_dir() {
@@ -252,7 +261,21 @@ pub fn open_read(root: &OwnedFd, rel: &str) -> Result<(File, u64), ApiError> {
             show(rel)
         )));
     }
+    // SAFETY: fcntl on a descriptor this function owns.
+    let flags = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0
+        || unsafe { libc::fcntl(f.as_raw_fd(), libc::F_SETFL, flags & !libc::O_NONBLOCK) } < 0
+    {
+        return Err(error(io::Error::last_os_error(), &show(rel)));
+    }
     Ok((f, m.len()))
+}
+
+/// File `rel` opened to read, and its size.
+pub fn open_read(root: &OwnedFd, rel: &str) -> Result<(File, u64), ApiError> {
+    let fd = resolve(root, rel, libc::O_RDONLY | libc::O_NONBLOCK, 0)
+        .map_err(|e| error(e, &show(rel)))?;
+    regular(fd, rel)
 }
 
 /// Owner and permission bits for what an operation makes or changes. Set-user and
@@ -334,13 +357,17 @@ pub fn open_write(root: &OwnedFd, rel: &str, o: Owner) -> Result<File, ApiError>
     }
     parent(root, rel)?;
     let mode = o.mode.unwrap_or(0o644) & 0o1777;
+    // Not O_TRUNC here: a FIFO or another file that is not regular is refused first.
     let fd = resolve(
         root,
         rel,
-        libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC,
+        libc::O_WRONLY | libc::O_CREAT | libc::O_NONBLOCK,
         mode,
     )
     .map_err(|e| error(e, &show(rel)))?;
+    let (f, _) = regular(fd, rel)?;
+    f.set_len(0).map_err(|e| error(e, &show(rel)))?;
+    let fd = OwnedFd::from(f);
     apply(&fd, o, &show(rel))?;
     Ok(File::from(fd))
 }
@@ -359,42 +386,89 @@ pub fn remove(root: &OwnedFd, rel: &str) -> Result<(), ApiError> {
     remove_at(d.as_raw_fd(), OsStr::new(name).as_bytes()).map_err(|e| error(e, &show(rel)))
 }
 
-fn remove_at(dir: RawFd, name: &[u8]) -> io::Result<()> {
+/// Deepest directory tree a remove goes through (each level is an open descriptor).
+pub const MAX_DEPTH: usize = 4096;
+
+fn open_dir_at(dir: RawFd, name: &[u8]) -> io::Result<OwnedFd> {
     let c = cstr(name)?;
-    let st = fstatat(dir, name, libc::AT_SYMLINK_NOFOLLOW)?;
-    if st.st_mode & libc::S_IFMT == libc::S_IFDIR {
-        // SAFETY: openat relative to a directory fd, not following a link.
-        let fd = unsafe {
-            libc::openat(
-                dir,
-                c.as_ptr(),
-                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a fresh descriptor from the kernel.
-        let sub = unsafe { OwnedFd::from_raw_fd(fd) };
-        let names: Vec<Vec<u8>> = std::fs::read_dir(format!("/proc/self/fd/{}", sub.as_raw_fd()))?
+    // SAFETY: openat relative to a directory fd, not following a link.
+    let fd = unsafe {
+        libc::openat(
+            dir,
+            c.as_ptr(),
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor from the kernel.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn names_in(dir: &OwnedFd) -> io::Result<Vec<Vec<u8>>> {
+    Ok(
+        std::fs::read_dir(format!("/proc/self/fd/{}", dir.as_raw_fd()))?
             .filter_map(|e| e.ok())
             .map(|e| e.file_name().as_bytes().to_vec())
-            .collect();
-        for n in names {
-            match remove_at(sub.as_raw_fd(), &n) {
-                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
-                other => other?,
-            }
-        }
-        // SAFETY: unlinkat relative to a directory fd.
-        if unsafe { libc::unlinkat(dir, c.as_ptr(), libc::AT_REMOVEDIR) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        return Ok(());
-    }
+            .collect(),
+    )
+}
+
+fn unlink_at(dir: RawFd, name: &[u8], flags: i32) -> io::Result<()> {
+    let c = cstr(name)?;
     // SAFETY: unlinkat relative to a directory fd (a link itself is removed).
-    if unsafe { libc::unlinkat(dir, c.as_ptr(), 0) } != 0 {
-        return Err(io::Error::last_os_error());
+    match unsafe { libc::unlinkat(dir, c.as_ptr(), flags) } {
+        0 => Ok(()),
+        _ => match io::Error::last_os_error() {
+            e if e.raw_os_error() == Some(libc::ENOENT) => Ok(()), // gone meanwhile
+            e => Err(e),
+        },
+    }
+}
+
+/// Removes `name` in `dir`: a file or link, or a directory with everything in it, walked
+/// with a stack of its own (no recursion: a sandbox can nest directories as deep as it
+/// likes), never following a link, at most [`MAX_DEPTH`] levels down.
+fn remove_at(dir: RawFd, name: &[u8]) -> io::Result<()> {
+    let st = fstatat(dir, name, libc::AT_SYMLINK_NOFOLLOW)?;
+    if st.st_mode & libc::S_IFMT != libc::S_IFDIR {
+        return unlink_at(dir, name, 0);
+    }
+    // Each level: the directory, its name in the level above, the names left in it.
+    let top = open_dir_at(dir, name)?;
+    let left = names_in(&top)?;
+    let mut stack: Vec<(OwnedFd, Vec<u8>, Vec<Vec<u8>>)> = vec![(top, name.to_vec(), left)];
+    while let Some(next) = stack
+        .last_mut()
+        .map(|(d, _, left)| (d.as_raw_fd(), left.pop()))
+    {
+        let (here, n) = match next {
+            (here, Some(n)) => (here, n),
+            (_, None) => {
+                if let Some((done, its_name, _)) = stack.pop() {
+                    drop(done);
+                    let up = stack.last().map(|(p, _, _)| p.as_raw_fd()).unwrap_or(dir);
+                    unlink_at(up, &its_name, libc::AT_REMOVEDIR)?;
+                }
+                continue;
+            }
+        };
+        match fstatat(here, &n, libc::AT_SYMLINK_NOFOLLOW) {
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => return Err(e),
+            Ok(st) if st.st_mode & libc::S_IFMT == libc::S_IFDIR => {
+                if stack.len() >= MAX_DEPTH {
+                    return Err(io::Error::other(format!(
+                        "directories nested deeper than {MAX_DEPTH} levels: remove the deepest from a sandbox first"
+                    )));
+                }
+                let sub = open_dir_at(here, &n)?;
+                let names = names_in(&sub)?;
+                stack.push((sub, n, names));
+            }
+            Ok(_) => unlink_at(here, &n, 0)?,
+        }
     }
     Ok(())
 }
@@ -473,6 +547,60 @@ mod tests {
             .map(|e| e.name)
             .collect();
         assert!(!names.contains(&"hostdir".to_string()));
+    }
+
+    #[test]
+    fn a_fifo_is_refused_at_once_never_waited_on() {
+        let t = tempfile::tempdir().unwrap();
+        let c = CString::new(t.path().join("p").as_os_str().as_bytes()).unwrap();
+        // SAFETY: mkfifo with a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o666) }, 0);
+        let root = open_root(t.path()).unwrap();
+        // Without O_NONBLOCK either open would wait for a peer that never comes.
+        let start = std::time::Instant::now();
+        assert_eq!(
+            open_read(&root, "p").unwrap_err().code,
+            dsec_common::ErrorCode::InvalidArgument
+        );
+        assert_eq!(
+            open_write(&root, "p", Owner::default()).unwrap_err().code,
+            dsec_common::ErrorCode::InvalidArgument
+        );
+        assert!(start.elapsed() < std::time::Duration::from_secs(5));
+    }
+
+    /// Makes `levels` directories, each inside the last, under `dir`.
+    fn nest(dir: &std::path::Path, levels: usize) {
+        let mut fd = open_root(dir).unwrap();
+        for _ in 0..levels {
+            // SAFETY: mkdirat relative to a directory fd.
+            assert_eq!(
+                unsafe { libc::mkdirat(fd.as_raw_fd(), c"d".as_ptr(), 0o755) },
+                0
+            );
+            fd = open_dir_at(fd.as_raw_fd(), b"d").unwrap();
+        }
+    }
+
+    #[test]
+    fn a_tree_nested_thousands_deep_is_removed_without_recursion() {
+        let t = tempfile::tempdir().unwrap();
+        nest(t.path(), 3000);
+        let root = open_root(t.path()).unwrap();
+        // On a thread with a small stack: a recursive walk would overflow it.
+        let r = std::thread::Builder::new()
+            .stack_size(256 * 1024)
+            .spawn(move || remove(&root, "d"))
+            .unwrap()
+            .join()
+            .unwrap();
+        r.unwrap();
+        assert!(!t.path().join("d").exists());
+        nest(t.path(), MAX_DEPTH + 1);
+        let root = open_root(t.path()).unwrap();
+        let e = remove(&root, "d").unwrap_err();
+        assert_eq!(e.code, dsec_common::ErrorCode::InvalidArgument);
+        assert!(e.message.contains("deeper than"), "{}", e.message);
     }
 
     #[test]

@@ -36,12 +36,43 @@ struct Kept {
     info: VolumeInfo,
     /// False while it is being made.
     ready: bool,
+    /// Sandboxes being made with it and file calls under way ([`Users`]): a delete is
+    /// refused while there are any, as while a sandbox mounts it.
+    users: u32,
+}
+
+/// Most volumes one node keeps.
+const MAX_VOLUMES: usize = 1024;
+
+/// Volumes in use by a sandbox being made or a file call: each counted in its [`Kept`]
+/// until this is dropped.
+pub(crate) struct Users {
+    edge: Arc<Edge>,
+    ids: Vec<String>,
+}
+
+impl Drop for Users {
+    fn drop(&mut self) {
+        let mut map = self.edge.volumes.lock();
+        for id in &self.ids {
+            if let Some(k) = map.get_mut(id) {
+                k.users = k.users.saturating_sub(1);
+            }
+        }
+    }
 }
 
 impl Volumes {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Kept>> {
         self.map.lock().unwrap_or_else(|p| p.into_inner())
     }
+}
+
+/// The one answer for a volume a caller may not use, whether it exists or not.
+pub fn missing(name_or_id: &str, project: &str) -> ApiError {
+    ApiError::not_found(format!(
+        "volume {name_or_id:?} does not exist in project {project} (create it first: POST /v1/volumes)"
+    ))
 }
 
 /// A volume's name: `[a-z0-9][a-z0-9._-]*`, at most 63 characters.
@@ -110,7 +141,14 @@ impl Edge {
                 .and_then(|b| serde_json::from_slice::<VolumeInfo>(&b).ok());
             match meta {
                 Some(info) if info.id == name && !name.starts_with('.') => {
-                    map.insert(name, Kept { info, ready: true });
+                    map.insert(
+                        name,
+                        Kept {
+                            info,
+                            ready: true,
+                            users: 0,
+                        },
+                    );
                 }
                 _ => {
                     let dir = e.path();
@@ -182,9 +220,8 @@ impl Edge {
             let spare = free.saturating_sub(promised >> 20);
             if size_mb > spare {
                 return Err(ApiError::node_full(format!(
-                    "node {} can promise {spare} MiB more to volumes ({free} MiB of disk free, {} MiB promised to volumes not yet written); ask for less than size_mb {size_mb}",
-                    self.cfg.name,
-                    promised >> 20
+                    "node {} cannot give a volume of {size_mb} MiB now: the disk it has free is promised to the volumes it keeps; ask for less",
+                    self.cfg.name
                 )));
             }
             if map
@@ -199,11 +236,18 @@ impl Edge {
                     ),
                 ));
             }
+            if map.len() >= MAX_VOLUMES {
+                return Err(ApiError::node_full(format!(
+                    "node {} keeps {MAX_VOLUMES} volumes, its most: delete some first",
+                    self.cfg.name
+                )));
+            }
             map.insert(
                 info.id.clone(),
                 Kept {
                     info: info.clone(),
                     ready: false,
+                    users: 0,
                 },
             );
         }
@@ -292,9 +336,18 @@ impl Edge {
         .unwrap_or_default()
     }
 
+    /// Bytes volume `id` holds (0 while it is not mounted: nothing has written it since
+    /// the node started).
     fn volume_used(&self, id: &str) -> u64 {
+        let target = self.volume_dir(id).join(disk::MOUNT);
         match crate::mountns::get() {
-            Ok(ns) => disk::used_bytes(&ns.view(&self.volume_dir(id).join(disk::MOUNT))),
+            Ok(ns) => {
+                if ns.run(|| disk::mounted(&target)).unwrap_or(false) {
+                    disk::used_bytes(&ns.view(&target))
+                } else {
+                    0
+                }
+            }
             Err(_) => 0,
         }
     }
@@ -339,9 +392,30 @@ impl Edge {
                 None => break,
             }
         }
-        Err(ApiError::not_found(format!(
-            "volume {name_or_id:?} does not exist in project {project} (create it first: POST /v1/volumes)"
-        )))
+        Err(missing(name_or_id, project))
+    }
+
+    /// Counts volumes `ids` as in use until the answer is dropped (a sandbox being made
+    /// with them, a file call); 404 for one that does not exist or is being deleted.
+    pub(crate) fn use_volumes(self: &Arc<Self>, ids: &[String]) -> Result<Users, ApiError> {
+        let mut map = self.volumes.lock();
+        if let Some(gone) = ids
+            .iter()
+            .find(|id| !map.get(id.as_str()).is_some_and(|k| k.ready))
+        {
+            return Err(ApiError::not_found(format!(
+                "volume {gone} does not exist (it may have been deleted)"
+            )));
+        }
+        for id in ids {
+            if let Some(k) = map.get_mut(id) {
+                k.users += 1;
+            }
+        }
+        Ok(Users {
+            edge: self.clone(),
+            ids: ids.to_vec(),
+        })
     }
 
     /// The sandboxes (live, paused included) that mount volume `id`.
@@ -359,16 +433,30 @@ impl Edge {
     /// Deletes a volume and everything in it; refused while a sandbox mounts it.
     pub async fn delete_volume(self: &Arc<Self>, id: &str) -> Result<(), ApiError> {
         self.volume_info(id)?;
-        let users = self.volume_users(id);
-        if !users.is_empty() {
-            return Err(ApiError::precondition(format!(
-                "volume {id} is mounted by {} sandbox(es) ({}): stop them first",
-                users.len(),
-                users.into_iter().take(3).collect::<Vec<_>>().join(", ")
-            )));
-        }
-        let Some(kept) = self.volumes.lock().remove(id) else {
-            return Err(ApiError::not_found(format!("volume {id} does not exist")));
+        let kept = {
+            // Under the lock that sandboxes being made and file calls count themselves
+            // under: none can start using it between the check and the removal.
+            let mut map = self.volumes.lock();
+            let mounting = self.volume_users(id);
+            let busy = map.get(id).map_or(0, |k| k.users);
+            if !mounting.is_empty() || busy > 0 {
+                return Err(ApiError::precondition(
+                    format!(
+                        "volume {id} is in use ({} sandbox(es) mount it{}{}): stop them first",
+                        mounting.len(),
+                        if mounting.is_empty() { "" } else { ": " },
+                        mounting.into_iter().take(3).collect::<Vec<_>>().join(", ")
+                    ) + &if busy > 0 {
+                        format!("; {busy} sandbox create(s) or file call(s) are using it")
+                    } else {
+                        String::new()
+                    },
+                ));
+            }
+            match map.remove(id) {
+                Some(k) => k,
+                None => return Err(ApiError::not_found(format!("volume {id} does not exist"))),
+            }
         };
         let dir = self.volume_dir(id);
         let gone = self.volumes_dir().join(format!(".{id}.gone"));
@@ -446,10 +534,7 @@ impl Edge {
             if !(dsec_common::project::within(project, &v.project)
                 || dsec_common::project::within(&v.project, project))
             {
-                return Err(ApiError::not_found(format!(
-                    "volume {:?} does not exist in project {project}",
-                    m.volume
-                )));
+                return Err(missing(&m.volume, project));
             }
             out.push(VolumeMount {
                 volume: v.id,
@@ -487,6 +572,7 @@ pub(crate) fn mount_points(
 pub struct VolumeRead {
     file: tokio::fs::File,
     pub size: u64,
+    _users: Users,
 }
 
 impl VolumeRead {
@@ -514,8 +600,11 @@ impl Edge {
         f: impl FnOnce(&std::os::fd::OwnedFd, &str) -> Result<T, ApiError> + Send + 'static,
     ) -> Result<T, ApiError> {
         let rel = fs::clean(path)?;
+        let users = self.use_volumes(&[id.to_string()])?;
         let root = self.volume_root(id).await?;
-        blocking(move || f(&root, &rel)).await?
+        let r = blocking(move || f(&root, &rel)).await?;
+        drop(users);
+        r
     }
 
     pub async fn volume_stat(
@@ -566,10 +655,12 @@ impl Edge {
         id: &str,
         path: &str,
     ) -> Result<VolumeRead, ApiError> {
+        let users = self.use_volumes(&[id.to_string()])?;
         let (f, size) = self.in_volume(id, path, fs::open_read).await?;
         Ok(VolumeRead {
             file: tokio::fs::File::from_std(f),
             size,
+            _users: users,
         })
     }
 
@@ -588,6 +679,7 @@ impl Edge {
     {
         use futures_util::StreamExt;
         use tokio::io::AsyncWriteExt;
+        let _users = self.use_volumes(&[id.to_string()])?;
         let f = self
             .in_volume(id, path, move |r, p| fs::open_write(r, p, owner))
             .await?;

@@ -530,12 +530,15 @@ pub fn config(rec: &SandboxRecord, inp: &BundleInput<'_>) -> Value {
             mounts.push(json!({ "destination": "/etc/resolv.conf", "type": "bind", "source": r, "options": ["bind", "ro", "nosuid", "nodev", "noexec"] }));
         }
         mounts.extend(mask_binds);
-        for (i, v) in rec.volumes.iter().enumerate() {
+        // Volumes first: a path the image made a link (`/data -> /.dsec`) may take a volume
+        // where the system's own mounts go, and those are then made over it.
+        let volumes = rec.volumes.iter().enumerate().map(|(i, v)| {
             let access = if v.read_only { "ro" } else { "rw" };
-            mounts.push(json!({ "destination": v.path, "type": "bind",
+            json!({ "destination": v.path, "type": "bind",
                 "source": inp.volumes.join(i.to_string()),
-                "options": ["bind", access, "nosuid", "nodev"] }));
-        }
+                "options": ["bind", access, "nosuid", "nodev"] })
+        });
+        mounts.splice(0..0, volumes);
     }
     config
 }
