@@ -114,9 +114,10 @@ def build_images() -> None:
     """Everything the suite needs from outside, fetched here, in the host's network
     namespace: tests that run an edge inside a namespace of their own (the cluster, the
     network lab) have no route to a package registry."""
-    # An image is built again when its spec or its files (images/<name>/) changed since it was built
-    # into this data directory (a kept test directory would otherwise test the old image).
-    built = DATA / "built-specs.json"
+    # An image is built again when its spec or its files (images/<name>/) changed since it
+    # was built into this image store (a kept test directory would otherwise test the old
+    # image). The record lives in the store, which the nested harness shares with its guest.
+    built = DATA / "images" / "built-specs.json"
     seen = json.loads(built.read_text()) if built.exists() else {}
     for spec in ("images/base.toml", "images/py-3.11.toml", "images/code-interpreter.toml"):
         h = hashlib.sha256((ROOT / spec).read_bytes())
