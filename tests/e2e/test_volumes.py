@@ -225,3 +225,31 @@ async def test_a_volume_counts_against_disk_quota_and_cannot_overflow(client):
             await t.delete_volume(v["id"])
         usage = next(p for p in await client.projects() if p["path"] == project)["usage"]
         assert usage.get("disk_mb", 0) == 0, usage
+
+
+def test_the_cli_makes_fills_reads_and_removes_a_volume(tmp_path):
+    import json
+
+    from conftest import dsec
+
+    name = f"cli-{os.urandom(3).hex()}"
+    vid = dsec("volume", "create", name, "--size", "32").stdout.strip()
+    try:
+        src = tmp_path / "in.bin"
+        src.write_bytes(os.urandom(3 << 20))
+        put = json.loads(dsec("volume", "put", vid, str(src), "/d/in.bin", "--json").stdout)
+        assert (put["path"], put["size"]) == ("/d/in.bin", 3 << 20), put
+        out = tmp_path / "out.bin"
+        dsec("volume", "get", vid, "/d/in.bin", "--out", str(out))
+        assert out.read_bytes() == src.read_bytes()
+        listed = json.loads(dsec("volume", "files", vid, "/", "--depth", "2", "--json").stdout)
+        assert [e["path"] for e in listed] == ["/d", "/d/in.bin"], listed
+        table = dsec("volume", "ls").stdout
+        assert vid in table and name in table, table
+        r = dsec("run", "--rm", "-v", f"{name}:/mnt/v:ro", "root/base", "--", "sh", "-c",
+                 "wc -c < /mnt/v/d/in.bin; touch /mnt/v/x", check=False)
+        assert r.stdout.strip().startswith(str(3 << 20)), r
+        assert "Read-only file system" in r.stdout + r.stderr, r
+    finally:
+        dsec("volume", "rm", vid)
+    assert vid not in dsec("volume", "ls").stdout

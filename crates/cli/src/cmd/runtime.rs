@@ -484,7 +484,7 @@ fn file_name(p: &str) -> Option<&str> {
 
 const CHUNK: usize = 256 * 1024;
 
-fn progress(len: Option<u64>, json: bool) -> indicatif::ProgressBar {
+pub(crate) fn progress(len: Option<u64>, json: bool) -> indicatif::ProgressBar {
     if json || !std::io::stderr().is_terminal() {
         return indicatif::ProgressBar::hidden();
     }
@@ -505,7 +505,7 @@ fn progress(len: Option<u64>, json: bool) -> indicatif::ProgressBar {
 }
 
 /// A reader as a streamed request body in 256 KiB chunks, counting on `bar`.
-fn body_of(
+pub(crate) fn body_of(
     reader: Box<dyn AsyncRead + Unpin + Send + Sync>,
     bar: indicatif::ProgressBar,
 ) -> client::Body {
@@ -578,7 +578,7 @@ pub async fn cp(a: CpArgs) -> Result<i32> {
 }
 
 /// The local source: a reader, its size and permission bits (None for stdin).
-async fn open_local(
+pub(crate) async fn open_local(
     src: &str,
 ) -> Result<(
     Box<dyn AsyncRead + Unpin + Send + Sync>,
@@ -638,7 +638,10 @@ async fn upload(api: &Api, src: &str, id: &str, path: &str, json: bool) -> Resul
 }
 
 /// The local destination: stdout for `-`; into a directory under the remote file's name.
-async fn create_local(dst: &str, remote_path: &str) -> Result<Box<dyn AsyncWrite + Unpin + Send>> {
+pub(crate) async fn create_local(
+    dst: &str,
+    remote_path: &str,
+) -> Result<Box<dyn AsyncWrite + Unpin + Send>> {
     if dst == "-" {
         return Ok(Box::new(tokio::io::stdout()));
     }
@@ -686,7 +689,7 @@ async fn download(api: &Api, id: &str, path: &str, dst: &str, json: bool) -> Res
 }
 
 /// Writes a response body to `out` as it arrives; returns the bytes written.
-async fn copy_body(
+pub(crate) async fn copy_body(
     mut body: Incoming,
     out: &mut (dyn AsyncWrite + Unpin + Send),
     bar: &indicatif::ProgressBar,

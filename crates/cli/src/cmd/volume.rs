@@ -178,23 +178,33 @@ pub async fn run(c: VolumeCommand) -> Result<i32> {
             println!("{}", a.id);
         }
         VolumeCommand::Put(a) => {
-            let bytes = std::fs::read(&a.local)
-                .with_context(|| format!("reading {}", a.local.display()))?;
+            // Streamed from the file (or stdin, `-`), with progress on a terminal.
+            let src = a.local.to_string_lossy().into_owned();
+            let (reader, size, _) = super::runtime::open_local(&src).await?;
+            let bar = super::runtime::progress(size, a.api.json);
+            let t0 = std::time::Instant::now();
             let resp = api(&a.api)?
                 .open(
                     Method::PUT,
                     &format!("/v1/volumes/{}/files?path={}", a.id, query(&a.path)),
                     "application/octet-stream",
-                    crate::client::full(bytes),
+                    super::runtime::body_of(reader, bar.clone()),
                 )
-                .await?;
-            let body = resp.into_body().collect().await?.to_bytes();
+                .await
+                .with_context(|| format!("uploading {src} to volume {}:{}", a.id, a.path));
+            bar.finish_and_clear();
+            let body = resp?.into_body().collect().await?.to_bytes();
             let e: VolumeEntry =
                 serde_json::from_slice(&body).context("unexpected reply to the upload")?;
             if a.api.json {
                 output::print_json(&e);
             } else {
-                println!("{} ({} bytes)", e.path, e.size);
+                println!(
+                    "{} ({} bytes in {:.2} s)",
+                    e.path,
+                    e.size,
+                    t0.elapsed().as_secs_f64()
+                );
             }
         }
         VolumeCommand::Get(a) => {
@@ -206,16 +216,21 @@ pub async fn run(c: VolumeCommand) -> Result<i32> {
                     crate::client::full(Vec::new()),
                 )
                 .await?;
-            let bytes = resp.into_body().collect().await?.to_bytes();
-            match &a.out {
-                Some(p) => {
-                    std::fs::write(p, &bytes).with_context(|| format!("writing {}", p.display()))?
-                }
-                None => {
-                    use std::io::Write;
-                    std::io::stdout().write_all(&bytes)?;
-                }
-            }
+            let len = resp
+                .headers()
+                .get(hyper::header::CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+            let dst = a
+                .out
+                .as_ref()
+                .map(|p| p.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "-".into());
+            // Only now that the file is there: a failed request leaves the local file alone.
+            let mut out = super::runtime::create_local(&dst, &a.path).await?;
+            let bar = super::runtime::progress(len, a.api.json);
+            let r = super::runtime::copy_body(resp.into_body(), &mut out, &bar).await;
+            bar.finish_and_clear();
+            r.with_context(|| format!("downloading volume {}:{} to {dst}", a.id, a.path))?;
         }
         VolumeCommand::Files(a) => {
             let r: serde_json::Value = api(&a.api)?
