@@ -303,7 +303,7 @@ async fn download(
         .into_response())
 }
 
-fn parse_mode(v: Option<&String>) -> Result<Option<u32>, Failure> {
+pub(crate) fn parse_mode(v: Option<&String>) -> Result<Option<u32>, Failure> {
     v.map(|m| {
         u32::from_str_radix(m.trim_start_matches("0o"), 8)
             .ok()

@@ -16,7 +16,7 @@ use dsec_common::api::{CreateVolumeRequest, ListVolumesResponse, VolumeEntryUpda
 use dsec_edge::volumes::fs::Owner;
 use dsec_iam::Principal;
 
-use crate::runtime::{flag, query, required};
+use crate::runtime::{flag, parse_mode, query, required};
 use crate::{ApiResult, AppState, Failure, body, json, usable_project};
 
 pub(crate) fn routes() -> Router<AppState> {
@@ -125,25 +125,12 @@ fn number<T: std::str::FromStr>(q: &BTreeMap<String, String>, k: &str) -> ApiRes
         .transpose()
 }
 
-/// `uid`, `gid` and `mode` (octal like `644`, or decimal with `mode_decimal`) of a query.
+/// `uid`, `gid` and `mode` (octal, like `644`) of a query.
 fn owner(q: &BTreeMap<String, String>) -> ApiResult<Owner> {
-    let mode = match q.get("mode") {
-        None => None,
-        Some(m) => Some(
-            u32::from_str_radix(m.trim_start_matches("0o"), 8)
-                .ok()
-                .filter(|m| *m <= 0o7777)
-                .ok_or_else(|| {
-                    Failure::from(ApiError::invalid(format!(
-                        "mode must be octal permission bits like 644 (got {m:?})"
-                    )))
-                })?,
-        ),
-    };
     Ok(Owner {
         uid: number(q, "uid")?,
         gid: number(q, "gid")?,
-        mode,
+        mode: parse_mode(q.get("mode"))?,
     })
 }
 

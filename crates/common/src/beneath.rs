@@ -1,10 +1,11 @@
 //! Whether a path, resolved by the kernel through every symlink on the way, stays inside a
 //! directory: `openat2(2)` with `RESOLVE_BENEATH`. A check on a path's text cannot see
-//! that `b -> a/..` after `a -> .` climbs out; the kernel's resolution can.
+//! that `b -> a/..` after `a -> .` climbs out; the kernel's resolution can. [`openat2`] is
+//! the call itself, for the other resolution modes (a volume's `RESOLVE_IN_ROOT`).
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
@@ -16,21 +17,34 @@ pub fn open_beneath(dir: &Path, rel: &Path, follow_last: bool) -> io::Result<Own
     let d = std::fs::File::open(dir)?;
     let c = CString::new(rel.as_os_str().as_bytes())
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in path"))?;
-    let mut flags = libc::O_PATH | libc::O_CLOEXEC;
+    let mut flags = libc::O_PATH;
     if !follow_last {
         flags |= libc::O_NOFOLLOW;
     }
+    openat2(
+        d.as_raw_fd(),
+        &c,
+        flags,
+        0,
+        libc::RESOLVE_BENEATH | libc::RESOLVE_NO_MAGICLINKS,
+    )
+}
+
+/// `openat2(2)`: `rel` opened from directory `dir` with `flags` (`O_CLOEXEC` added),
+/// `mode` for a file it makes, and the `RESOLVE_*` bits `resolve`.
+pub fn openat2(dir: RawFd, rel: &CStr, flags: i32, mode: u32, resolve: u64) -> io::Result<OwnedFd> {
     // SAFETY: zeroed open_how is valid; the fields set are plain integers.
     let mut how: libc::open_how = unsafe { std::mem::zeroed() };
-    how.flags = flags as u64;
-    how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_MAGICLINKS;
-    // SAFETY: openat2 with a valid directory fd, a NUL-terminated path and an open_how of
-    // the size passed.
+    how.flags = (flags | libc::O_CLOEXEC) as u64;
+    how.mode = mode as u64;
+    how.resolve = resolve;
+    // SAFETY: openat2 with a directory fd, a NUL-terminated path and an open_how of the
+    // size passed.
     let fd = unsafe {
         libc::syscall(
             libc::SYS_openat2,
-            d.as_raw_fd(),
-            c.as_ptr(),
+            dir,
+            rel.as_ptr(),
             &how as *const libc::open_how,
             std::mem::size_of::<libc::open_how>(),
         )

@@ -22,7 +22,7 @@ use crate::client::{self, Api};
 use crate::{ApiArgs, output};
 
 /// Percent-encodes everything but unreserved characters (and '/' when `keep_slash`).
-fn encode(s: &str, keep_slash: bool) -> String {
+pub(crate) fn encode(s: &str, keep_slash: bool) -> String {
     let mut out = String::with_capacity(s.len());
     for b in s.bytes() {
         let keep = b.is_ascii_alphanumeric()

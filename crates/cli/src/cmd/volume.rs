@@ -120,20 +120,9 @@ fn rows(list: &[VolumeInfo]) -> String {
     )
 }
 
+/// `path` as a query value.
 fn query(path: &str) -> String {
-    url_escape(path)
-}
-
-/// `path` as a query value (every byte but unreserved ones percent-encoded).
-fn url_escape(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' | b'/' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
+    super::runtime::encode(path, true)
 }
 
 pub async fn run(c: VolumeCommand) -> Result<i32> {

@@ -77,12 +77,14 @@ pub fn make(dir: &Path, size_mb: u64) -> Result<(), String> {
     Ok(())
 }
 
+/// The calling thread's mount table (`mountinfo`).
+pub fn mount_table() -> String {
+    std::fs::read_to_string("/proc/thread-self/mountinfo").unwrap_or_default()
+}
+
 /// Whether `target` is a mount point in the calling thread's mount namespace.
 pub fn mounted(target: &Path) -> bool {
-    let info = std::fs::read_to_string("/proc/thread-self/mountinfo").unwrap_or_default();
-    let t = crate::mountns::mountinfo_path(target);
-    info.lines()
-        .any(|l| l.split(' ').nth(4) == Some(t.as_str()))
+    crate::mountns::has_mount_within(&mount_table(), target)
 }
 
 /// A free loop device, backed by `image` (it clears itself once unmounted).

@@ -58,31 +58,14 @@ pub fn open_root(root: &Path) -> io::Result<OwnedFd> {
 /// `rel` resolved inside the volume rooted at `root` (links followed, also the last).
 fn resolve(root: &OwnedFd, rel: &str, flags: i32, mode: u32) -> io::Result<OwnedFd> {
     let c = cstr(if rel.is_empty() { b"." } else { rel.as_bytes() })?;
-    // SAFETY: zeroed open_how is valid; the fields set are plain integers.
-    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
-    how.flags = (flags | libc::O_CLOEXEC) as u64;
-    how.mode = if flags & libc::O_CREAT != 0 {
-        mode as u64
-    } else {
-        0
-    };
-    how.resolve = libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS | libc::RESOLVE_NO_XDEV;
-    // SAFETY: openat2 with a valid directory fd, a NUL-terminated path and an open_how of
-    // the size passed.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_openat2,
-            root.as_raw_fd(),
-            c.as_ptr(),
-            &how as *const libc::open_how,
-            std::mem::size_of::<libc::open_how>(),
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor from the kernel.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+    let mode = if flags & libc::O_CREAT != 0 { mode } else { 0 };
+    dsec_common::beneath::openat2(
+        root.as_raw_fd(),
+        &c,
+        flags,
+        mode,
+        libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS | libc::RESOLVE_NO_XDEV,
+    )
 }
 
 /// `rel`'s directory (resolved inside the volume) and its last name; the root has none.

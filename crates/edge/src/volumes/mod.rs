@@ -68,6 +68,14 @@ impl Volumes {
     }
 }
 
+/// Unmounts (if mounted) and removes a volume's directory, whatever state it is in.
+fn discard(dir: &Path) {
+    if let Ok(ns) = crate::mountns::get() {
+        let _ = ns.run(|| disk::unmount(dir));
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// The one answer for a volume a caller may not use, whether it exists or not.
 pub fn missing(name_or_id: &str, project: &str) -> ApiError {
     ApiError::not_found(format!(
@@ -151,13 +159,8 @@ impl Edge {
                     );
                 }
                 _ => {
-                    let dir = e.path();
-                    if let Ok(ns) = crate::mountns::get() {
-                        let d2 = dir.clone();
-                        let _ = ns.run(move || disk::unmount(&d2));
-                    }
-                    tracing::info!(dir = %dir.display(), "removing a volume left half-made");
-                    let _ = std::fs::remove_dir_all(&dir);
+                    tracing::info!(dir = %e.path().display(), "removing a volume left half-made");
+                    discard(&e.path());
                 }
             }
         }
@@ -301,12 +304,8 @@ impl Edge {
         if let Err(e) = made {
             let (d2, p2) = (dir, part);
             let _ = blocking(move || {
-                if let Ok(ns) = crate::mountns::get() {
-                    let d3 = d2.clone();
-                    let _ = ns.run(move || disk::unmount(&d3));
-                }
-                let _ = std::fs::remove_dir_all(&p2);
-                let _ = std::fs::remove_dir_all(&d2);
+                discard(&p2);
+                discard(&d2);
             })
             .await;
             self.release_quota(&info.id).await;
@@ -327,8 +326,9 @@ impl Edge {
         out.sort_by(|a, b| a.created_at_ms.cmp(&b.created_at_ms).then(a.id.cmp(&b.id)));
         let edge = self.clone();
         blocking(move || {
-            for v in &mut out {
-                v.used_bytes = edge.volume_used(&v.id);
+            let ids: Vec<String> = out.iter().map(|v| v.id.clone()).collect();
+            for (v, used) in out.iter_mut().zip(edge.volumes_used(&ids)) {
+                v.used_bytes = used;
             }
             out
         })
@@ -336,20 +336,27 @@ impl Edge {
         .unwrap_or_default()
     }
 
-    /// Bytes volume `id` holds (0 while it is not mounted: nothing has written it since
-    /// the node started).
-    fn volume_used(&self, id: &str) -> u64 {
-        let target = self.volume_dir(id).join(disk::MOUNT);
-        match crate::mountns::get() {
-            Ok(ns) => {
-                if ns.run(|| disk::mounted(&target)).unwrap_or(false) {
-                    disk::used_bytes(&ns.view(&target))
+    /// Bytes each of volumes `ids` holds (0 for one not mounted: nothing has written it
+    /// since the node started), the mount table read once for all.
+    fn volumes_used(&self, ids: &[String]) -> Vec<u64> {
+        let targets: Vec<PathBuf> = ids
+            .iter()
+            .map(|id| self.volume_dir(id).join(disk::MOUNT))
+            .collect();
+        let Ok(ns) = crate::mountns::get() else {
+            return vec![0; ids.len()];
+        };
+        let info = ns.run(disk::mount_table).unwrap_or_default();
+        targets
+            .iter()
+            .map(|t| {
+                if crate::mountns::has_mount_within(&info, t) {
+                    disk::used_bytes(&ns.view(t))
                 } else {
                     0
                 }
-            }
-            Err(_) => 0,
-        }
+            })
+            .collect()
     }
 
     fn volume_info(&self, id: &str) -> Result<VolumeInfo, ApiError> {
@@ -368,7 +375,11 @@ impl Edge {
     pub async fn get_volume(self: &Arc<Self>, id: &str) -> Result<VolumeInfo, ApiError> {
         let mut info = self.volume_info(id)?;
         let (edge, i2) = (self.clone(), id.to_string());
-        info.used_bytes = blocking(move || edge.volume_used(&i2)).await?;
+        info.used_bytes = blocking(move || edge.volumes_used(&[i2]))
+            .await?
+            .first()
+            .copied()
+            .unwrap_or(0);
         Ok(info)
     }
 
