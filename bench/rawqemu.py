@@ -163,11 +163,14 @@ class RawVm:
             if skip:
                 skip = False
                 continue
-            if a in ("-runas", "-incoming"):
+            if a in ("-runas", "-run-with", "-incoming"):
                 skip = True
                 continue
             if a == "-S":
                 continue
+            if a.startswith("memory-backend-ram,"):
+                # A sandbox's own memory may be anonymous; the recipe needs it in a file.
+                a = a.replace("memory-backend-ram,", "memory-backend-file,", 1) + ",mem-path=,share="
             if a.startswith("memory-backend-file,"):
                 a = ",".join(
                     f"mem-path={mem}" if o.startswith("mem-path=") else

@@ -70,7 +70,8 @@ def raw_qemu_floor(data: Path, sandbox_id: str, repeat: int, counts: list[int]) 
     cmd = rawqemu.qemu_cmdline(vm_pid(data, sandbox_id))
     vmux = int((data / "edge/sandboxes" / sandbox_id / "vmux.pid").read_text().strip())
     aether = rawqemu.qemu_cmdline(vmux)[0]
-    ram_dir = Path(next(o.split("=", 1)[1] for a in cmd for o in a.split(",") if o.startswith("mem-path="))).parent
+    ram_dir = Path(next((o.split("=", 1)[1] for a in cmd for o in a.split(",") if o.startswith("mem-path=")),
+                        "/dev/shm/dsec-vm/x")).parent
     boots, forks = [], []
     with rawqemu.Netns(cmd, 1 + max(counts)) as ns:
         for i in range(repeat):
@@ -92,6 +93,16 @@ def raw_qemu_floor(data: Path, sandbox_id: str, repeat: int, counts: list[int]) 
     print(f"  raw QEMU boot, same kernel, initramfs and disk: aether answers after "
           f"{statistics.median(boots) * 1000:.0f} ms (median)", flush=True)
     return {"boot_to_agent": summary(boots), "fork": forks}
+
+
+def qemu_version() -> str | None:
+    import subprocess
+
+    try:
+        out = subprocess.run(["qemu-system-x86_64", "--version"], capture_output=True, text=True).stdout
+    except OSError:
+        return None
+    return out.splitlines()[0].removeprefix("QEMU emulator version ") if out else None
 
 
 def pss_mib(pid: int | None) -> float | None:
@@ -306,8 +317,9 @@ def main() -> None:
     ap.add_argument("--data-dir", default="/var/tmp/dsec-bench")
     ap.add_argument("--image-store", default=None, help="default: <data-dir>/images (built if missing)")
     ap.add_argument("--listen", default="127.0.0.1:7614")
-    ap.add_argument("--fork-capture", choices=("pause", "live"), default=None,
-                    help="[edge.vm] fork_capture for the server it starts (default: the server's, pause)")
+    ap.add_argument("--fork-capture", choices=("auto", "mapped", "pause", "live"), default=None,
+                    help="[edge.vm] fork_capture for the server it starts (default: the server's, auto: "
+                         "mapped with QEMU 10 or newer, else pause)")
     ap.add_argument("--attach", action="store_true",
                     help="use a running server (DSEC_API_URL/DSEC_API_KEY or client.toml) instead of starting one")
     a = ap.parse_args()
@@ -364,7 +376,7 @@ def main() -> None:
         print(f"\n{name}: skipped: {why}")
 
     out = {"bench": "vm_lifecycle", "image": a.image, "memory_mib": a.memory, "repeat": a.repeat,
-           "fork_capture": a.fork_capture or "pause",
+           "fork_capture": a.fork_capture or "auto", "qemu": qemu_version(),
            "counts": counts, "host_cpus": os.cpu_count(), **r}
     write_result("vm_lifecycle", out)
 

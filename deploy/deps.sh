@@ -13,6 +13,40 @@ if ((${#missing[@]})); then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+# QEMU 10 forks a running VM with a stall of a few ms (a live `mapped-ram` capture); the
+# edge uses what it finds, so an older QEMU still works, with a longer stall. Debian 12
+# has 7.2: QEMU 10 comes from bookworm-backports, only those four packages (with their
+# Recommends, backports would also bring systemd and mesa).
+. /etc/os-release 2>/dev/null || true
+qemu_major=$(qemu-system-x86_64 --version 2>/dev/null | sed -n 's/^QEMU emulator version \([0-9]*\).*/\1/p')
+if [ "${VERSION_CODENAME:-}" = bookworm ] && ((${qemu_major:-0} < 10)); then
+  echo "==> QEMU 10 from bookworm-backports"
+  if ! grep -rqs bookworm-backports /etc/apt/sources.list /etc/apt/sources.list.d/; then
+    printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+      > /etc/apt/sources.list.d/dsec-bookworm-backports.sources
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends qemu-system-x86/bookworm-backports \
+    qemu-system-common/bookworm-backports qemu-system-data/bookworm-backports \
+    seabios/bookworm-backports >/dev/null \
+    || echo "warning: QEMU 10 could not be installed; VM forks stop the source for longer" >&2
+fi
+# virtiofsd, for the nested-KVM test harness (it shares the host's root with its outer
+# VM): QEMU 7.2 shipped it, QEMU 10 does not, and Debian 12 has no package of its own,
+# so on Debian 12 it is taken from 7.2's qemu-system-common.
+if [ "${VERSION_CODENAME:-}" = bookworm ] && ! [ -x /usr/lib/qemu/virtiofsd ] \
+  && ! [ -x /usr/libexec/virtiofsd ] && ! [ -x /usr/local/libexec/virtiofsd ]; then
+  echo "==> virtiofsd from QEMU 7.2's qemu-system-common"
+  vt=$(mktemp -d)
+  if (cd "$vt" && apt-get download -q qemu-system-common/bookworm >/dev/null 2>&1 \
+    && dpkg -x qemu-system-common_*.deb x); then
+    install -D -m 0755 "$vt/x/usr/lib/qemu/virtiofsd" /usr/local/libexec/virtiofsd
+  else
+    echo "warning: virtiofsd could not be fetched; the nested-KVM tests cannot run" >&2
+  fi
+  rm -rf "$vt"
+fi
 if ! command -v cargo >/dev/null; then
   echo "error: Rust (cargo >= 1.90) is needed to build OpenDsec; install it with rustup (https://rustup.rs)" >&2
   exit 1

@@ -197,6 +197,77 @@ async def test_vm_fork_copies_keep_memory_and_then_diverge(client, need_qemu):
         assert wait_for(lambda: not qemu_processes(c.id), timeout=10), f"QEMU of {c.id} outlived it"
 
 
+# A process rewriting 1,024 pages of its memory without end: round v writes every page,
+# in order, with v's byte (v odd) or zeros (v even), and first checks that the page still
+# holds round v-1. A page that holds anything else (in a fork copy: a page of the memory
+# from another instant) is counted in /tmp/churn.bad; /tmp/churn.round is the round.
+CHURN = r"""
+import os
+N, P = 1024, 4096
+buf = bytearray(N * P)
+def fill(v):
+    return bytes([v % 251 + 1]) * P if v % 2 else bytes(P)
+v, bad = 1, 0
+while True:
+    page, old = fill(v), fill(v - 1)
+    for k in range(N):
+        if buf[k * P:(k + 1) * P] != old:
+            bad += 1
+            with open("/tmp/churn.bad", "w") as f:
+                f.write(f"{bad} pages wrong, the last page {k} in round {v}\n")
+        buf[k * P:(k + 1) * P] = page
+    v += 1
+    with open("/tmp/churn.part", "w") as f:
+        f.write(str(v))
+    os.rename("/tmp/churn.part", "/tmp/churn.round")
+"""
+
+
+async def churn_round(sb) -> int:
+    r = await sb.exec(["cat", "/tmp/churn.round"])
+    assert r.exit_code == 0, r
+    return int(r.stdout)
+
+
+async def churned_on(sb, rounds: int = 3) -> int:
+    """Waits until the churning process of `sb` has done `rounds` more rounds (each
+    checks every page); its round then, after asserting no page was wrong."""
+    import asyncio
+
+    start = await churn_round(sb)
+    end = time.monotonic() + 60
+    while (now := await churn_round(sb)) < start + rounds:
+        assert time.monotonic() < end, f"{sb.id}: the churn stopped at round {now}"
+        await asyncio.sleep(0.2)
+    r = await sb.exec(["cat", "/tmp/churn.bad"])
+    assert r.exit_code != 0, f"{sb.id}: {r.stdout.strip()}"
+    return now
+
+
+async def test_vm_fork_of_memory_being_rewritten_is_consistent(client, need_qemu):
+    """A fork taken while the guest rewrites its memory (pages going from data to zeros
+    and back while the capture runs) gives copies a memory from one instant: no page of
+    an earlier round where a later one is due (what a save that left a page's old bytes in
+    place would show)."""
+    sb = await client.run_sandbox(DSecRunArgs(image="root/py:3.11", backend="vm", memory_limit_mb=512))
+    copies = []
+    try:
+        await sb.files.write("/tmp/churn.py", CHURN)
+        await sb.exec_background(["python3", "/tmp/churn.py"])
+        assert await wait_for_file(sb, "/tmp/churn.round")
+        first = await churned_on(sb)
+        for _ in range(3):
+            copies += await sb.fork(count=2)
+            print(f"\nfork while rewriting: source stood still {sb.last_fork['source_paused_ms']} ms", flush=True)
+        rounds = [await churned_on(c) for c in copies]
+        last = await churned_on(sb)
+        print(f"rounds: source {first} -> {last}, copies {rounds}", flush=True)
+    finally:
+        for c in copies:
+            await c.stop()
+        await sb.stop()
+
+
 def wait_for_file(sb, path: str, timeout: float = 60.0) -> bool:
     import asyncio
 

@@ -40,7 +40,11 @@ HERE = Path(__file__).resolve().parent
 DATA = Path(os.environ.get("DSEC_TEST_DIR", "/var/tmp/dsec-test"))
 # Kept between runs: the kernel package, unpacked, and the initramfs built from it.
 CACHE = Path(os.environ.get("DSEC_NESTED_CACHE", "/var/tmp/dsec-nested-cache"))
-VIRTIOFSD = "/usr/lib/qemu/virtiofsd"
+# QEMU 7.2's (in its qemu-system-common), Debian 13's own package, or where
+# deploy/deps.sh puts 7.2's beside QEMU 10.
+VIRTIOFSD = next((p for p in ("/usr/lib/qemu/virtiofsd", "/usr/libexec/virtiofsd",
+                              "/usr/local/libexec/virtiofsd") if Path(p).exists()),
+                 "/usr/local/libexec/virtiofsd")
 BUSYBOX = "/bin/busybox"
 # Modules the initramfs loads (with what they depend on) to mount the host's root.
 INITRAMFS_MODULES = ["virtio_pci", "virtiofs", "overlay"]
@@ -217,7 +221,7 @@ def check_host_tools() -> None:
     if not shutil.which("qemu-system-x86_64"):
         raise HarnessError("qemu-system-x86_64 is not installed (apt-get install qemu-system-x86)")
     if not Path(VIRTIOFSD).exists():
-        raise HarnessError(f"{VIRTIOFSD} is missing (it comes with Debian's qemu-system-common)")
+        raise HarnessError(f"{VIRTIOFSD} is missing (bash deploy/deps.sh fetches it)")
 
 
 class OuterVm:

@@ -1048,6 +1048,42 @@ impl Edge {
             None => None,
         };
         let seed = self.fork_tmp.join(format!("{}-{}", src.id, random_hex(8)));
+        // Copies on this edge start while the snapshot is taken where the backend can
+        // say now where it will be (they wait for it before they load it).
+        if remote.is_none() && src.state == SandboxState::Running {
+            let (b2, s2, d2) = (backend.clone(), src.clone(), seed.clone());
+            if blocking(move || b2.plan_snapshot(&s2, &d2)).await? {
+                let (edge, b2, s2, d2, labels) = (
+                    self.clone(),
+                    backend.clone(),
+                    src.clone(),
+                    seed.clone(),
+                    req.labels.clone(),
+                );
+                let copies =
+                    tokio::spawn(
+                        async move { edge.copies(&b2, &s2, &d2, count, &labels, false).await },
+                    );
+                let saved = self.save_running(&e, &backend, &seed, "forked").await;
+                let made = copies
+                    .await
+                    .map_err(|j| ApiError::internal(format!("fork worker failed: {j}")))
+                    .and_then(|m| m);
+                // Copies that failed early may have removed it before a fallback save
+                // made it again.
+                self.discard_seed(&backend, &seed).await;
+                return match (saved, made) {
+                    (Ok(paused_ms), Ok(made)) => Ok(fork_response(&backend, made, paused_ms)),
+                    (Err(err), Ok(made)) => {
+                        for info in &made {
+                            let _ = self.stop(&info.id).await;
+                        }
+                        Err(err)
+                    }
+                    (Err(err), Err(_)) | (Ok(_), Err(err)) => Err(err),
+                };
+            }
+        }
         let paused_ms = self.save_running(&e, &backend, &seed, "forked").await?;
         let made = match (remote, peers) {
             (Some(target), Some(peers)) => {

@@ -47,9 +47,18 @@ pub fn read_json<T: serde::de::DeserializeOwned>(p: &Path) -> Result<T, String> 
     serde_json::from_slice(&b).map_err(|e| format!("{}: {e}", p.display()))
 }
 
+/// Writes `v` as JSON to `p` whole or not at all (a reader never sees half of it).
 pub fn write_json<T: serde::Serialize>(p: &Path, v: &T) -> Result<(), String> {
     let b = serde_json::to_vec_pretty(v).map_err(|e| e.to_string())?;
-    std::fs::write(p, b).map_err(|e| format!("writing {}: {e}", p.display()))
+    let mut tmp = p.as_os_str().to_owned();
+    tmp.push(format!(".{}.tmp", crate::random_hex(6)));
+    let tmp = std::path::PathBuf::from(tmp);
+    std::fs::write(&tmp, b)
+        .and_then(|()| std::fs::rename(&tmp, p))
+        .map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            format!("writing {}: {e}", p.display())
+        })
 }
 
 /// Copies `from` to `to` keeping its holes (memory files are mostly holes): each data

@@ -107,6 +107,14 @@ pub trait Backend: Send + Sync {
     fn snapshot_live(&self, _rec: &SandboxRecord, _dest: &Path) -> Option<Result<u64, ApiError>> {
         None
     }
+    /// Lays out in `dest` where [`Backend::snapshot_live`] of the running `rec` will put
+    /// its snapshot, so a fork's copies can start (`create` with `dest` as their seed)
+    /// while it is taken: they wait for it before they load it, and start over from it
+    /// if it came out otherwise (a capture that fell back to a pause). `false`: not
+    /// this backend or sandbox; the copies start once the snapshot is done.
+    fn plan_snapshot(&self, _rec: &SandboxRecord, _dest: &Path) -> bool {
+        false
+    }
     /// The part of [`Backend::snapshot`] that needs no pause, done once the caller has
     /// resumed the sandbox (a microVM's Diff laid over a copy of the memory it is a diff
     /// of).

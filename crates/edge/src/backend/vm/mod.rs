@@ -17,6 +17,7 @@ use dsec_common::api::BackendStatus;
 use dsec_image::ImageStore;
 use dsec_image::guest;
 
+mod mapped;
 pub(crate) mod net;
 mod qmp;
 
@@ -25,6 +26,7 @@ use qmp::Qmp;
 use super::detached::{alive, copy_sparse, kill, read_json, read_pid, write_json};
 use super::{Backend, SandboxPaths, SavedFile, moved_disk};
 use crate::cgroup::{self, CgroupMode};
+use crate::config::ForkCapture;
 use crate::registry::SandboxRecord;
 
 /// How a VM's CPU is run.
@@ -64,6 +66,8 @@ impl Accel {
 
 pub struct VmBackend {
     qemu: Result<PathBuf, String>,
+    /// QEMU's `(major, minor)` version: what its command line and captures can use.
+    qemu_version: (u32, u32),
     aether: Result<PathBuf, String>,
     accel: Accel,
     images: ImageStore,
@@ -128,6 +132,27 @@ fn user_exists(name: &str) -> bool {
 const QEMU_OVERHEAD_MB: u64 = 256;
 const TCG_CACHE_MB: u64 = 128;
 
+/// The `(major, minor)` version `qemu --version` prints; (0, 0) if it prints none.
+fn qemu_version(qemu: &Path) -> (u32, u32) {
+    let out = Command::new(qemu)
+        .arg("--version")
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    parse_version(&out).unwrap_or((0, 0))
+}
+
+fn parse_version(said: &str) -> Option<(u32, u32)> {
+    let v = said
+        .lines()
+        .next()?
+        .strip_prefix("QEMU emulator version ")?;
+    let mut parts = v.split(|c: char| !c.is_ascii_digit());
+    Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
+}
+
 fn find_qemu() -> Result<PathBuf, String> {
     for dir in ["/usr/bin", "/usr/local/bin", "/usr/libexec"] {
         let p = Path::new(dir).join("qemu-system-x86_64");
@@ -153,13 +178,29 @@ fn tsc_khz() -> u64 {
 
 /// Where a VM's memory comes from when QEMU starts.
 enum Mem<'a> {
-    /// Its own file in the RAM directory, mapped shared (what a snapshot can leave out
-    /// and copies can map); `fill` is copied into it first (a resume from disk).
+    /// Its own: anonymous memory where forks are captured with `mapped-ram`, else a file
+    /// in the RAM directory mapped shared (what a snapshot can leave out and copies can
+    /// map); `fill` is such a file's saved content, copied into it first (a resume from
+    /// disk of a VM saved that way).
     Own { fill: Option<&'a Path> },
     /// A fork copy: the template's file mapped private, so pages stay shared with the
     /// other copies until written.
     Template(&'a Path),
+    /// A fork copy from a `mapped-ram` save: its pages mapped private from `offset`.
+    Mapped { file: &'a Path, offset: u64 },
 }
+
+/// What a VM started to receive a saved state loads.
+enum Incoming<'a> {
+    /// A migration stream; with `ignore_shared`, one that left out memory in a shared file.
+    Stream { file: &'a Path, ignore_shared: bool },
+    /// A `mapped-ram` file whose memory the VM maps ([`Mem::Mapped`]).
+    Mapped(&'a Path),
+}
+
+/// A fork copy started early ([`VmBackend::restore_early`]) found its snapshot made
+/// another way than planned.
+const REPLANNED: &str = "the snapshot was made otherwise than planned";
 
 /// What a saved VM is, written next to its state as `vm.json`.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -170,9 +211,11 @@ struct SavedVm {
     mem_mb: u64,
     cpus: u64,
     /// `shared`: `dev` holds the device state and `ram` the memory file;
-    /// `full`: `full` holds both (the VM's memory was private, e.g. a fork copy).
+    /// `full`: `full` holds both (the VM's memory was private, e.g. a fork copy);
+    /// `mapped`: `ram` is a `mapped-ram` save of both, which copies map.
     kind: String,
-    /// The memory file of a `shared` save, when it lives outside the saved directory.
+    /// The memory file of a `shared` or `mapped` save, when it lives outside the saved
+    /// directory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     ram: Option<PathBuf>,
     /// The guest kernel's release: a restore needs the same kernel.
@@ -182,6 +225,10 @@ struct SavedVm {
     machine: String,
     #[serde(default)]
     net: bool,
+    /// A `mapped` save planned and not yet made ([`Backend::plan_snapshot`]): copies may
+    /// start on `ram`, and wait until this is gone before they load it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pending: bool,
 }
 
 impl SavedVm {
@@ -197,6 +244,7 @@ impl SavedVm {
             kernel,
             machine: info.machine,
             net: info.net,
+            pending: false,
         }
     }
 }
@@ -343,8 +391,11 @@ impl VmBackend {
                     Err(e) => tracing::warn!("preparing the VMs' kernel and initramfs: {e}"),
                 });
         }
+        let qemu = find_qemu();
+        let version = qemu.as_ref().map(|q| qemu_version(q)).unwrap_or((0, 0));
         VmBackend {
-            qemu: find_qemu(),
+            qemu,
+            qemu_version: version,
             aether,
             accel: Accel::detect(),
             images,
@@ -364,6 +415,21 @@ impl VmBackend {
 
     pub fn accel(&self) -> Accel {
         self.accel
+    }
+
+    /// How forks and snapshots of a running VM are captured: `auto` is `mapped` with
+    /// QEMU 10 or newer, else `pause`.
+    fn capture(&self) -> ForkCapture {
+        match self.options.as_ref().map(|o| o.fork_capture) {
+            Ok(ForkCapture::Auto) | Err(_) if self.qemu_version >= (10, 0) => ForkCapture::Mapped,
+            Ok(ForkCapture::Auto) | Err(_) => ForkCapture::Pause,
+            Ok(c) => c,
+        }
+    }
+
+    /// Whether a VM's own memory is anonymous (see [`Mem::Own`]).
+    fn anon_ram(&self) -> bool {
+        self.capture() == ForkCapture::Mapped
     }
 
     /// The VM's own memory file.
@@ -386,7 +452,8 @@ impl VmBackend {
         paths: &SandboxPaths,
         info: &VmInfo,
         mem: Mem<'_>,
-        incoming: Option<(&Path, bool)>,
+        incoming: Option<Incoming<'_>>,
+        ready: Option<&dyn Fn() -> Result<(), String>>,
     ) -> Result<(), String> {
         let qemu = self.qemu.as_ref().map_err(Clone::clone)?;
         let aether = self.aether.as_ref().map_err(Clone::clone)?;
@@ -398,15 +465,33 @@ impl VmBackend {
         let qemu_pid = dir.join("qemu.pid");
         std::fs::create_dir_all(&self.ram_dir)
             .map_err(|e| format!("creating {}: {e}", self.ram_dir.display()))?;
-        let (mem_path, share) = match mem {
+        // The guest's memory: a file, so that a snapshot can leave it out (the file is the
+        // memory) and fork copies map it copy-on-write; or anonymous, where copies map a
+        // `mapped-ram` save instead. No prealloc or mlock, which would touch every page
+        // and end the sharing.
+        let size = info.mem_mb;
+        let memory = match mem {
+            Mem::Own { fill: None } if self.anon_ram() => {
+                format!("memory-backend-ram,id=mem,size={size}M")
+            }
             Mem::Own { fill } => {
                 let own = self.ram_file(&rec.id);
                 if let Some(src) = fill {
                     copy_sparse(src, &own)?;
                 }
-                (own, "on")
+                format!(
+                    "memory-backend-file,id=mem,size={size}M,mem-path={},share=on",
+                    own.display()
+                )
             }
-            Mem::Template(t) => (t.to_path_buf(), "off"),
+            Mem::Template(t) => format!(
+                "memory-backend-file,id=mem,size={size}M,mem-path={},share=off",
+                t.display()
+            ),
+            Mem::Mapped { file, offset } => format!(
+                "memory-backend-file,id=mem,size={size}M,mem-path={},offset={offset},share=off",
+                file.display()
+            ),
         };
         write_json(&dir.join("vm.json"), info)?;
         let mut append = format!(
@@ -440,15 +525,7 @@ impl VmBackend {
             "-smp",
             &info.cpus.to_string(),
         ])
-        // The guest's memory is a file: a snapshot can leave it out (the file is the
-        // memory) and fork copies map it copy-on-write. No prealloc or mlock, which
-        // would touch every page and end the sharing.
-        .arg("-object")
-        .arg(format!(
-            "memory-backend-file,id=mem,size={}M,mem-path={},share={share}",
-            info.mem_mb,
-            mem_path.display()
-        ))
+        .args(["-object", &memory])
         .args([
             "-nodefaults",
             "-no-user-config",
@@ -469,10 +546,10 @@ impl VmBackend {
                 "on,obsolete=deny,spawn=deny,resourcecontrol=deny"
             },
         ])
-        .args(if opts.run_as.is_empty() {
-            vec![]
-        } else {
-            vec!["-runas", opts.run_as.as_str()]
+        .args(match (opts.run_as.as_str(), self.qemu_version >= (9, 1)) {
+            ("", _) => vec![],
+            (user, true) => vec!["-run-with".to_string(), format!("user={user}")],
+            (user, false) => vec!["-runas".to_string(), user.to_string()],
         })
         .arg("-pidfile")
         .arg(&qemu_pid)
@@ -588,10 +665,6 @@ impl VmBackend {
             .spawn()
             .map_err(|e| format!("starting {}: {e}", qemu.display()))?;
         let mut q = qmp_of_child(&mut child, &qmp, &qemu_log)?;
-        if let Some((state, ignore_shared)) = incoming {
-            q.set_ignore_shared(ignore_shared)?;
-            q.load(state, SAVE_TIMEOUT)?;
-        }
         // The channel's host end, detached like QEMU (it exits when the VM does).
         let vmux_log = std::fs::File::create(dir.join("vmux.log"))
             .map_err(|e| format!("creating vmux.log: {e}"))?;
@@ -615,6 +688,21 @@ impl VmBackend {
             .map_err(|e| format!("starting dsec-aether vmux: {e}"))?;
         std::fs::write(dir.join("vmux.pid"), child.id().to_string())
             .map_err(|e| format!("writing vmux.pid: {e}"))?;
+        // What it loads may still be being written (a fork's copy started early).
+        if let Some(ready) = ready {
+            ready()?;
+        }
+        match incoming {
+            Some(Incoming::Stream {
+                file,
+                ignore_shared,
+            }) => {
+                q.set_ignore_shared(ignore_shared)?;
+                q.load(file, SAVE_TIMEOUT)?;
+            }
+            Some(Incoming::Mapped(file)) => q.load_mapped(file, SAVE_TIMEOUT)?,
+            None => {}
+        }
         q.wait_connected("ch", Duration::from_secs(10))?;
         q.execute("cont", serde_json::Value::Null)?;
         Ok(())
@@ -631,58 +719,143 @@ impl VmBackend {
             // guest memory.
             mem_mb: rec.limits.memory_mb.max(128) + rec.limits.disk_mb / 4,
             cpus: rec.limits.cpu_cores.ceil().max(1.0) as u64,
-            shared_ram: true,
+            shared_ram: !self.anon_ram(),
             machine: self.options.as_ref().map_err(Clone::clone)?.machine.clone(),
             net: rec.network.as_ref().is_some_and(|n| n.gateway.is_some()),
         };
-        self.start(rec, paths, &info, Mem::Own { fill: None }, None)
+        self.start(rec, paths, &info, Mem::Own { fill: None }, None, None)
     }
 
-    /// A fork copy from a saved VM (see [`VmBackend::save`]).
+    /// A fork copy from a saved VM (see [`VmBackend::save`], [`VmBackend::mapped_save`]).
     fn restore_copy(
         &self,
         rec: &SandboxRecord,
         paths: &SandboxPaths,
         seed: &Path,
     ) -> Result<(), String> {
-        let saved: SavedVm = read_json(&seed.join("vm.json"))?;
+        let mut saved: SavedVm = read_json(&seed.join("vm.json"))?;
+        if saved.pending {
+            match self.restore_early(rec, paths, seed, &saved) {
+                Err(e) if e == REPLANNED => {
+                    // The snapshot came out otherwise: this copy starts over from it.
+                    self.stop_processes(&paths.dir);
+                    saved = read_json(&seed.join("vm.json"))?;
+                }
+                done => return done,
+            }
+        }
+        let ram = saved.ram.clone().unwrap_or_else(|| seed.join("ram"));
+        let mut info = VmInfo {
+            disk: saved.disk,
+            mem_mb: saved.mem_mb,
+            cpus: saved.cpus,
+            shared_ram: false,
+            machine: saved.machine,
+            net: saved.net,
+        };
         match saved.kind.as_str() {
-            "shared" => {
-                let ram = saved.ram.clone().unwrap_or_else(|| seed.join("ram"));
-                let info = VmInfo {
-                    disk: saved.disk,
-                    mem_mb: saved.mem_mb,
-                    cpus: saved.cpus,
-                    shared_ram: false,
-                    machine: saved.machine,
-                    net: saved.net,
-                };
+            "shared" => self.start(
+                rec,
+                paths,
+                &info,
+                Mem::Template(&ram),
+                Some(Incoming::Stream {
+                    file: &seed.join("dev"),
+                    ignore_shared: true,
+                }),
+                None,
+            ),
+            "mapped" => {
+                let f = std::fs::File::open(&ram)
+                    .map_err(|e| format!("opening {}: {e}", ram.display()))?;
+                let block = mapped::read_mem(&f, info.mem_mb << 20)?;
                 self.start(
                     rec,
                     paths,
                     &info,
-                    Mem::Template(&ram),
-                    Some((&seed.join("dev"), true)),
+                    Mem::Mapped {
+                        file: &ram,
+                        offset: block.pages_offset,
+                    },
+                    Some(Incoming::Mapped(&ram)),
+                    None,
                 )
             }
             _ => {
-                let info = VmInfo {
-                    disk: saved.disk,
-                    mem_mb: saved.mem_mb,
-                    cpus: saved.cpus,
-                    shared_ram: true,
-                    machine: saved.machine,
-                    net: saved.net,
-                };
+                info.shared_ram = !self.anon_ram();
                 self.start(
                     rec,
                     paths,
                     &info,
                     Mem::Own { fill: None },
-                    Some((&seed.join("full"), false)),
+                    Some(Incoming::Stream {
+                        file: &seed.join("full"),
+                        ignore_shared: false,
+                    }),
+                    None,
                 )
             }
         }
+    }
+
+    /// A fork copy started while its snapshot is taken (`saved`, the plan): QEMU starts on
+    /// the planned file at the offset its pages will have, then waits for the snapshot
+    /// before it loads it. [`REPLANNED`] when the snapshot came out otherwise.
+    fn restore_early(
+        &self,
+        rec: &SandboxRecord,
+        paths: &SandboxPaths,
+        seed: &Path,
+        saved: &SavedVm,
+    ) -> Result<(), String> {
+        let ram = saved
+            .ram
+            .clone()
+            .ok_or("the planned snapshot names no file")?;
+        let offset = mapped::planned_pages_offset(saved.mem_mb << 20);
+        let info = VmInfo {
+            disk: saved.disk.clone(),
+            mem_mb: saved.mem_mb,
+            cpus: saved.cpus,
+            shared_ram: false,
+            machine: saved.machine.clone(),
+            net: saved.net,
+        };
+        let wait = || {
+            let t0 = Instant::now();
+            loop {
+                if !seed.is_dir() {
+                    return Err("the fork's snapshot failed".to_string());
+                }
+                // Absent or still the plan while it is taken (or retaken after a pause).
+                if let Ok(now) = read_json::<SavedVm>(&seed.join("vm.json"))
+                    && !now.pending
+                {
+                    if now.kind != "mapped" || now.ram.as_deref() != Some(ram.as_path()) {
+                        return Err(REPLANNED.to_string());
+                    }
+                    let f = std::fs::File::open(&ram)
+                        .map_err(|e| format!("opening {}: {e}", ram.display()))?;
+                    return match mapped::read_mem(&f, saved.mem_mb << 20) {
+                        Ok(b) if b.pages_offset == offset => Ok(()),
+                        Ok(_) => Err(REPLANNED.to_string()),
+                        Err(e) => Err(e),
+                    };
+                }
+                if t0.elapsed() > SAVE_TIMEOUT {
+                    return Err("the fork's snapshot took too long".into());
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        };
+        self.start(
+            rec,
+            paths,
+            &info,
+            Mem::Mapped { file: &ram, offset },
+            Some(Incoming::Mapped(&ram)),
+            Some(&wait),
+        )
     }
 
     /// Saves a stopped VM into `dest`: its device state and a copy of its memory file
@@ -695,6 +868,10 @@ impl VmBackend {
         std::fs::create_dir_all(dest).map_err(|e| format!("creating {}: {e}", dest.display()))?;
         let kernel = Some(self.boot_files()?.0.version);
         let mut q = self.qmp_of(&rec.id)?;
+        if self.qemu_version >= (9, 0) {
+            // Left on by a mapped-ram capture an edge died in; a stream save refuses them.
+            let _ = q.set_caps(&[("mapped-ram", false), ("multifd", false)]);
+        }
         q.set_ignore_shared(info.shared_ram)?;
         let saved = if info.shared_ram {
             q.save(&dest.join("dev"), SAVE_TIMEOUT)?;
@@ -816,6 +993,56 @@ impl VmBackend {
         Ok(stalled)
     }
 
+    /// [`VmBackend::save`] of a running VM into one `mapped-ram` file, `file` (in the RAM
+    /// directory), while the VM runs: it stands still only for its last dirty pages and
+    /// its device state (a few ms), then goes on; the file is then sealed
+    /// ([`mapped::seal`]) for copies to map. Returns the ms the VM stood still.
+    fn mapped_save(&self, rec: &SandboxRecord, dest: &Path, file: &Path) -> Result<u64, String> {
+        let info: VmInfo = read_json(&self.sandboxes.join(&rec.id).join("vm.json"))?;
+        let kernel = Some(self.boot_files()?.0.version);
+        let out = new_mapped_file(file, info.mem_mb << 20)?;
+        let mut q = self.qmp_of(&rec.id)?;
+        let t0 = Instant::now();
+        let stalled = q.migrate_mapped(&out, crate::config::LIVE_FORK_WITHIN)?;
+        let saved_at = t0.elapsed();
+        drop(out);
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(file)
+            .map_err(|e| format!("opening {}: {e}", file.display()))?;
+        mapped::seal(&f, info.mem_mb << 20)?;
+        tracing::info!(
+            sandbox = %rec.id,
+            saved_ms = saved_at.as_millis() as u64,
+            sealed_ms = (t0.elapsed() - saved_at).as_millis() as u64,
+            stalled_ms = stalled,
+            "captured with mapped-ram"
+        );
+        let mut saved = SavedVm::of(info, Some(file), kernel);
+        saved.kind = "mapped".into();
+        write_json(&dest.join("vm.json"), &saved)?;
+        Ok(stalled)
+    }
+
+    /// See [`Backend::plan_snapshot`]: with `mapped` capture, the snapshot's file is made
+    /// now (copies starting early open it) and `dest/vm.json` says it is pending.
+    fn plan(&self, rec: &SandboxRecord, dest: &Path) -> Result<(), String> {
+        let info: VmInfo = read_json(&self.sandboxes.join(&rec.id).join("vm.json"))?;
+        let kernel = Some(self.boot_files()?.0.version);
+        std::fs::create_dir_all(dest).map_err(|e| format!("creating {}: {e}", dest.display()))?;
+        let ram = self
+            .ram_dir
+            .join(format!("seed-{}-{}.mr", rec.id, crate::random_hex(8)));
+        new_mapped_file(&ram, info.mem_mb << 20)?;
+        let mut saved = SavedVm::of(info, Some(&ram), kernel);
+        saved.kind = "mapped".into();
+        saved.pending = true;
+        write_json(&dest.join("vm.json"), &saved).inspect_err(|_| {
+            let _ = std::fs::remove_file(&ram);
+        })
+    }
+
     fn suspended_dir(&self, id: &str) -> PathBuf {
         self.sandboxes.join(id).join(super::SUSPENDED_DIR)
     }
@@ -920,21 +1147,37 @@ impl Backend for VmBackend {
         self.qmp(rec, "cont")
     }
 
-    /// With `fork_capture = "live"` and the VM's memory its own file: [`VmBackend::live_save`],
-    /// its seed in the RAM directory like [`Backend::snapshot`]'s.
+    /// With `mapped` capture: [`VmBackend::mapped_save`]. With `live` and the VM's
+    /// memory its own file: [`VmBackend::live_save`]. The seed goes to the RAM directory
+    /// like [`Backend::snapshot`]'s. A failed capture leaves the VM running and falls back
+    /// to a paused one (`None`).
     fn snapshot_live(&self, rec: &SandboxRecord, dest: &Path) -> Option<Result<u64, ApiError>> {
-        let capture = self.options.as_ref().ok()?.fork_capture;
+        let capture = self.capture();
         let info: VmInfo = read_json(&self.sandboxes.join(&rec.id).join("vm.json")).ok()?;
-        // A VM whose pages are private (a fork copy) is saved whole, stopped, as before.
-        if capture != crate::config::ForkCapture::Live || !info.shared_ram {
+        let live = match capture {
+            ForkCapture::Mapped => true,
+            // A VM whose pages are private (a fork copy) is saved whole, stopped, as before.
+            ForkCapture::Live => info.shared_ram,
+            _ => false,
+        };
+        if !live {
             return None;
         }
         std::fs::create_dir_all(dest).ok()?;
-        let ram = self
-            .ram_dir
-            .join(format!("seed-{}-{}.ram", rec.id, crate::random_hex(8)));
-        match self.live_save(rec, info, dest, &ram) {
-            Ok(ms) => {
+        let name = format!("seed-{}-{}", rec.id, crate::random_hex(8));
+        let (ram, r) = if capture == ForkCapture::Mapped {
+            // Where the plan put it, if copies were started on it.
+            let ram = read_json::<SavedVm>(&dest.join("vm.json"))
+                .ok()
+                .filter(|s| s.pending)
+                .and_then(|s| s.ram)
+                .unwrap_or_else(|| self.ram_dir.join(format!("{name}.mr")));
+            let r = self.mapped_save(rec, dest, &ram);
+            (ram, r)
+        } else {
+            let ram = self.ram_dir.join(format!("{name}.ram"));
+            let r = self.live_save(rec, info, dest, &ram);
+            if r.is_ok() {
                 // The template wrote every page of the seed, zeros too: those go back,
                 // behind the copies (which map it privately and would read zeros there
                 // either way).
@@ -945,18 +1188,35 @@ impl Backend for VmBackend {
                         Ok(n) => tracing::debug!(sandbox = %id, "seed gave back {} MiB of zero pages", n >> 20),
                         Err(e) => tracing::debug!(sandbox = %id, "seed's zero pages: {e}"),
                     });
-                Some(Ok(ms))
             }
+            (ram, r)
+        };
+        match r {
+            Ok(ms) => Some(Ok(ms)),
             Err(e) => {
                 // The VM runs on whatever happened (a cancelled migration leaves it
                 // running); the caller captures it paused instead.
                 let _ = std::fs::remove_file(&ram);
+                let _ = std::fs::remove_file(dest.join("vm.json"));
                 tracing::warn!(sandbox = %rec.id, "live capture failed, pausing instead: {e}");
                 let mut q = self.qmp_of(&rec.id).ok()?;
                 if q.status().ok()?.as_str() != "running" {
                     q.execute("cont", serde_json::Value::Null).ok()?;
                 }
                 None
+            }
+        }
+    }
+
+    fn plan_snapshot(&self, rec: &SandboxRecord, dest: &Path) -> bool {
+        if self.capture() != ForkCapture::Mapped {
+            return false;
+        }
+        match self.plan(rec, dest) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::debug!(sandbox = %rec.id, "copies start after the snapshot: {e}");
+                false
             }
         }
     }
@@ -1007,15 +1267,20 @@ impl Backend for VmBackend {
     fn saved_files(&self, saved: &Path) -> Result<Vec<SavedFile>, ApiError> {
         let bad = |e: String| ApiError::internal(format!("reading the saved VM: {e}"));
         let vm: SavedVm = read_json(&saved.join("vm.json")).map_err(bad)?;
-        let state = if vm.kind == "shared" { "dev" } else { "full" };
-        let mut out = vec![
-            SavedFile::at("vm.json", saved.join("vm.json")).map_err(bad)?,
-            SavedFile::at(state, saved.join(state)).map_err(bad)?,
-        ];
+        let mut out = vec![SavedFile::at("vm.json", saved.join("vm.json")).map_err(bad)?];
+        // A mapped-ram save is one file, `ram`.
+        let state = match vm.kind.as_str() {
+            "shared" => Some("dev"),
+            "mapped" => None,
+            _ => Some("full"),
+        };
+        if let Some(state) = state {
+            out.push(SavedFile::at(state, saved.join(state)).map_err(bad)?);
+        }
         let ram = vm
             .ram
             .clone()
-            .or_else(|| (vm.kind == "shared").then(|| saved.join("ram")));
+            .or_else(|| (vm.kind != "full").then(|| saved.join("ram")));
         if let Some(ram) = ram {
             out.push(SavedFile::at("ram", ram).map_err(bad)?);
         }
@@ -1046,6 +1311,7 @@ impl Backend for VmBackend {
         let state = match vm.kind.as_str() {
             "shared" => "dev",
             "full" => "full",
+            "mapped" => "ram",
             k => return Err(bad(format!("unknown kind {k:?}"))),
         };
         if !staged.join(state).is_file() {
@@ -1073,6 +1339,14 @@ impl Backend for VmBackend {
             )));
         }
         vm.ram = match vm.kind.as_str() {
+            "mapped" => {
+                // Copies map its pages at the offset its header gives: a header that does
+                // not fit the memory size, or a file short of the pages, goes no further.
+                let f = std::fs::File::open(staged.join("ram"))
+                    .map_err(|e| bad(format!("ram: {e}")))?;
+                mapped::read_mem(&f, vm.mem_mb << 20).map_err(bad)?;
+                Some(home.join("ram"))
+            }
             "shared" if staged.join("ram").is_file() => Some(home.join("ram")),
             "shared" => return Err(bad("ram is missing".into())),
             _ => None,
@@ -1111,7 +1385,7 @@ impl Backend for VmBackend {
                 disk: saved.disk.clone(),
                 mem_mb: saved.mem_mb,
                 cpus: saved.cpus,
-                shared_ram: true,
+                shared_ram: saved.ram.is_some() || !self.anon_ram(),
                 machine: saved.machine.clone(),
                 net: saved.net,
             };
@@ -1121,14 +1395,22 @@ impl Backend for VmBackend {
                     paths,
                     &info,
                     Mem::Own { fill: Some(ram) },
-                    Some((&dir.join("dev"), true)),
+                    Some(Incoming::Stream {
+                        file: &dir.join("dev"),
+                        ignore_shared: true,
+                    }),
+                    None,
                 ),
                 None => self.start(
                     rec,
                     paths,
                     &info,
                     Mem::Own { fill: None },
-                    Some((&dir.join("full"), false)),
+                    Some(Incoming::Stream {
+                        file: &dir.join("full"),
+                        ignore_shared: false,
+                    }),
+                    None,
                 ),
             }
         })();
@@ -1182,6 +1464,28 @@ impl Backend for VmBackend {
     }
 }
 
+/// A new file for a `mapped-ram` save of a guest memory of `mem_bytes`, open for writing
+/// only (how QEMU takes it), the edge's alone (QEMU opens what maps it before it drops to
+/// its user, and is handed descriptors for the rest), and as long as a copy maps: a copy
+/// that starts before the save is written would otherwise extend it itself, racing the
+/// save's own writes.
+fn new_mapped_file(path: &Path, mem_bytes: u64) -> Result<std::fs::File, String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| format!("creating {}: {e}", path.display()))?;
+    let len = mapped::planned_pages_offset(mem_bytes) + mem_bytes;
+    if f.metadata().map(|m| m.len()).unwrap_or(0) < len {
+        f.set_len(len)
+            .map_err(|e| format!("sizing {}: {e}", path.display()))?;
+    }
+    Ok(f)
+}
+
 /// Most bytes of a VM's console kept on the host: a guest that writes to its serial port
 /// without end does not fill the node's disk.
 pub const CONSOLE_MAX: u64 = 4 << 20;
@@ -1223,6 +1527,18 @@ mod tests {
         );
     }
     use crate::config::VmOptions;
+
+    #[test]
+    fn qemu_versions_are_read() {
+        let v = "QEMU emulator version 10.0.2 (Debian 1:10.0.2+ds-2+deb13u1~bpo12+1)\nCopyright";
+        assert_eq!(parse_version(v), Some((10, 0)));
+        assert_eq!(
+            parse_version("QEMU emulator version 7.2.22 (Debian 1:7.2+dfsg-7)"),
+            Some((7, 2))
+        );
+        assert_eq!(parse_version("qemu-system-x86_64: not found"), None);
+        assert_eq!(parse_version(""), None);
+    }
 
     #[test]
     fn a_template_has_the_vms_command_line_with_its_own_files() {

@@ -12,6 +12,9 @@ use serde_json::{Value, json};
 /// How long one QMP answer may take.
 const READ_WITHIN: Duration = Duration::from_secs(30);
 
+/// The descriptor set a `mapped-ram` save or load passes its file in.
+const SAVE_FDSET: u32 = 7;
+
 pub struct Qmp {
     r: BufReader<UnixStream>,
     w: UnixStream,
@@ -62,10 +65,22 @@ impl Qmp {
     /// SCM_RIGHTS), for a `fd:<name>` migration URI: QEMU reads or writes it itself and
     /// runs no helper program (its seccomp filter forbids spawning one).
     pub fn give_fd(&mut self, name: &str, f: &impl AsRawFd) -> Result<(), String> {
-        let line = format!(
-            "{}\n",
-            json!({"execute": "getfd", "arguments": {"fdname": name}})
-        );
+        self.with_fd("getfd", json!({ "fdname": name }), f)
+            .map(drop)
+    }
+
+    /// Puts the open file `f` in QEMU's descriptor set `set` (`add-fd`), for a
+    /// `file:/dev/fdset/<set>` URI: QEMU picks the descriptor whose access mode fits.
+    /// The set is emptied first (one an interrupted earlier save left behind).
+    pub fn add_fd(&mut self, set: u32, f: &impl AsRawFd) -> Result<(), String> {
+        let _ = self.execute("remove-fd", json!({ "fdset-id": set }));
+        self.with_fd("add-fd", json!({ "fdset-id": set }), f)
+            .map(drop)
+    }
+
+    /// Runs `cmd` with the descriptor of `f` passed along (SCM_RIGHTS).
+    fn with_fd(&mut self, cmd: &str, args: Value, f: &impl AsRawFd) -> Result<Value, String> {
+        let line = format!("{}\n", json!({"execute": cmd, "arguments": args}));
         let fd: libc::c_int = f.as_raw_fd();
         let fd_size = std::mem::size_of::<libc::c_int>() as u32;
         // SAFETY: CMSG_SPACE and CMSG_LEN only compute sizes.
@@ -86,7 +101,7 @@ impl Qmp {
             msg.msg_controllen = space as _;
             let c = libc::CMSG_FIRSTHDR(&msg);
             if c.is_null() {
-                return Err("QMP getfd: no room for the descriptor".into());
+                return Err(format!("QMP {cmd}: no room for the descriptor"));
             }
             (*c).cmsg_level = libc::SOL_SOCKET;
             (*c).cmsg_type = libc::SCM_RIGHTS;
@@ -99,14 +114,14 @@ impl Qmp {
             libc::sendmsg(self.w.as_raw_fd(), &msg, 0)
         };
         if sent < 0 {
-            return Err(format!("QMP getfd: {}", std::io::Error::last_os_error()));
+            return Err(format!("QMP {cmd}: {}", std::io::Error::last_os_error()));
         }
         // The descriptor went with the first byte; the rest of the line, if the socket
         // took only part, goes as usual.
         self.w
             .write_all(&line.as_bytes()[sent as usize..])
-            .map_err(|e| format!("QMP getfd: {e}"))?;
-        self.reply("getfd").map(drop)
+            .map_err(|e| format!("QMP {cmd}: {e}"))?;
+        self.reply(cmd)
     }
 
     fn reply(&mut self, cmd: &str) -> Result<Value, String> {
@@ -131,6 +146,16 @@ impl Qmp {
             json!({ "capabilities": [{ "capability": "x-ignore-shared", "state": on }] }),
         )
         .map(drop)
+    }
+
+    /// Turns migration capabilities on or off.
+    pub fn set_caps(&mut self, caps: &[(&str, bool)]) -> Result<(), String> {
+        let caps: Vec<Value> = caps
+            .iter()
+            .map(|(c, on)| json!({ "capability": c, "state": on }))
+            .collect();
+        self.execute("migrate-set-capabilities", json!({ "capabilities": caps }))
+            .map(drop)
     }
 
     /// Waits until something is connected to the socket chardev `id`.
@@ -224,6 +249,45 @@ impl Qmp {
         )?;
         self.give_fd("dsec-live", to)?;
         self.execute("migrate", json!({ "uri": "fd:dsec-live" }))?;
+        self.finish_live(within)
+    }
+
+    /// Saves the running VM live into the `mapped-ram` file `to` (open for writing only;
+    /// see [`super::mapped`]), then continues it: the VM stands still only for its last
+    /// dirty pages and its device state. Returns that time in ms, as
+    /// [`Qmp::migrate_live`]. The file is not yet ready to map ([`super::mapped::seal`]).
+    pub fn migrate_mapped(&mut self, to: &std::fs::File, within: Duration) -> Result<u64, String> {
+        self.set_caps(&[
+            ("events", true),
+            ("x-ignore-shared", false),
+            ("mapped-ram", true),
+            ("multifd", true),
+        ])?;
+        self.execute(
+            "migrate-set-parameters",
+            json!({ "max-bandwidth": 100u64 << 30, "downtime-limit": 20, "multifd-channels": 2 }),
+        )?;
+        self.add_fd(SAVE_FDSET, to)?;
+        let uri = json!({ "uri": format!("file:/dev/fdset/{SAVE_FDSET}") });
+        // Right after an earlier migration QEMU can still hold its last one's name for
+        // a moment ("duplicate yank instance").
+        if let Err(e) = self.execute("migrate", uri.clone()) {
+            std::thread::sleep(Duration::from_millis(20));
+            self.execute("migrate", uri)
+                .map_err(|e2| format!("{e}; again: {e2}"))?;
+        }
+        let r = self.finish_live(within);
+        let _ = self.execute("remove-fd", json!({ "fdset-id": SAVE_FDSET }));
+        // Stream saves (pause to disk) cannot use these.
+        let _ = self.set_caps(&[("mapped-ram", false), ("multifd", false)]);
+        r
+    }
+
+    /// Waits for the migration just started to complete (told by an event rather than
+    /// polled: once it completes the VM stands still until `cont`, and polling would take
+    /// the VM's main loop from the migration), continues the VM and returns how long it
+    /// stood still; gives up (cancelled, the VM still running) after `within`.
+    fn finish_live(&mut self, within: Duration) -> Result<u64, String> {
         let deadline = Instant::now() + within;
         let status = loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -255,7 +319,14 @@ impl Qmp {
         };
         if status == "completed" {
             let t = Instant::now();
-            self.execute("cont", Value::Null)?;
+            // QEMU 10 announces `completed` a moment before its migration thread has
+            // finished, and refuses `cont` until then ("Migration is not finalized yet").
+            while let Err(e) = self.execute("cont", Value::Null) {
+                if !e.contains("not finalized") || t.elapsed() > Duration::from_secs(5) {
+                    return Err(e);
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
             let cont_ms = t.elapsed().as_millis() as u64;
             let v = self.execute("query-migrate", Value::Null)?;
             let downtime = v.get("downtime").and_then(Value::as_u64).unwrap_or(0);
@@ -277,6 +348,24 @@ impl Qmp {
         self.give_fd("dsec-load", &input)?;
         self.execute("migrate-incoming", json!({ "uri": "fd:dsec-load" }))?;
         self.wait_loaded(within).map(drop)
+    }
+
+    /// Loads the `mapped-ram` file `src` (see [`super::mapped`]) into a VM started with
+    /// `-incoming defer` whose memory maps the same file; the VM ends paused. Passed as a
+    /// descriptor: QEMU opens the file after it has dropped to its `run-with` user.
+    pub fn load_mapped(&mut self, src: &Path, within: Duration) -> Result<(), String> {
+        let input =
+            std::fs::File::open(src).map_err(|e| format!("opening {}: {e}", src.display()))?;
+        self.set_caps(&[("mapped-ram", true), ("multifd", true)])?;
+        self.add_fd(SAVE_FDSET, &input)?;
+        self.execute(
+            "migrate-incoming",
+            json!({ "uri": format!("file:/dev/fdset/{SAVE_FDSET}") }),
+        )?;
+        let r = self.wait_loaded(within).map(drop);
+        let _ = self.execute("remove-fd", json!({ "fdset-id": SAVE_FDSET }));
+        let _ = self.set_caps(&[("mapped-ram", false), ("multifd", false)]);
+        r
     }
 
     /// Waits until a VM receiving a migration (`migrate-incoming`) has all of it; the run
