@@ -81,6 +81,17 @@ class Qmp:
         while self.call("query-status")["status"] == "inmigrate":
             time.sleep(0.002)
 
+    def load_mapped(self, src: Path) -> None:
+        """A `mapped-ram` save (the edge's `mapped` capture) whose memory the VM maps
+        from the same file: the ROM blocks and the device state are read, no guest page."""
+        self.call("migrate-set-capabilities", {"capabilities": [
+            {"capability": "mapped-ram", "state": True}, {"capability": "multifd", "state": True}]})
+        with open(src, "rb") as f:
+            self.call("add-fd", {"fdset-id": 9}, fd=f.fileno())
+        self.call("migrate-incoming", {"uri": "file:/dev/fdset/9"})
+        while self.call("query-status")["status"] == "inmigrate":
+            time.sleep(0.002)
+
     def wait_connected(self, label: str, within: float = 10) -> None:
         t0 = time.perf_counter()
         while True:

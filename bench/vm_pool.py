@@ -5,8 +5,9 @@ boots and is saved, the rest are restored from the save. Prints, in one run: a c
 create -> first exec (a boot), how long the pool takes to make each member by restoring
 (its refill after a batch is taken), and a create served by the pool -> first exec, next
 to the floor: a raw QEMU restore of the same save, by hand (the command line a pool
-member runs, the same QMP steps as the edge's: x-ignore-shared, an `fd:` migration of the
-device state, `cont`), timed from starting QEMU to the guest running.
+member runs, the same QMP steps as the edge's: a `mapped-ram` load of the save the member
+maps (QEMU 10), or x-ignore-shared and an `fd:` migration of the device state (older QEMU);
+then `cont`), timed from starting QEMU to the guest running.
 
     python3 bench/vm_pool.py -n 4
 
@@ -55,11 +56,12 @@ def member_commands() -> list[list[str]]:
     return out
 
 
-def raw_restore(cmd: list[str], dev: Path, netns: str) -> float:
-    """Seconds from starting QEMU to the guest running again, restored from the device
-    state `dev` over the memory file the member maps (`cmd` names it, and how), in a
+def raw_restore(cmd: list[str], seed: Path, netns: str) -> float:
+    """Seconds from starting QEMU to the guest running again, restored from the pool's
+    save `seed` over the memory file the member maps (`cmd` names it, and how), in a
     scratch directory and the network namespace `netns` (see rawqemu.RawVm); no host end
-    of the channel, so "running" is QEMU's run state."""
+    of the channel, so "running" is QEMU's run state. The save is the device state `dev`
+    (x-ignore-shared) or, with QEMU 10's `mapped` capture, the mapped-ram file itself."""
     opts = next(a for a in cmd if a.startswith("memory-backend-file,")).split(",")
     mem = Path(next(o for o in opts if o.startswith("mem-path=")).split("=", 1)[1])
     vm = RawVm(cmd, scratch("dsec-raw-restore-"), None, mem, share="share=on" in opts,
@@ -68,8 +70,11 @@ def raw_restore(cmd: list[str], dev: Path, netns: str) -> float:
     try:
         vm.spawn()
         q = vm.connect()
-        q.ignore_shared()
-        q.load(dev)
+        if (seed / "dev").exists():
+            q.ignore_shared()
+            q.load(seed / "dev")
+        else:
+            q.load_mapped(mem)
         q.call("cont")
         took = time.perf_counter() - t0
         q.call("quit")
@@ -81,10 +86,10 @@ def raw_restore(cmd: list[str], dev: Path, netns: str) -> float:
         vm.close()
 
 
-def raw_floor(cmd: list[str], dev: Path, n: int = 5) -> list[float]:
+def raw_floor(cmd: list[str], seed: Path, n: int = 5) -> list[float]:
     """`raw_restore` n times in a network namespace of its own (removed after)."""
     with Netns(cmd, 1) as [netns]:
-        return [raw_restore(cmd, dev, netns) for _ in range(n)]
+        return [raw_restore(cmd, seed, netns) for _ in range(n)]
 
 
 async def bench(url: str, key: str, n: int, data: Path) -> dict:
@@ -129,10 +134,10 @@ async def bench(url: str, key: str, n: int, data: Path) -> dict:
         out["refill_s"] = round(refill, 2)
         out["refill_per_member_ms"] = round(refill / n * 1000, 1)
         # The floor, while the pool's members run: the same save restored by hand.
-        seeds = sorted(data.glob(f"edge/fork-tmp/pool-{POOL}-*/dev"))
+        seeds = sorted(data.glob(f"edge/fork-tmp/pool-{POOL}-*/vm.json"))
         members = member_commands()
         if seeds and members:
-            raw = raw_floor(members[0], seeds[0])
+            raw = raw_floor(members[0], seeds[0].parent)
             out["raw_qemu_restore_to_running"] = lat_summary(raw)
             out["pooled_over_raw_restore"] = round(
                 out["pooled_create_to_first_exec"]["p50_ms"] / out["raw_qemu_restore_to_running"]["p50_ms"], 2)

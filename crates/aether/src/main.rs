@@ -255,21 +255,27 @@ fn serve_one(
             let attach = spec.attach;
             match ctx.procs.start(spec, &ctx.table, &ctx.env()) {
                 Ok(p) => {
-                    if write_json(&mut out, &Response::Started { pid: p.pid }).is_err() {
+                    let started = Response::Started {
+                        pid: p.pid,
+                        kept: true,
+                    };
+                    if write_json(&mut out, &started).is_err() {
                         return None;
                     }
-                    if attach {
-                        stream_output(p.attach(), &mut out);
+                    // The connection goes on once the stream has ended with the exit.
+                    if attach && !stream_output(p.attach(), &mut out) {
+                        return None;
                     }
-                    return None;
+                    return Some((input, out));
                 }
                 Err(message) => invalid(message),
             }
         }
         Request::Attach { pid } => match ctx.procs.get(pid) {
             Ok(p) => {
-                if write_json(&mut out, &Response::Started { pid }).is_ok() {
-                    stream_output(p.attach(), &mut out);
+                let started = Response::Started { pid, kept: true };
+                if write_json(&mut out, &started).is_ok() && stream_output(p.attach(), &mut out) {
+                    return Some((input, out));
                 }
                 return None;
             }
@@ -491,7 +497,9 @@ fn fs_reply(
 }
 
 /// Writes the kept output, then live output until the process exits or the edge goes.
-fn stream_output(a: Attachment, out: &mut UnixStream) {
+/// Streams a process's output to `out` until its exit; whether it got there (the
+/// connection is then at a request's end, and can carry another).
+fn stream_output(a: Attachment, out: &mut UnixStream) -> bool {
     let send = |out: &mut UnixStream, c: &Chunk| match c {
         Chunk::Out(d) => write_frame(out, FRAME_STDOUT, d),
         Chunk::Err(d) => write_frame(out, FRAME_STDERR, d),
@@ -500,26 +508,26 @@ fn stream_output(a: Attachment, out: &mut UnixStream) {
     for (kind, data) in [(FRAME_STDOUT, &a.stdout), (FRAME_STDERR, &a.stderr)] {
         for piece in data.chunks(dsec_common::channel::CHUNK) {
             if write_frame(out, kind, piece).is_err() {
-                return;
+                return false;
             }
         }
     }
     if let Some(exit) = a.exit {
-        let _ = write_json(out, &Response::Exit(exit));
-        return;
+        return write_json(out, &Response::Exit(exit)).is_ok();
     }
-    let Some(feed) = a.feed else { return };
+    let Some(feed) = a.feed else { return false };
     loop {
         match feed.recv_timeout(Duration::from_secs(1)) {
             Ok(c) => {
                 let last = matches!(c, Chunk::Exit(_));
-                if send(out, &c).is_err() || last {
-                    return;
+                let sent = send(out, &c).is_ok();
+                if !sent || last {
+                    return sent && last;
                 }
             }
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
                 if peer_gone(out) {
-                    return;
+                    return false;
                 }
             }
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
@@ -530,7 +538,7 @@ fn stream_output(a: Attachment, out: &mut UnixStream) {
                         "this client read the output too slowly and was detached; attach again",
                     ),
                 );
-                return;
+                return false;
             }
         }
     }

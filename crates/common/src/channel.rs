@@ -223,24 +223,56 @@ pub struct PtySize {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "reply", rename_all = "snake_case")]
 pub enum Response {
-    Pong { version: u32, pid: u32 },
-    DiskUsage { used_bytes: u64, total_bytes: u64 },
+    Pong {
+        version: u32,
+        pid: u32,
+    },
+    DiskUsage {
+        used_bytes: u64,
+        total_bytes: u64,
+    },
     Exec(ExecResult),
     Ok,
-    Error { code: ErrorCode, message: String },
-    Started { pid: u32 },
+    Error {
+        code: ErrorCode,
+        message: String,
+    },
+    Started {
+        pid: u32,
+        /// The connection carries more requests once this process's stream has ended
+        /// with its exit (or at once, for a process started without one); agents before
+        /// it closed it.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        kept: bool,
+    },
     Exit(ExecResult),
-    Processes { processes: Vec<ProcessInfo> },
-    File { size: u64 },
-    Written { path: String, size: u64 },
-    Exported { entries: u64, bytes: u64 },
+    Processes {
+        processes: Vec<ProcessInfo>,
+    },
+    File {
+        size: u64,
+    },
+    Written {
+        path: String,
+        size: u64,
+    },
+    Exported {
+        entries: u64,
+        bytes: u64,
+    },
     Stat(FileStat),
-    Entries { entries: Vec<FileStat> },
-    Exists { exists: bool },
+    Entries {
+        entries: Vec<FileStat>,
+    },
+    Exists {
+        exists: bool,
+    },
     Ready,
     Event(FsEvent),
     Session(SessionInfo),
-    Sessions { sessions: Vec<SessionInfo> },
+    Sessions {
+        sessions: Vec<SessionInfo>,
+    },
     Command(SessionResult),
 }
 

@@ -207,7 +207,7 @@ impl Kept {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).clear();
     }
 
-    fn put(&self, c: Conn) {
+    pub(crate) fn put(&self, c: Conn) {
         let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
         if kept.len() < KEPT_MAX {
             kept.push(c);
@@ -226,19 +226,25 @@ pub async fn call_kept(
     timeout: Duration,
 ) -> Result<Response, ApiError> {
     tokio::time::timeout(timeout, async {
-        let mut conn = match kept.take() {
-            Some(mut c) => match c.send(req).await {
-                Ok(()) => c,
-                Err(_) => Conn::open(sock, req).await?,
-            },
-            None => Conn::open(sock, req).await?,
-        };
+        let mut conn = open_kept(kept, sock, req).await?;
         let r = conn.whole_reply().await?;
         kept.put(conn);
         check(r)
     })
     .await
     .map_err(|_| deadline_error(timeout))?
+}
+
+/// `req` sent on a kept connection of the sandbox when there is one (see [`call_kept`]),
+/// else on a new one.
+pub async fn open_kept(kept: &Kept, sock: &Path, req: &Request) -> Result<Conn, ApiError> {
+    match kept.take() {
+        Some(mut c) => match c.send(req).await {
+            Ok(()) => Ok(c),
+            Err(_) => Conn::open(sock, req).await,
+        },
+        None => Conn::open(sock, req).await,
+    }
 }
 
 /// Waits until aether answers a ping, giving up as soon as `alive` says the sandbox's

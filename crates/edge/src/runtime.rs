@@ -44,10 +44,13 @@ pub enum ProcEvent {
 
 /// A process's output as it arrives, ending with its exit (or an error).
 pub struct ProcessStream {
-    conn: Conn,
+    conn: Option<Conn>,
     pub pid: u32,
     oom: Option<(Arc<dyn Backend>, SandboxRecord, u64)>,
     done: bool,
+    /// Where the connection goes once the exit has been read, when the agent said it
+    /// carries more requests: the next exec of the sandbox costs no connect.
+    keep: Option<Arc<crate::Entry>>,
 }
 
 impl ProcessStream {
@@ -55,7 +58,8 @@ impl ProcessStream {
         if self.done {
             return None;
         }
-        let ev = match self.conn.frame().await {
+        let conn = self.conn.as_mut()?;
+        let ev = match conn.frame().await {
             Ok(Some((FRAME_STDOUT, d))) => ProcEvent::Stdout(d),
             Ok(Some((FRAME_STDERR, d))) => ProcEvent::Stderr(d),
             Ok(Some((FRAME_JSON, body))) => {
@@ -87,6 +91,11 @@ impl ProcessStream {
         };
         if matches!(ev, ProcEvent::Exit(_) | ProcEvent::Error(_)) {
             self.done = true;
+            if let (ProcEvent::Exit(_), Some(e), Some(conn)) =
+                (&ev, self.keep.take(), self.conn.take())
+            {
+                e.agent.put(conn);
+            }
         }
         Some(ev)
     }
@@ -234,7 +243,7 @@ impl Edge {
                         Response::Ok => Ok(json!({})),
                         Response::Written { path, size } => Ok(json!({"path": path, "size": size})),
                         Response::Command(c) => to_value(&c),
-                        Response::Started { pid } => Ok(json!({ "pid": pid })),
+                        Response::Started { pid, .. } => Ok(json!({ "pid": pid })),
                         other => Err(unexpected(&other)),
                     }
                 },
@@ -285,13 +294,20 @@ impl Edge {
         let rec = e.snapshot();
         let backend = self.backend(&rec.backend)?;
         let before = backend.oom_kills(&rec);
-        let mut conn = Conn::open(&sock, &Request::Start(spec)).await?;
+        let req = Request::Start(spec);
+        let keeps = backend.keeps_agent_connections();
+        let mut conn = if keeps {
+            channel::open_kept(&e.agent, &sock, &req).await?
+        } else {
+            Conn::open(&sock, &req).await?
+        };
         match conn.reply().await? {
-            Response::Started { pid } => Ok(ProcessStream {
-                conn,
+            Response::Started { pid, kept } => Ok(ProcessStream {
+                conn: Some(conn),
                 pid,
                 oom: Some((backend, rec, before)),
                 done: false,
+                keep: (kept && keeps).then_some(e),
             }),
             other => Err(unexpected(&other)),
         }
@@ -313,11 +329,12 @@ impl Edge {
         let (_, sock) = self.running(id)?;
         let mut conn = Conn::open(&sock, &Request::Attach { pid }).await?;
         match conn.reply().await? {
-            Response::Started { pid } => Ok(ProcessStream {
-                conn,
+            Response::Started { pid, .. } => Ok(ProcessStream {
+                conn: Some(conn),
                 pid,
                 oom: None,
                 done: false,
+                keep: None,
             }),
             other => Err(unexpected(&other)),
         }
