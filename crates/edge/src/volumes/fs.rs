@@ -332,27 +332,130 @@ pub fn mkdir(root: &OwnedFd, rel: &str, parents: bool, o: Owner) -> Result<Volum
     stat(root, rel)
 }
 
-/// File `rel` opened to be written from the start (made, with missing directories above
-/// it, when absent).
-pub fn open_write(root: &OwnedFd, rel: &str, o: Owner) -> Result<File, ApiError> {
+/// A file being written in place of another: the bytes go to a new file beside it, which
+/// replaces it in one rename once whole ([`Upload::commit`]), so a reader never sees it cut
+/// short and a failed upload leaves what was there. Dropped before the commit, the new
+/// file is removed.
+#[derive(Debug)]
+pub struct Upload {
+    file: Option<File>,
+    dir: OwnedFd,
+    tmp: CString,
+    name: CString,
+    shown: String,
+}
+
+impl Upload {
+    /// The new file, to write to.
+    pub fn file(&mut self) -> io::Result<File> {
+        self.file
+            .as_ref()
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::EBADF))?
+            .try_clone()
+    }
+
+    /// Puts the written file in place (after its data is on disk).
+    pub fn commit(mut self) -> Result<(), ApiError> {
+        let f = self.file.take().ok_or_else(|| {
+            ApiError::internal(format!("{}: the upload was already ended", self.shown))
+        })?;
+        f.sync_all().map_err(|e| error(e, &self.shown))?;
+        let d = self.dir.as_raw_fd();
+        // SAFETY: renameat between names in one directory fd, both NUL-terminated.
+        if unsafe { libc::renameat(d, self.tmp.as_ptr(), d, self.name.as_ptr()) } != 0 {
+            let e = io::Error::last_os_error();
+            let _ = unlink_at(d, self.tmp.as_bytes(), 0);
+            return Err(error(e, &self.shown));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Upload {
+    fn drop(&mut self) {
+        if self.file.take().is_some() {
+            let _ = unlink_at(self.dir.as_raw_fd(), self.tmp.as_bytes(), 0);
+        }
+    }
+}
+
+/// `rel` with the links in it resolved (inside the volume), when it names something:
+/// a write through a link replaces what the link points to, as writing to it would.
+fn real_rel(root: &OwnedFd, rel: &str) -> Option<String> {
+    let fd = resolve(root, rel, libc::O_PATH, 0).ok()?;
+    let at = |fd: RawFd| std::fs::read_link(format!("/proc/self/fd/{fd}")).ok();
+    let (here, top) = (at(fd.as_raw_fd())?, at(root.as_raw_fd())?);
+    let inside = here.strip_prefix(&top).ok()?;
+    clean(inside.to_str()?).ok()
+}
+
+/// An upload of file `rel` ([`Upload`]; missing directories above it are made). What is
+/// there now must be a regular file, whose owner and mode the new one keeps unless `o`
+/// says otherwise.
+pub fn open_write(root: &OwnedFd, rel: &str, o: Owner) -> Result<Upload, ApiError> {
     if let Some((up, _)) = rel.rsplit_once('/') {
         make_parents(root, up, Owner { mode: None, ..o })?;
     }
-    parent(root, rel)?;
+    let real = real_rel(root, rel).unwrap_or_else(|| rel.to_string());
+    let (d, name) = parent(root, &real)?;
+    let mut o = o;
+    match fstatat(d.as_raw_fd(), name.as_bytes(), libc::AT_SYMLINK_NOFOLLOW) {
+        Ok(st) => match st.st_mode & libc::S_IFMT {
+            libc::S_IFREG => {
+                o.uid.get_or_insert(st.st_uid);
+                o.gid.get_or_insert(st.st_gid);
+                o.mode.get_or_insert(st.st_mode & 0o1777);
+            }
+            libc::S_IFDIR => {
+                return Err(ApiError::invalid(format!(
+                    "{} is a directory: name a file",
+                    show(rel)
+                )));
+            }
+            // A link that points nowhere (or out of reach) is replaced by the file.
+            libc::S_IFLNK => {}
+            _ => {
+                return Err(ApiError::invalid(format!(
+                    "{} is not a regular file",
+                    show(rel)
+                )));
+            }
+        },
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+        Err(e) => return Err(error(e, &show(rel))),
+    }
+    let tmp = format!(".dsec-upload-{}", dsec_common::id::random_hex(12));
+    let (tmp, cname) = (
+        cstr(tmp.as_bytes()).map_err(|e| error(e, &show(rel)))?,
+        cstr(name.as_bytes()).map_err(|e| error(e, &show(rel)))?,
+    );
     let mode = o.mode.unwrap_or(0o644) & 0o1777;
-    // Not O_TRUNC here: a FIFO or another file that is not regular is refused first.
-    let fd = resolve(
-        root,
-        rel,
-        libc::O_WRONLY | libc::O_CREAT | libc::O_NONBLOCK,
-        mode,
-    )
-    .map_err(|e| error(e, &show(rel)))?;
-    let (f, _) = regular(fd, rel)?;
-    f.set_len(0).map_err(|e| error(e, &show(rel)))?;
-    let fd = OwnedFd::from(f);
-    apply(&fd, o, &show(rel))?;
-    Ok(File::from(fd))
+    // SAFETY: openat relative to a directory fd, a new name only (O_EXCL, no link followed).
+    let fd = unsafe {
+        libc::openat(
+            d.as_raw_fd(),
+            tmp.as_ptr(),
+            libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            mode as libc::c_uint,
+        )
+    };
+    if fd < 0 {
+        return Err(error(io::Error::last_os_error(), &show(rel)));
+    }
+    // SAFETY: a fresh descriptor from the kernel.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // From here a failure removes the new file (the Upload's drop).
+    let mut up = Upload {
+        file: None,
+        dir: d,
+        tmp,
+        name: cname,
+        shown: show(rel),
+    };
+    let applied = apply(&fd, o, &show(rel));
+    up.file = Some(File::from(fd));
+    applied?;
+    Ok(up)
 }
 
 /// Changes the owner or permission bits of `rel` (what a link there points to, inside
@@ -497,12 +600,12 @@ mod tests {
         f.read_to_string(&mut s).unwrap();
         assert_eq!((s.as_str(), n), ("inside", 6));
         // Writing through links lands in the volume, never over the host's file.
-        open_write(&root, "abs", Owner::default())
-            .map(|mut f| f.write_all(b"pwned").unwrap())
-            .ok();
-        open_write(&root, "hostdir/secret", Owner::default())
-            .map(|mut f| f.write_all(b"pwned").unwrap())
-            .ok();
+        for name in ["abs", "hostdir/secret"] {
+            if let Ok(mut up) = open_write(&root, name, Owner::default()) {
+                up.file().unwrap().write_all(b"pwned").unwrap();
+                let _ = up.commit();
+            }
+        }
         assert_eq!(std::fs::read(t.path().join("secret")).unwrap(), b"host");
         // chmod and remove through links do not touch the host either.
         let _ = update(
@@ -552,6 +655,41 @@ mod tests {
         assert!(start.elapsed() < std::time::Duration::from_secs(5));
     }
 
+    #[test]
+    fn an_upload_that_fails_leaves_the_old_file_whole() {
+        let t = tempfile::tempdir().unwrap();
+        let root = open_root(t.path()).unwrap();
+        std::fs::write(t.path().join("f"), b"old content").unwrap();
+        std::os::unix::fs::symlink("f", t.path().join("link")).unwrap();
+        {
+            let mut up = open_write(&root, "f", Owner::default()).unwrap();
+            up.file().unwrap().write_all(b"half").unwrap();
+            // Readers still see the whole old file while the upload runs.
+            assert_eq!(std::fs::read(t.path().join("f")).unwrap(), b"old content");
+            // The upload fails here (dropped without a commit).
+        }
+        assert_eq!(std::fs::read(t.path().join("f")).unwrap(), b"old content");
+        let left: Vec<_> = std::fs::read_dir(t.path()).unwrap().collect();
+        assert_eq!(left.len(), 2, "no half-written file left: {left:?}");
+        // Through the link: the file it points to is replaced, the link stays a link.
+        let mut up = open_write(&root, "link", Owner::default()).unwrap();
+        up.file().unwrap().write_all(b"new").unwrap();
+        up.commit().unwrap();
+        assert_eq!(std::fs::read(t.path().join("f")).unwrap(), b"new");
+        assert!(
+            std::fs::symlink_metadata(t.path().join("link"))
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
+        // A directory is not replaced.
+        std::fs::create_dir(t.path().join("d")).unwrap();
+        assert_eq!(
+            open_write(&root, "d", Owner::default()).unwrap_err().code,
+            dsec_common::ErrorCode::InvalidArgument
+        );
+    }
+
     /// Makes `levels` directories, each inside the last, under `dir`.
     fn nest(dir: &std::path::Path, levels: usize) {
         let mut fd = open_root(dir).unwrap();
@@ -595,10 +733,9 @@ mod tests {
             gid: Some(1000),
             mode: Some(0o4755),
         };
-        open_write(&root, "/a/b/c.txt", o)
-            .unwrap()
-            .write_all(b"hi")
-            .unwrap();
+        let mut up = open_write(&root, "/a/b/c.txt", o).unwrap();
+        up.file().unwrap().write_all(b"hi").unwrap();
+        up.commit().unwrap();
         let e = stat(&root, "a/b/c.txt").unwrap();
         assert_eq!(
             (e.kind.as_str(), e.size, e.uid, e.gid),
@@ -616,6 +753,15 @@ mod tests {
         let all = list(&root, "", 3).unwrap();
         let paths: Vec<&str> = all.iter().map(|e| e.path.as_str()).collect();
         assert_eq!(paths, ["/a", "/a/b", "/a/b/c.txt", "/x", "/x/y"]);
+        // Written again: the same owner and mode, the new bytes.
+        let mut up = open_write(&root, "a/b/c.txt", Owner::default()).unwrap();
+        up.file().unwrap().write_all(b"again").unwrap();
+        up.commit().unwrap();
+        let e = stat(&root, "a/b/c.txt").unwrap();
+        assert_eq!(
+            (e.size, e.uid, e.gid, e.mode & 0o777),
+            (5, 1000, 1000, 0o755)
+        );
         assert_eq!(list(&root, "a", 1).unwrap().len(), 1);
         remove(&root, "a").unwrap();
         assert_eq!(

@@ -691,11 +691,12 @@ impl Edge {
         use futures_util::StreamExt;
         use tokio::io::AsyncWriteExt;
         let _users = self.use_volumes(&[id.to_string()])?;
-        let f = self
+        let mut up = self
             .in_volume(id, path, move |r, p| fs::open_write(r, p, owner))
             .await?;
         let shown = format!("/{}", fs::clean(path)?);
-        let mut f = tokio::fs::File::from_std(f);
+        let mut f = tokio::fs::File::from_std(up.file().map_err(|e| fs::error(e, &shown))?);
+        // Any failure from here drops `up`, which removes what was written so far.
         while let Some(chunk) = body.next().await {
             let chunk = chunk.map_err(|e| ApiError::invalid(format!("reading the upload: {e}")))?;
             f.write_all(&chunk)
@@ -703,7 +704,8 @@ impl Edge {
                 .map_err(|e| fs::error(e, &shown))?;
         }
         f.flush().await.map_err(|e| fs::error(e, &shown))?;
-        f.sync_all().await.map_err(|e| fs::error(e, &shown))?;
+        drop(f);
+        blocking(move || up.commit()).await??;
         self.volume_stat(id, path).await
     }
 }
