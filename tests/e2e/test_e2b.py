@@ -890,6 +890,33 @@ def test_sandbox_ports_through_the_host_url(e2b, template):
     assert r.status_code == 502 and "was not found" in r.json()["message"]
 
 
+def test_a_host_mask_is_the_host_a_sandbox_server_sees(e2b, template):
+    """`network.mask_request_host`: the sandbox's servers see that Host (with `${PORT}`
+    the port) in requests through the gateway, not the one the client asked for; a mask
+    that is not a host is refused."""
+    import time
+
+    import httpx
+
+    url = e2b_env()["E2B_SANDBOX_URL"]
+    sb = e2b.Sandbox.create(template, timeout=120, network={"mask_request_host": "${PORT}-myapp.example.com"})
+    try:
+        sb.files.write("/tmp/srv.py", PORT_SERVER)
+        sb.commands.run("python3 /tmp/srv.py", background=True, timeout=0)
+        for _ in range(100):
+            r = httpx.get(f"{url}/m", headers={"Host": sb.get_host(8000)})
+            if r.status_code == 200:
+                break
+            time.sleep(0.1)
+        assert r.text == "/m host=8000-myapp.example.com auth=None", r.text
+    finally:
+        sb.kill()
+    for bad in ["a b", "x\r\nX-Injected: 1", "${HOME}.example.com"]:
+        with pytest.raises(Exception) as e:
+            e2b.Sandbox.create(template, timeout=60, network={"mask_request_host": bad})
+        assert "maskRequestHost" in str(e.value), e.value
+
+
 def test_template_build(e2b):
     """`Template.build()` (and `from_dockerfile`) become OpenDsec image builds; sandboxes of
     the new template have its files, env, workdir and running start command."""

@@ -269,6 +269,32 @@ struct NetworkOpts {
     allow_out: Vec<String>,
     #[serde(default, rename = "denyOut")]
     deny_out: Vec<String>,
+    /// The `Host` the sandbox's servers see in requests to its ports (`${PORT}` is the
+    /// port); without it they see the host the client asked for.
+    #[serde(rename = "maskRequestHost")]
+    mask_request_host: Option<String>,
+}
+
+/// A `maskRequestHost` the gateway can put in a `Host` header: a host name or address,
+/// with an optional `:port`, where `${PORT}` may stand for the port.
+fn check_mask(mask: &str) -> Result<(), UpErr> {
+    let host = mask.replace("${PORT}", "1");
+    let ok = !host.is_empty()
+        && host.len() <= 255
+        && host
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-._:[]".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(UpErr::new(
+            400,
+            "invalid_argument",
+            format!(
+                "network.maskRequestHost {mask:?} is not a host: give a name or address (up to 255 characters of letters, digits, '-', '.', '_', ':', '[', ']'), where ${{PORT}} stands for the port, e.g. \"${{PORT}}-myapp.example.com\""
+            ),
+        ))
+    }
 }
 
 /// What a template id stands for: the template map, an image reference, or a template
@@ -384,6 +410,14 @@ async fn create_inner(gw: &Gw, h: &HeaderMap, body: &Bytes) -> Res {
         .unwrap_or(true);
     if public {
         labels.insert(PUBLIC_LABEL.to_string(), "true".to_string());
+    }
+    if let Some(mask) = req
+        .network
+        .as_ref()
+        .and_then(|n| n.mask_request_host.clone())
+    {
+        check_mask(&mask)?;
+        labels.insert(crate::MASK_HOST_LABEL.to_string(), mask);
     }
     if let Some(n) = req.network {
         rules.extend(n.deny_out.into_iter().map(|d| (d, false)));
@@ -911,6 +945,29 @@ async fn list(State(gw): State<Gw>, h: HeaderMap, RawQuery(q): RawQuery) -> Res 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_host_mask_is_a_host() {
+        for ok in [
+            "${PORT}-myapp.example.com",
+            "localhost:${PORT}",
+            "app.internal",
+            "[::1]:8080",
+        ] {
+            assert!(check_mask(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "",
+            "a b",
+            "x\r\nX-Injected: 1",
+            "${HOME}.example.com",
+            "a/b",
+            &"a".repeat(256),
+        ] {
+            let e = check_mask(bad).unwrap_err();
+            assert_eq!(e.status, 400, "{bad:?}");
+        }
+    }
 
     #[test]
     fn times_are_rfc3339() {

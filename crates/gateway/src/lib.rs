@@ -55,6 +55,9 @@ pub const TEMPLATE_LABEL: &str = "e2b.template";
 /// token or a key that can see it. (A native client may set the label on its own
 /// sandboxes; that opens only their ports.)
 pub const PUBLIC_LABEL: &str = "e2b.public_traffic";
+/// The label of a sandbox made with `network.maskRequestHost`: the `Host` its servers see
+/// in requests through the gateway (`${PORT}` is the port).
+pub const MASK_HOST_LABEL: &str = "e2b.mask_request_host";
 /// Labels the gateway keeps for itself start so; they are not shown as metadata.
 pub const LABEL_PREFIX: &str = "e2b.";
 /// On sandboxes made with `auto_resume`: a request to a port of a paused one goes on to

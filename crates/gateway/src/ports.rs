@@ -135,6 +135,13 @@ async fn proxy(gw: &Gw, id: &str, port: u16, mut req: Request) -> Response {
             Ok(t) => hs.insert("x-dsec-token", t),
             Err(_) => return e2b_error(500, "the sandbox's port token is not a header value"),
         };
+        // `network.maskRequestHost`: the Host its servers see.
+        if let Some(mask) = info.labels.get(crate::MASK_HOST_LABEL) {
+            match HeaderValue::from_str(&mask.replace("${PORT}", &port.to_string())) {
+                Ok(v) => hs.insert(header::HOST, v),
+                Err(_) => return e2b_error(500, "the sandbox's host mask is not a header value"),
+            };
+        }
     }
     let client_upgrade = req
         .headers()
