@@ -330,6 +330,29 @@ const scenarios = {
     } finally {
       await sb.kill()
     }
+    // network.maskRequestHost: the Host the sandbox's server sees
+    const masked = await Sandbox.create(template, {
+      timeoutMs: 120_000,
+      network: { maskRequestHost: '${PORT}-js.example.com' },
+    })
+    try {
+      await masked.files.write('/tmp/srv.py', process.env.PORT_SERVER)
+      await masked.commands.run('python3 /tmp/srv.py', { background: true, timeoutMs: 0 })
+      const url = process.env.E2B_SANDBOX_URL
+      let text = ''
+      assert.ok(await until(async () => {
+        const r = await fetch(`${url}/m`, { headers: { 'E2b-Sandbox-Id': masked.sandboxId, 'E2b-Sandbox-Port': '8000' } })
+        text = await r.text()
+        return r.status === 200
+      }))
+      assert.equal(text, '/m host=8000-js.example.com auth=None')
+    } finally {
+      await masked.kill()
+    }
+    await assert.rejects(
+      Sandbox.create(template, { timeoutMs: 60_000, network: { maskRequestHost: 'a b' } }),
+      /maskRequestHost/,
+    )
   },
 }
 
