@@ -116,6 +116,12 @@ pub fn read_mem(f: &File, mem_bytes: u64) -> Result<MemBlock, String> {
     Ok(b)
 }
 
+/// [`read_mem`] of the file at `path`.
+pub fn read_mem_of(path: &std::path::Path, mem_bytes: u64) -> Result<MemBlock, String> {
+    let f = File::open(path).map_err(|e| format!("opening {}: {e}", path.display()))?;
+    read_mem(&f, mem_bytes)
+}
+
 fn read_fully(f: &File, buf: &mut [u8], at: u64) -> std::io::Result<usize> {
     let mut n = 0;
     while n < buf.len() {

@@ -247,6 +247,18 @@ impl SavedVm {
             pending: false,
         }
     }
+
+    /// The VM this save restores into; `shared_ram` says how its memory will be held.
+    fn info(&self, shared_ram: bool) -> VmInfo {
+        VmInfo {
+            disk: self.disk.clone(),
+            mem_mb: self.mem_mb,
+            cpus: self.cpus,
+            shared_ram,
+            machine: self.machine.clone(),
+            net: self.net,
+        }
+    }
 }
 
 /// The files a saved VM is made of, as another edge receives them.
@@ -745,14 +757,7 @@ impl VmBackend {
             }
         }
         let ram = saved.ram.clone().unwrap_or_else(|| seed.join("ram"));
-        let mut info = VmInfo {
-            disk: saved.disk,
-            mem_mb: saved.mem_mb,
-            cpus: saved.cpus,
-            shared_ram: false,
-            machine: saved.machine,
-            net: saved.net,
-        };
+        let mut info = saved.info(false);
         match saved.kind.as_str() {
             "shared" => self.start(
                 rec,
@@ -766,9 +771,7 @@ impl VmBackend {
                 None,
             ),
             "mapped" => {
-                let f = std::fs::File::open(&ram)
-                    .map_err(|e| format!("opening {}: {e}", ram.display()))?;
-                let block = mapped::read_mem(&f, info.mem_mb << 20)?;
+                let block = mapped::read_mem_of(&ram, info.mem_mb << 20)?;
                 self.start(
                     rec,
                     paths,
@@ -813,14 +816,7 @@ impl VmBackend {
             .clone()
             .ok_or("the planned snapshot names no file")?;
         let offset = mapped::planned_pages_offset(saved.mem_mb << 20);
-        let info = VmInfo {
-            disk: saved.disk.clone(),
-            mem_mb: saved.mem_mb,
-            cpus: saved.cpus,
-            shared_ram: false,
-            machine: saved.machine.clone(),
-            net: saved.net,
-        };
+        let info = saved.info(false);
         let wait = || {
             let t0 = Instant::now();
             loop {
@@ -834,9 +830,7 @@ impl VmBackend {
                     if now.kind != "mapped" || now.ram.as_deref() != Some(ram.as_path()) {
                         return Err(REPLANNED.to_string());
                     }
-                    let f = std::fs::File::open(&ram)
-                        .map_err(|e| format!("opening {}: {e}", ram.display()))?;
-                    return match mapped::read_mem(&f, saved.mem_mb << 20) {
+                    return match mapped::read_mem_of(&ram, saved.mem_mb << 20) {
                         Ok(b) if b.pages_offset == offset => Ok(()),
                         Ok(_) => Err(REPLANNED.to_string()),
                         Err(e) => Err(e),
@@ -1342,9 +1336,7 @@ impl Backend for VmBackend {
             "mapped" => {
                 // Copies map its pages at the offset its header gives: a header that does
                 // not fit the memory size, or a file short of the pages, goes no further.
-                let f = std::fs::File::open(staged.join("ram"))
-                    .map_err(|e| bad(format!("ram: {e}")))?;
-                mapped::read_mem(&f, vm.mem_mb << 20).map_err(bad)?;
+                mapped::read_mem_of(&staged.join("ram"), vm.mem_mb << 20).map_err(bad)?;
                 Some(home.join("ram"))
             }
             "shared" if staged.join("ram").is_file() => Some(home.join("ram")),
@@ -1381,14 +1373,7 @@ impl Backend for VmBackend {
         let dir = self.suspended_dir(&rec.id);
         let r = (|| {
             let saved: SavedVm = read_json(&dir.join("vm.json"))?;
-            let info = VmInfo {
-                disk: saved.disk.clone(),
-                mem_mb: saved.mem_mb,
-                cpus: saved.cpus,
-                shared_ram: saved.ram.is_some() || !self.anon_ram(),
-                machine: saved.machine.clone(),
-                net: saved.net,
-            };
+            let info = saved.info(saved.ram.is_some() || !self.anon_ram());
             match saved.ram.as_deref() {
                 Some(ram) => self.start(
                     rec,
