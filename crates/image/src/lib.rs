@@ -15,6 +15,7 @@ pub mod build;
 pub mod cpio;
 pub mod credentials;
 pub mod digest;
+pub mod erofs;
 pub mod guest;
 pub mod import;
 pub mod layer;
