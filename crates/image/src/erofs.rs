@@ -478,3 +478,34 @@ pub fn build(src: &Path, out: &Path) -> Result<ErofsStats, ImageError> {
         meta_bytes: meta_end,
     })
 }
+
+/// Mounts an EROFS image read-only on `target` straight from its file (the kernel's
+/// file-backed EROFS, no loop device; `/bin/mount` would make one).
+pub fn mount(image: &Path, target: &Path) -> Result<(), ImageError> {
+    let c = |p: &Path| {
+        std::ffi::CString::new(p.as_os_str().as_bytes())
+            .map_err(|_| bad(format!("{} has a NUL byte", p.display())))
+    };
+    let (src, dst) = (c(image)?, c(target)?);
+    // SAFETY: NUL-terminated strings that outlive the call; no data argument.
+    let rc = unsafe {
+        libc::mount(
+            src.as_ptr(),
+            dst.as_ptr(),
+            c"erofs".as_ptr(),
+            libc::MS_RDONLY | libc::MS_NODEV,
+            std::ptr::null(),
+        )
+    };
+    if rc != 0 {
+        return Err(ImageError::Io {
+            context: format!(
+                "mounting the EROFS image {} on {}",
+                image.display(),
+                target.display()
+            ),
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    Ok(())
+}

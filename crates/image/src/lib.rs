@@ -19,6 +19,8 @@ pub mod erofs;
 pub mod guest;
 pub mod import;
 pub mod layer;
+pub mod lazy;
+pub mod lazyfs;
 mod oci;
 pub mod pull;
 pub mod push;

@@ -394,8 +394,13 @@ fn pull_turns() -> &'static tokio::sync::Semaphore {
 }
 
 pub fn client_for(req: &PullRequest) -> Result<Client, ImageError> {
+    Ok(client(req.plain_http, req.ca_pem.as_deref()))
+}
+
+/// A registry client over HTTPS (or plain HTTP), trusting `ca_pem` besides the system.
+pub fn client(plain_http: bool, ca_pem: Option<&str>) -> Client {
     let mut cfg = ClientConfig {
-        protocol: if req.plain_http {
+        protocol: if plain_http {
             ClientProtocol::Http
         } else {
             ClientProtocol::Https
@@ -406,13 +411,13 @@ pub fn client_for(req: &PullRequest) -> Result<Client, ImageError> {
         platform_resolver: None,
         ..ClientConfig::default()
     };
-    if let Some(pem) = &req.ca_pem {
+    if let Some(pem) = ca_pem {
         cfg.extra_root_certificates.push(Certificate {
             encoding: CertificateEncoding::Pem,
             data: pem.as_bytes().to_vec(),
         });
     }
-    Ok(Client::new(cfg))
+    Client::new(cfg)
 }
 
 /// Fetches a manifest or index by tag or digest, no larger than the limit, and checks it
