@@ -363,11 +363,11 @@ def test_credentials_are_checked_and_docker_config_is_read(tmp_path):
         dest = f"{r.host}/team/copy:v2"
         p = dsec("image", "push", "root/pt-private:v1", dest, "--plain-http", "--data-dir", str(DATA), check=False)
         assert p.returncode != 0 and "error (permission_denied)" in p.stderr, p.stderr
-        pushed = json.loads(dsec("image", "push", "root/pt-private:v1", dest, "--plain-http", "--data-dir",
-                                 str(DATA), "--json", env={"DOCKER_CONFIG": str(tmp_path)}).stdout)
+        pushed = json.loads(dsec("image", "push", "root/pt-private:v1", dest, "--plain-http", "--no-lazy",
+                                 "--data-dir", str(DATA), "--json", env={"DOCKER_CONFIG": str(tmp_path)}).stdout)
         assert pushed["pushed_blobs"] == 2 and pushed["digest"].startswith("sha256:"), pushed
-        again = json.loads(dsec("image", "push", "root/pt-private:v1", dest, "--plain-http", "--data-dir",
-                                str(DATA), "--json", env={"DOCKER_CONFIG": str(tmp_path)}).stdout)
+        again = json.loads(dsec("image", "push", "root/pt-private:v1", dest, "--plain-http", "--no-lazy",
+                                "--data-dir", str(DATA), "--json", env={"DOCKER_CONFIG": str(tmp_path)}).stdout)
         assert (again["pushed_blobs"], again["skipped_blobs"], again["digest"]) == (0, 2, pushed["digest"])
         back = json.loads(dsec("image", "pull", dest, "--plain-http", "--as", "root/pt-copy:v1", "--data-dir",
                                str(DATA), "--json", env={"DOCKER_CONFIG": str(tmp_path)}).stdout)

@@ -176,6 +176,10 @@ pub(crate) struct PullBody {
     /// PEM certificates to trust for this registry: keys of `root` only.
     #[serde(default)]
     ca_pem: Option<String>,
+    /// Start the image before it has arrived when the registry has its lazy layers
+    /// (default true; false fetches the whole image now).
+    #[serde(default)]
+    lazy: Option<bool>,
 }
 
 /// Where a pulled image goes when the body names no target.
@@ -277,6 +281,8 @@ impl Access {
                 plain_http: self.plain_http || edge.insecure_registry(r.registry()),
                 ca_pem: self.ca_pem,
                 limits: PullLimits::default(),
+                login: kept.clone(),
+                lazy: None,
             },
             kept,
         ))
@@ -336,7 +342,11 @@ pub(crate) async fn pull_image(
         ca_pem: b.ca_pem,
     };
     let project = target.project();
-    let (req, kept) = access.request(&p, &st.edge, b.reference, &r, target, (&project, true))?;
+    let (mut req, kept) =
+        access.request(&p, &st.edge, b.reference, &r, target, (&project, true))?;
+    if b.lazy != Some(false) {
+        req.lazy = st.edge.lazy_mounter();
+    }
     let registry = r.registry().to_string();
     let edge = st.edge.clone();
     Ok(crate::ndjson(move |tx| async move {
@@ -355,6 +365,7 @@ pub(crate) async fn pull_image(
                 "cached_layers": done.cached,
                 "fetched_bytes": done.fetched_bytes,
                 "size_bytes": done.manifest.size_bytes,
+                "lazy": done.lazy,
             }),
             Err(e) => {
                 tracing::warn!(image = %req.target, "pull failed: {e}");
@@ -382,6 +393,10 @@ pub(crate) struct PushBody {
     plain_http: bool,
     #[serde(default)]
     ca_pem: Option<String>,
+    /// Push the layers as EROFS images too, so that nodes can start the image before it
+    /// has arrived (default true).
+    #[serde(default)]
+    lazy: Option<bool>,
 }
 
 /// `POST /v1/images:push`: sends an image the key may read to a registry it may reach;
@@ -419,7 +434,8 @@ pub(crate) async fn push_image(
             let _ = tx.send(l);
         };
         let dest = how.reference.clone();
-        match dsec_image::push::push(&store, &image, &dest, &how, &mut log).await {
+        let lazy = b.lazy != Some(false);
+        match dsec_image::push::push(&store, &image, &dest, &how, lazy, &mut log).await {
             Ok(done) => serde_json::json!({
                 "image": image.to_string(),
                 "reference": dest,
@@ -427,6 +443,7 @@ pub(crate) async fn push_image(
                 "pushed_blobs": done.pushed_blobs,
                 "skipped_blobs": done.skipped_blobs,
                 "pushed_bytes": done.pushed_bytes,
+                "lazy_digest": done.lazy_digest,
             }),
             Err(dsec_image::ImageError::NotFound(n)) => serde_json::json!({
                 "error": ApiError::not_found(format!("image {n} not found"))

@@ -163,6 +163,19 @@ enum Command {
     /// The cluster CA and component certificates (mutual TLS between components)
     #[command(subcommand)]
     Certs(cmd::certs::CertsCommand),
+    /// Serve an image store's lazy layers to the kernel (FUSE) until unmounted; the
+    /// node starts it on the first lazy pull
+    #[command(
+        after_help = "Example:\n  dsec lazyfs --store /var/lib/dsec/images\n\nIt mounts <store>/lazyfs and returns when that is unmounted; a second one for the\nsame store exits at once."
+    )]
+    Lazyfs(LazyfsArgs),
+}
+
+#[derive(clap::Args)]
+struct LazyfsArgs {
+    /// The image store
+    #[arg(long)]
+    store: PathBuf,
 }
 
 fn main() {
@@ -206,6 +219,14 @@ fn main() {
             Command::Image(c) => cmd::image::run(c).await,
             Command::Iam(c) => cmd::iam::run(c).await,
             Command::Certs(c) => cmd::certs::run(c),
+            Command::Lazyfs(a) => {
+                cmd::up::init_tracing();
+                let rt = tokio::runtime::Handle::current();
+                tokio::task::spawn_blocking(move || dsec_image::lazy::serve(&a.store, rt))
+                    .await?
+                    .map(|_| 0)
+                    .map_err(anyhow::Error::from)
+            }
         }
     });
     match result {

@@ -147,18 +147,19 @@ impl Edge {
         }
         let target = dsec_image::pull::base_name(project, reference)
             .map_err(|e| ApiError::invalid(e.to_string()))?;
+        let kept = self
+            .registry_logins()
+            .find(project, &registry, true)
+            .map_err(image_error)?;
         let req = dsec_image::pull::PullRequest {
             reference: reference.to_string(),
             target: target.clone(),
-            credentials: self
-                .registry_logins()
-                .find(project, &registry, true)
-                .map_err(image_error)?
-                .map(|(_, c)| c)
-                .unwrap_or_default(),
+            credentials: kept.as_ref().map(|(_, c)| c.clone()).unwrap_or_default(),
             plain_http: self.insecure_registry(&registry),
             ca_pem: None,
             limits: dsec_image::pull::PullLimits::default(),
+            login: kept.map(|(p, _)| p),
+            lazy: self.lazy_mounter(),
         };
         let tx = progress.clone();
         let mut log = move |l: String| {

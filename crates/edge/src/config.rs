@@ -83,6 +83,11 @@ pub struct EdgeConfig {
     /// Registries (`host[:port]`) the node talks plain HTTP to (one on loopback, say), for
     /// every pull and every build `FROM` one of their images.
     pub insecure_registries: Vec<String>,
+    /// Start images whose registry has their lazy layers (EROFS images pushed by `dsec
+    /// image push`) before they have arrived: each layer is mounted at once and fetched
+    /// by chunk as it is read. Needs EROFS and FUSE in the kernel; without them, or with
+    /// `false`, pulls fetch whole images.
+    pub lazy_images: bool,
 }
 
 /// Public registries tenants may pull from unless the node's config says otherwise.
@@ -308,6 +313,7 @@ impl Default for EdgeConfig {
             metrics_interval_ms: 5000,
             pull_registries: default_pull_registries(),
             insecure_registries: Vec::new(),
+            lazy_images: true,
         }
     }
 }

@@ -91,6 +91,8 @@ impl Entry {
 pub struct Edge {
     cfg: EdgeConfig,
     images: ImageStore,
+    /// Mounts lazy image layers; none when the node cannot or is told not to.
+    lazy: Option<dsec_image::lazy::LazyMounter>,
     registry: Registry,
     backends: BTreeMap<&'static str, Arc<dyn Backend>>,
     sandboxes: Mutex<HashMap<String, Arc<Entry>>>,
@@ -348,14 +350,18 @@ impl Edge {
                 ),
             }
         }
-        let container: Arc<dyn Backend> = Arc::new(ContainerBackend::new(
-            &cfg.oci_runtime,
-            &cfg.state_dir.join("runtime"),
-            cfg.aether_binary.as_deref(),
-            images.clone(),
-            mode,
-            &cfg.state_dir.join("sandboxes"),
-        ));
+        let lazy = lazy_mounter(&cfg, &images);
+        let container: Arc<dyn Backend> = Arc::new(
+            ContainerBackend::new(
+                &cfg.oci_runtime,
+                &cfg.state_dir.join("runtime"),
+                cfg.aether_binary.as_deref(),
+                images.clone(),
+                mode,
+                &cfg.state_dir.join("sandboxes"),
+            )
+            .with_lazy(lazy.clone()),
+        );
         let vm: Arc<dyn Backend> = Arc::new(backend::vm::VmBackend::new(
             backend::container::find_aether(cfg.aether_binary.as_deref()),
             images.clone(),
@@ -408,9 +414,18 @@ impl Edge {
                 tracing::warn!("cannot watch sandbox processes ({e}); their agents are polled")
             })
             .ok();
+        if let Some(m) = lazy.clone() {
+            // After a reboot the layers are there but not mounted.
+            match blocking(move || m.mount_all()).await? {
+                Ok(0) => {}
+                Ok(n) => tracing::info!("{n} lazy image layers mounted"),
+                Err(e) => tracing::warn!("mounting lazy image layers: {e}"),
+            }
+        }
         let edge = Arc::new(Edge {
             cfg,
             images,
+            lazy,
             registry,
             backends,
             sandboxes: Mutex::new(HashMap::new()),
@@ -502,6 +517,11 @@ impl Edge {
     }
 
     /// Whether the node talks plain HTTP to `registry` (`[edge] insecure_registries`).
+    /// What mounts lazy image layers on this node, if it starts images lazily.
+    pub fn lazy_mounter(&self) -> Option<dsec_image::lazy::LazyMounter> {
+        self.lazy.clone()
+    }
+
     pub fn insecure_registry(&self, registry: &str) -> bool {
         self.cfg
             .insecure_registries
@@ -1724,11 +1744,33 @@ impl Edge {
             if let Ok(ns) = mountns::get() {
                 ns.stop();
             }
+            if let Some(m) = self.lazy.clone() {
+                // What the sandboxes' namespace held goes with this process.
+                let _ = blocking(move || m.unmount_all()).await;
+            }
             for t in &self.dns {
                 t.abort();
             }
         }
     }
+}
+
+/// The lazy layers' mounter of an edge whose config asks for it and whose kernel can.
+fn lazy_mounter(cfg: &EdgeConfig, images: &ImageStore) -> Option<dsec_image::lazy::LazyMounter> {
+    if !cfg.lazy_images {
+        return None;
+    }
+    if let Some(why) = dsec_image::lazy::unsupported() {
+        tracing::info!("images are pulled whole: {why}");
+        return None;
+    }
+    let exe = std::env::current_exe()
+        .inspect_err(|e| tracing::warn!("images are pulled whole: this program's path: {e}"))
+        .ok()?;
+    Some(dsec_image::lazy::LazyMounter {
+        exe,
+        store: images.root().to_path_buf(),
+    })
 }
 
 /// The time of a create's steps, in order: `admit:0.05,reserve:0.31,...` (milliseconds).

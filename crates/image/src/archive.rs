@@ -261,6 +261,7 @@ fn plan_oci(files: &Files, limits: &PullLimits) -> Result<Plan, ImageError> {
                         size: d.size,
                         platform: None,
                         annotations: d.annotations.clone(),
+                        artifact_type: None,
                     })
                     .collect::<Vec<_>>();
                 if owned.is_empty() {

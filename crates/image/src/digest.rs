@@ -64,3 +64,20 @@ pub fn tree_digest(dir: &Path) -> Result<(String, u64), ImageError> {
     }
     Ok((hex::encode(hasher.finalize()), size))
 }
+
+/// The SHA-256 (hex) of a file's bytes.
+pub fn file_sha256(path: &Path) -> Result<String, ImageError> {
+    let mut f = std::fs::File::open(path).ctx(|| format!("opening {}", path.display()))?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f
+            .read(&mut buf)
+            .ctx(|| format!("reading {}", path.display()))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(hex::encode(hasher.finalize()))
+}

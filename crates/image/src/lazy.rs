@@ -449,3 +449,721 @@ impl LazyBlob {
         Ok(buf)
     }
 }
+
+// ---------------------------------------------------------------------------------
+// Publishing: the EROFS layers of an image as an OCI artifact that refers to it.
+
+/// The artifact type of an image's lazy layers.
+pub const ARTIFACT_TYPE: &str = "application/vnd.opendsec.erofs.v1";
+/// A layer's EROFS image.
+pub const EROFS_MEDIA: &str = "application/vnd.opendsec.erofs.layer.v1";
+/// A layer's chunk table (JSON, [`ChunkTable`]).
+pub const CHUNKS_MEDIA: &str = "application/vnd.opendsec.erofs.chunks.v1+json";
+/// On an EROFS layer: the digest of the image layer it was made from.
+pub const SOURCE_ANNOTATION: &str = "org.opendsec.erofs.source";
+const EMPTY_MEDIA: &str = "application/vnd.oci.empty.v1+json";
+
+#[derive(Debug)]
+pub enum PublishError {
+    Registry(oci_client::errors::OciDistributionError),
+    Image(ImageError),
+}
+
+impl From<ImageError> for PublishError {
+    fn from(e: ImageError) -> Self {
+        PublishError::Image(e)
+    }
+}
+
+impl From<oci_client::errors::OciDistributionError> for PublishError {
+    fn from(e: oci_client::errors::OciDistributionError) -> Self {
+        PublishError::Registry(e)
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Published {
+    pub digest: String,
+    pub pushed_blobs: usize,
+    pub skipped_blobs: usize,
+    pub pushed_bytes: u64,
+}
+
+/// The EROFS image of store layer `layer`, with its chunk table and digest: made once
+/// and kept under `erofs/` (the builder gives the same bytes for the same tree).
+pub fn converted(
+    store: &crate::ImageStore,
+    layer: &str,
+) -> Result<(PathBuf, ChunkTable, String), ImageError> {
+    let dir = store.root().join("erofs");
+    std::fs::create_dir_all(&dir).ctx(|| format!("creating {}", dir.display()))?;
+    let img = dir.join(format!("{layer}.erofs"));
+    let meta = dir.join(format!("{layer}.json"));
+    if let Ok(b) = std::fs::read(&meta)
+        && let Ok((table, digest)) = serde_json::from_slice::<(ChunkTable, String)>(&b)
+        && std::fs::metadata(&img).is_ok_and(|m| m.len() == table.size)
+    {
+        return Ok((img, table, digest));
+    }
+    let tmp = store
+        .root()
+        .join("tmp")
+        .join(format!("erofs-{}", dsec_common::id::random_hex(8)));
+    let built = crate::erofs::build(&store.layer_path(layer), &tmp).and_then(|_| {
+        let table = ChunkTable::of_file(&tmp, CHUNK_SIZE)?;
+        let digest = format!("sha256:{}", crate::digest::file_sha256(&tmp)?);
+        Ok((table, digest))
+    });
+    let (table, digest) = match built {
+        Ok(x) => x,
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+    };
+    std::fs::rename(&tmp, &img).ctx(|| format!("moving {}", img.display()))?;
+    let json = serde_json::to_vec(&(&table, &digest))
+        .map_err(|e| ImageError::Corrupt(format!("encoding a chunk table: {e}")))?;
+    crate::store::write_atomic(&store.root().join("tmp"), &meta, &json)?;
+    Ok((img, table, digest))
+}
+
+/// Pushes the EROFS images and chunk tables of `layers` (store layers, bottom first;
+/// `sources` the image manifest's layer digests they stand for) and an artifact manifest
+/// whose subject is the image's manifest, then lists it under the referrers tag
+/// `sha256-<hex>` (the OCI 1.1 fallback for registries without the referrers API,
+/// such as distribution 2.8).
+pub(crate) async fn publish(
+    store: &crate::ImageStore,
+    client: &oci_client::Client,
+    r: &Reference,
+    layers: &[String],
+    sources: &[String],
+    subject: &crate::oci::Descriptor,
+    log: &mut (dyn FnMut(String) + Send),
+) -> Result<Published, PublishError> {
+    use crate::oci::Descriptor;
+    if layers.len() != sources.len() {
+        return Err(ImageError::Corrupt(format!(
+            "the image has {} layers in the store and {} in its manifest",
+            layers.len(),
+            sources.len()
+        ))
+        .into());
+    }
+    let mut out = Published::default();
+    let mut descs = Vec::new();
+    for (i, (layer, source)) in layers.iter().zip(sources).enumerate() {
+        let (store2, layer2) = (store.clone(), layer.clone());
+        let started = std::time::Instant::now();
+        let (img, table, digest) = tokio::task::spawn_blocking(move || converted(&store2, &layer2))
+            .await
+            .map_err(|e| ImageError::Build(format!("conversion worker failed: {e}")))??;
+        let table_bytes = serde_json::to_vec(&table)
+            .map_err(|e| ImageError::Corrupt(format!("encoding a chunk table: {e}")))?;
+        let table_digest = format!("sha256:{}", hex::encode(Sha256::digest(&table_bytes)));
+        let mut annotations = std::collections::BTreeMap::new();
+        annotations.insert(SOURCE_ANNOTATION.to_string(), source.clone());
+        let erofs = Descriptor {
+            media_type: EROFS_MEDIA.into(),
+            digest: digest.clone(),
+            size: table.size as i64,
+            platform: None,
+            annotations,
+            artifact_type: None,
+        };
+        let chunks = Descriptor {
+            media_type: CHUNKS_MEDIA.into(),
+            digest: table_digest.clone(),
+            size: table_bytes.len() as i64,
+            platform: None,
+            annotations: Default::default(),
+            artifact_type: None,
+        };
+        if client.blob_exists(r, &digest).await.unwrap_or(false) {
+            out.skipped_blobs += 1;
+        } else {
+            crate::push::send_blob(client, r, &img, &erofs).await?;
+            out.pushed_blobs += 1;
+            out.pushed_bytes += table.size;
+        }
+        if client.blob_exists(r, &table_digest).await.unwrap_or(false) {
+            out.skipped_blobs += 1;
+        } else {
+            client
+                .push_blob(r, table_bytes.clone(), &table_digest)
+                .await?;
+            out.pushed_blobs += 1;
+            out.pushed_bytes += table_bytes.len() as u64;
+        }
+        log(format!(
+            "lazy layer {}/{}: EROFS {digest} ({:.1} MiB, {} chunks) in {:.1} s",
+            i + 1,
+            layers.len(),
+            table.size as f64 / (1 << 20) as f64,
+            table.chunks.len(),
+            started.elapsed().as_secs_f64()
+        ));
+        descs.push(erofs);
+        descs.push(chunks);
+    }
+    let empty = b"{}".to_vec();
+    let empty_digest = format!("sha256:{}", hex::encode(Sha256::digest(&empty)));
+    if !client.blob_exists(r, &empty_digest).await.unwrap_or(false) {
+        client.push_blob(r, empty.clone(), &empty_digest).await?;
+    }
+    let manifest = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": crate::oci::OCI_MANIFEST,
+        "artifactType": ARTIFACT_TYPE,
+        "config": {"mediaType": EMPTY_MEDIA, "digest": empty_digest, "size": 2},
+        "layers": descs,
+        "subject": subject,
+    });
+    let bytes = serde_json::to_vec(&manifest)
+        .map_err(|e| ImageError::Corrupt(format!("encoding the lazy artifact: {e}")))?;
+    let digest = format!("sha256:{}", hex::encode(Sha256::digest(&bytes)));
+    let by_digest = r.clone_with_digest(digest.clone());
+    client
+        .push_manifest_raw(
+            &by_digest,
+            bytes.clone(),
+            http::HeaderValue::from_static(crate::oci::OCI_MANIFEST),
+        )
+        .await?;
+    // The referrers tag: an index of every artifact that refers to the subject; this
+    // one replaces an earlier artifact of the same type.
+    let tag = Reference::with_tag(
+        r.registry().to_string(),
+        r.repository().to_string(),
+        format!("sha256-{}", subject.digest.trim_start_matches("sha256:")),
+    );
+    let mut listed: Vec<Descriptor> = match client
+        .pull_manifest_raw(&tag, &RegistryAuth::Anonymous, &[crate::oci::OCI_INDEX])
+        .await
+    {
+        Ok((b, _)) if b.len() < 4 << 20 => serde_json::from_slice::<crate::oci::Document>(&b)
+            .ok()
+            .and_then(|d| d.manifests)
+            .unwrap_or_default(),
+        _ => Vec::new(),
+    };
+    listed.retain(|d| d.artifact_type.as_deref() != Some(ARTIFACT_TYPE));
+    listed.push(Descriptor {
+        media_type: crate::oci::OCI_MANIFEST.into(),
+        digest: digest.clone(),
+        size: bytes.len() as i64,
+        platform: None,
+        annotations: Default::default(),
+        artifact_type: Some(ARTIFACT_TYPE.into()),
+    });
+    let index = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": crate::oci::OCI_INDEX,
+        "manifests": listed,
+    });
+    let index_bytes = serde_json::to_vec(&index)
+        .map_err(|e| ImageError::Corrupt(format!("encoding the referrers index: {e}")))?;
+    client
+        .push_manifest_raw(
+            &tag,
+            index_bytes,
+            http::HeaderValue::from_static(crate::oci::OCI_INDEX),
+        )
+        .await?;
+    log(format!(
+        "lazy layers: artifact {digest}, listed under {}",
+        tag.tag().unwrap_or("")
+    ));
+    out.digest = digest;
+    Ok(out)
+}
+
+// ---------------------------------------------------------------------------------
+// Pulling: an image whose lazy layers a registry has, registered instead of fetched.
+
+/// The largest chunk table a node fetches (64 GiB of layer in 1 MiB chunks fits).
+const MAX_TABLE_BYTES: u64 = 8 << 20;
+
+/// An image's lazy layers as its artifact lists them: (EROFS, chunk table) per layer.
+pub(crate) struct Artifact {
+    pub digest: String,
+    pub layers: Vec<(crate::oci::Descriptor, crate::oci::Descriptor)>,
+}
+
+fn refused(reference: &str, m: impl Into<String>) -> ImageError {
+    ImageError::Pull {
+        reference: reference.to_string(),
+        kind: crate::pull::PullFailure::Refused,
+        message: m.into(),
+    }
+}
+
+/// The lazy layers published for the manifest `subject` of `r` (found by the referrers
+/// tag `sha256-<hex>`), checked against the image's own `layers`: `None` when there are
+/// none; an error when what is there is not what it should be.
+pub(crate) async fn find_artifact(
+    client: &oci_client::Client,
+    r: &Reference,
+    auth: &RegistryAuth,
+    limits: &crate::pull::PullLimits,
+    reference: &str,
+    subject: &str,
+    layers: &[crate::oci::Descriptor],
+) -> Result<Option<Artifact>, ImageError> {
+    let hex = crate::pull::check_digest(reference, subject)?;
+    let tag = Reference::with_tag(
+        r.registry().to_string(),
+        r.repository().to_string(),
+        format!("sha256-{hex}"),
+    );
+    let Ok((bytes, _)) = crate::pull::document(client, &tag, auth, limits, reference).await else {
+        return Ok(None);
+    };
+    let index: crate::oci::Document = serde_json::from_slice(&bytes)
+        .map_err(|e| refused(reference, format!("the referrers index: {e}")))?;
+    let Some(entry) = index
+        .manifests
+        .unwrap_or_default()
+        .into_iter()
+        .find(|d| d.artifact_type.as_deref() == Some(ARTIFACT_TYPE))
+    else {
+        return Ok(None);
+    };
+    crate::pull::check_digest(reference, &entry.digest)?;
+    let (bytes, digest) = crate::pull::document(
+        client,
+        &r.clone_with_digest(entry.digest.clone()),
+        auth,
+        limits,
+        reference,
+    )
+    .await?;
+    let doc: crate::oci::Document = serde_json::from_slice(&bytes)
+        .map_err(|e| refused(reference, format!("the lazy layers' manifest: {e}")))?;
+    if doc.artifact_type.as_deref() != Some(ARTIFACT_TYPE) {
+        return Err(refused(
+            reference,
+            "the lazy layers' manifest has another artifact type",
+        ));
+    }
+    if doc.subject.as_ref().map(|s| s.digest.as_str()) != Some(subject) {
+        return Err(refused(
+            reference,
+            "the lazy layers' manifest refers to another image",
+        ));
+    }
+    let listed = doc.layers.unwrap_or_default();
+    if listed.len() != 2 * layers.len() {
+        return Err(refused(
+            reference,
+            format!(
+                "the lazy layers' manifest lists {} blobs for {} layers",
+                listed.len(),
+                layers.len()
+            ),
+        ));
+    }
+    let mut pairs = Vec::with_capacity(layers.len());
+    for (i, pair) in listed.chunks(2).enumerate() {
+        let (erofs, table) = (&pair[0], &pair[1]);
+        let ok = erofs.media_type == EROFS_MEDIA
+            && table.media_type == CHUNKS_MEDIA
+            && erofs.annotations.get(SOURCE_ANNOTATION) == Some(&layers[i].digest)
+            && (0..=MAX_BLOB as i64).contains(&erofs.size)
+            && (2..=MAX_TABLE_BYTES as i64).contains(&table.size);
+        if !ok {
+            return Err(refused(
+                reference,
+                format!(
+                    "lazy layer {} does not stand for image layer {}",
+                    i + 1,
+                    layers[i].digest
+                ),
+            ));
+        }
+        crate::pull::check_digest(reference, &erofs.digest)?;
+        crate::pull::check_digest(reference, &table.digest)?;
+        pairs.push((erofs.clone(), table.clone()));
+    }
+    Ok(Some(Artifact {
+        digest,
+        layers: pairs,
+    }))
+}
+
+/// What a lazy pull needs besides the request.
+pub(crate) struct LazyPull<'a> {
+    pub client: &'a oci_client::Client,
+    pub r: &'a Reference,
+    pub config: &'a crate::oci::Descriptor,
+    pub artifact: Artifact,
+    pub tmp: &'a Path,
+    pub digest: &'a str,
+    pub mounter: &'a LazyMounter,
+}
+
+/// Registers the image's lazy layers (fetching only their chunk tables), mounts them,
+/// and names the image.
+pub(crate) async fn pull_lazy(
+    store: &crate::ImageStore,
+    req: &crate::pull::PullRequest,
+    p: LazyPull<'_>,
+    log: &mut (dyn FnMut(String) + Send),
+    before_tag: Option<crate::pull::BeforeTag>,
+) -> Result<crate::pull::Pulled, ImageError> {
+    let reference = req.reference.as_str();
+    let cfg_path = p.tmp.join("config");
+    let mut fetched_bytes =
+        crate::pull::fetch_blob(p.client, p.r, p.config, &cfg_path, reference).await?;
+    let cfg_bytes = std::fs::read(&cfg_path).ctx(|| format!("reading {}", cfg_path.display()))?;
+    let cfg: crate::pull::ConfigFile = serde_json::from_slice(&cfg_bytes)
+        .map_err(|e| refused(reference, format!("the image config: {e}")))?;
+    let (mut ids, mut size_bytes, mut cached) = (Vec::new(), 0u64, 0usize);
+    let n = p.artifact.layers.len();
+    for (i, (erofs, table_desc)) in p.artifact.layers.iter().enumerate() {
+        let hex = crate::pull::check_digest(reference, &erofs.digest)?;
+        let started = std::time::Instant::now();
+        let registered = blob_dir(store.root(), &hex).join("source.json").exists();
+        // A blob this node has already is used only if this caller may fetch it too.
+        if registered
+            && p.client
+                .blob_exists(p.r, &erofs.digest)
+                .await
+                .unwrap_or(false)
+        {
+            cached += 1;
+        } else {
+            let path = p.tmp.join(format!("chunks-{i}"));
+            fetched_bytes +=
+                crate::pull::fetch_blob(p.client, p.r, table_desc, &path, reference).await?;
+            let bytes = std::fs::read(&path).ctx(|| format!("reading {}", path.display()))?;
+            let table: ChunkTable = serde_json::from_slice(&bytes).map_err(|e| {
+                refused(reference, format!("lazy layer {}: chunk table: {e}", i + 1))
+            })?;
+            table
+                .check()
+                .map_err(|e| refused(reference, format!("lazy layer {}: {e}", i + 1)))?;
+            if table.size != erofs.size as u64 || table.size < 4096 {
+                return Err(refused(
+                    reference,
+                    format!(
+                        "lazy layer {}: the chunk table is of {} bytes, the layer {}",
+                        i + 1,
+                        table.size,
+                        erofs.size
+                    ),
+                ));
+            }
+            register(
+                store.root(),
+                &LazySource {
+                    registry: p.r.registry().to_string(),
+                    repository: p.r.repository().to_string(),
+                    digest: erofs.digest.clone(),
+                    plain_http: req.plain_http,
+                    ca_pem: req.ca_pem.clone(),
+                    login: req.login.clone(),
+                    table,
+                },
+            )?;
+        }
+        let dir = store.layer_path(&hex);
+        std::fs::create_dir_all(&dir).ctx(|| format!("creating {}", dir.display()))?;
+        let (m, h) = (p.mounter.clone(), hex.clone());
+        tokio::task::spawn_blocking(move || m.mount(&h))
+            .await
+            .map_err(|e| ImageError::Build(format!("mount worker failed: {e}")))??;
+        log(format!(
+            "layer {}/{n} {}: lazy, EROFS {} ({:.1} MiB) mounted in {:.2} s",
+            i + 1,
+            erofs
+                .annotations
+                .get(SOURCE_ANNOTATION)
+                .map_or("", String::as_str),
+            erofs.digest,
+            erofs.size as f64 / (1 << 20) as f64,
+            started.elapsed().as_secs_f64()
+        ));
+        size_bytes += erofs.size as u64;
+        ids.push(hex);
+    }
+    let source = format!(
+        "pull {}/{}@{} (lazy: {})",
+        p.r.resolve_registry(),
+        p.r.repository(),
+        p.digest,
+        p.artifact.digest
+    );
+    let manifest = crate::pull::image_manifest(cfg, ids, size_bytes, source, None);
+    if let Some(hold) = before_tag {
+        hold(manifest.size_bytes).await?;
+    }
+    let image_digest = store.put_manifest(&manifest)?;
+    store.tag(&req.target, &image_digest)?;
+    log(format!("{} is {image_digest}", req.target));
+    Ok(crate::pull::Pulled {
+        digest: image_digest,
+        source_digest: p.digest.to_string(),
+        manifest,
+        fetched: n - cached,
+        cached,
+        fetched_bytes,
+        lazy: true,
+    })
+}
+
+// ---------------------------------------------------------------------------------
+// The node's side: the lazy file system's daemon and the layers' mounts.
+
+/// `statfs`'s magic of a FUSE mount.
+const FUSE_SUPER_MAGIC: i64 = 0x6573_5546;
+
+/// Why this node cannot start images lazily, if it cannot.
+pub fn unsupported() -> Option<String> {
+    let fs = std::fs::read_to_string("/proc/filesystems").unwrap_or_default();
+    let has = |n: &str| fs.lines().any(|l| l.split_whitespace().last() == Some(n));
+    if !has("erofs") {
+        return Some("the kernel has no EROFS".into());
+    }
+    if !has("fuse") || !Path::new("/dev/fuse").exists() {
+        return Some("the kernel has no FUSE (or /dev/fuse is missing)".into());
+    }
+    None
+}
+
+fn statfs_type(p: &Path) -> Option<i64> {
+    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: a NUL-terminated path and a zeroed statfs the call fills.
+    let mut s: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    (unsafe { libc::statfs(c.as_ptr(), &mut s) } == 0).then_some(s.f_type as i64)
+}
+
+/// Whether `p` is the root of a mount (its device differs from its parent's).
+pub fn is_mountpoint(p: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let (Ok(a), Some(Ok(b))) = (
+        std::fs::symlink_metadata(p),
+        p.parent().map(std::fs::symlink_metadata),
+    ) else {
+        return false;
+    };
+    a.dev() != b.dev()
+}
+
+fn umount(p: &Path, flags: i32) -> bool {
+    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    // SAFETY: a NUL-terminated path.
+    unsafe { libc::umount2(c.as_ptr(), flags) == 0 }
+}
+
+/// Starts the lazy file system of a store when it is not running, and mounts layers
+/// from it. Cheap to clone; one per node (the daemon takes a lock on the store).
+#[derive(Debug, Clone)]
+pub struct LazyMounter {
+    /// The `dsec` binary, run as `dsec lazyfs --store <store>`.
+    pub exe: PathBuf,
+    pub store: PathBuf,
+}
+
+impl LazyMounter {
+    pub fn fuse_dir(&self) -> PathBuf {
+        self.store.join("lazyfs")
+    }
+
+    fn alive(&self) -> bool {
+        statfs_type(&self.fuse_dir()) == Some(FUSE_SUPER_MAGIC)
+            && std::fs::read_dir(self.fuse_dir()).is_ok()
+    }
+
+    /// The daemon is serving `lazyfs/` when this returns.
+    pub fn ensure_daemon(&self) -> Result<(), ImageError> {
+        static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+        if self.alive() {
+            return Ok(());
+        }
+        let log_path = self.store.join("lazyfs.log");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .ctx(|| format!("opening {}", log_path.display()))?;
+        let err = log.try_clone().ctx(|| "opening the lazyfs log".into())?;
+        use std::os::unix::process::CommandExt;
+        let mut child = std::process::Command::new(&self.exe)
+            .arg("lazyfs")
+            .arg("--store")
+            .arg(&self.store)
+            .stdin(std::process::Stdio::null())
+            .stdout(log)
+            .stderr(err)
+            .process_group(0)
+            .spawn()
+            .ctx(|| format!("starting {} lazyfs", self.exe.display()))?;
+        let t0 = std::time::Instant::now();
+        while !self.alive() {
+            if let Ok(Some(status)) = child.try_wait() {
+                // Another node process may have won the lock and be starting it.
+                if !status.success() || t0.elapsed() > std::time::Duration::from_secs(10) {
+                    return Err(ImageError::Build(format!(
+                        "the lazy file system did not start ({status}); see {}",
+                        log_path.display()
+                    )));
+                }
+            }
+            if t0.elapsed() > std::time::Duration::from_secs(10) {
+                let _ = child.kill();
+                return Err(ImageError::Build(format!(
+                    "the lazy file system did not start within 10 s; see {}",
+                    log_path.display()
+                )));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        // Reaped when it exits (after `lazyfs/` is unmounted).
+        std::thread::spawn(move || child.wait());
+        Ok(())
+    }
+
+    /// Mounts the EROFS of lazy blob `hex` on its layer directory, unless it is.
+    pub fn mount(&self, hex: &str) -> Result<(), ImageError> {
+        let target = self.store.join("layers").join(hex);
+        if is_mountpoint(&target) && std::fs::read_dir(&target).is_ok() {
+            return Ok(());
+        }
+        self.ensure_daemon()?;
+        // A mount left over from a daemon that died answers nothing: replaced.
+        if is_mountpoint(&target) {
+            umount(&target, libc::MNT_DETACH);
+        }
+        std::fs::create_dir_all(&target).ctx(|| format!("creating {}", target.display()))?;
+        crate::erofs::mount(&self.fuse_dir().join(hex), &target)
+    }
+
+    /// Whether store layer `layer` is a lazy one.
+    pub fn is_lazy(&self, layer: &str) -> bool {
+        crate::digest::valid_digest(layer)
+            && blob_dir(&self.store, layer).join("source.json").exists()
+    }
+
+    /// Mounts lazy layer `hex` in the calling thread's mount namespace when that is not
+    /// this process's (the sandboxes' namespace, which host mounts made after it do not
+    /// reach): from the lazy file system as the process's main thread sees it.
+    pub fn mount_here(&self, hex: &str) -> Result<(), ImageError> {
+        let target = self.store.join("layers").join(hex);
+        if is_mountpoint(&target) && std::fs::read_dir(&target).is_ok() {
+            return Ok(());
+        }
+        if is_mountpoint(&target) {
+            umount(&target, libc::MNT_DETACH);
+        }
+        let fuse = self
+            .fuse_dir()
+            .canonicalize()
+            .ctx(|| format!("resolving {}", self.fuse_dir().display()))?;
+        let rel = fuse.strip_prefix("/").unwrap_or(&fuse);
+        let source = PathBuf::from(format!("/proc/{}/root", std::process::id()))
+            .join(rel)
+            .join(hex);
+        crate::erofs::mount(&source, &target)
+    }
+
+    /// Mounts every lazy layer of the store (after a reboot, say); returns how many.
+    pub fn mount_all(&self) -> Result<usize, ImageError> {
+        let mut n = 0;
+        for hex in self.registered() {
+            if self.store.join("layers").join(&hex).is_dir() {
+                self.mount(&hex)?;
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    fn registered(&self) -> Vec<String> {
+        std::fs::read_dir(self.store.join("lazy"))
+            .map(|d| {
+                d.filter_map(|e| e.ok()?.file_name().into_string().ok())
+                    .filter(|n| crate::digest::valid_digest(n))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Unmounts the lazy layers nothing uses, then the lazy file system if no layer
+    /// is left on it (its daemon then exits); returns the layers still mounted.
+    pub fn unmount_unused(&self) -> usize {
+        let mut left = 0;
+        for hex in self.registered() {
+            let target = self.store.join("layers").join(&hex);
+            if is_mountpoint(&target) && !umount(&target, 0) {
+                left += 1;
+            }
+        }
+        if left == 0 && is_mountpoint(&self.fuse_dir()) {
+            umount(&self.fuse_dir(), 0);
+        }
+        left
+    }
+
+    /// Detaches every lazy layer's mount and the lazy file system (`dsec down`): they
+    /// go when nothing uses them, and the daemon exits then.
+    pub fn unmount_all(&self) {
+        for hex in self.registered() {
+            let target = self.store.join("layers").join(&hex);
+            if is_mountpoint(&target) {
+                umount(&target, libc::MNT_DETACH);
+            }
+        }
+        if is_mountpoint(&self.fuse_dir()) {
+            umount(&self.fuse_dir(), libc::MNT_DETACH);
+        }
+    }
+
+    /// Forgets lazy blob `hex`: its mount (lazily detached) and its cache.
+    pub fn remove(store: &Path, hex: &str) -> Result<(), ImageError> {
+        let target = store.join("layers").join(hex);
+        if is_mountpoint(&target) {
+            umount(&target, libc::MNT_DETACH);
+        }
+        crate::store::remove_tree(&blob_dir(store, hex))
+    }
+}
+
+/// `dsec lazyfs`: serves the store's lazy blobs on `<store>/lazyfs` until it is
+/// unmounted. Returns at once when another process serves the store already.
+pub fn serve(store: &Path, rt: tokio::runtime::Handle) -> Result<(), ImageError> {
+    use std::os::fd::AsRawFd;
+    let lock_path = store.join("lazyfs.lock");
+    let lock =
+        std::fs::File::create(&lock_path).ctx(|| format!("creating {}", lock_path.display()))?;
+    // SAFETY: a descriptor this function owns.
+    if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        tracing::info!("another process serves {}", store.display());
+        return Ok(());
+    }
+    let m = LazyMounter {
+        exe: PathBuf::new(),
+        store: store.to_path_buf(),
+    };
+    let dir = m.fuse_dir();
+    if is_mountpoint(&dir) {
+        umount(&dir, libc::MNT_DETACH);
+    }
+    std::fs::create_dir_all(&dir).ctx(|| format!("creating {}", dir.display()))?;
+    std::fs::create_dir_all(store.join("lazy")).ctx(|| "creating lazy/".into())?;
+    let fs = crate::lazyfs::LazyFs::new(store, rt, crate::lazyfs::registry_fetcher());
+    tracing::info!(
+        "serving lazy blobs of {} on {}",
+        store.display(),
+        dir.display()
+    );
+    fs.serve(&dir)
+        .ctx(|| format!("serving the lazy file system on {}", dir.display()))?;
+    drop(lock);
+    Ok(())
+}

@@ -73,9 +73,7 @@ impl LazyFs {
         }
     }
 
-    /// Mounts the file system on `mountpoint` and serves it on background threads
-    /// until the returned session is dropped (which unmounts it).
-    pub fn mount(&self, mountpoint: &Path) -> std::io::Result<fuser::BackgroundSession> {
+    fn config() -> fuser::Config {
         let mut cfg = fuser::Config::default();
         cfg.mount_options = vec![
             fuser::MountOption::FSName("dsec-lazy".into()),
@@ -89,7 +87,18 @@ impl LazyFs {
         // in (a sandbox's process among them).
         cfg.acl = fuser::SessionACL::All;
         cfg.n_threads = Some(2);
-        fuser::spawn_mount2(self.clone(), mountpoint, &cfg)
+        cfg
+    }
+
+    /// Mounts the file system on `mountpoint` and serves it on background threads
+    /// until the returned session is dropped (which unmounts it).
+    pub fn mount(&self, mountpoint: &Path) -> std::io::Result<fuser::BackgroundSession> {
+        fuser::spawn_mount2(self.clone(), mountpoint, &Self::config())
+    }
+
+    /// Mounts the file system on `mountpoint` and serves it until it is unmounted.
+    pub fn serve(&self, mountpoint: &Path) -> std::io::Result<()> {
+        fuser::mount2(self.clone(), mountpoint, &Self::config())
     }
 
     /// The statistics of a blob this mount has opened.

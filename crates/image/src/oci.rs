@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 pub(crate) const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
 pub(crate) const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
@@ -14,20 +14,23 @@ pub(crate) const DOCKER_LIST: &str = "application/vnd.docker.distribution.manife
 pub(crate) const DOCKER_MANIFEST: &str = "application/vnd.docker.distribution.manifest.v2+json";
 
 /// A content descriptor: what a blob is, its digest and size.
-#[derive(Deserialize, Clone)]
+#[derive(Serialize, Deserialize, Clone)]
 #[serde(rename_all = "camelCase")]
 pub(crate) struct Descriptor {
     #[serde(default)]
     pub media_type: String,
     pub digest: String,
     pub size: i64,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub platform: Option<Platform>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub annotations: BTreeMap<String, String>,
+    /// What an artifact manifest an index lists is (OCI 1.1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub artifact_type: Option<String>,
 }
 
-#[derive(Deserialize, Clone)]
+#[derive(Serialize, Deserialize, Clone)]
 pub(crate) struct Platform {
     #[serde(default)]
     pub architecture: String,
@@ -50,4 +53,9 @@ pub(crate) struct Document {
     pub layers: Option<Vec<Descriptor>>,
     #[serde(default)]
     pub annotations: BTreeMap<String, String>,
+    #[serde(default)]
+    pub artifact_type: Option<String>,
+    /// The manifest an artifact refers to (OCI 1.1).
+    #[serde(default)]
+    pub subject: Option<Descriptor>,
 }

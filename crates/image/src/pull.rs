@@ -141,6 +141,11 @@ pub struct PullRequest {
     /// PEM certificates to trust besides the system's (a registry with its own CA).
     pub ca_pem: Option<String>,
     pub limits: PullLimits,
+    /// The project whose kept registry login `credentials` are (none: given with the
+    /// request, or anonymous). A lazy layer fetches its chunks later with that login.
+    pub login: Option<String>,
+    /// Start the image lazily when the registry has its lazy layers ([`crate::lazy`]).
+    pub lazy: Option<crate::lazy::LazyMounter>,
 }
 
 #[derive(Debug, Clone)]
@@ -154,6 +159,8 @@ pub struct Pulled {
     pub fetched: usize,
     pub cached: usize,
     pub fetched_bytes: u64,
+    /// The image's layers are lazy: fetched by chunk as they are read.
+    pub lazy: bool,
 }
 
 fn fail(reference: &str, kind: PullFailure, message: impl Into<String>) -> ImageError {
@@ -422,7 +429,7 @@ pub fn client(plain_http: bool, ca_pem: Option<&str>) -> Client {
 
 /// Fetches a manifest or index by tag or digest, no larger than the limit, and checks it
 /// against the digest it was asked by (or that the registry names).
-async fn document(
+pub(crate) async fn document(
     client: &Client,
     r: &Reference,
     auth: &RegistryAuth,
@@ -463,7 +470,7 @@ async fn document(
 
 /// Downloads one blob into `dest`, checking its size as it arrives and its digest at the
 /// end; returns the bytes fetched.
-async fn fetch_blob(
+pub(crate) async fn fetch_blob(
     client: &Client,
     r: &Reference,
     d: &Descriptor,
@@ -751,6 +758,42 @@ async fn pull_now(
     let tmp = store.temp_dir("pull")?;
     // Removed however the pull ends, a deadline that drops it included.
     let _tmp = TempDir(tmp.clone());
+    if let Some(mounter) = &req.lazy {
+        // Chunks are fetched later, by the node: with a kept login or none, not with
+        // credentials given for this request only.
+        let usable = req.login.is_some() || matches!(req.credentials, Credentials::Anonymous);
+        let found = if usable {
+            crate::lazy::find_artifact(&client, &r, &auth, limits, reference, &digest, &layers)
+                .await
+        } else {
+            Ok(None)
+        };
+        match found {
+            Ok(Some(artifact)) => {
+                log(format!(
+                    "lazy layers published ({}): starting without fetching the image",
+                    artifact.digest
+                ));
+                let p = crate::lazy::LazyPull {
+                    client: &client,
+                    r: &r,
+                    config: &config,
+                    artifact,
+                    tmp: &tmp,
+                    digest: &digest,
+                    mounter,
+                };
+                return crate::lazy::pull_lazy(store, req, p, log, before_tag).await;
+            }
+            Ok(None) if !usable => {
+                log("credentials given with the request: pulling the image whole".into())
+            }
+            Ok(None) => log("no lazy layers published: pulling the image whole".into()),
+            Err(e) => log(format!(
+                "lazy layers unusable ({e}): pulling the image whole"
+            )),
+        }
+    }
     pull_blobs(
         store, req, &client, &r, &config, &layers, &tmp, &digest, log, before_tag,
     )
@@ -922,6 +965,7 @@ async fn pull_blobs(
         fetched,
         cached,
         fetched_bytes,
+        lazy: false,
     })
 }
 

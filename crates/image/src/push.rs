@@ -22,6 +22,8 @@ pub struct Pushed {
     /// Blobs the registry had already.
     pub skipped_blobs: usize,
     pub pushed_bytes: u64,
+    /// The digest of the lazy layers' artifact pushed with the image, if any.
+    pub lazy_digest: Option<String>,
 }
 
 fn fail(reference: &str, kind: PullFailure, message: impl Into<String>) -> ImageError {
@@ -37,7 +39,7 @@ fn reqwest_header(v: &'static str) -> http::HeaderValue {
 }
 
 /// Sends the blob file at `path` as `digest`.
-async fn send_blob(
+pub(crate) async fn send_blob(
     client: &oci_client::Client,
     r: &Reference,
     path: &Path,
@@ -65,11 +67,16 @@ async fn send_blob(
 
 /// Pushes image `image` of `store` to `dest` (`registry/repository:tag`); `how` gives the
 /// credentials and transport (its `reference` and `target` are not used).
+///
+/// With `lazy`, the image's layers also go as EROFS images with their chunk tables, in
+/// an artifact that refers to the image ([`crate::lazy`]), so that a node can start it
+/// before it has arrived.
 pub async fn push(
     store: &ImageStore,
     image: &ImageRef,
     dest: &str,
     how: &PullRequest,
+    lazy: bool,
     log: &mut (dyn FnMut(String) + Send),
 ) -> Result<Pushed, ImageError> {
     let r: Reference = dest.parse().map_err(|e| {
@@ -88,15 +95,17 @@ pub async fn push(
     }
     let tmp = store.temp_dir("push")?;
     let _tmp = crate::pull::TempDir(tmp.clone());
-    push_from(store, image, dest, &r, how, log, &tmp).await
+    push_from(store, image, dest, &r, how, lazy, log, &tmp).await
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn push_from(
     store: &ImageStore,
     image: &ImageRef,
     dest: &str,
     r: &Reference,
     how: &PullRequest,
+    lazy: bool,
     log: &mut (dyn FnMut(String) + Send),
     tmp: &Path,
 ) -> Result<Pushed, ImageError> {
@@ -152,6 +161,7 @@ async fn push_from(
         pushed_blobs: 0,
         skipped_blobs: 0,
         pushed_bytes: 0,
+        lazy_digest: None,
     };
     for d in std::iter::once(config).chain(layers) {
         if client.blob_exists(r, &d.digest).await.unwrap_or(false) {
@@ -176,10 +186,33 @@ async fn push_from(
             d.size as f64 / (1 << 20) as f64
         ));
     }
+    let subject = Descriptor {
+        media_type: OCI_MANIFEST.to_string(),
+        digest: mdesc.digest.clone(),
+        size: manifest_bytes.len() as i64,
+        platform: None,
+        annotations: Default::default(),
+        artifact_type: None,
+    };
     client
         .push_manifest_raw(r, manifest_bytes, reqwest_header(OCI_MANIFEST))
         .await
         .map_err(err)?;
     log(format!("{dest} is {}", out.digest));
+    if lazy {
+        let (_, stored) = store.resolve(image)?;
+        let sources: Vec<String> = layers.iter().map(|l| l.digest.clone()).collect();
+        let published =
+            crate::lazy::publish(store, &client, r, &stored.layers, &sources, &subject, log)
+                .await
+                .map_err(|e| match e {
+                    crate::lazy::PublishError::Registry(e) => err(e),
+                    crate::lazy::PublishError::Image(e) => e,
+                })?;
+        out.pushed_blobs += published.pushed_blobs;
+        out.skipped_blobs += published.skipped_blobs;
+        out.pushed_bytes += published.pushed_bytes;
+        out.lazy_digest = Some(published.digest);
+    }
     Ok(out)
 }

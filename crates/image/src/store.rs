@@ -317,7 +317,13 @@ impl ImageStore {
             let e = e.ctx(|| "listing layers".into())?;
             let name = e.file_name().to_string_lossy().into_owned();
             if valid_digest(&name) && !keep_layers.contains(&name) {
+                // A lazy layer: its mount first, then its chunks.
+                crate::lazy::LazyMounter::remove(&self.root, &name)?;
                 remove_tree(&e.path())?;
+                for ext in ["erofs", "json"] {
+                    let _ =
+                        std::fs::remove_file(self.root.join("erofs").join(format!("{name}.{ext}")));
+                }
                 removed += 1;
             }
         }

@@ -401,15 +401,18 @@ class DSecClient:
 
     async def pull_image(self, reference: str, *, target: str | None = None, username: str | None = None,
                          password: str | None = None, token: str | None = None, plain_http: bool = False,
-                         ca_pem: str | None = None, progress: Any = None) -> dict[str, Any]:
+                         ca_pem: str | None = None, lazy: bool = True, progress: Any = None) -> dict[str, Any]:
         """Pulls ``reference`` (``[registry/]repository[:tag][@digest]``) from an OCI registry
         into the node's image store as ``target`` (default: ``<key's project>/<name>:<tag>``).
         ``progress``, if given, is called with each step's line. Returns ``image``,
-        ``digest``, ``layers``, ``fetched_layers``, ``cached_layers`` and ``fetched_bytes``.
+        ``digest``, ``layers``, ``fetched_layers``, ``cached_layers``, ``fetched_bytes`` and
+        ``lazy``: with ``lazy`` (the default), an image whose lazy layers the registry has
+        (``push_image`` sends them) is named at once and its layers are fetched by chunk as
+        sandboxes read them.
 
         Keys outside ``root`` may pull only from the node's ``pull_registries``;
         ``plain_http`` and ``ca_pem`` are for keys of ``root``."""
-        body: dict[str, Any] = {"reference": reference, "plain_http": plain_http}
+        body: dict[str, Any] = {"reference": reference, "plain_http": plain_http, "lazy": lazy}
         for k, v in (("as", target), ("username", username), ("password", password), ("token", token),
                      ("ca_pem", ca_pem)):
             if v is not None:
@@ -418,11 +421,13 @@ class DSecClient:
 
     async def push_image(self, image: str, reference: str, *, username: str | None = None,
                          password: str | None = None, token: str | None = None, plain_http: bool = False,
-                         ca_pem: str | None = None, progress: Any = None) -> dict[str, Any]:
+                         ca_pem: str | None = None, lazy: bool = True, progress: Any = None) -> dict[str, Any]:
         """Pushes ``image`` of the node's store to ``reference`` (``registry/repository:tag``).
         Returns ``digest`` (the manifest's, in the registry), ``pushed_blobs``,
-        ``skipped_blobs`` (those the registry had) and ``pushed_bytes``."""
-        body: dict[str, Any] = {"image": image, "reference": reference, "plain_http": plain_http}
+        ``skipped_blobs`` (those the registry had), ``pushed_bytes`` and ``lazy_digest``:
+        with ``lazy`` (the default) the layers also go as EROFS images with chunk tables,
+        in an artifact that refers to the image, so that nodes can start it lazily."""
+        body: dict[str, Any] = {"image": image, "reference": reference, "plain_http": plain_http, "lazy": lazy}
         for k, v in (("username", username), ("password", password), ("token", token), ("ca_pem", ca_pem)):
             if v is not None:
                 body[k] = v

@@ -21,7 +21,7 @@ pub enum ImageCommand {
     Build(BuildArgs),
     /// Pull an image from an OCI registry into the node's store
     #[command(
-        after_help = "Examples:\n  dsec image pull docker.io/library/python:3.11-slim --as root/python:3.11\n  dsec image pull 127.0.0.1:5000/team/env@sha256:… --plain-http\n  echo \"$PASSWORD\" | dsec image pull registry.example.com/team/env:v1 --username me --password-stdin\n\nWithout --username, credentials for the registry are read from Docker's config.json\n($DOCKER_CONFIG/config.json or ~/.docker/config.json) when it has them."
+        after_help = "Examples:\n  dsec image pull docker.io/library/python:3.11-slim --as root/python:3.11\n  dsec image pull 127.0.0.1:5000/team/env:v1 --plain-http --no-lazy\n  dsec image pull 127.0.0.1:5000/team/env@sha256:… --plain-http\n  echo \"$PASSWORD\" | dsec image pull registry.example.com/team/env:v1 --username me --password-stdin\n\nWithout --username, credentials for the registry are read from Docker's config.json\n($DOCKER_CONFIG/config.json or ~/.docker/config.json) when it has them."
     )]
     Pull(PullArgs),
     /// Push an image of the node to an OCI registry
@@ -101,6 +101,9 @@ pub struct PullArgs {
     /// The image's name on the node (default: <your project>/<repository's last part>:<tag>)
     #[arg(long = "as", value_name = "NAME")]
     pub target: Option<String>,
+    /// Fetch the whole image now, even when the registry has its lazy layers
+    #[arg(long)]
+    pub no_lazy: bool,
     #[command(flatten)]
     pub registry: RegistryArgs,
     #[command(flatten)]
@@ -113,6 +116,10 @@ pub struct PushArgs {
     pub image: String,
     /// Where to: `registry/repository:tag`
     pub reference: String,
+    /// Push the image only, without its lazy layers (EROFS images that let a node
+    /// start it before it has arrived)
+    #[arg(long)]
+    pub no_lazy: bool,
     #[command(flatten)]
     pub registry: RegistryArgs,
     #[command(flatten)]
@@ -491,6 +498,7 @@ fn mib(v: &serde_json::Value) -> f64 {
 fn push(a: PushArgs) -> Result<i32> {
     let mut body = registry_body(&a.reference, &a.registry)?;
     body["image"] = a.image.clone().into();
+    body["lazy"] = (!a.no_lazy).into();
     let what = "a push sends an image of a running node's store";
     registry_call(&a.store, "/v1/images:push", body, what, |v, digest, s| {
         format!(
@@ -509,6 +517,7 @@ fn pull(a: PullArgs) -> Result<i32> {
     if let Some(t) = &a.target {
         body["as"] = t.clone().into();
     }
+    body["lazy"] = (!a.no_lazy).into();
     let what = "a pull goes into the store of a running node";
     registry_call(&a.store, "/v1/images:pull", body, what, |v, digest, s| {
         format!(
@@ -520,7 +529,11 @@ fn pull(a: PullArgs) -> Result<i32> {
             v["fetched_layers"],
             v["cached_layers"],
             mib(&v["fetched_bytes"]),
-        )
+        ) + if v["lazy"].as_bool() == Some(true) {
+            "\nits layers are lazy: fetched as sandboxes read them"
+        } else {
+            ""
+        }
     })
 }
 
