@@ -176,6 +176,10 @@ struct LazyfsArgs {
     /// The image store
     #[arg(long)]
     store: PathBuf,
+    /// The most MiB of fetched chunks to keep; past it, those read least recently go
+    /// (0: no bound)
+    #[arg(long, default_value_t = 32768)]
+    cache_mb: u64,
 }
 
 fn main() {
@@ -222,10 +226,12 @@ fn main() {
             Command::Lazyfs(a) => {
                 cmd::up::init_tracing();
                 let rt = tokio::runtime::Handle::current();
-                tokio::task::spawn_blocking(move || dsec_image::lazy::serve(&a.store, rt))
-                    .await?
-                    .map(|_| 0)
-                    .map_err(anyhow::Error::from)
+                tokio::task::spawn_blocking(move || {
+                    dsec_image::lazy::serve(&a.store, rt, a.cache_mb)
+                })
+                .await?
+                .map(|_| 0)
+                .map_err(anyhow::Error::from)
             }
         }
     });

@@ -88,6 +88,9 @@ pub struct EdgeConfig {
     /// by chunk as it is read. Needs EROFS and FUSE in the kernel; without them, or with
     /// `false`, pulls fetch whole images.
     pub lazy_images: bool,
+    /// The most MiB of lazy layers' chunks the node keeps; past it, the chunks read least
+    /// recently are dropped and fetched again when read again (0: no bound).
+    pub lazy_cache_mb: u64,
 }
 
 /// Public registries tenants may pull from unless the node's config says otherwise.
@@ -314,6 +317,7 @@ impl Default for EdgeConfig {
             pull_registries: default_pull_registries(),
             insecure_registries: Vec::new(),
             lazy_images: true,
+            lazy_cache_mb: 32768,
         }
     }
 }

@@ -1770,6 +1770,7 @@ fn lazy_mounter(cfg: &EdgeConfig, images: &ImageStore) -> Option<dsec_image::laz
     Some(dsec_image::lazy::LazyMounter {
         exe,
         store: images.root().to_path_buf(),
+        cache_mb: cfg.lazy_cache_mb,
     })
 }
 

@@ -248,8 +248,12 @@ pub struct LazyBlob {
     data: std::fs::File,
     have_file: std::fs::File,
     have: std::sync::Mutex<Vec<u8>>,
-    /// One lock per chunk: the fetch of a chunk happens once however many wait for it.
-    locks: Vec<tokio::sync::Mutex<()>>,
+    /// One lock per chunk: a fetch (and an eviction) holds it for writing, so a chunk
+    /// is fetched once however many wait for it; a read of the cache holds it for
+    /// reading, so that no eviction punches the chunk out under it.
+    locks: Vec<tokio::sync::RwLock<()>>,
+    /// Chunks held in `data`.
+    held: AtomicU64,
     fetch: Arc<dyn Fetch>,
     fetched_bytes: AtomicU64,
     fetches: AtomicU64,
@@ -332,14 +336,16 @@ impl LazyBlob {
             .read_exact_at(&mut have, 0)
             .ctx(|| format!("reading {}", dir.join("have").display()))?;
         let locks = (0..src.table.chunks.len())
-            .map(|_| tokio::sync::Mutex::new(()))
+            .map(|_| tokio::sync::RwLock::new(()))
             .collect();
+        let held = have.iter().map(|b| b.count_ones() as u64).sum();
         Ok(LazyBlob {
             src,
             data,
             have_file,
             have: std::sync::Mutex::new(have),
             locks,
+            held: AtomicU64::new(held),
             fetch,
             fetched_bytes: AtomicU64::new(0),
             fetches: AtomicU64::new(0),
@@ -363,7 +369,8 @@ impl LazyBlob {
         }
     }
 
-    fn has(&self, i: u64) -> bool {
+    /// Whether chunk `i` is on the node.
+    pub fn has(&self, i: u64) -> bool {
         let have = self.have.lock().unwrap_or_else(|e| e.into_inner());
         have[(i / 8) as usize] & (1 << (i % 8)) != 0
     }
@@ -373,51 +380,110 @@ impl LazyBlob {
         (0..self.src.table.chunks.len() as u64).all(|i| self.has(i))
     }
 
-    /// Makes chunk `i` present: fetched once, checked, written, marked.
-    async fn ensure(&self, i: u64) -> Result<(), LazyError> {
-        if self.has(i) {
-            return Ok(());
-        }
-        let _held = self.locks[i as usize].lock().await;
-        if self.has(i) {
-            return Ok(());
-        }
-        let t = &self.src.table;
-        let start = i * t.chunk_size;
-        let len = t.chunk_size.min(t.size - start);
-        let bytes = self
-            .fetch
-            .fetch(start, len)
-            .await
-            .map_err(|message| LazyError::Fetch {
-                registry: self.src.registry.clone(),
-                digest: self.src.digest.clone(),
-                start,
-                end: start + len - 1,
-                message,
-            })?;
-        self.fetches.fetch_add(1, Ordering::Relaxed);
-        self.fetched_bytes
-            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-        if bytes.len() as u64 != len || hex::encode(Sha256::digest(&bytes)) != t.chunks[i as usize]
-        {
-            return Err(LazyError::Mismatch {
-                digest: self.src.digest.clone(),
-                index: i,
-            });
-        }
-        self.data
-            .write_all_at(&bytes, start)
-            .ctx(|| "writing a fetched chunk".into())?;
+    /// Bytes of the blob held on the node.
+    pub fn held_bytes(&self) -> u64 {
+        self.held.load(Ordering::Relaxed) * self.src.table.chunk_size
+    }
+
+    pub fn chunks(&self) -> u64 {
+        self.src.table.chunks.len() as u64
+    }
+
+    fn mark(&self, i: u64, on: bool) -> Result<(), ImageError> {
         let byte = {
             let mut have = self.have.lock().unwrap_or_else(|e| e.into_inner());
-            have[(i / 8) as usize] |= 1 << (i % 8);
-            have[(i / 8) as usize]
+            let b = &mut have[(i / 8) as usize];
+            if on {
+                *b |= 1 << (i % 8);
+            } else {
+                *b &= !(1 << (i % 8));
+            }
+            *b
         };
+        if on {
+            self.held.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.held.fetch_sub(1, Ordering::Relaxed);
+        }
         self.have_file
             .write_all_at(&[byte], i / 8)
-            .ctx(|| "marking a fetched chunk".into())?;
-        Ok(())
+            .ctx(|| "marking a chunk".into())
+    }
+
+    /// Chunk `i`, present on the node while the returned guard is held: fetched once
+    /// (however many wait for it), checked, written, marked.
+    async fn ensure(&self, i: u64) -> Result<tokio::sync::RwLockReadGuard<'_, ()>, LazyError> {
+        let lock = &self.locks[i as usize];
+        loop {
+            let r = lock.read().await;
+            if self.has(i) {
+                return Ok(r);
+            }
+            drop(r);
+            let _w = lock.write().await;
+            if self.has(i) {
+                continue;
+            }
+            let t = &self.src.table;
+            let start = i * t.chunk_size;
+            let len = t.chunk_size.min(t.size - start);
+            let bytes = self
+                .fetch
+                .fetch(start, len)
+                .await
+                .map_err(|message| LazyError::Fetch {
+                    registry: self.src.registry.clone(),
+                    digest: self.src.digest.clone(),
+                    start,
+                    end: start + len - 1,
+                    message,
+                })?;
+            self.fetches.fetch_add(1, Ordering::Relaxed);
+            self.fetched_bytes
+                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+            if bytes.len() as u64 != len
+                || hex::encode(Sha256::digest(&bytes)) != t.chunks[i as usize]
+            {
+                return Err(LazyError::Mismatch {
+                    digest: self.src.digest.clone(),
+                    index: i,
+                });
+            }
+            self.data
+                .write_all_at(&bytes, start)
+                .ctx(|| "writing a fetched chunk".into())?;
+            self.mark(i, true)?;
+        }
+    }
+
+    /// Drops chunk `i` from the node (its bytes punched out of `data`) unless a read or
+    /// a fetch holds it; whether it was dropped.
+    pub fn evict(&self, i: u64) -> Result<bool, ImageError> {
+        let Ok(_w) = self.locks[i as usize].try_write() else {
+            return Ok(false);
+        };
+        if !self.has(i) {
+            return Ok(false);
+        }
+        self.mark(i, false)?;
+        let cs = self.src.table.chunk_size;
+        use std::os::fd::AsRawFd;
+        // SAFETY: fallocate(2) on a descriptor this blob owns, within the file.
+        let rc = unsafe {
+            libc::fallocate(
+                self.data.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                (i * cs) as libc::off_t,
+                cs.min(self.src.table.size - i * cs) as libc::off_t,
+            )
+        };
+        if rc != 0 {
+            return Err(ImageError::Io {
+                context: "punching an evicted chunk out".into(),
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        Ok(true)
     }
 
     /// `len` bytes at `offset` (fewer at the end of the blob), fetching what is missing.
@@ -437,14 +503,16 @@ impl LazyBlob {
         }
         let cs = self.src.table.chunk_size;
         let (first, last) = (offset / cs, (offset + len - 1) / cs);
-        let wanted = (first..=last).map(|i| self.ensure(i));
-        for r in futures_util::future::join_all(wanted).await {
-            r?;
+        // In ascending order: two reads waiting on each other's chunks cannot deadlock.
+        let mut guards = Vec::with_capacity((last - first + 1) as usize);
+        for i in first..=last {
+            guards.push(self.ensure(i).await?);
         }
         let mut buf = vec![0u8; len as usize];
         self.data
             .read_exact_at(&mut buf, offset)
             .ctx(|| "reading a lazy blob's cache".into())?;
+        drop(guards);
         self.read_bytes.fetch_add(len, Ordering::Relaxed);
         Ok(buf)
     }
@@ -967,6 +1035,8 @@ pub struct LazyMounter {
     /// The `dsec` binary, run as `dsec lazyfs --store <store>`.
     pub exe: PathBuf,
     pub store: PathBuf,
+    /// The most MiB of fetched chunks the daemon keeps (0: no bound).
+    pub cache_mb: u64,
 }
 
 impl LazyMounter {
@@ -998,6 +1068,8 @@ impl LazyMounter {
             .arg("lazyfs")
             .arg("--store")
             .arg(&self.store)
+            .arg("--cache-mb")
+            .arg(self.cache_mb.to_string())
             .stdin(std::process::Stdio::null())
             .stdout(log)
             .stderr(err)
@@ -1136,7 +1208,8 @@ impl LazyMounter {
 
 /// `dsec lazyfs`: serves the store's lazy blobs on `<store>/lazyfs` until it is
 /// unmounted. Returns at once when another process serves the store already.
-pub fn serve(store: &Path, rt: tokio::runtime::Handle) -> Result<(), ImageError> {
+/// `cache_mb`: the most MiB of fetched chunks kept (0: no bound).
+pub fn serve(store: &Path, rt: tokio::runtime::Handle, cache_mb: u64) -> Result<(), ImageError> {
     use std::os::fd::AsRawFd;
     let lock_path = store.join("lazyfs.lock");
     let lock =
@@ -1149,6 +1222,7 @@ pub fn serve(store: &Path, rt: tokio::runtime::Handle) -> Result<(), ImageError>
     let m = LazyMounter {
         exe: PathBuf::new(),
         store: store.to_path_buf(),
+        cache_mb,
     };
     let dir = m.fuse_dir();
     if is_mountpoint(&dir) {
@@ -1156,7 +1230,8 @@ pub fn serve(store: &Path, rt: tokio::runtime::Handle) -> Result<(), ImageError>
     }
     std::fs::create_dir_all(&dir).ctx(|| format!("creating {}", dir.display()))?;
     std::fs::create_dir_all(store.join("lazy")).ctx(|| "creating lazy/".into())?;
-    let fs = crate::lazyfs::LazyFs::new(store, rt, crate::lazyfs::registry_fetcher());
+    let fs = crate::lazyfs::LazyFs::new(store, rt, crate::lazyfs::registry_fetcher())
+        .with_cache_limit((cache_mb > 0).then_some(cache_mb << 20));
     tracing::info!(
         "serving lazy blobs of {} on {}",
         store.display(),

@@ -45,6 +45,14 @@ pub fn registry_fetcher() -> MakeFetch {
     })
 }
 
+/// When each held chunk was last read, for eviction (least recently read first).
+#[derive(Default)]
+struct Lru {
+    tick: u64,
+    /// (blob inode, chunk) -> tick of its last read.
+    last: HashMap<(u64, u64), u64>,
+}
+
 #[derive(Default)]
 struct Table {
     by_name: HashMap<String, u64>,
@@ -60,6 +68,9 @@ pub struct LazyFs {
     fetcher: MakeFetch,
     table: Arc<Mutex<Table>>,
     started: SystemTime,
+    /// The most bytes of chunks kept on the node, all blobs together; none: no bound.
+    cache_limit: Option<u64>,
+    lru: Arc<Mutex<Lru>>,
 }
 
 impl LazyFs {
@@ -70,6 +81,87 @@ impl LazyFs {
             fetcher,
             table: Arc::new(Mutex::new(Table::default())),
             started: SystemTime::now(),
+            cache_limit: None,
+            lru: Arc::new(Mutex::new(Lru::default())),
+        }
+    }
+
+    /// Keeps at most `bytes` of fetched chunks on the node: past it, the chunks read
+    /// least recently are dropped (and fetched again when read again).
+    pub fn with_cache_limit(mut self, bytes: Option<u64>) -> LazyFs {
+        self.cache_limit = bytes;
+        self
+    }
+
+    /// Bytes of chunks held on the node, of the blobs this mount has opened.
+    pub fn held_bytes(&self) -> u64 {
+        let t = self.table.lock().unwrap_or_else(|e| e.into_inner());
+        t.blobs.iter().map(|(_, b)| b.held_bytes()).sum()
+    }
+
+    /// Notes a read of `len` bytes at `offset` of blob `ino`, then drops the chunks
+    /// read least recently while more than the limit is held.
+    fn touched(&self, ino: u64, blob: &LazyBlob, offset: u64, len: u64) {
+        let Some(limit) = self.cache_limit else {
+            return;
+        };
+        let cs = blob.source().table.chunk_size;
+        {
+            let mut l = self.lru.lock().unwrap_or_else(|e| e.into_inner());
+            l.tick += 1;
+            let tick = l.tick;
+            for c in offset / cs..=(offset + len.max(1) - 1) / cs {
+                l.last.insert((ino, c), tick);
+            }
+        }
+        if self.held_bytes() <= limit {
+            return;
+        }
+        // Down to nine tenths of the limit, so that eviction runs once in a while.
+        let goal = limit - limit / 10;
+        let blobs: Vec<(u64, Arc<LazyBlob>)> = {
+            let t = self.table.lock().unwrap_or_else(|e| e.into_inner());
+            t.blobs
+                .iter()
+                .enumerate()
+                .map(|(i, (_, b))| (i as u64 + 2, b.clone()))
+                .collect()
+        };
+        let mut candidates: Vec<(u64, u64, u64)> = Vec::new();
+        {
+            let l = self.lru.lock().unwrap_or_else(|e| e.into_inner());
+            for (ino, b) in &blobs {
+                for c in 0..b.chunks() {
+                    if b.has(c) {
+                        // Chunks held from before this mount was started come first.
+                        let tick = l.last.get(&(*ino, c)).copied().unwrap_or(0);
+                        candidates.push((tick, *ino, c));
+                    }
+                }
+            }
+        }
+        candidates.sort_unstable();
+        let mut held = self.held_bytes();
+        for (_, ino, c) in candidates {
+            if held <= goal {
+                break;
+            }
+            let b = &blobs[(ino - 2) as usize].1;
+            match b.evict(c) {
+                Ok(true) => {
+                    held = held.saturating_sub(cs);
+                    self.lru
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .last
+                        .remove(&(ino, c));
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(blob = %b.source().digest, error = %e, "evicting a chunk");
+                    break;
+                }
+            }
         }
     }
 
@@ -223,9 +315,13 @@ impl Filesystem for LazyFs {
         let Some(blob) = self.blob(ino) else {
             return reply.error(Errno::ENOENT);
         };
+        let fs = self.clone();
         self.rt.spawn(async move {
             match blob.read_at(offset, size as u64).await {
-                Ok(bytes) => reply.data(&bytes),
+                Ok(bytes) => {
+                    reply.data(&bytes);
+                    fs.touched(ino.0, &blob, offset, bytes.len() as u64);
+                }
                 Err(e) => {
                     tracing::warn!(blob = %blob.source().digest, error = %e, "a lazy read failed");
                     reply.error(Errno::EIO)

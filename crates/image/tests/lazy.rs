@@ -273,3 +273,85 @@ fn a_lazy_layer_fetches_what_is_read_and_reads_back_whole() {
     drop(_m);
     drop(session);
 }
+
+#[test]
+fn a_bounded_cache_drops_the_chunks_read_least_recently() {
+    if !ready() {
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let registry = start_registry(&t.path().join("registry"));
+    let src = t.path().join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    for i in 0..16 {
+        std::fs::write(src.join(format!("{i}.bin")), pseudo_random(3 << 19, i + 1)).unwrap();
+    }
+    let img = t.path().join("layer.erofs");
+    erofs::build(&src, &img).unwrap();
+    let bytes = std::fs::read(&img).unwrap();
+    let table = ChunkTable::of_file(&img, lazy::CHUNK_SIZE).unwrap();
+    let digest = push(&rt, &registry.addr, "lazy/bounded", bytes.clone());
+    let store = t.path().join("store");
+    std::fs::create_dir_all(store.join("tmp")).unwrap();
+    lazy::register(
+        &store,
+        &LazySource {
+            registry: registry.addr.clone(),
+            repository: "lazy/bounded".into(),
+            digest: digest.clone(),
+            plain_http: true,
+            ca_pem: None,
+            login: None,
+            table,
+        },
+    )
+    .unwrap();
+    let limit = 6 * lazy::CHUNK_SIZE;
+    let fs = lazyfs::LazyFs::new(&store, rt.handle().clone(), lazyfs::registry_fetcher())
+        .with_cache_limit(Some(limit));
+    let fuse_dir = t.path().join("lazyfs");
+    std::fs::create_dir_all(&fuse_dir).unwrap();
+    let session = fs.mount(&fuse_dir).unwrap();
+    let hex = digest.trim_start_matches("sha256:");
+    let mnt = t.path().join("mnt");
+    std::fs::create_dir_all(&mnt).unwrap();
+    erofs::mount(&fuse_dir.join(hex), &mnt).unwrap();
+    let m = Mounted(mnt.clone());
+    // Twice through 24 MiB of files with room for 6 MiB: right every time, never more
+    // than the bound kept, and so chunks fetched again.
+    for round in 0..2 {
+        for i in 0..16 {
+            assert_eq!(
+                std::fs::read(mnt.join(format!("{i}.bin"))).unwrap(),
+                pseudo_random(3 << 19, i + 1),
+                "round {round}, {i}.bin"
+            );
+            assert!(fs.held_bytes() <= limit, "{} held", fs.held_bytes());
+        }
+        // The kernel's own cache of the files would hide the second round's reads.
+        drop_caches();
+    }
+    let data = std::fs::metadata(store.join("lazy").join(hex).join("data")).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    assert!(
+        data.blocks() * 512 <= limit + lazy::CHUNK_SIZE,
+        "{} bytes on disk",
+        data.blocks() * 512
+    );
+    let stats = fs.stats(hex).unwrap();
+    assert!(
+        stats.fetched_bytes > bytes.len() as u64,
+        "evicted chunks were read again: fetched {} of a {}-byte blob",
+        stats.fetched_bytes,
+        bytes.len()
+    );
+    drop(m);
+    drop(session);
+}
+
+fn drop_caches() {
+    // SAFETY: no arguments.
+    unsafe { libc::sync() };
+    let _ = std::fs::write("/proc/sys/vm/drop_caches", "1\n");
+}
