@@ -1242,3 +1242,116 @@ pub fn serve(store: &Path, rt: tokio::runtime::Handle, cache_mb: u64) -> Result<
     drop(lock);
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Serves a blob held in memory, or other bytes than it.
+    struct Memory(Vec<u8>);
+
+    impl Fetch for Memory {
+        fn fetch(&self, start: u64, len: u64) -> Fetched {
+            let b = self
+                .0
+                .get(start as usize..(start + len) as usize)
+                .map(<[u8]>::to_vec);
+            Box::pin(async move { b.ok_or_else(|| "out of range".to_string()) })
+        }
+    }
+
+    fn source(table: ChunkTable) -> LazySource {
+        LazySource {
+            registry: "127.0.0.1:1".into(),
+            repository: "t/t".into(),
+            digest: format!("sha256:{}", "ab".repeat(32)),
+            plain_http: true,
+            ca_pem: None,
+            login: None,
+            table,
+        }
+    }
+
+    fn table_of(b: &[u8], cs: u64) -> ChunkTable {
+        ChunkTable {
+            size: b.len() as u64,
+            chunk_size: cs,
+            chunks: b
+                .chunks(cs as usize)
+                .map(|c| hex::encode(Sha256::digest(c)))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn a_chunk_table_is_checked_before_it_is_used() {
+        let good = table_of(&[7u8; 10_000], 4096);
+        assert!(good.check().is_ok());
+        let mut t = good.clone();
+        t.chunk_size = 5000;
+        assert!(t.check().unwrap_err().contains("power of two"));
+        let mut t = good.clone();
+        t.chunks.pop();
+        assert!(t.check().unwrap_err().contains("chunk digests"));
+        let mut t = good.clone();
+        t.chunks[1] = "Z".repeat(64);
+        assert!(t.check().unwrap_err().contains("SHA-256"));
+        let mut t = good.clone();
+        t.size = MAX_BLOB + 1;
+        assert!(t.check().is_err());
+        let store = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(store.path().join("tmp")).unwrap();
+        let mut bad = source(good);
+        bad.table.chunk_size = 3;
+        assert!(register(store.path(), &bad).is_err());
+        assert!(!store.path().join("lazy").exists(), "nothing registered");
+    }
+
+    /// Arbitrary bytes as a chunk table, and reads anywhere in the blob it describes
+    /// from a source that may disagree with it: an error or the right bytes, never a
+    /// panic, never bytes the table does not vouch for.
+    #[test]
+    fn fuzz_chunk_tables_and_reads() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let store = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(store.path().join("tmp")).unwrap();
+        let blob: Vec<u8> = (0..40_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let mut n = 0u32;
+        bolero::check!()
+            .with_iterations(300)
+            .for_each(|input: &[u8]| {
+                n += 1;
+                let table = match serde_json::from_slice::<ChunkTable>(input) {
+                    Ok(t) => t,
+                    // Mostly not JSON: read the bytes as parameters of a table instead.
+                    Err(_) if input.len() >= 6 => {
+                        let cs = 4096u64 << (input[0] % 3);
+                        let size = (u16::from_le_bytes([input[1], input[2]]) as u64) % 40_000;
+                        let mut t = table_of(&blob[..size as usize], cs);
+                        if input[3] % 2 == 1 && !t.chunks.is_empty() {
+                            let k = input[4] as usize % t.chunks.len();
+                            t.chunks[k] = "00".repeat(32);
+                        }
+                        t
+                    }
+                    Err(_) => return,
+                };
+                let mut src = source(table);
+                src.digest = format!("sha256:{:064x}", n);
+                if register(store.path(), &src).is_err() {
+                    return;
+                }
+                let b = LazyBlob::open(store.path(), src.hex(), Arc::new(Memory(blob.clone())))
+                    .unwrap();
+                let off = input.first().copied().unwrap_or(0) as u64 * 157;
+                let len = input.get(1).copied().unwrap_or(1) as u64 * 97;
+                if let Ok(got) = rt.block_on(b.read_at(off, len)) {
+                    let end = (off + got.len() as u64) as usize;
+                    assert_eq!(&got[..], &blob[off as usize..end], "unvouched bytes");
+                }
+                let _ = std::fs::remove_dir_all(blob_dir(store.path(), src.hex()));
+            });
+    }
+}
