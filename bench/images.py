@@ -14,7 +14,7 @@ files of mixed sizes and as many small ones), gzip. It is pushed by skopeo, then
    exec; the bytes fetched by then (chunk tables, config, and the chunks read); then a
    read of one large file, and of the whole tree, with the bytes fetched after each.
 
-    python3 bench/images.py --mib 2048
+    python3 bench/images.py --mib 2048 [--prefetch]
 
 JSON goes to bench/results/.
 """
@@ -209,14 +209,23 @@ async def main() -> None:
     ap.add_argument("--data", default="/var/tmp/dsec-bench-images")
     ap.add_argument("--listen", default="127.0.0.1:7689")
     ap.add_argument("--image-store", default=None)
+    ap.add_argument("--prefetch", action="store_true",
+                    help="[edge] lazy_prefetch: fetch the rest of a layer in the background after its first read")
     a = ap.parse_args()
     data = Path(a.data)
     store = store_of(data, a.image_store)
     work = data.parent / f"{data.name}-work"
     work.mkdir(parents=True, exist_ok=True)
+    cfg = data / "config.toml"
+    data.mkdir(parents=True, exist_ok=True)
+    if a.prefetch:
+        cfg.write_text("[edge]\nlazy_prefetch = true\n")
+    else:
+        cfg.unlink(missing_ok=True)
     url, key = server_up(data, a.listen, store)
+    out_prefetch = a.prefetch
     reg = Registry(work / "registry")
-    out: dict = {"mib": a.mib}
+    out: dict = {"mib": a.mib, "prefetch": out_prefetch}
     try:
         t0 = time.perf_counter()
         layout = Layout(work / "layout")
@@ -299,6 +308,7 @@ async def main() -> None:
     finally:
         reg.stop()
         server_down(data)
+        cfg.unlink(missing_ok=True)
         shutil.rmtree(work, ignore_errors=True)
     write_result("images", out)
 

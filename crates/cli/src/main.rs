@@ -180,6 +180,9 @@ struct LazyfsArgs {
     /// (0: no bound)
     #[arg(long, default_value_t = 32768)]
     cache_mb: u64,
+    /// Fetch the rest of a blob in the background once something reads it
+    #[arg(long)]
+    prefetch: bool,
 }
 
 fn main() {
@@ -227,7 +230,7 @@ fn main() {
                 cmd::up::init_tracing();
                 let rt = tokio::runtime::Handle::current();
                 tokio::task::spawn_blocking(move || {
-                    dsec_image::lazy::serve(&a.store, rt, a.cache_mb)
+                    dsec_image::lazy::serve(&a.store, rt, a.cache_mb, a.prefetch)
                 })
                 .await?
                 .map(|_| 0)

@@ -91,6 +91,10 @@ pub struct EdgeConfig {
     /// The most MiB of lazy layers' chunks the node keeps; past it, the chunks read least
     /// recently are dropped and fetched again when read again (0: no bound).
     pub lazy_cache_mb: u64,
+    /// From a second after a lazy layer is first read, fetch the rest of it in the
+    /// background (below nine tenths of `lazy_cache_mb`), so that later reads find it on
+    /// the node. Off by default: most of a large image is often never read.
+    pub lazy_prefetch: bool,
 }
 
 /// Public registries tenants may pull from unless the node's config says otherwise.
@@ -318,6 +322,7 @@ impl Default for EdgeConfig {
             insecure_registries: Vec::new(),
             lazy_images: true,
             lazy_cache_mb: 32768,
+            lazy_prefetch: false,
         }
     }
 }

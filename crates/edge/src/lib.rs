@@ -1771,6 +1771,7 @@ fn lazy_mounter(cfg: &EdgeConfig, images: &ImageStore) -> Option<dsec_image::laz
         exe,
         store: images.root().to_path_buf(),
         cache_mb: cfg.lazy_cache_mb,
+        prefetch: cfg.lazy_prefetch,
     })
 }
 

@@ -254,6 +254,8 @@ pub struct LazyBlob {
     locks: Vec<tokio::sync::RwLock<()>>,
     /// Chunks held in `data`.
     held: AtomicU64,
+    /// Set once a prefetch of the blob has started.
+    prefetching: std::sync::atomic::AtomicBool,
     fetch: Arc<dyn Fetch>,
     fetched_bytes: AtomicU64,
     fetches: AtomicU64,
@@ -346,6 +348,7 @@ impl LazyBlob {
             have: std::sync::Mutex::new(have),
             locks,
             held: AtomicU64::new(held),
+            prefetching: std::sync::atomic::AtomicBool::new(false),
             fetch,
             fetched_bytes: AtomicU64::new(0),
             fetches: AtomicU64::new(0),
@@ -454,6 +457,16 @@ impl LazyBlob {
                 .ctx(|| "writing a fetched chunk".into())?;
             self.mark(i, true)?;
         }
+    }
+
+    /// Fetches chunk `i` unless the node has it (a prefetch).
+    pub async fn prefetch(&self, i: u64) -> Result<(), LazyError> {
+        self.ensure(i).await.map(drop)
+    }
+
+    /// True the first time only: whoever gets it starts the blob's prefetch.
+    pub fn start_prefetch(&self) -> bool {
+        !self.prefetching.swap(true, Ordering::SeqCst)
     }
 
     /// Drops chunk `i` from the node (its bytes punched out of `data`) unless a read or
@@ -1037,6 +1050,8 @@ pub struct LazyMounter {
     pub store: PathBuf,
     /// The most MiB of fetched chunks the daemon keeps (0: no bound).
     pub cache_mb: u64,
+    /// Fetch the rest of a blob in the background once something reads it.
+    pub prefetch: bool,
 }
 
 impl LazyMounter {
@@ -1070,6 +1085,7 @@ impl LazyMounter {
             .arg(&self.store)
             .arg("--cache-mb")
             .arg(self.cache_mb.to_string())
+            .args(self.prefetch.then_some("--prefetch"))
             .stdin(std::process::Stdio::null())
             .stdout(log)
             .stderr(err)
@@ -1208,8 +1224,14 @@ impl LazyMounter {
 
 /// `dsec lazyfs`: serves the store's lazy blobs on `<store>/lazyfs` until it is
 /// unmounted. Returns at once when another process serves the store already.
-/// `cache_mb`: the most MiB of fetched chunks kept (0: no bound).
-pub fn serve(store: &Path, rt: tokio::runtime::Handle, cache_mb: u64) -> Result<(), ImageError> {
+/// `cache_mb`: the most MiB of fetched chunks kept (0: no bound); `prefetch`: fetch the
+/// rest of a blob in the background from a second after something first reads it.
+pub fn serve(
+    store: &Path,
+    rt: tokio::runtime::Handle,
+    cache_mb: u64,
+    prefetch: bool,
+) -> Result<(), ImageError> {
     use std::os::fd::AsRawFd;
     let lock_path = store.join("lazyfs.lock");
     let lock =
@@ -1223,6 +1245,7 @@ pub fn serve(store: &Path, rt: tokio::runtime::Handle, cache_mb: u64) -> Result<
         exe: PathBuf::new(),
         store: store.to_path_buf(),
         cache_mb,
+        prefetch,
     };
     let dir = m.fuse_dir();
     if is_mountpoint(&dir) {
@@ -1231,7 +1254,8 @@ pub fn serve(store: &Path, rt: tokio::runtime::Handle, cache_mb: u64) -> Result<
     std::fs::create_dir_all(&dir).ctx(|| format!("creating {}", dir.display()))?;
     std::fs::create_dir_all(store.join("lazy")).ctx(|| "creating lazy/".into())?;
     let fs = crate::lazyfs::LazyFs::new(store, rt, crate::lazyfs::registry_fetcher())
-        .with_cache_limit((cache_mb > 0).then_some(cache_mb << 20));
+        .with_cache_limit((cache_mb > 0).then_some(cache_mb << 20))
+        .with_prefetch(prefetch.then_some(std::time::Duration::from_secs(1)));
     tracing::info!(
         "serving lazy blobs of {} on {}",
         store.display(),

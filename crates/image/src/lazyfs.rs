@@ -71,7 +71,12 @@ pub struct LazyFs {
     /// The most bytes of chunks kept on the node, all blobs together; none: no bound.
     cache_limit: Option<u64>,
     lru: Arc<Mutex<Lru>>,
+    /// Prefetch a blob this long after its first read (none: never).
+    prefetch: Option<Duration>,
 }
+
+/// Chunks a prefetch has in flight at once (demand reads do not wait for them).
+const PREFETCH_AT_ONCE: usize = 4;
 
 impl LazyFs {
     pub fn new(store: &Path, rt: tokio::runtime::Handle, fetcher: MakeFetch) -> LazyFs {
@@ -83,7 +88,52 @@ impl LazyFs {
             started: SystemTime::now(),
             cache_limit: None,
             lru: Arc::new(Mutex::new(Lru::default())),
+            prefetch: None,
         }
+    }
+
+    /// `after` a blob's first read (a sandbox's start reads first), fetch the rest of it
+    /// in the background (below nine tenths of the cache's bound, so that it never
+    /// evicts what was read).
+    pub fn with_prefetch(mut self, after: Option<Duration>) -> LazyFs {
+        self.prefetch = after;
+        self
+    }
+
+    fn spawn_prefetch(&self, blob: Arc<LazyBlob>, after: Duration) {
+        use futures_util::StreamExt;
+        let fs = self.clone();
+        self.rt.spawn(async move {
+            tokio::time::sleep(after).await;
+            let t0 = std::time::Instant::now();
+            let cs = blob.source().table.chunk_size;
+            let missing: Vec<u64> = (0..blob.chunks()).filter(|&i| !blob.has(i)).collect();
+            let n = missing.len();
+            let mut fetches = futures_util::stream::iter(missing)
+                .map(|i| {
+                    let (b, fs) = (blob.clone(), fs.clone());
+                    async move {
+                        if let Some(limit) = fs.cache_limit
+                            && fs.held_bytes() + cs > limit - limit / 10
+                        {
+                            return Err("the cache is full".to_string());
+                        }
+                        b.prefetch(i).await.map_err(|e| e.to_string())
+                    }
+                })
+                .buffer_unordered(PREFETCH_AT_ONCE);
+            while let Some(r) = fetches.next().await {
+                if let Err(e) = r {
+                    tracing::info!(blob = %blob.source().digest, "prefetch stopped: {e}");
+                    return;
+                }
+            }
+            tracing::info!(
+                blob = %blob.source().digest,
+                "prefetched {n} chunks in {:.1} s",
+                t0.elapsed().as_secs_f64()
+            );
+        });
     }
 
     /// Keeps at most `bytes` of fetched chunks on the node: past it, the chunks read
@@ -321,6 +371,11 @@ impl Filesystem for LazyFs {
                 Ok(bytes) => {
                     reply.data(&bytes);
                     fs.touched(ino.0, &blob, offset, bytes.len() as u64);
+                    if let Some(after) = fs.prefetch
+                        && blob.start_prefetch()
+                    {
+                        fs.spawn_prefetch(blob.clone(), after);
+                    }
                 }
                 Err(e) => {
                     tracing::warn!(blob = %blob.source().digest, error = %e, "a lazy read failed");

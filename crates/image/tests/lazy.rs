@@ -274,13 +274,30 @@ fn a_lazy_layer_fetches_what_is_read_and_reads_back_whole() {
     drop(session);
 }
 
-#[test]
-fn a_bounded_cache_drops_the_chunks_read_least_recently() {
-    if !ready() {
-        return;
+/// 16 files of 1.5 MiB as one lazy blob in a fresh store, served by `fs` (made by
+/// `make`) and mounted; the store, the mount and the blob's hex digest.
+struct Served {
+    _t: tempfile::TempDir,
+    _registry: Registry,
+    store: PathBuf,
+    mnt: PathBuf,
+    hex: String,
+    blob_len: u64,
+    fs: lazyfs::LazyFs,
+    // Dropped first: the EROFS mount, then the FUSE session.
+    _m: Option<Mounted>,
+    _session: Option<fuser::BackgroundSession>,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        self._m.take();
+        self._session.take();
     }
+}
+
+fn serve_files(rt: &tokio::runtime::Runtime, make: impl FnOnce(&Path) -> lazyfs::LazyFs) -> Served {
     let t = tempfile::tempdir().unwrap();
-    let rt = tokio::runtime::Runtime::new().unwrap();
     let registry = start_registry(&t.path().join("registry"));
     let src = t.path().join("src");
     std::fs::create_dir_all(&src).unwrap();
@@ -291,14 +308,14 @@ fn a_bounded_cache_drops_the_chunks_read_least_recently() {
     erofs::build(&src, &img).unwrap();
     let bytes = std::fs::read(&img).unwrap();
     let table = ChunkTable::of_file(&img, lazy::CHUNK_SIZE).unwrap();
-    let digest = push(&rt, &registry.addr, "lazy/bounded", bytes.clone());
+    let digest = push(rt, &registry.addr, "lazy/files", bytes.clone());
     let store = t.path().join("store");
     std::fs::create_dir_all(store.join("tmp")).unwrap();
     lazy::register(
         &store,
         &LazySource {
             registry: registry.addr.clone(),
-            repository: "lazy/bounded".into(),
+            repository: "lazy/files".into(),
             digest: digest.clone(),
             plain_http: true,
             ca_pem: None,
@@ -307,47 +324,100 @@ fn a_bounded_cache_drops_the_chunks_read_least_recently() {
         },
     )
     .unwrap();
-    let limit = 6 * lazy::CHUNK_SIZE;
-    let fs = lazyfs::LazyFs::new(&store, rt.handle().clone(), lazyfs::registry_fetcher())
-        .with_cache_limit(Some(limit));
+    let fs = make(&store);
     let fuse_dir = t.path().join("lazyfs");
     std::fs::create_dir_all(&fuse_dir).unwrap();
     let session = fs.mount(&fuse_dir).unwrap();
-    let hex = digest.trim_start_matches("sha256:");
+    let hex = digest.trim_start_matches("sha256:").to_string();
     let mnt = t.path().join("mnt");
     std::fs::create_dir_all(&mnt).unwrap();
-    erofs::mount(&fuse_dir.join(hex), &mnt).unwrap();
-    let m = Mounted(mnt.clone());
+    erofs::mount(&fuse_dir.join(&hex), &mnt).unwrap();
+    Served {
+        _m: Some(Mounted(mnt.clone())),
+        _session: Some(session),
+        _t: t,
+        _registry: registry,
+        store,
+        mnt,
+        hex,
+        blob_len: bytes.len() as u64,
+        fs,
+    }
+}
+
+#[test]
+fn a_bounded_cache_drops_the_chunks_read_least_recently() {
+    if !ready() {
+        return;
+    }
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let limit = 6 * lazy::CHUNK_SIZE;
+    let s = serve_files(&rt, |store| {
+        lazyfs::LazyFs::new(store, rt.handle().clone(), lazyfs::registry_fetcher())
+            .with_cache_limit(Some(limit))
+    });
     // Twice through 24 MiB of files with room for 6 MiB: right every time, never more
     // than the bound kept, and so chunks fetched again.
     for round in 0..2 {
         for i in 0..16 {
             assert_eq!(
-                std::fs::read(mnt.join(format!("{i}.bin"))).unwrap(),
+                std::fs::read(s.mnt.join(format!("{i}.bin"))).unwrap(),
                 pseudo_random(3 << 19, i + 1),
                 "round {round}, {i}.bin"
             );
-            assert!(fs.held_bytes() <= limit, "{} held", fs.held_bytes());
+            assert!(s.fs.held_bytes() <= limit, "{} held", s.fs.held_bytes());
         }
         // The kernel's own cache of the files would hide the second round's reads.
         drop_caches();
     }
-    let data = std::fs::metadata(store.join("lazy").join(hex).join("data")).unwrap();
+    let data = std::fs::metadata(s.store.join("lazy").join(&s.hex).join("data")).unwrap();
     use std::os::unix::fs::MetadataExt;
     assert!(
         data.blocks() * 512 <= limit + lazy::CHUNK_SIZE,
         "{} bytes on disk",
         data.blocks() * 512
     );
-    let stats = fs.stats(hex).unwrap();
+    let stats = s.fs.stats(&s.hex).unwrap();
     assert!(
-        stats.fetched_bytes > bytes.len() as u64,
+        stats.fetched_bytes > s.blob_len,
         "evicted chunks were read again: fetched {} of a {}-byte blob",
         stats.fetched_bytes,
-        bytes.len()
+        s.blob_len
     );
-    drop(m);
-    drop(session);
+}
+
+#[test]
+fn a_first_read_starts_a_prefetch_of_the_rest() {
+    if !ready() {
+        return;
+    }
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let s = serve_files(&rt, |store| {
+        lazyfs::LazyFs::new(store, rt.handle().clone(), lazyfs::registry_fetcher())
+            .with_prefetch(Some(Duration::ZERO))
+    });
+    // The mount read the superblock: the rest comes without another read.
+    let t0 = Instant::now();
+    while s.fs.held_bytes() < s.blob_len.div_ceil(lazy::CHUNK_SIZE) * lazy::CHUNK_SIZE {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the prefetch did not finish"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let fetched = s.fs.stats(&s.hex).unwrap().fetched_bytes;
+    assert_eq!(fetched, s.blob_len, "every chunk fetched once");
+    for i in 0..16 {
+        assert_eq!(
+            std::fs::read(s.mnt.join(format!("{i}.bin"))).unwrap(),
+            pseudo_random(3 << 19, i + 1)
+        );
+    }
+    assert_eq!(
+        s.fs.stats(&s.hex).unwrap().fetched_bytes,
+        fetched,
+        "reads fetched nothing"
+    );
 }
 
 fn drop_caches() {
