@@ -197,6 +197,22 @@ def server():
     assert not left, f"left behind after the session: {left}"
     assert not aether_processes(), "sandbox processes outlived the server"
     assert not hostclean.mountns_holders(DATA), "the sandboxes' mount namespace outlived the server"
+    # Lazy image layers and their file system go with the server (its daemon once they are).
+    assert not hostclean.mounts_under(DATA / "images"), "lazy image layers stayed mounted"
+    wait_for(lambda: not lazyfs_processes(), timeout=10)
+
+
+def lazyfs_processes() -> list[int]:
+    """`dsec lazyfs` daemons serving this suite's image store."""
+    out = []
+    for p in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = p.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"lazyfs" in argv and str(DATA / "images").encode() in argv:
+            out.append(int(p.parent.name))
+    return out
 
 
 @pytest.fixture

@@ -12,13 +12,15 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import DATA, dsec
-from opendsec import DSecRunArgs
+from conftest import DATA, dsec, lazyfs_processes, node_config
+from opendsec import DSecClient, DSecRunArgs
 from test_pull import WORK, Layout, Registry, busybox
 
 pytestmark = pytest.mark.skipif(
@@ -85,7 +87,7 @@ def registry():
     out = pull(f"{r.host}/team/src:v1", "--as", "root/lz-src:v1")
     assert out["lazy"] is False, out  # skopeo pushed no lazy layers: fetched whole
     yield r
-    for ref in ("root/lz-src:v1", "root/lz-lazy:v1", "root/lz-whole:v1", "root/lz-forged:v1"):
+    for ref in ("root/lz-src:v1", "root/lz-lazy:v1", "root/lz-whole:v1", "root/lz-forged:v1", "root/lz-again:v1"):
         dsec("image", "rm", ref, "--data-dir", str(DATA), check=False)
     r.stop()
     shutil.rmtree(layout.path, ignore_errors=True)
@@ -210,3 +212,59 @@ async def test_a_registry_serving_other_bytes_gives_io_errors_not_those_bytes(cl
         await sb.stop()
     have = (STORE / "lazy" / data_layer / "have").read_bytes()
     assert not have[5 // 8] & (1 << (5 % 8)), "the forged chunk was kept"
+
+
+async def test_a_lazy_image_starts_again_after_its_daemon_is_killed(client, registry):
+    push("root/lz-src:v1", f"{registry.host}/team/again:v1")
+    out = pull(f"{registry.host}/team/again:v1", "--as", "root/lz-again:v1")
+    assert out["lazy"] is True, out
+    sb = await client.run_sandbox(DSecRunArgs(image="root/lz-again:v1"))
+    await sb.stop()
+    daemons = lazyfs_processes()
+    assert len(daemons) == 1, daemons
+    os.kill(daemons[0], signal.SIGKILL)
+    deadline = time.time() + 10
+    while Path(f"/proc/{daemons[0]}").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    # The next sandbox of the image finds its layers mounted afresh from a new daemon.
+    sb = await client.run_sandbox(DSecRunArgs(image="root/lz-again:v1"))
+    try:
+        r = await sb.run_shell("sha256sum /data/big5.bin; cat /data/small/3.txt")
+        assert r.exit_code == 0, r.stderr
+        assert r.stdout.split()[0] == hashlib.sha256(BIG[5][1]).hexdigest()
+        assert r.stdout.splitlines()[1] == "small file 3"
+    finally:
+        await sb.stop()
+    again = lazyfs_processes()
+    assert len(again) == 1 and again != daemons, (daemons, again)
+
+
+async def test_a_tenants_pull_is_lazy_only_from_registries_the_node_trusts(client, registry):
+    """A lazy layer is an EROFS image whoever pushed it made, parsed by the node's
+    kernel: a tenant's pull mounts one only from `[edge] lazy_registries`."""
+    trusted = Registry("lazy-trusted")
+    try:
+        push("root/lz-src:v1", f"{registry.host}/team/tenant:v1")
+        push("root/lz-src:v1", f"{trusted.host}/team/tenant:v1")
+        hosts = json.dumps([registry.host, trusted.host])
+        with node_config(f"[edge]\ninsecure_registries = {hosts}\npull_registries = {hosts}\n"
+                         f"lazy_registries = {json.dumps([trusted.host])}\n"):
+            project = f"root/lazy-{os.urandom(3).hex()}"
+            async with DSecClient() as admin:
+                await admin.create_project(project)
+                k = await admin.create_key("tenant", project=project)
+            async with DSecClient(api_key=k["key"]) as t:
+                whole = await t.pull_image(f"{registry.host}/team/tenant:v1", target=f"{project}/whole:v1")
+                assert whole["lazy"] is False, whole
+                lazy = await t.pull_image(f"{trusted.host}/team/tenant:v1", target=f"{project}/lazy:v1")
+                assert lazy["lazy"] is True, lazy
+                for image in (f"{project}/whole:v1", f"{project}/lazy:v1"):
+                    sb = await t.run_sandbox(DSecRunArgs(image=image))
+                    try:
+                        r = await sb.run_shell("sha256sum /data/big2.bin")
+                        assert r.stdout.split()[0] == hashlib.sha256(BIG[2][1]).hexdigest(), (image, r)
+                    finally:
+                        await sb.stop()
+                    await t.remove_image(image)
+    finally:
+        trusted.stop()

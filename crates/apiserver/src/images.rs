@@ -345,7 +345,7 @@ pub(crate) async fn pull_image(
     let (mut req, kept) =
         access.request(&p, &st.edge, b.reference, &r, target, (&project, true))?;
     if b.lazy != Some(false) {
-        req.lazy = st.edge.lazy_mounter();
+        req.lazy = st.edge.lazy_mounter(&p.project, r.registry());
     }
     let registry = r.registry().to_string();
     let edge = st.edge.clone();

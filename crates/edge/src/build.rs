@@ -159,7 +159,7 @@ impl Edge {
             ca_pem: None,
             limits: dsec_image::pull::PullLimits::default(),
             login: kept.map(|(p, _)| p),
-            lazy: self.lazy_mounter(),
+            lazy: self.lazy_mounter(project, &registry),
         };
         let tx = progress.clone();
         let mut log = move |l: String| {

@@ -95,6 +95,11 @@ pub struct EdgeConfig {
     /// background (below nine tenths of `lazy_cache_mb`), so that later reads find it on
     /// the node. Off by default: most of a large image is often never read.
     pub lazy_prefetch: bool,
+    /// Registries (`host[:port]`) whose lazy layers pulls by projects other than `root`
+    /// may mount. A lazy layer is an EROFS image made by whoever pushed it, which the
+    /// node's kernel parses: list only registries whose pushers the node trusts. Pulls
+    /// from others fetch whole images, unpacked in user space.
+    pub lazy_registries: Vec<String>,
 }
 
 /// Public registries tenants may pull from unless the node's config says otherwise.
@@ -323,6 +328,7 @@ impl Default for EdgeConfig {
             lazy_images: true,
             lazy_cache_mb: 32768,
             lazy_prefetch: false,
+            lazy_registries: Vec::new(),
         }
     }
 }

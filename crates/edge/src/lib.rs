@@ -516,12 +516,25 @@ impl Edge {
                 .any(|a| a.eq_ignore_ascii_case(registry))
     }
 
-    /// Whether the node talks plain HTTP to `registry` (`[edge] insecure_registries`).
-    /// What mounts lazy image layers on this node, if it starts images lazily.
-    pub fn lazy_mounter(&self) -> Option<dsec_image::lazy::LazyMounter> {
-        self.lazy.clone()
+    /// What mounts lazy image layers for a pull by `project` from `registry`, if this
+    /// node starts images lazily and trusts that pull's layers to its kernel: a lazy
+    /// layer is an EROFS image the registry made, parsed by the kernel when mounted, so
+    /// only pulls by `root` and from `[edge] lazy_registries` are lazy.
+    pub fn lazy_mounter(
+        &self,
+        project: &str,
+        registry: &str,
+    ) -> Option<dsec_image::lazy::LazyMounter> {
+        let trusted = project == dsec_common::project::ROOT
+            || self
+                .cfg
+                .lazy_registries
+                .iter()
+                .any(|a| a.eq_ignore_ascii_case(registry));
+        self.lazy.clone().filter(|_| trusted)
     }
 
+    /// Whether the node talks plain HTTP to `registry` (`[edge] insecure_registries`).
     pub fn insecure_registry(&self, registry: &str) -> bool {
         self.cfg
             .insecure_registries

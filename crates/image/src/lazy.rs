@@ -997,6 +997,9 @@ pub(crate) async fn pull_lazy(
 // ---------------------------------------------------------------------------------
 // The node's side: the lazy file system's daemon and the layers' mounts.
 
+/// The file in the store naming the running daemon's generation (fresh at each start).
+const GENERATION: &str = "lazyfs.gen";
+
 /// `statfs`'s magic of a FUSE mount.
 const FUSE_SUPER_MAGIC: i64 = 0x6573_5546;
 
@@ -1117,19 +1120,11 @@ impl LazyMounter {
         Ok(())
     }
 
-    /// Mounts the EROFS of lazy blob `hex` on its layer directory, unless it is.
+    /// Mounts the EROFS of lazy blob `hex` on its layer directory (in this process's
+    /// mount namespace), unless it is, starting the daemon if it is not running.
     pub fn mount(&self, hex: &str) -> Result<(), ImageError> {
-        let target = self.store.join("layers").join(hex);
-        if is_mountpoint(&target) && std::fs::read_dir(&target).is_ok() {
-            return Ok(());
-        }
         self.ensure_daemon()?;
-        // A mount left over from a daemon that died answers nothing: replaced.
-        if is_mountpoint(&target) {
-            umount(&target, libc::MNT_DETACH);
-        }
-        std::fs::create_dir_all(&target).ctx(|| format!("creating {}", target.display()))?;
-        crate::erofs::mount(&self.fuse_dir().join(hex), &target)
+        self.mount_from(hex, &self.fuse_dir().join(hex))
     }
 
     /// Whether store layer `layer` is a lazy one.
@@ -1140,15 +1135,9 @@ impl LazyMounter {
 
     /// Mounts lazy layer `hex` in the calling thread's mount namespace when that is not
     /// this process's (the sandboxes' namespace, which host mounts made after it do not
-    /// reach): from the lazy file system as the process's main thread sees it.
+    /// reach): from the lazy file system as the process's main thread sees it. Call
+    /// [`LazyMounter::mount`] first, from the process's own namespace.
     pub fn mount_here(&self, hex: &str) -> Result<(), ImageError> {
-        let target = self.store.join("layers").join(hex);
-        if is_mountpoint(&target) && std::fs::read_dir(&target).is_ok() {
-            return Ok(());
-        }
-        if is_mountpoint(&target) {
-            umount(&target, libc::MNT_DETACH);
-        }
         let fuse = self
             .fuse_dir()
             .canonicalize()
@@ -1157,7 +1146,32 @@ impl LazyMounter {
         let source = PathBuf::from(format!("/proc/{}/root", std::process::id()))
             .join(rel)
             .join(hex);
-        crate::erofs::mount(&source, &target)
+        self.mount_from(hex, &source)
+    }
+
+    /// Mounts `source` (the blob's file on the lazy file system) on the layer directory
+    /// in the calling thread's mount namespace, unless a mount made from the running
+    /// daemon is there already. Each mount is marked, per namespace, with the daemon's
+    /// generation: one left from a daemon that died answers nothing, and is replaced.
+    fn mount_from(&self, hex: &str, source: &Path) -> Result<(), ImageError> {
+        static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+        let generation = std::fs::read_to_string(self.store.join(GENERATION)).unwrap_or_default();
+        let ns = {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::metadata("/proc/thread-self/ns/mnt").map_or(0, |m| m.ino())
+        };
+        let mark = blob_dir(&self.store, hex).join(format!("mnt-{ns}.gen"));
+        let target = self.store.join("layers").join(hex);
+        if is_mountpoint(&target) && std::fs::read_to_string(&mark).is_ok_and(|g| g == generation)
+        {
+            return Ok(());
+        }
+        // One from an earlier daemon (it may not even answer a stat).
+        umount(&target, libc::MNT_DETACH);
+        std::fs::create_dir_all(&target).ctx(|| format!("creating {}", target.display()))?;
+        crate::erofs::mount(source, &target)?;
+        std::fs::write(&mark, &generation).ctx(|| format!("writing {}", mark.display()))
     }
 
     /// Mounts every lazy layer of the store (after a reboot, say); returns how many.
@@ -1248,11 +1262,16 @@ pub fn serve(
         prefetch,
     };
     let dir = m.fuse_dir();
-    if is_mountpoint(&dir) {
-        umount(&dir, libc::MNT_DETACH);
-    }
+    // A daemon that died leaves its mount there, answering nothing (not even a stat).
+    umount(&dir, libc::MNT_DETACH);
     std::fs::create_dir_all(&dir).ctx(|| format!("creating {}", dir.display()))?;
     std::fs::create_dir_all(store.join("lazy")).ctx(|| "creating lazy/".into())?;
+    // Mounts of layers made from an earlier daemon are replaced when next used.
+    crate::store::write_atomic(
+        &store.join("tmp"),
+        &store.join(GENERATION),
+        dsec_common::id::random_hex(8).as_bytes(),
+    )?;
     let fs = crate::lazyfs::LazyFs::new(store, rt, crate::lazyfs::registry_fetcher())
         .with_cache_limit((cache_mb > 0).then_some(cache_mb << 20))
         .with_prefetch(prefetch.then_some(std::time::Duration::from_secs(1)));
