@@ -87,7 +87,8 @@ def registry():
     out = pull(f"{r.host}/team/src:v1", "--as", "root/lz-src:v1")
     assert out["lazy"] is False, out  # skopeo pushed no lazy layers: fetched whole
     yield r
-    for ref in ("root/lz-src:v1", "root/lz-lazy:v1", "root/lz-whole:v1", "root/lz-forged:v1", "root/lz-again:v1"):
+    for ref in ("root/lz-src:v1", "root/lz-lazy:v1", "root/lz-whole:v1", "root/lz-forged:v1", "root/lz-again:v1",
+                "root/lz-vm:v1"):
         dsec("image", "rm", ref, "--data-dir", str(DATA), check=False)
     r.stop()
     shutil.rmtree(layout.path, ignore_errors=True)
@@ -165,6 +166,31 @@ def upload_blob(host: str, repo: str, data: bytes) -> str:
     url += ("&" if "?" in url else "?") + f"digest={digest}"
     http("PUT", url, data, {"Content-Type": "application/octet-stream"})
     return digest
+
+
+async def test_a_vm_of_a_lazy_image_boots_from_its_layers(client, registry):
+    """A `vm` sandbox's root disk is built from the image's layers: lazy ones are
+    mounted (and read through) for it. The suite's Debian image, pushed and pulled
+    back lazily."""
+    if not shutil.which("qemu-system-x86_64"):
+        pytest.skip("qemu-system-x86_64 is not installed")
+    push("root/base", f"{registry.host}/team/base:v1")
+    out = pull(f"{registry.host}/team/base:v1", "--as", "root/lz-vm:v1")
+    assert out["lazy"] is True, out
+    sb = await client.run_sandbox(DSecRunArgs(image="root/lz-vm:v1", backend="vm"))
+    try:
+        r = await sb.run_shell("cat /etc/os-release | head -1; sha256sum /usr/bin/env")
+        assert r.exit_code == 0, r.stderr
+        assert r.stdout.startswith('PRETTY_NAME="Debian'), r.stdout
+    finally:
+        await sb.stop()
+    # The same bytes as the image it was pushed from.
+    ref = await client.run_sandbox(DSecRunArgs(image="root/base"))
+    try:
+        r2 = await ref.run_shell("sha256sum /usr/bin/env")
+        assert r2.stdout == r.stdout.splitlines()[1] + "\n", (r.stdout, r2.stdout)
+    finally:
+        await ref.stop()
 
 
 async def test_a_registry_serving_other_bytes_gives_io_errors_not_those_bytes(client, registry):

@@ -350,18 +350,19 @@ impl Edge {
                 ),
             }
         }
-        let lazy = lazy_mounter(&cfg, &images);
-        let container: Arc<dyn Backend> = Arc::new(
-            ContainerBackend::new(
-                &cfg.oci_runtime,
-                &cfg.state_dir.join("runtime"),
-                cfg.aether_binary.as_deref(),
-                images.clone(),
-                mode,
-                &cfg.state_dir.join("sandboxes"),
-            )
-            .with_lazy(lazy.clone()),
-        );
+        // Lazy layers in the store are mounted wherever the kernel can, even with lazy
+        // pulls turned off; `lazy` (pulls) only where they are on.
+        let mounter = lazy_mounter(&cfg, &images);
+        let images = images.with_lazy(mounter.clone());
+        let lazy = mounter.filter(|_| cfg.lazy_images);
+        let container: Arc<dyn Backend> = Arc::new(ContainerBackend::new(
+            &cfg.oci_runtime,
+            &cfg.state_dir.join("runtime"),
+            cfg.aether_binary.as_deref(),
+            images.clone(),
+            mode,
+            &cfg.state_dir.join("sandboxes"),
+        ));
         let vm: Arc<dyn Backend> = Arc::new(backend::vm::VmBackend::new(
             backend::container::find_aether(cfg.aether_binary.as_deref()),
             images.clone(),
@@ -414,7 +415,7 @@ impl Edge {
                 tracing::warn!("cannot watch sandbox processes ({e}); their agents are polled")
             })
             .ok();
-        if let Some(m) = lazy.clone() {
+        if let Some(m) = images.lazy().cloned() {
             // After a reboot the layers are there but not mounted.
             match blocking(move || m.mount_all()).await? {
                 Ok(0) => {}
@@ -1757,7 +1758,7 @@ impl Edge {
             if let Ok(ns) = mountns::get() {
                 ns.stop();
             }
-            if let Some(m) = self.lazy.clone() {
+            if let Some(m) = self.images.lazy().cloned() {
                 // What the sandboxes' namespace held goes with this process.
                 let _ = blocking(move || m.unmount_all()).await;
             }
@@ -1768,11 +1769,8 @@ impl Edge {
     }
 }
 
-/// The lazy layers' mounter of an edge whose config asks for it and whose kernel can.
+/// The lazy layers' mounter of an edge whose kernel can mount them.
 fn lazy_mounter(cfg: &EdgeConfig, images: &ImageStore) -> Option<dsec_image::lazy::LazyMounter> {
-    if !cfg.lazy_images {
-        return None;
-    }
     if let Some(why) = dsec_image::lazy::unsupported() {
         tracing::info!("images are pulled whole: {why}");
         return None;

@@ -1178,6 +1178,7 @@ pub fn ensure_root_disk(
         tracing::debug!("root disk is cached at {}", dest.display());
         return Ok(dest);
     }
+    store.ready_layers(&layers)?;
     build_root_disk(store, DiskSource::Layers(&layers), aether, &dest, None)?;
     tracing::info!("root disk cached at {}", dest.display());
     Ok(dest)

@@ -262,6 +262,11 @@ pub struct LazyBlob {
     read_bytes: AtomicU64,
 }
 
+/// Whether store layer `layer` is a lazy one (a registered blob).
+pub fn is_registered(store: &Path, layer: &str) -> bool {
+    crate::digest::valid_digest(layer) && blob_dir(store, layer).join("source.json").exists()
+}
+
 /// The directory of a lazy blob in a store.
 pub fn blob_dir(store: &Path, hex: &str) -> PathBuf {
     store.join("lazy").join(hex)
@@ -294,7 +299,7 @@ pub fn register(store: &Path, src: &LazySource) -> Result<PathBuf, ImageError> {
     let json = serde_json::to_vec_pretty(src)
         .map_err(|e| ImageError::Corrupt(format!("encoding a lazy source: {e}")))?;
     std::fs::write(tmp.join("source.json"), json).ctx(|| "writing a lazy source".into())?;
-    std::fs::create_dir_all(store.join("lazy")).ctx(|| "creating lazy/".into())?;
+    create_private_dir(&store.join("lazy"))?;
     match std::fs::rename(&tmp, &dir) {
         Ok(()) => Ok(dir),
         // Another pull registered it first.
@@ -304,6 +309,19 @@ pub fn register(store: &Path, src: &LazySource) -> Result<PathBuf, ImageError> {
         }
         Err(e) => Err(ImageError::Io {
             context: format!("moving a lazy blob into {}", dir.display()),
+            source: e,
+        }),
+    }
+}
+
+/// A directory only root reaches (what layers hold may be set-id programs).
+fn create_private_dir(p: &Path) -> Result<(), ImageError> {
+    use std::os::unix::fs::DirBuilderExt;
+    match std::fs::DirBuilder::new().mode(0o700).create(p) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(ImageError::Io {
+            context: format!("creating {}", p.display()),
             source: e,
         }),
     }
@@ -1127,12 +1145,6 @@ impl LazyMounter {
         self.mount_from(hex, &self.fuse_dir().join(hex))
     }
 
-    /// Whether store layer `layer` is a lazy one.
-    pub fn is_lazy(&self, layer: &str) -> bool {
-        crate::digest::valid_digest(layer)
-            && blob_dir(&self.store, layer).join("source.json").exists()
-    }
-
     /// Mounts lazy layer `hex` in the calling thread's mount namespace when that is not
     /// this process's (the sandboxes' namespace, which host mounts made after it do not
     /// reach): from the lazy file system as the process's main thread sees it. Call
@@ -1163,8 +1175,7 @@ impl LazyMounter {
         };
         let mark = blob_dir(&self.store, hex).join(format!("mnt-{ns}.gen"));
         let target = self.store.join("layers").join(hex);
-        if is_mountpoint(&target) && std::fs::read_to_string(&mark).is_ok_and(|g| g == generation)
-        {
+        if is_mountpoint(&target) && std::fs::read_to_string(&mark).is_ok_and(|g| g == generation) {
             return Ok(());
         }
         // One from an earlier daemon (it may not even answer a stat).
@@ -1264,8 +1275,8 @@ pub fn serve(
     let dir = m.fuse_dir();
     // A daemon that died leaves its mount there, answering nothing (not even a stat).
     umount(&dir, libc::MNT_DETACH);
-    std::fs::create_dir_all(&dir).ctx(|| format!("creating {}", dir.display()))?;
-    std::fs::create_dir_all(store.join("lazy")).ctx(|| "creating lazy/".into())?;
+    create_private_dir(&dir)?;
+    create_private_dir(&store.join("lazy"))?;
     // Mounts of layers made from an earlier daemon are replaced when next used.
     crate::store::write_atomic(
         &store.join("tmp"),
@@ -1348,6 +1359,29 @@ mod tests {
         bad.table.chunk_size = 3;
         assert!(register(store.path(), &bad).is_err());
         assert!(!store.path().join("lazy").exists(), "nothing registered");
+    }
+
+    #[test]
+    fn a_lazy_layer_a_node_cannot_mount_is_an_error_not_an_empty_directory() {
+        let t = tempfile::tempdir().unwrap();
+        let store = crate::ImageStore::open(t.path()).unwrap();
+        let src = source(table_of(&[1u8; 9000], 4096));
+        register(store.root(), &src).unwrap();
+        std::fs::create_dir_all(store.layer_path(src.hex())).unwrap();
+        let plain = "cd".repeat(32);
+        std::fs::create_dir_all(store.layer_path(&plain)).unwrap();
+        assert_eq!(
+            store.ready_layers(std::slice::from_ref(&plain)).unwrap(),
+            Vec::<String>::new()
+        );
+        let e = store
+            .ready_layers(&[plain, src.hex().to_string()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("fetched lazily") && e.contains("--no-lazy"),
+            "{e}"
+        );
     }
 
     /// Arbitrary bytes as a chunk table, and reads anywhere in the blob it describes

@@ -307,7 +307,9 @@ impl LazyFs {
             } else {
                 FileType::RegularFile
             },
-            perm: if dir { 0o555 } else { 0o444 },
+            // Root's alone, as the store's layers are (EROFS opens a blob as root, at
+            // mount; reads by other tasks then need `allow_other`, not permission).
+            perm: if dir { 0o500 } else { 0o400 },
             nlink: if dir { 2 } else { 1 },
             uid: 0,
             gid: 0,

@@ -51,6 +51,8 @@ pub struct ImageEntry {
 #[derive(Debug, Clone)]
 pub struct ImageStore {
     root: PathBuf,
+    /// Mounts the store's lazy layers ([`crate::lazy`]); none where the node cannot.
+    lazy: Option<crate::lazy::LazyMounter>,
 }
 
 pub fn now_ms() -> u64 {
@@ -80,7 +82,40 @@ impl ImageStore {
                 }
             }
         }
-        Ok(ImageStore { root })
+        Ok(ImageStore { root, lazy: None })
+    }
+
+    /// The store, mounting its lazy layers with `m` when they are used.
+    pub fn with_lazy(mut self, m: Option<crate::lazy::LazyMounter>) -> ImageStore {
+        self.lazy = m;
+        self
+    }
+
+    pub fn lazy(&self) -> Option<&crate::lazy::LazyMounter> {
+        self.lazy.as_ref()
+    }
+
+    /// Makes `layers` ready to read in this process's mount namespace: each lazy one
+    /// mounted (the daemon started if need be). Returns the lazy ones. A lazy layer on a
+    /// node that cannot mount it is an error, never an empty directory.
+    pub fn ready_layers(&self, layers: &[String]) -> Result<Vec<String>, ImageError> {
+        let mut lazy = Vec::new();
+        for l in layers {
+            if !crate::lazy::is_registered(&self.root, l) {
+                continue;
+            }
+            match &self.lazy {
+                Some(m) => m.mount(l)?,
+                None => {
+                    return Err(ImageError::Build(format!(
+                        "layer {l} is fetched lazily, and this node cannot mount it ({}); pull the image again with --no-lazy",
+                        crate::lazy::unsupported().unwrap_or_else(|| "lazy images are off".into())
+                    )));
+                }
+            }
+            lazy.push(l.clone());
+        }
+        Ok(lazy)
     }
 
     pub fn root(&self) -> &Path {

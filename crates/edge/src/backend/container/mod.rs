@@ -41,8 +41,6 @@ pub struct ContainerBackend {
     /// The sysfs every sandbox's /sys is a bind of ([`sysfs_view`]), made on the first
     /// create; `None` inside: each sandbox mounts a sysfs of its own.
     sysfs_view: std::sync::OnceLock<Option<PathBuf>>,
-    /// Mounts the image layers that are fetched as they are read (`dsec_image::lazy`).
-    lazy: Option<dsec_image::lazy::LazyMounter>,
 }
 
 fn cid(rec: &SandboxRecord) -> String {
@@ -240,14 +238,7 @@ impl ContainerBackend {
             seccomp_bpf,
             empty_dir,
             sysfs_view: std::sync::OnceLock::new(),
-            lazy: None,
         }
-    }
-
-    /// Lazy image layers are mounted by `m` before a container uses them.
-    pub fn with_lazy(mut self, m: Option<dsec_image::lazy::LazyMounter>) -> ContainerBackend {
-        self.lazy = m;
-        self
     }
 
     fn rt(&self) -> Result<&OciRuntime, ApiError> {
@@ -379,18 +370,14 @@ impl ContainerBackend {
             .collect();
         let view = self.sysfs_view(rt);
         let state_dir = self.sandboxes.parent().unwrap_or(&self.sandboxes);
-        let lazy: Vec<&String> = match &self.lazy {
-            Some(m) => rec.layers.iter().filter(|l| m.is_lazy(l)).collect(),
-            None => Vec::new(),
-        };
-        if let Some(m) = &self.lazy {
-            for l in &lazy {
-                m.mount(l).map_err(|e| format!("layer {l}: {e}"))?;
-            }
-        }
+        // Lazy layers: mounted here, then in the sandboxes' namespace too.
+        let lazy = self
+            .images
+            .ready_layers(&rec.layers)
+            .map_err(|e| e.to_string())?;
         let (root_fd, sys_fd, vol_fds) =
             crate::mountns::get()?.run(|| -> Result<_, String> {
-                if let Some(m) = &self.lazy {
+                if let Some(m) = self.images.lazy() {
                     for l in &lazy {
                         m.mount_here(l).map_err(|e| format!("layer {l}: {e}"))?;
                     }
