@@ -588,43 +588,35 @@ pub struct Published {
     pub pushed_bytes: u64,
 }
 
-/// The EROFS image of store layer `layer`, with its chunk table and digest: made once
-/// and kept under `erofs/` (the builder gives the same bytes for the same tree).
-pub fn converted(
+/// The chunk table and digest of store layer `layer`'s EROFS image, as a conversion
+/// made before found them (kept under `erofs/`: the builder gives the same bytes for the
+/// same tree, so the registry may have the image already).
+fn converted_before(store: &crate::ImageStore, layer: &str) -> Option<(ChunkTable, String)> {
+    let b = std::fs::read(store.root().join("erofs").join(format!("{layer}.json"))).ok()?;
+    serde_json::from_slice(&b).ok()
+}
+
+/// Converts store layer `layer` to an EROFS image at `img`; returns its chunk table and
+/// digest (also kept, without the image, for the next push).
+pub fn convert(
     store: &crate::ImageStore,
     layer: &str,
-) -> Result<(PathBuf, ChunkTable, String), ImageError> {
+    img: &Path,
+) -> Result<(ChunkTable, String), ImageError> {
+    store.ready_layers(&[layer.to_string()])?;
+    crate::erofs::build(&store.layer_path(layer), img)?;
+    let table = ChunkTable::of_file(img, CHUNK_SIZE)?;
+    let digest = format!("sha256:{}", crate::digest::file_sha256(img)?);
     let dir = store.root().join("erofs");
     std::fs::create_dir_all(&dir).ctx(|| format!("creating {}", dir.display()))?;
-    let img = dir.join(format!("{layer}.erofs"));
-    let meta = dir.join(format!("{layer}.json"));
-    if let Ok(b) = std::fs::read(&meta)
-        && let Ok((table, digest)) = serde_json::from_slice::<(ChunkTable, String)>(&b)
-        && std::fs::metadata(&img).is_ok_and(|m| m.len() == table.size)
-    {
-        return Ok((img, table, digest));
-    }
-    let tmp = store
-        .root()
-        .join("tmp")
-        .join(format!("erofs-{}", dsec_common::id::random_hex(8)));
-    let built = crate::erofs::build(&store.layer_path(layer), &tmp).and_then(|_| {
-        let table = ChunkTable::of_file(&tmp, CHUNK_SIZE)?;
-        let digest = format!("sha256:{}", crate::digest::file_sha256(&tmp)?);
-        Ok((table, digest))
-    });
-    let (table, digest) = match built {
-        Ok(x) => x,
-        Err(e) => {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(e);
-        }
-    };
-    std::fs::rename(&tmp, &img).ctx(|| format!("moving {}", img.display()))?;
     let json = serde_json::to_vec(&(&table, &digest))
         .map_err(|e| ImageError::Corrupt(format!("encoding a chunk table: {e}")))?;
-    crate::store::write_atomic(&store.root().join("tmp"), &meta, &json)?;
-    Ok((img, table, digest))
+    crate::store::write_atomic(
+        &store.root().join("tmp"),
+        &dir.join(format!("{layer}.json")),
+        &json,
+    )?;
+    Ok((table, digest))
 }
 
 /// Pushes the EROFS images and chunk tables of `layers` (store layers, bottom first;
@@ -632,6 +624,7 @@ pub fn converted(
 /// whose subject is the image's manifest, then lists it under the referrers tag
 /// `sha256-<hex>` (the OCI 1.1 fallback for registries without the referrers API,
 /// such as distribution 2.8).
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn publish(
     store: &crate::ImageStore,
     client: &oci_client::Client,
@@ -639,6 +632,7 @@ pub(crate) async fn publish(
     layers: &[String],
     sources: &[String],
     subject: &crate::oci::Descriptor,
+    work: &Path,
     log: &mut (dyn FnMut(String) + Send),
 ) -> Result<Published, PublishError> {
     use crate::oci::Descriptor;
@@ -653,11 +647,23 @@ pub(crate) async fn publish(
     let mut out = Published::default();
     let mut descs = Vec::new();
     for (i, (layer, source)) in layers.iter().zip(sources).enumerate() {
-        let (store2, layer2) = (store.clone(), layer.clone());
         let started = std::time::Instant::now();
-        let (img, table, digest) = tokio::task::spawn_blocking(move || converted(&store2, &layer2))
-            .await
-            .map_err(|e| ImageError::Build(format!("conversion worker failed: {e}")))??;
+        let img = work.join(format!("{layer}.erofs"));
+        // Converted before and in the registry already: nothing to build or send.
+        let before = match converted_before(store, layer) {
+            Some((t, d)) if client.blob_exists(r, &d).await.unwrap_or(false) => Some((t, d)),
+            _ => None,
+        };
+        let (table, digest, sent) = match before {
+            Some((t, d)) => (t, d, false),
+            None => {
+                let (store2, layer2, img2) = (store.clone(), layer.clone(), img.clone());
+                let (t, d) = tokio::task::spawn_blocking(move || convert(&store2, &layer2, &img2))
+                    .await
+                    .map_err(|e| ImageError::Build(format!("conversion worker failed: {e}")))??;
+                (t, d, true)
+            }
+        };
         let table_bytes = serde_json::to_vec(&table)
             .map_err(|e| ImageError::Corrupt(format!("encoding a chunk table: {e}")))?;
         let table_digest = format!("sha256:{}", hex::encode(Sha256::digest(&table_bytes)));
@@ -679,13 +685,14 @@ pub(crate) async fn publish(
             annotations: Default::default(),
             artifact_type: None,
         };
-        if client.blob_exists(r, &digest).await.unwrap_or(false) {
+        if !sent || client.blob_exists(r, &digest).await.unwrap_or(false) {
             out.skipped_blobs += 1;
         } else {
             crate::push::send_blob(client, r, &img, &erofs).await?;
             out.pushed_blobs += 1;
             out.pushed_bytes += table.size;
         }
+        let _ = std::fs::remove_file(&img);
         if client.blob_exists(r, &table_digest).await.unwrap_or(false) {
             out.skipped_blobs += 1;
         } else {

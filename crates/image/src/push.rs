@@ -202,13 +202,21 @@ async fn push_from(
     if lazy {
         let (_, stored) = store.resolve(image)?;
         let sources: Vec<String> = layers.iter().map(|l| l.digest.clone()).collect();
-        let published =
-            crate::lazy::publish(store, &client, r, &stored.layers, &sources, &subject, log)
-                .await
-                .map_err(|e| match e {
-                    crate::lazy::PublishError::Registry(e) => err(e),
-                    crate::lazy::PublishError::Image(e) => e,
-                })?;
+        let published = crate::lazy::publish(
+            store,
+            &client,
+            r,
+            &stored.layers,
+            &sources,
+            &subject,
+            tmp,
+            log,
+        )
+        .await
+        .map_err(|e| match e {
+            crate::lazy::PublishError::Registry(e) => err(e),
+            crate::lazy::PublishError::Image(e) => e,
+        })?;
         out.pushed_blobs += published.pushed_blobs;
         out.skipped_blobs += published.skipped_blobs;
         out.pushed_bytes += published.pushed_bytes;

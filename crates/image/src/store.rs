@@ -355,10 +355,8 @@ impl ImageStore {
                 // A lazy layer: its mount first, then its chunks.
                 crate::lazy::LazyMounter::remove(&self.root, &name)?;
                 remove_tree(&e.path())?;
-                for ext in ["erofs", "json"] {
-                    let _ =
-                        std::fs::remove_file(self.root.join("erofs").join(format!("{name}.{ext}")));
-                }
+                // What a push learnt of its EROFS conversion.
+                let _ = std::fs::remove_file(self.root.join("erofs").join(format!("{name}.json")));
                 removed += 1;
             }
         }
