@@ -31,6 +31,7 @@ use sha2::{Digest, Sha256};
 
 use crate::build::run_logged;
 use crate::cpio::CpioWriter;
+use crate::digest::file_sha256;
 use crate::store::remove_tree;
 use crate::{ImageError, ImageRef, ImageStore, IoContext};
 
@@ -149,7 +150,7 @@ fn detail(e: &ImageError) -> String {
     }
 }
 
-/// [`sha256_file`] of the aether binary, remembered while the file is the same one
+/// [`file_sha256`] of the aether binary, remembered while the file is the same one
 /// (device, inode, size, modification time): it is hashed into every VM's root disk key,
 /// and hashing its megabytes on every boot would be the larger part of a boot's host work.
 fn aether_digest(p: &Path) -> Result<String, ImageError> {
@@ -163,26 +164,9 @@ fn aether_digest(p: &Path) -> Result<String, ImageError> {
     {
         return Ok(d.clone());
     }
-    let d = sha256_file(p)?;
+    let d = file_sha256(p)?;
     *SEEN.lock().unwrap_or_else(|e| e.into_inner()) = Some((key, d.clone()));
     Ok(d)
-}
-
-fn sha256_file(p: &Path) -> Result<String, ImageError> {
-    use std::io::Read;
-    let mut f = std::fs::File::open(p).ctx(|| format!("opening {}", p.display()))?;
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f
-            .read(&mut buf)
-            .ctx(|| format!("reading {}", p.display()))?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    Ok(hex::encode(h.finalize()))
 }
 
 /// A path removed on drop unless [`TempPath::keep`] was called.
@@ -331,7 +315,7 @@ fn load_kernel(dir: &Path) -> Result<Option<Kernel>, ImageError> {
         return Ok(None);
     }
     let vmlinuz = dir.join("vmlinuz");
-    let sha = sha256_file(&vmlinuz).map_err(|e| damaged(e.to_string()))?;
+    let sha = file_sha256(&vmlinuz).map_err(|e| damaged(e.to_string()))?;
     if sha != k.vmlinuz_sha256 {
         return Err(damaged(format!(
             "vmlinuz has sha256 {sha}, kernel.json says {}",
@@ -560,7 +544,7 @@ pub fn ensure_kernel(store_root: &Path) -> Result<Kernel, ImageError> {
         version: release.clone(),
         package: package.clone(),
         package_version: package_version.clone(),
-        vmlinuz_sha256: sha256_file(&vmlinuz)?,
+        vmlinuz_sha256: file_sha256(&vmlinuz)?,
         modules: names,
         format: KERNEL_FORMAT.into(),
     };
@@ -1114,7 +1098,7 @@ pub fn disk_sha256(disk: &Path) -> Result<String, ImageError> {
             return Ok(s.to_string());
         }
     }
-    let sha = sha256_file(disk)?;
+    let sha = file_sha256(disk)?;
     let _ = std::fs::write(&side, &sha);
     Ok(sha)
 }
@@ -1125,7 +1109,7 @@ pub fn adopt_disk(store_root: &Path, received: &Path, sha256: &str) -> Result<Pa
     if sha256.len() != 64 || !sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
         return Err(build_err(format!("{sha256:?} is not a sha256")));
     }
-    let got = sha256_file(received)?;
+    let got = file_sha256(received)?;
     if got != sha256 {
         return Err(build_err(format!(
             "the received root disk has sha256 {got}, not the {sha256} it was sent as"

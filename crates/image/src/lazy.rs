@@ -71,6 +71,14 @@ pub struct ChunkTable {
 impl ChunkTable {
     /// The table of a file on disk.
     pub fn of_file(path: &Path, chunk_size: u64) -> Result<ChunkTable, ImageError> {
+        Ok(Self::of_file_with_digest(path, chunk_size)?.0)
+    }
+
+    /// The table of a file on disk and the file's own `sha256:` digest, in one read.
+    pub fn of_file_with_digest(
+        path: &Path,
+        chunk_size: u64,
+    ) -> Result<(ChunkTable, String), ImageError> {
         let f = std::fs::File::open(path).ctx(|| format!("opening {}", path.display()))?;
         let size = f
             .metadata()
@@ -78,19 +86,22 @@ impl ChunkTable {
             .len();
         let mut buf = vec![0u8; chunk_size as usize];
         let mut chunks = Vec::with_capacity(size.div_ceil(chunk_size) as usize);
+        let mut whole = Sha256::new();
         let mut off = 0;
         while off < size {
             let n = chunk_size.min(size - off) as usize;
             f.read_exact_at(&mut buf[..n], off)
                 .ctx(|| format!("reading {}", path.display()))?;
             chunks.push(hex::encode(Sha256::digest(&buf[..n])));
+            whole.update(&buf[..n]);
             off += n as u64;
         }
-        Ok(ChunkTable {
+        let table = ChunkTable {
             size,
             chunk_size,
             chunks,
-        })
+        };
+        Ok((table, format!("sha256:{}", hex::encode(whole.finalize()))))
     }
 
     /// Whether the table is one a node may act on: sizes in bounds, one well-formed
@@ -396,11 +407,6 @@ impl LazyBlob {
         have[(i / 8) as usize] & (1 << (i % 8)) != 0
     }
 
-    /// Whether every chunk is on the node.
-    pub fn complete(&self) -> bool {
-        (0..self.src.table.chunks.len() as u64).all(|i| self.has(i))
-    }
-
     /// Bytes of the blob held on the node.
     pub fn held_bytes(&self) -> u64 {
         self.held.load(Ordering::Relaxed) * self.src.table.chunk_size
@@ -605,8 +611,7 @@ pub fn convert(
 ) -> Result<(ChunkTable, String), ImageError> {
     store.ready_layers(&[layer.to_string()])?;
     crate::erofs::build(&store.layer_path(layer), img)?;
-    let table = ChunkTable::of_file(img, CHUNK_SIZE)?;
-    let digest = format!("sha256:{}", crate::digest::file_sha256(img)?);
+    let (table, digest) = ChunkTable::of_file_with_digest(img, CHUNK_SIZE)?;
     let dir = store.root().join("erofs");
     std::fs::create_dir_all(&dir).ctx(|| format!("creating {}", dir.display()))?;
     let json = serde_json::to_vec(&(&table, &digest))
@@ -1212,22 +1217,6 @@ impl LazyMounter {
                     .collect()
             })
             .unwrap_or_default()
-    }
-
-    /// Unmounts the lazy layers nothing uses, then the lazy file system if no layer
-    /// is left on it (its daemon then exits); returns the layers still mounted.
-    pub fn unmount_unused(&self) -> usize {
-        let mut left = 0;
-        for hex in self.registered() {
-            let target = self.store.join("layers").join(&hex);
-            if is_mountpoint(&target) && !umount(&target, 0) {
-                left += 1;
-            }
-        }
-        if left == 0 && is_mountpoint(&self.fuse_dir()) {
-            umount(&self.fuse_dir(), 0);
-        }
-        left
     }
 
     /// Detaches every lazy layer's mount and the lazy file system (`dsec down`): they

@@ -3,12 +3,15 @@
 //! the tree they were made of; stacked under overlayfs, whiteouts and opaque directories
 //! must hide what they hide in a layer directory.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, PermissionsExt, symlink};
 use std::path::{Path, PathBuf};
 
+use common::{Mounted, pseudo_random};
 use dsec_image::erofs;
 
 fn c(p: &Path) -> CString {
@@ -33,16 +36,7 @@ fn can_mount() -> bool {
     true
 }
 
-struct Mount(PathBuf);
-
-impl Drop for Mount {
-    fn drop(&mut self) {
-        // SAFETY: a NUL-terminated path.
-        unsafe { libc::umount2(c(&self.0).as_ptr(), libc::MNT_DETACH) };
-    }
-}
-
-fn mount(fstype: &str, src: &Path, target: &Path, data: Option<&str>) -> Mount {
+fn mount(fstype: &str, src: &Path, target: &Path, data: Option<&str>) -> Mounted {
     std::fs::create_dir_all(target).unwrap();
     let fstype = CString::new(fstype).unwrap();
     let data = data.map(|d| CString::new(d).unwrap());
@@ -65,7 +59,7 @@ fn mount(fstype: &str, src: &Path, target: &Path, data: Option<&str>) -> Mount {
         target.display(),
         std::io::Error::last_os_error()
     );
-    Mount(target.to_path_buf())
+    Mounted(target.to_path_buf())
 }
 
 fn setxattr(p: &Path, name: &str, value: &[u8]) {
@@ -115,18 +109,6 @@ fn set_times(p: &Path, sec: i64, nsec: i64) {
         )
     };
     assert_eq!(rc, 0);
-}
-
-fn pseudo_random(n: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 /// A tree with what layers hold: files of every size class around a block, a sparse

@@ -4,11 +4,13 @@
 //! chunks it needs; the whole tree reads back identical; a registry that serves other
 //! bytes than the chunk table says gives read errors, never those bytes.
 
-use std::os::unix::ffi::OsStrExt;
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::{Mounted, pseudo_random};
 use dsec_image::lazy::{self, ChunkTable, LazySource};
 use dsec_image::{erofs, lazyfs};
 use sha2::{Digest, Sha256};
@@ -83,28 +85,6 @@ fn start_registry(dir: &Path) -> Registry {
         std::thread::sleep(Duration::from_millis(50));
     }
     r
-}
-
-struct Mounted(PathBuf);
-
-impl Drop for Mounted {
-    fn drop(&mut self) {
-        let c = std::ffi::CString::new(self.0.as_os_str().as_bytes()).unwrap();
-        // SAFETY: a NUL-terminated path.
-        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
-    }
-}
-
-fn pseudo_random(n: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 /// Pushes `bytes` as a blob of `repo`; returns its digest.
