@@ -14,9 +14,14 @@ from pathlib import Path
 
 def mountns_holders(base: Path) -> list[int]:
     """Live holders of the sandboxes' mount namespace of edges whose state is under `base`
-    (the process named `dsec-mountns` each names in its `mountns.pid`)."""
+    (the process named `dsec-mountns` each names in its `mountns.pid`, at the top of its
+    state directory: `base/edge`, or `base/<host>/edge` for a harness of several). Not a
+    recursive search: `base` may hold an image store of hundreds of thousands of files
+    (shared into the nested harness over virtiofs, where each file looked up holds a
+    descriptor of its daemon)."""
     pids = []
-    for f in glob.glob(f"{base}/**/mountns.pid", recursive=True):
+    pats = [f"{base}/mountns.pid", f"{base}/edge/mountns.pid", f"{base}/*/edge/mountns.pid"]
+    for f in sorted({f for pat in pats for f in glob.glob(pat)}):
         try:
             pid = int(Path(f).read_text().split()[0])
             if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"dsec-mountns\0"):
