@@ -130,17 +130,18 @@ async def cold_start(c: DSecClient, image: str, backend: str, memory: int) -> tu
     return time.perf_counter() - t0, sb
 
 
-def microvm_disk(data: Path, sandbox_id: str) -> str | None:
-    """The root disk a microvm sandbox booted from (its `microvm.json`)."""
+def microvm_disk(data: Path, sandbox_id: str) -> list[str] | None:
+    """The root disks a microvm sandbox booted from, top first (its `microvm.json`)."""
     import json
 
     try:
-        return json.loads((data / "edge/sandboxes" / sandbox_id / "microvm.json").read_text())["disk"]
+        info = json.loads((data / "edge/sandboxes" / sandbox_id / "microvm.json").read_text())
+        return [info["disk"], *info.get("lowers", [])]
     except (OSError, ValueError, KeyError):
         return None
 
 
-def raw_firecracker_boot(data: Path, disk: str, memory: int) -> float | None:
+def raw_firecracker_boot(data: Path, disks: list[str], memory: int) -> float | None:
     """The floor under a microvm cold start: the same Firecracker, kernel, initramfs and
     root disk as a sandbox, started by hand (no jail, cgroup, namespace or edge), until
     the guest's agent takes a connection on its vsock port. None when Firecracker or the
@@ -162,9 +163,10 @@ def raw_firecracker_boot(data: Path, disk: str, memory: int) -> float | None:
         cfg = {
             "boot-source": {"kernel_image_path": str(kdir / "vmlinux"), "initrd_path": str(initrd),
                             "boot_args": "console=ttyS0 reboot=k panic=1 quiet i8042.noaux i8042.nomux "
-                                         "i8042.dumbkbd random.trust_cpu=on dsec.channel=vsock"},
-            "drives": [{"drive_id": "rootfs", "path_on_host": disk, "is_root_device": False,
-                        "is_read_only": True}],
+                                         "i8042.dumbkbd random.trust_cpu=on dsec.channel=vsock "
+                                         + (f"dsec.layers={len(disks)}" if len(disks) > 1 else "")},
+            "drives": [{"drive_id": f"dsec_l{i}", "path_on_host": d, "is_root_device": False,
+                        "is_read_only": True} for i, d in enumerate(disks)],
             "machine-config": {"vcpu_count": 1, "mem_size_mib": memory},
             "vsock": {"guest_cid": 3, "uds_path": str(uds)},
         }

@@ -563,3 +563,158 @@ async def test_vm_fork_and_resume_on_another_edge(cluster, backend):
                     await x.stop()
                 except NotFoundError:
                     pass
+
+
+# ---- 6. Lazy image chunks from another edge --------------------------------------------
+
+
+def _tls_get(addr: str, ctx, path: str) -> tuple[int, bytes]:
+    """`GET path` over TLS with `ctx`'s client certificate: (status, body bytes)."""
+    import socket
+
+    host, port = addr.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        with ctx.wrap_socket(raw, server_hostname=host) as s:
+            s.sendall(f"GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n".encode())
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    if b"transfer-encoding: chunked" in head.lower():
+        out, rest = b"", body
+        while rest:
+            size, _, rest = rest.partition(b"\r\n")
+            n = int(size, 16)
+            if n == 0:
+                break
+            out, rest = out + rest[:n], rest[n + 2:]
+        body = out
+    return int(head.split(b" ", 2)[1]), body
+
+
+async def test_lazy_chunks_come_from_another_edge_before_the_registry(cluster):
+    """A node whose lazy layer lacks a chunk asks the cluster's edges first: with the
+    registry gone, the chunks an edge holds still arrive (checked against the chunk table),
+    and one no edge holds is an I/O error. Only an edge certificate gets chunks from an
+    edge. The second node is a store of the test's own, its lazy file system told of
+    edge1 as a cluster edge's is (`lazy/peers.json`)."""
+    import hashlib
+    import json
+    import shutil
+    from pathlib import Path
+
+    import subprocess
+
+    from conftest import DATA, DSEC, dsec
+    from test_pull import WORK, Layout, Registry, busybox
+
+    if not (shutil.which("docker-registry") and shutil.which("skopeo") and Path("/bin/busybox").exists()
+            and Path("/dev/fuse").exists() and "erofs" in Path("/proc/filesystems").read_text()):
+        pytest.skip("needs EROFS and FUSE, and Debian's docker-registry, skopeo and busybox-static")
+    chunk = 1 << 20
+    reg = Registry("peer-lazy")
+    layout = Layout(WORK / "layout-peer-lazy")
+    other = WORK / "peer-node"
+    shutil.rmtree(other, ignore_errors=True)
+    big = [(f"data/b{i}.bin", os.urandom(3 * chunk // 2)) for i in range(8)]
+    base = layout.layer(busybox(), "gzip")
+    data = layout.layer([("data", "dir", None, 0o755)] + [(n, "file", d, 0o644) for n, d in big], "gzip")
+    layout.tag(layout.image([base, data], ["PATH=/bin"]))
+    reg.push(layout.path, "team/peer:v1")
+
+    def cli(*args: str, data_dir: Path = DATA) -> dict:
+        r = dsec("image", *args, "--plain-http", "--data-dir", str(data_dir), "--json", timeout=300)
+        return json.loads(r.stdout)
+
+    def lazy_file(data_dir: Path, hexd: str) -> Path:
+        return data_dir / "images" / "lazyfs" / hexd
+
+    def held(data_dir: Path, hexd: str) -> set[int]:
+        bits = (data_dir / "images" / "lazy" / hexd / "have").read_bytes()
+        return {i for i in range(len(bits) * 8) if bits[i // 8] >> (i % 8) & 1}
+
+    refs = ("root/peer-src:v1", "root/peer-lazy:v1")
+    daemon = None
+    try:
+        cli("pull", f"{reg.host}/team/peer:v1", "--as", refs[0])
+        cli("push", refs[0], f"{reg.host}/team/peerlazy:v1")
+        # edge1's store (the cluster's, shared by its edges) pulls it lazily and reads
+        # chunks 1 and 2 of the data layer.
+        assert cli("pull", f"{reg.host}/team/peerlazy:v1", "--as", refs[1])["lazy"] is True
+        listed = {i["reference"]: i for i in json.loads(dsec("image", "ls", "--data-dir", str(DATA),
+                                                             "--json").stdout)}
+        hexd = listed[refs[1]]["manifest"]["layers"][1]
+        with open(lazy_file(DATA, hexd), "rb") as f:
+            f.seek(chunk)
+            want = f.read(2 * chunk)
+        table = json.loads((DATA / "images" / "lazy" / hexd / "source.json").read_text())["table"]
+        last = len(table["chunks"]) - 1
+        assert {1, 2} <= held(DATA, hexd) and last not in held(DATA, hexd)
+
+        # The endpoint: an edge certificate gets a held chunk; an apiserver's is refused.
+        ch.issue_cert(ch.CERTS, "edge", "peer-node")
+        edge_ctx = ch.tls_context(ch.CERTS / "ca.pem", ch.CERTS / "peer-node.pem", ch.CERTS / "peer-node.key")
+        status, body = _tls_get(HOSTS["edge1"].addr, edge_ctx, f"/v1/lazy/{hexd}/chunks/1")
+        assert status == 200 and hashlib.sha256(body).hexdigest() == table["chunks"][1], status
+        status, body = _tls_get(HOSTS["edge1"].addr, cluster.peer_context(), f"/v1/lazy/{hexd}/chunks/1")
+        print(f"\nan apiserver certificate asking edge1 for a chunk: {status} {body[:120]!r}", flush=True)
+        assert status == 403, body
+        status, _ = _tls_get(HOSTS["edge1"].addr, edge_ctx, f"/v1/lazy/{hexd}/chunks/{last}")
+        assert status == 404
+        status, _ = _tls_get(HOSTS["edge1"].addr, edge_ctx, "/v1/lazy/..%2f..%2fetc/chunks/0")
+        assert status in (400, 404)
+
+        # The other node: a store with the blob registered as a lazy pull leaves it (its
+        # source and an empty cache), served by its own lazy file system; the registry
+        # goes away first.
+        store2 = other / "images"
+        blob2 = store2 / "lazy" / hexd
+        blob2.mkdir(parents=True)
+        (store2 / "tmp").mkdir()
+        shutil.copy(DATA / "images" / "lazy" / hexd / "source.json", blob2 / "source.json")
+        with open(blob2 / "data", "wb") as f:
+            f.truncate(table["size"])
+        (blob2 / "have").write_bytes(bytes((len(table["chunks"]) + 7) // 8))
+        reg.stop()
+        daemon = subprocess.Popen([DSEC, "lazyfs", "--store", str(store2), "--cache-mb", "0"],
+                                  stdout=subprocess.DEVNULL, stderr=open(other / "lazyfs.log", "wb"))
+        deadline = time.monotonic() + 10
+        while not lazy_file(other, hexd).exists():
+            assert daemon.poll() is None and time.monotonic() < deadline, (other / "lazyfs.log").read_text()
+            time.sleep(0.05)
+        # No peers yet: only the registry, which is gone.
+        with pytest.raises(OSError), open(lazy_file(other, hexd), "rb") as f:
+            f.seek(chunk)
+            f.read(1)
+        assert not {1, 2} & held(other, hexd)
+        peers = {"tls": {"ca": str(ch.CERTS / "ca.pem"), "cert": str(ch.CERTS / "peer-node.pem"),
+                         "key": str(ch.CERTS / "peer-node.key")},
+                 "edges": {"edge1": HOSTS["edge1"].addr}}
+        (store2 / "lazy" / "peers.json").write_text(json.dumps(peers))
+        t0 = time.monotonic()
+        with open(lazy_file(other, hexd), "rb") as f:
+            f.seek(chunk)
+            got = f.read(2 * chunk)
+        took = time.monotonic() - t0
+        assert got == want, "the chunks from edge1 are not the layer's"
+        assert {1, 2} <= held(other, hexd)
+        print(f"2 chunks from edge1 with the registry down: {took * 1000:.0f} ms", flush=True)
+        with pytest.raises(OSError) as e, open(lazy_file(other, hexd), "rb") as f:
+            f.seek(last * chunk)
+            f.read(1)
+        assert e.value.errno == 5, e.value  # EIO: no edge holds it and the registry is gone
+        log = (other / "lazyfs.log").read_text()
+        assert "peer edges for lazy chunks" in log, log
+    finally:
+        reg.stop()
+        for ref in refs:
+            dsec("image", "rm", ref, "--data-dir", str(DATA), check=False)
+        if daemon is not None:
+            subprocess.run(["umount", "-l", str(other / "images" / "lazyfs")], capture_output=True)
+            try:
+                daemon.wait(10)
+            except subprocess.TimeoutExpired:  # cleaned up even if it did not exit as it should
+                daemon.kill()
+                daemon.wait()
+        shutil.rmtree(other, ignore_errors=True)
+        shutil.rmtree(layout.path, ignore_errors=True)

@@ -169,19 +169,36 @@ def upload_blob(host: str, repo: str, data: bytes) -> str:
 
 
 async def test_a_vm_of_a_lazy_image_boots_from_its_layers(client, registry):
-    """A `vm` sandbox's root disk is built from the image's layers: lazy ones are
-    mounted (and read through) for it. The suite's Debian image, pushed and pulled
-    back lazily."""
+    """A `vm` sandbox's root is the image's layers as EROFS disks: a lazy layer's disk is
+    its file on the lazy file system, so the VM boots and runs having fetched only the
+    chunks its guest read, and no copy of the layer is made. The suite's Debian image,
+    pushed and pulled back lazily."""
     if not shutil.which("qemu-system-x86_64"):
         pytest.skip("qemu-system-x86_64 is not installed")
     push("root/base", f"{registry.host}/team/base:v1")
     out = pull(f"{registry.host}/team/base:v1", "--as", "root/lz-vm:v1")
     assert out["lazy"] is True, out
+    layers = layers_of("root/lz-vm:v1")
     sb = await client.run_sandbox(DSecRunArgs(image="root/lz-vm:v1", backend="vm"))
     try:
-        r = await sb.run_shell("cat /etc/os-release | head -1; sha256sum /usr/bin/env")
+        r = await sb.run_shell("cat /etc/os-release | head -1; sha256sum /usr/bin/env; "
+                               "grep -c ' erofs ' /proc/mounts")
         assert r.exit_code == 0, r.stderr
         assert r.stdout.startswith('PRETTY_NAME="Debian'), r.stdout
+        # The stage and each layer, every one an EROFS disk.
+        assert int(r.stdout.splitlines()[2]) == 1 + len(layers), r.stdout
+        qemu_args = " ".join(
+            Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ")
+            for p in os.listdir("/proc") if p.isdigit() and Path(f"/proc/{p}/cmdline").exists()
+            and sb.id in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace"))
+        for hexd in layers:
+            assert f"lazyfs/{hexd}," in qemu_args, f"layer {hexd} is not read from the lazy file system"
+            assert not (STORE / "erofs" / f"{hexd}.img").exists(), "a lazy layer was copied for the VM"
+        held = sum(chunks_held(h) for h in layers)
+        total = sum(len(json.loads((STORE / "lazy" / h / "source.json").read_text())["table"]["chunks"])
+                    for h in layers)
+        print(f"\nvm of a lazy image: {held} of {total} chunks fetched by its first command", flush=True)
+        assert held < total, "the VM's boot fetched every chunk of the image"
     finally:
         await sb.stop()
     # The same bytes as the image it was pushed from.

@@ -33,6 +33,7 @@ pub(crate) fn routes() -> Router<AppState> {
         .route("/v1/imports", post(import))
         .route("/v1/exports/{token}", get(manifest))
         .route("/v1/exports/{token}/files/{name}", get(file))
+        .route("/v1/lazy/{hex}/chunks/{index}", get(lazy_chunk))
 }
 
 fn from_edge(peer: Option<Extension<Identity>>) -> ApiResult<()> {
@@ -120,6 +121,186 @@ async fn file(
         .into_response())
 }
 
+/// A chunk of a lazy blob this edge holds, for another edge's lazy file system (which
+/// checks it against its own chunk table): never fetched for the asker, 404 when not
+/// held.
+async fn lazy_chunk(
+    State(st): State<AppState>,
+    peer: Option<Extension<Identity>>,
+    Path((hex, index)): Path<(String, u64)>,
+) -> ApiResult<Response> {
+    from_edge(peer)?;
+    if !dsec_image::digest::valid_digest(&hex) {
+        return Err(ApiError::invalid(format!("{hex:?} is not a blob digest")).into());
+    }
+    let store = st.edge.images().root().to_path_buf();
+    let hex2 = hex.clone();
+    let held =
+        tokio::task::spawn_blocking(move || dsec_image::lazy::held_chunk(&store, &hex2, index))
+            .await
+            .map_err(|e| ApiError::internal(e.to_string()))?
+            .map_err(|e| ApiError::internal(e.to_string()))?;
+    match held {
+        Some(b) => Ok((
+            [(header::CONTENT_TYPE, "application/octet-stream")],
+            Body::from(b),
+        )
+            .into_response()),
+        None => Err(ApiError::new(
+            ErrorCode::NotFound,
+            format!("this edge does not hold chunk {index} of blob {hex}"),
+        )
+        .into()),
+    }
+}
+
+/// How long a peer may take to answer for a chunk before the registry is asked instead.
+const CHUNK_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Where an edge tells its store's lazy file system (`dsec lazyfs`, a process of its
+/// own that outlives the edge) which edges to ask for chunks, and with which
+/// certificate: `<store>/lazy/peers.json`.
+pub fn lazy_peers_file(store: &FsPath) -> std::path::PathBuf {
+    store.join("lazy").join("peers.json")
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LazyPeersFile {
+    tls: dsec_mtls::TlsFiles,
+    edges: BTreeMap<String, String>,
+}
+
+/// Writes [`lazy_peers_file`] (root's alone, as the directory is).
+pub fn write_lazy_peers(
+    store: &FsPath,
+    tls: &dsec_mtls::TlsFiles,
+    edges: &BTreeMap<String, String>,
+) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    let p = lazy_peers_file(store);
+    if let Some(dir) = p.parent() {
+        match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(e),
+            _ => {}
+        }
+    }
+    let body = serde_json::to_vec_pretty(&LazyPeersFile {
+        tls: tls.clone(),
+        edges: edges.clone(),
+    })
+    .map_err(std::io::Error::other)?;
+    let tmp = p.with_extension(format!("tmp-{}", dsec_common::id::random_hex(6)));
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    f.write_all(&body)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, &p)
+}
+
+/// The edges a lazy file system asks for chunks, as [`lazy_peers_file`] names them:
+/// read again whenever the file changes (an edge restarted with another cluster), and
+/// none while it is missing or unreadable.
+pub struct LazyPeers {
+    file: std::path::PathBuf,
+    current: std::sync::Mutex<(
+        Option<std::time::SystemTime>,
+        Option<std::sync::Arc<MtlsPeers>>,
+    )>,
+    /// Edges that did not answer, left out until then (so that a node that is down
+    /// costs one timeout, not one per chunk).
+    quiet: std::sync::Arc<std::sync::Mutex<BTreeMap<String, std::time::Instant>>>,
+}
+
+/// How long an edge that did not answer is left out.
+const QUIET_FOR: Duration = Duration::from_secs(30);
+
+impl LazyPeers {
+    pub fn new(store: &FsPath) -> LazyPeers {
+        LazyPeers {
+            file: lazy_peers_file(store),
+            current: std::sync::Mutex::new((None, None)),
+            quiet: Default::default(),
+        }
+    }
+
+    fn peers(&self) -> Option<std::sync::Arc<MtlsPeers>> {
+        let mtime = std::fs::metadata(&self.file)
+            .and_then(|m| m.modified())
+            .ok();
+        let mut cur = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        if cur.0 != mtime || mtime.is_none() {
+            let loaded = mtime.and_then(|_| {
+                let f: LazyPeersFile = serde_json::from_slice(&std::fs::read(&self.file).ok()?)
+                    .map_err(|e| tracing::warn!("{}: {e}", self.file.display()))
+                    .ok()?;
+                let tls = dsec_mtls::Tls::load(&f.tls)
+                    .map_err(|e| tracing::warn!("the certificate for peer edges: {e}"))
+                    .ok()?;
+                tracing::info!(edges = f.edges.len(), "peer edges for lazy chunks");
+                Some(std::sync::Arc::new(MtlsPeers::new(
+                    dsec_mtls::Client::new(Some(tls.client.clone())),
+                    f.edges,
+                )))
+            });
+            *cur = (mtime, loaded);
+        }
+        cur.1.clone()
+    }
+}
+
+impl dsec_image::lazy::PeerChunks for LazyPeers {
+    /// Every peer at once; the first to send the chunk wins.
+    fn chunk(&self, hex: &str, index: u64) -> dsec_image::lazy::PeerFetched {
+        let peers = self.peers();
+        let path = format!("/v1/lazy/{hex}/chunks/{index}");
+        let quiet = self.quiet.clone();
+        Box::pin(async move {
+            let peers = peers?;
+            let now = std::time::Instant::now();
+            let asked: Vec<String> = {
+                let mut q = quiet.lock().unwrap_or_else(|e| e.into_inner());
+                q.retain(|_, until| *until > now);
+                peers
+                    .edges
+                    .keys()
+                    .filter(|e| !q.contains_key(*e))
+                    .cloned()
+                    .collect()
+            };
+            let (peers, path) = (&peers, &path);
+            let mut asks: futures_util::stream::FuturesUnordered<_> = asked
+                .iter()
+                .map(
+                    |edge| async move { (edge, peers.get_within(edge, path, CHUNK_TIMEOUT).await) },
+                )
+                .collect();
+            use futures_util::StreamExt;
+            while let Some((edge, r)) = asks.next().await {
+                match r {
+                    Ok(b) => return Some(b),
+                    Err(e) if e.code == ErrorCode::Unavailable => {
+                        tracing::info!(
+                            "edge {edge} left out of chunk fetches for {QUIET_FOR:?}: {}",
+                            e.message
+                        );
+                        quiet
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .insert(edge.clone(), std::time::Instant::now() + QUIET_FOR);
+                    }
+                    Err(_) => {}
+                }
+            }
+            None
+        })
+    }
+}
+
 /// The other edges, by name, over mutual TLS with this edge's certificate.
 pub struct MtlsPeers {
     client: dsec_mtls::Client,
@@ -172,6 +353,20 @@ impl MtlsPeers {
     }
 }
 
+impl MtlsPeers {
+    /// `GET`s `path` on `edge`, answer and body within `timeout` each.
+    fn get_within(&self, edge: &str, path: &str, timeout: Duration) -> PeerFuture<'_, Vec<u8>> {
+        let (edge, url) = (edge.to_string(), self.url(edge, path));
+        Box::pin(async move {
+            let req = hyper::Request::get(url?)
+                .body(Body::empty())
+                .map_err(|e| ApiError::internal(e.to_string()))?;
+            let resp = self.send(&edge, req, timeout).await?;
+            read_all(&edge, resp, timeout).await
+        })
+    }
+}
+
 async fn read_all(
     edge: &str,
     resp: hyper::Response<hyper::body::Incoming>,
@@ -203,14 +398,7 @@ impl Peers for MtlsPeers {
     }
 
     fn get(&self, edge: &str, path: &str) -> PeerFuture<'_, Vec<u8>> {
-        let (edge, url) = (edge.to_string(), self.url(edge, path));
-        Box::pin(async move {
-            let req = hyper::Request::get(url?)
-                .body(Body::empty())
-                .map_err(|e| ApiError::internal(e.to_string()))?;
-            let resp = self.send(&edge, req, CALL_TIMEOUT).await?;
-            read_all(&edge, resp, CALL_TIMEOUT).await
-        })
+        self.get_within(edge, path, CALL_TIMEOUT)
     }
 
     fn download(&self, edge: &str, path: &str, dest: &FsPath, size: u64) -> PeerFuture<'_, u64> {

@@ -181,7 +181,7 @@ impl ExtentWriter {
 /// How long an offer stays open (the whole transfer must start within it).
 const OFFER_TTL: Duration = Duration::from_secs(3600);
 /// The most files and bytes a state may have.
-const MAX_FILES: usize = 16;
+const MAX_FILES: usize = 32;
 const MAX_FILE_BYTES: u64 = 1 << 40;
 
 struct Offer {

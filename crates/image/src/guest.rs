@@ -7,14 +7,20 @@
 //! guest/kernel-<release>/vmlinux                 the ELF kernel inside vmlinuz (Firecracker)
 //! guest/kernel-<release>/kernel.json             release, package version, sha256 of vmlinuz
 //! guest/kernel-<release>/initramfs-<hash>.cpio.gz busybox + the modules + /init
-//! guest/disks/<key>.ext4                         an image's layers + aether as a raw ext4 disk
+//! guest/disks/stage-<key>.erofs                  aether and the root's mount points
+//! guest/disks/merged-<key>.erofs                 the bottom layers of a deep image, as one
+//! erofs/<layer>.img                              a layer as an EROFS disk (a lazily pulled
+//!                                                  layer's is its file on lazyfs/ instead)
 //! ```
 //!
-//! The initramfs `/init` loads the virtio modules (and, with `dsec.channel=vsock` on the
-//! command line, the vsock ones), mounts `/dev/vda` (ext4) read-only under
-//! an overlayfs whose upper layer is a tmpfs, prints `dsec-guest: root ready` and
-//! `switch_root`s into the program named by `dsec.init=` on the kernel command line
-//! (default `/.dsec/aether`), passing it the words after `--` on the command line.
+//! A VM's root is a stack of read-only EROFS disks, one per image layer (so VMs of images
+//! that share layers share their disks, and a lazily pulled layer is fetched as the guest
+//! reads it), under the stage. The initramfs `/init` loads the virtio and EROFS modules
+//! (and, with `dsec.channel=vsock` on the command line, the vsock ones), mounts the
+//! `dsec.layers=N` disks under an overlayfs whose upper layer is a tmpfs, prints
+//! `dsec-guest: root ready` and `switch_root`s into the program named by `dsec.init=` on
+//! the kernel command line (default `/.dsec/aether`), passing it the words after `--` on
+//! the command line.
 //!
 //! Everything is built in a temporary path next to its final place and renamed into it,
 //! so a crash leaves nothing half-written under a cached name.
@@ -53,6 +59,8 @@ pub const GUEST_MODULES: &[&str] = &[
     "virtio_net",
     "virtio_console",
     "virtio-rng",
+    "libcrc32c",
+    "erofs",
     "overlay",
 ];
 
@@ -71,6 +79,7 @@ const REQUIRED_MODULES: &[&str] = &[
     "virtio",
     "virtio_mmio",
     "virtio_blk",
+    "erofs",
     "overlay",
 ];
 
@@ -98,11 +107,11 @@ const INITRAMFS_APPLETS: &[&str] = &[
 
 /// Bumped whenever the initramfs or root disk layout changes, so old cache entries are
 /// not reused.
-const INITRAMFS_FORMAT: &str = "dsec-initramfs-v1";
-const ROOT_DISK_FORMAT: &str = "dsec-root-disk-v1";
+const INITRAMFS_FORMAT: &str = "dsec-initramfs-v2";
+const ROOT_DISK_FORMAT: &str = "dsec-root-disk-v2";
 /// Bumped whenever the set of modules taken from the kernel package changes: a cached
 /// kernel of another format is unpacked again.
-const KERNEL_FORMAT: &str = "dsec-kernel-v2";
+const KERNEL_FORMAT: &str = "dsec-kernel-v3";
 
 /// A guest kernel unpacked into the store.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -533,7 +542,7 @@ pub fn ensure_kernel(store_root: &Path) -> Result<Kernel, ImageError> {
             }
             None if REQUIRED_MODULES.contains(m) => {
                 return Err(build_err(format!(
-                    "{package} ships no {m} module and does not build it in; the guest could not mount its root. Use a kernel with virtio and overlayfs support"
+                    "{package} ships no {m} module and does not build it in; the guest could not mount its root. Use a kernel with virtio, EROFS and overlayfs support"
                 )));
             }
             None => tracing::warn!("{package} has no {m} module; guests will run without it"),
@@ -582,11 +591,13 @@ fn init_script() -> String {
     let vsock_modules = VSOCK_MODULES.join(" ");
     format!(
         r#"#!/bin/sh
-# OpenDsec guest init: load the virtio modules, mount the root disk read-only under an
+# OpenDsec guest init: load the virtio modules, mount the root read-only under an
 # overlayfs with a tmpfs upper layer, and switch_root into the agent.
-# Kernel command line: dsec.init=PATH (default {AETHER_GUEST_PATH}), dsec.root=DEV
-# (default /dev/vda), dsec.rootfstype=TYPE (default ext4); the words after `--` become
-# the arguments of dsec.init.
+# Kernel command line: dsec.init=PATH (default {AETHER_GUEST_PATH}); dsec.layers=N: the
+# root is N EROFS disks, top first (a disk whose virtio serial is dsec_lI is layer I,
+# else disks count in the order the kernel names them); without it, one disk
+# dsec.root=DEV (default /dev/vda) of type dsec.rootfstype=TYPE (default ext4). The words
+# after `--` become the arguments of dsec.init.
 export PATH=/bin
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
@@ -601,6 +612,7 @@ fail() {{
 init={AETHER_GUEST_PATH}
 root=/dev/vda
 rootfstype=ext4
+layers=
 channel=virtio-serial
 set -f
 read -r cmdline < /proc/cmdline
@@ -610,6 +622,7 @@ for arg in $cmdline; do
         dsec.init=*) init="${{arg#dsec.init=}}" ;;
         dsec.root=*) root="${{arg#dsec.root=}}" ;;
         dsec.rootfstype=*) rootfstype="${{arg#dsec.rootfstype=}}" ;;
+        dsec.layers=*) layers="${{arg#dsec.layers=}}" ;;
         dsec.channel=*) channel="${{arg#dsec.channel=}}" ;;
     esac
 done
@@ -628,25 +641,64 @@ if [ "$channel" = vsock ]; then
     done
 fi
 
-i=0
-while [ ! -b "$root" ]; do
-    i=$((i + 1))
-    [ $i -gt 200 ] && fail "no root disk $root after 10 s (is a virtio-blk device attached?)"
-    sleep 0.05
-done
-
 mkdir -p /mnt/lower /mnt/rw /newroot
-mount -t "$rootfstype" -o ro "$root" /mnt/lower || fail "cannot mount $root ($rootfstype) read-only"
+if [ -n "$layers" ]; then
+    case "$layers" in
+        *[!0-9]*|'') fail "dsec.layers=$layers is not a number" ;;
+    esac
+    # A tmpfs holding every disk's mount, so that they move into the root as one.
+    mount -t tmpfs -o mode=0755 dsec-lower /mnt/lower || fail "cannot mount the tmpfs for the root disks"
+    i=0
+    while :; do
+        n=0
+        for d in /sys/block/vd*; do
+            [ -e "$d" ] && n=$((n + 1))
+        done
+        [ $n -ge "$layers" ] && break
+        i=$((i + 1))
+        [ $i -gt 200 ] && fail "$n of $layers root disks after 10 s (are the virtio-blk devices attached?)"
+        sleep 0.05
+    done
+    k=0
+    for d in /sys/block/vd*; do
+        dev=${{d##*/}}
+        serial=
+        [ -r "$d/serial" ] && read -r serial < "$d/serial"
+        case "$serial" in
+            dsec_l[0-9]*) idx=${{serial#dsec_l}} ;;
+            *) idx=$k ;;
+        esac
+        k=$((k + 1))
+        mkdir -p /mnt/lower/$idx
+        mount -t erofs -o ro "/dev/$dev" /mnt/lower/$idx || fail "cannot mount root disk $idx (/dev/$dev, EROFS)"
+    done
+    lowerdir=
+    i=0
+    while [ $i -lt "$layers" ]; do
+        [ -d /mnt/lower/$i ] || fail "no root disk $i"
+        lowerdir="$lowerdir${{lowerdir:+:}}/mnt/lower/$i"
+        i=$((i + 1))
+    done
+else
+    i=0
+    while [ ! -b "$root" ]; do
+        i=$((i + 1))
+        [ $i -gt 200 ] && fail "no root disk $root after 10 s (is a virtio-blk device attached?)"
+        sleep 0.05
+    done
+    mount -t "$rootfstype" -o ro "$root" /mnt/lower || fail "cannot mount $root ($rootfstype) read-only"
+    lowerdir=/mnt/lower
+fi
 mount -t tmpfs -o mode=0755 dsec-rw /mnt/rw || fail "cannot mount the tmpfs for the writable layer"
 mkdir -p /mnt/rw/upper /mnt/rw/work
-mount -t overlay -o lowerdir=/mnt/lower,upperdir=/mnt/rw/upper,workdir=/mnt/rw/work dsec-root /newroot \
+mount -t overlay -o lowerdir=$lowerdir,upperdir=/mnt/rw/upper,workdir=/mnt/rw/work dsec-root /newroot \
     || fail "cannot mount the overlay root (is the overlay module loaded?)"
 for d in proc sys dev; do
     mkdir -p /newroot/$d
     mount --move /$d /newroot/$d || fail "cannot move /$d into the new root"
 done
-# The root disk and the writable layer stay reachable for the agent (e.g. to commit the
-# sandbox's changes) where the disk has mount points for them.
+# The root disks and the writable layer stay reachable for the agent (e.g. to commit the
+# sandbox's changes) where the root has mount points for them.
 [ -d /newroot/.dsec/lower ] && mount --move /mnt/lower /newroot/.dsec/lower
 [ -d /newroot/.dsec/rw ] && mount --move /mnt/rw /newroot/.dsec/rw
 [ -x "/newroot$init" ] || [ -L "/newroot$init" ] || fail "$init is not an executable in the root disk"
@@ -837,39 +889,22 @@ impl DiskSource<'_> {
     }
 }
 
-/// Sizes and whiteout style of a directory tree.
-#[derive(Debug, Default, Clone, Copy)]
-struct TreeStats {
-    /// Bytes the tree takes in 4 KiB blocks.
-    block_bytes: u64,
-    entries: u64,
-    /// Holds OCI whiteouts (`.wh.NAME`, `.wh..wh..opq`), which overlayfs does not read.
-    oci_whiteouts: bool,
-}
-
-fn tree_stats(dir: &Path) -> Result<TreeStats, ImageError> {
-    let mut s = TreeStats::default();
+/// Whether a tree holds OCI whiteouts (`.wh.NAME`, `.wh..wh..opq`), which overlayfs
+/// does not read.
+fn has_oci_whiteouts(dir: &Path) -> Result<bool, ImageError> {
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
         for e in std::fs::read_dir(&d).ctx(|| format!("listing {}", d.display()))? {
             let e = e.ctx(|| format!("listing {}", d.display()))?;
-            let md = e
-                .path()
-                .symlink_metadata()
-                .ctx(|| format!("reading {}", e.path().display()))?;
-            s.entries += 1;
-            if e.file_name().to_string_lossy().starts_with(".wh.") {
-                s.oci_whiteouts = true;
+            if e.file_name().as_encoded_bytes().starts_with(b".wh.") {
+                return Ok(true);
             }
-            if md.is_dir() {
-                s.block_bytes += 4096;
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
                 stack.push(e.path());
-            } else if md.is_file() || md.file_type().is_symlink() {
-                s.block_bytes += md.len().div_ceil(4096) * 4096;
             }
         }
     }
-    Ok(s)
+    Ok(false)
 }
 
 fn cstring(p: &Path) -> Result<CString, ImageError> {
@@ -934,151 +969,220 @@ fn mkdir_mode(p: &Path, mode: u32) -> Result<(), ImageError> {
         .ctx(|| format!("chmod {}", p.display()))
 }
 
-/// Writes a raw ext4 image of the image's filesystem to `dest`: its layers stacked (upper
-/// overriding lower, whiteouts honoured, overlayfs style or OCI `.wh.` style), plus
-/// `aether` at `/.dsec/aether` and empty `/proc`, `/sys`, `/dev`, `/mnt` and the mount
-/// points `/.dsec/lower`, `/.dsec/rw` that the guest's `/init` uses. No journal: guests
-/// mount it read-only. `size_mb: None` sizes it to fit.
-///
-/// Needs root (it mounts an overlay in a private mount namespace) and `mkfs.ext4`.
-pub fn build_root_disk(
-    store: &ImageStore,
-    source: DiskSource<'_>,
-    aether: &Path,
-    dest: &Path,
-    size_mb: Option<u64>,
-) -> Result<(), ImageError> {
-    let layers = source.layers(store)?;
-    let aether_md = std::fs::metadata(aether).map_err(|e| {
-        build_err(format!(
-            "aether binary {} is not readable ({e}); build it (`cargo build -p dsec-aether`) or pass its path",
-            aether.display()
-        ))
-    })?;
-    if !aether_md.is_file() {
-        return Err(build_err(format!(
-            "aether binary {} is not a regular file",
-            aether.display()
-        )));
-    }
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return Err(build_err(
-            "building a VM root disk mounts an overlay of the image layers and needs root; run the edge as root",
-        ));
-    }
+/// The most disks a VM's root is made of: its stage and up to this many less one image
+/// layers. QEMU's `microvm` has 24 virtio-mmio transports and Firecracker about 19
+/// interrupt lines, shared with the console, network, entropy and vsock devices; the
+/// bottom layers of a deeper image are merged into one disk.
+pub const MAX_ROOT_DISKS: usize = 16;
 
-    let work = TempPath::new(store.temp_dir("guest-disk")?);
-    // Top layer: what the guest needs besides the image.
-    let stage = work.path().join("stage");
-    mkdir_mode(&stage, 0o755)?;
-    for d in ["proc", "sys", "dev", "mnt"] {
-        mkdir_mode(&stage.join(d), 0o755)?;
+/// A layer tree with OCI whiteouts in a form overlayfs reads: the layer itself, or a
+/// converted copy under `work` (whiteouts as 0/0 devices, opaque directories marked).
+fn overlay_ready(store: &ImageStore, layer: &str, work: &Path) -> Result<PathBuf, ImageError> {
+    let path = store.layer_path(layer);
+    if !has_oci_whiteouts(&path)? {
+        return Ok(path);
     }
-    for d in [".dsec", ".dsec/lower", ".dsec/rw"] {
-        mkdir_mode(&stage.join(d), 0o755)?;
-    }
-    let aether_dest = stage.join(AETHER_GUEST_PATH.trim_start_matches('/'));
-    std::fs::copy(aether, &aether_dest).ctx(|| format!("copying {}", aether.display()))?;
-    {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&aether_dest, std::fs::Permissions::from_mode(0o755))
-            .ctx(|| format!("chmod {}", aether_dest.display()))?;
-    }
-
-    let layers_dir = store.root().join("layers");
-    let mut total = tree_stats(&stage)?;
-    // Lowerdirs relative to layers/, top first, to fit more layers in one mount's options.
-    let work_rel = format!(
-        "../tmp/{}",
-        work.path()
-            .file_name()
-            .unwrap_or_default()
-            .to_string_lossy()
+    tracing::info!(
+        "layer {} has OCI whiteouts; converting a copy",
+        &layer[..12]
     );
-    let mut lowers = vec![format!("{work_rel}/stage")];
-    for (i, l) in layers.iter().enumerate().rev() {
-        let path = store.layer_path(l);
-        let s = tree_stats(&path)?;
-        total.block_bytes += s.block_bytes;
-        total.entries += s.entries;
-        if s.oci_whiteouts {
-            tracing::info!(
-                "layer {} has OCI whiteouts; converting a copy for overlayfs",
-                &l[..12]
-            );
-            let copy = work.path().join(format!("oci-{i}"));
-            std::fs::create_dir(&copy).ctx(|| format!("creating {}", copy.display()))?;
-            run(
-                Command::new("cp")
-                    .args(["-a", "--reflink=auto"])
-                    .arg(format!("{}/.", path.display()))
-                    .arg(&copy),
-                "cp -a (layer copy)",
-            )?;
-            convert_oci_whiteouts(&copy)?;
-            lowers.push(format!("{work_rel}/oci-{i}"));
-        } else {
-            lowers.push(l.clone());
-        }
-    }
-    let lowerdir = lowers.join(":");
-    if lowerdir.len() >= 3900 || lowerdir.contains(',') {
-        return Err(build_err(format!(
-            "image has too many layers ({}) for one overlay mount; build it with fewer steps",
-            layers.len()
-        )));
-    }
-    // 256-byte inodes plus directory entries, 5% slack for ext4's own metadata, 8 MiB floor.
-    let inodes = total.entries + 64;
-    let needed = (total.block_bytes + inodes * 320) * 21 / 20;
-    let auto_mb = needed.div_ceil(1 << 20) + 8;
-    let size_mb = size_mb.unwrap_or(auto_mb);
+    let copy = work.join(format!("oci-{layer}"));
+    std::fs::create_dir(&copy).ctx(|| format!("creating {}", copy.display()))?;
+    run(
+        Command::new("cp")
+            .args(["-a", "--reflink=auto"])
+            .arg(format!("{}/.", path.display()))
+            .arg(&copy),
+        "cp -a (layer copy)",
+    )?;
+    convert_oci_whiteouts(&copy)?;
+    Ok(copy)
+}
 
-    let merged = work.path().join("merged");
-    std::fs::create_dir(&merged).ctx(|| format!("creating {}", merged.display()))?;
-    let dest_dir = dest
+/// Writes `build` to `dest` through a temporary file next to it, unless `dest` exists.
+fn cached(
+    dest: &Path,
+    build: impl FnOnce(&Path) -> Result<(), ImageError>,
+) -> Result<PathBuf, ImageError> {
+    if dest.is_file() {
+        return Ok(dest.to_path_buf());
+    }
+    let dir = dest
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dest_dir).ctx(|| format!("creating {}", dest_dir.display()))?;
-    let tmp_dest = TempPath::new(dest_dir.join(format!(".tmp-disk-{}.ext4", random_hex(8))));
-    std::fs::File::create(tmp_dest.path())
-        .ctx(|| format!("creating {}", tmp_dest.path().display()))?;
+    std::fs::create_dir_all(dir).ctx(|| format!("creating {}", dir.display()))?;
+    let tmp = TempPath::new(dir.join(format!(".tmp-{}", random_hex(8))));
+    build(tmp.path())?;
+    std::fs::rename(tmp.path(), dest).ctx(|| format!("writing {}", dest.display()))?;
+    tmp.keep();
+    Ok(dest.to_path_buf())
+}
 
-    tracing::info!(
-        "building a {size_mb} MiB ext4 root disk from {} layers ({} entries) at {}",
-        layers.len(),
-        total.entries,
-        dest.display()
-    );
-    // A private mount namespace: the overlay disappears with it, whatever happens.
-    let script = r#"set -e
-cd "$LAYERS"
-mount -t overlay -o "ro,lowerdir=$LOWER" dsec-disk "$MERGED"
-mkfs.ext4 -q -F -b 4096 -m 0 -N "$INODES" -O ^has_journal -E root_owner=0:0 -L dsecroot -d "$MERGED" "$DEST" "${SIZE}M"
-umount "$MERGED"
-"#;
-    let r = run(
-        Command::new("unshare")
-            .args(["--mount", "--propagation", "private", "sh", "-c", script])
-            .env("LAYERS", &layers_dir)
-            .env("LOWER", &lowerdir)
-            .env("MERGED", &merged)
-            .env("INODES", inodes.to_string())
-            .env("DEST", tmp_dest.path())
-            .env("SIZE", size_mb.to_string()),
-        "mkfs.ext4 of the root disk",
-    );
-    if let Err(e) = r {
-        return Err(build_err(format!(
-            "{}\n(if the disk ran out of space, give a larger size than {size_mb} MiB; mkfs.ext4 comes with e2fsprogs)",
-            detail(&e)
-        )));
+/// The EROFS disk of one store layer: the lazy file system's file for a lazily pulled
+/// layer (its blocks fetched as the guest reads them), else `erofs/<layer>.img`, built
+/// once from the layer's tree and kept while the layer is.
+pub fn layer_disk(store: &ImageStore, layer: &str) -> Result<PathBuf, ImageError> {
+    if crate::lazy::is_registered(store.root(), layer) {
+        let m = store.lazy().ok_or_else(|| {
+            build_err(format!(
+                "layer {layer} is fetched lazily, and this node cannot serve it ({}); pull the image again with --no-lazy",
+                crate::lazy::unsupported().unwrap_or_else(|| "lazy images are off".into())
+            ))
+        })?;
+        m.ensure_daemon()?;
+        return Ok(m.fuse_dir().join(layer));
     }
-    std::fs::rename(tmp_dest.path(), dest).ctx(|| format!("writing {}", dest.display()))?;
-    tmp_dest.keep();
+    let dest = store.root().join("erofs").join(format!("{layer}.img"));
+    cached(&dest, |tmp| {
+        let work = TempPath::new(store.temp_dir("layer-disk")?);
+        let tree = overlay_ready(store, layer, work.path())?;
+        let s = crate::erofs::build(&tree, tmp)?;
+        tracing::info!(
+            "layer {} as an EROFS disk: {} inodes, {} KiB",
+            &layer[..12],
+            s.inodes,
+            s.bytes >> 10
+        );
+        Ok(())
+    })
+}
+
+/// The disk on top of every VM's root: `aether` at [`AETHER_GUEST_PATH`], and the
+/// directories `/init` mounts on (`/proc`, `/sys`, `/dev`, `/mnt`, `/.dsec/lower`,
+/// `/.dsec/rw`).
+fn stage_disk(store: &ImageStore, aether: &Path, aether_sha: &str) -> Result<PathBuf, ImageError> {
+    let mut h = Sha256::new();
+    h.update(ROOT_DISK_FORMAT.as_bytes());
+    h.update(aether_sha.as_bytes());
+    let dest =
+        disks_dir(store.root()).join(format!("stage-{}.erofs", &hex::encode(h.finalize())[..32]));
+    cached(&dest, |tmp| {
+        let work = TempPath::new(store.temp_dir("stage")?);
+        let stage = work.path().join("stage");
+        mkdir_mode(&stage, 0o755)?;
+        for d in [
+            "proc",
+            "sys",
+            "dev",
+            "mnt",
+            ".dsec",
+            ".dsec/lower",
+            ".dsec/rw",
+        ] {
+            mkdir_mode(&stage.join(d), 0o755)?;
+        }
+        let dest = stage.join(AETHER_GUEST_PATH.trim_start_matches('/'));
+        std::fs::copy(aether, &dest).ctx(|| format!("copying {}", aether.display()))?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(0o755))
+                .ctx(|| format!("chmod {}", dest.display()))?;
+        }
+        crate::erofs::build(&stage, tmp).map(|_| ())
+    })
+}
+
+/// Gives the calling thread a mount namespace of its own, whose mounts propagate nowhere:
+/// they go when the thread ends (unshare affects only it, which then has its own file
+/// system information too).
+fn own_mount_namespace() -> std::io::Result<()> {
+    // SAFETY: no pointers.
+    if unsafe { libc::unshare(libc::CLONE_NEWNS) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: NUL-terminated constants.
+    let rc = unsafe {
+        libc::mount(
+            c"none".as_ptr(),
+            c"/".as_ptr(),
+            std::ptr::null(),
+            libc::MS_REC | libc::MS_PRIVATE,
+            std::ptr::null(),
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
     Ok(())
+}
+
+/// Mounts a read-only overlay of `lowerdir` (`:`-separated, top first) on `target`.
+fn overlay_ro(lowerdir: &str, target: &Path) -> std::io::Result<()> {
+    let bad = |_| std::io::Error::from(std::io::ErrorKind::InvalidInput);
+    let t = CString::new(target.as_os_str().as_encoded_bytes()).map_err(bad)?;
+    let data = CString::new(format!("ro,lowerdir={lowerdir}")).map_err(bad)?;
+    // SAFETY: NUL-terminated strings that outlive the call.
+    let rc = unsafe {
+        libc::mount(
+            c"dsec-layers".as_ptr(),
+            t.as_ptr(),
+            c"overlay".as_ptr(),
+            libc::MS_RDONLY,
+            data.as_ptr().cast(),
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// One EROFS disk of `layers` (bottom first) stacked: what overlayfs shows of them,
+/// read in a mount namespace of a thread of its own, which the overlay goes with.
+fn merged_disk(store: &ImageStore, layers: &[String]) -> Result<PathBuf, ImageError> {
+    let mut h = Sha256::new();
+    h.update(ROOT_DISK_FORMAT.as_bytes());
+    for l in layers {
+        h.update(l.as_bytes());
+        h.update(b"\n");
+    }
+    let dest =
+        disks_dir(store.root()).join(format!("merged-{}.erofs", &hex::encode(h.finalize())[..32]));
+    cached(&dest, |tmp| {
+        let work = TempPath::new(store.temp_dir("merge")?);
+        let mut lowers = Vec::new();
+        for l in layers.iter().rev() {
+            lowers.push(overlay_ready(store, l, work.path())?);
+        }
+        let merged = work.path().join("merged");
+        std::fs::create_dir(&merged).ctx(|| format!("creating {}", merged.display()))?;
+        // Relative to layers/ (the thread's own working directory, below), to fit more
+        // layers in one mount's options.
+        let layers_dir = store.root().join("layers");
+        let rel = |p: &Path| match p.strip_prefix(&layers_dir) {
+            Ok(r) => r.display().to_string(),
+            Err(_) => format!(
+                "../tmp/{}",
+                p.strip_prefix(store.root().join("tmp"))
+                    .unwrap_or(p)
+                    .display()
+            ),
+        };
+        let opts = lowers.iter().map(|p| rel(p)).collect::<Vec<_>>().join(":");
+        if opts.len() >= 3900 || opts.contains(',') {
+            return Err(build_err(format!(
+                "the image has too many layers ({}) to merge in one overlay mount; build it with fewer steps",
+                layers.len()
+            )));
+        }
+        tracing::info!("merging {} bottom layers into one EROFS disk", layers.len());
+        // Absolute: the thread changes its working directory.
+        let abs = |p: &Path| std::path::absolute(p).ctx(|| format!("resolving {}", p.display()));
+        let (tmp, merged2, layers_dir) = (abs(tmp)?, abs(&merged)?, abs(&layers_dir)?);
+        std::thread::spawn(move || -> Result<(), ImageError> {
+            own_mount_namespace()
+                .ctx(|| "a mount namespace for merging layers (needs root)".into())?;
+            // This thread's alone: its file system information was unshared with the
+            // namespace.
+            std::env::set_current_dir(&layers_dir)
+                .ctx(|| format!("entering {}", layers_dir.display()))?;
+            overlay_ro(&opts, &merged2).ctx(|| "mounting the layers to merge".into())?;
+            crate::erofs::build(&merged2, &tmp).map(|_| ())
+        })
+        .join()
+        .map_err(|_| build_err("merging layers panicked"))?
+    })
 }
 
 /// Where root disks are cached.
@@ -1087,8 +1191,15 @@ pub fn disks_dir(store_root: &Path) -> PathBuf {
 }
 
 /// The sha256 of a root disk (they never change once built), kept next to it as
-/// `<disk>.sha256` after the first time.
+/// `<disk>.sha256` after the first time. A lazy layer's file is named by its digest,
+/// which its chunks are checked against as they arrive.
 pub fn disk_sha256(disk: &Path) -> Result<String, ImageError> {
+    if disk.parent().and_then(Path::file_name) == Some(std::ffi::OsStr::new("lazyfs"))
+        && let Some(name) = disk.file_name().and_then(|n| n.to_str())
+        && crate::digest::valid_digest(name)
+    {
+        return Ok(name.to_string());
+    }
     let mut side = disk.as_os_str().to_owned();
     side.push(".sha256");
     let side = PathBuf::from(side);
@@ -1104,7 +1215,7 @@ pub fn disk_sha256(disk: &Path) -> Result<String, ImageError> {
 }
 
 /// A root disk received from another edge (`received`, claimed to have `sha256`): checked
-/// and kept as `disks/imported-<sha256>.ext4`, which is returned.
+/// and kept as `disks/imported-<sha256>.img`, which is returned.
 pub fn adopt_disk(store_root: &Path, received: &Path, sha256: &str) -> Result<PathBuf, ImageError> {
     if sha256.len() != 64 || !sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
         return Err(build_err(format!("{sha256:?} is not a sha256")));
@@ -1117,7 +1228,7 @@ pub fn adopt_disk(store_root: &Path, received: &Path, sha256: &str) -> Result<Pa
     }
     let dir = disks_dir(store_root);
     std::fs::create_dir_all(&dir).ctx(|| format!("creating {}", dir.display()))?;
-    let dest = dir.join(format!("imported-{sha256}.ext4"));
+    let dest = dir.join(format!("imported-{sha256}.img"));
     if dest.is_file() {
         let _ = std::fs::remove_file(received);
     } else if std::fs::rename(received, &dest).is_err() {
@@ -1133,45 +1244,66 @@ pub fn adopt_disk(store_root: &Path, received: &Path, sha256: &str) -> Result<Pa
     Ok(dest)
 }
 
-/// Makes sure a root disk for `source` with `aether` is cached; returns
-/// `<store root>/guest/disks/<key>.ext4`. The key is a hash of the layer digests and the
-/// aether binary's sha256, so images that share all their layers share a disk.
-pub fn ensure_root_disk(
+/// The disks a VM's root is made of, top first: the stage ([`AETHER_GUEST_PATH`] and
+/// mount points), then the image's layers as EROFS disks, shared by every VM (and image)
+/// with the layer, the bottom ones merged into one past [`MAX_ROOT_DISKS`]. The guest's
+/// `/init` stacks them under an overlay (`dsec.layers=N` on its command line, see
+/// [`root_cmdline`]).
+pub fn ensure_root_disks(
     store: &ImageStore,
     source: DiskSource<'_>,
     aether: &Path,
-) -> Result<PathBuf, ImageError> {
+) -> Result<Vec<PathBuf>, ImageError> {
     let layers = source.layers(store)?;
-    let aether_sha = aether_digest(aether).map_err(|e| {
+    let aether_md = std::fs::metadata(aether).map_err(|e| {
         build_err(format!(
-            "cannot read the aether binary: {e}; build it (`cargo build -p dsec-aether`) or pass its path"
+            "aether binary {} is not readable ({e}); build it (`cargo build -p dsec-aether`) or pass its path",
+            aether.display()
         ))
     })?;
-    let mut h = Sha256::new();
-    h.update(ROOT_DISK_FORMAT.as_bytes());
-    for l in &layers {
-        h.update(l.as_bytes());
-        h.update(b"\n");
+    if !aether_md.is_file() {
+        return Err(build_err(format!(
+            "aether binary {} is not a regular file",
+            aether.display()
+        )));
     }
-    h.update(aether_sha.as_bytes());
-    let key = hex::encode(h.finalize());
-    let dest = guest_dir(store.root())
-        .join("disks")
-        .join(format!("{key}.ext4"));
-    if dest.is_file() {
-        tracing::debug!("root disk is cached at {}", dest.display());
-        return Ok(dest);
+    let aether_sha = aether_digest(aether)?;
+    let mut disks = vec![stage_disk(store, aether, &aether_sha)?];
+    let own = layers.len().min(MAX_ROOT_DISKS - 1);
+    // Layers kept as their own disks: the top ones, all of them when they fit.
+    let (bottom, top) = if own == layers.len() {
+        (&layers[..0], &layers[..])
+    } else {
+        layers.split_at(layers.len() - (own - 1))
+    };
+    for l in top.iter().rev() {
+        disks.push(layer_disk(store, l)?);
     }
-    store.ready_layers(&layers)?;
-    build_root_disk(store, DiskSource::Layers(&layers), aether, &dest, None)?;
-    tracing::info!("root disk cached at {}", dest.display());
-    Ok(dest)
+    if !bottom.is_empty() {
+        store.ready_layers(bottom)?;
+        disks.push(merged_disk(store, bottom)?);
+    }
+    Ok(disks)
+}
+
+/// What a guest booted from `n` disks of [`ensure_root_disks`] is told on its command
+/// line.
+pub fn root_cmdline(n: usize) -> String {
+    format!("dsec.layers={n}")
+}
+
+/// The virtio-blk serial of root disk `i`, which `/init` places it by when the device
+/// order differs from the command line's. QEMU sets it as `serial=`; it is also the
+/// Firecracker drive id (which Firecracker answers as the serial; alphanumerics and `_`).
+pub fn disk_serial(i: usize) -> String {
+    format!("dsec_l{i}")
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::cpio::{S_IFCHR, S_IFLNK, read_newc};
+    use std::collections::HashSet;
 
     #[test]
     fn kernel_release_comes_from_the_meta_package_dependency() {
@@ -1320,30 +1452,72 @@ mod tests {
         );
     }
 
-    fn debugfs(disk: &Path, req: &str) -> String {
-        let o = Command::new("debugfs")
-            .arg("-R")
-            .arg(req)
-            .arg(disk)
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&o.stdout).into_owned()
+    /// Mounts `disks` (EROFS, top first) stacked read-only under an overlay, as the
+    /// guest's `/init` does, in a thread with a mount namespace of its own, and gives
+    /// `look` the merged tree.
+    fn stacked<T: Send + 'static>(
+        disks: &[PathBuf],
+        look: impl FnOnce(&Path) -> T + Send + 'static,
+    ) -> T {
+        let disks = disks.to_vec();
+        std::thread::spawn(move || {
+            let dir = tempfile::tempdir().unwrap();
+            own_mount_namespace().unwrap();
+            let mut lowers = Vec::new();
+            for (i, d) in disks.iter().enumerate() {
+                let m = dir.path().join(i.to_string());
+                std::fs::create_dir(&m).unwrap();
+                crate::erofs::mount(d, &m).unwrap();
+                lowers.push(m.display().to_string());
+            }
+            let merged = dir.path().join("merged");
+            std::fs::create_dir(&merged).unwrap();
+            overlay_ro(&lowers.join(":"), &merged).unwrap();
+            look(&merged)
+        })
+        .join()
+        .unwrap()
     }
 
-    /// Layers with overlayfs and OCI whiteouts stack into one ext4 disk; the cache is keyed
-    /// by layers and aether.
-    #[test]
-    fn root_disk_stacks_layers_honours_whiteouts_and_caches() {
+    fn names(d: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// A throw-away store, where root disks can be built and mounted (root, and a kernel
+    /// that mounts EROFS from a file); `None`, said, elsewhere.
+    fn erofs_store() -> Option<(tempfile::TempDir, ImageStore)> {
         // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0
-            || Command::new("mkfs.ext4").arg("-V").output().is_err()
-            || Command::new("debugfs").arg("-V").output().is_err()
-        {
-            eprintln!("skipped: needs root, mkfs.ext4 and debugfs");
-            return;
+        if unsafe { libc::geteuid() } != 0 || crate::lazy::unsupported().is_some() {
+            eprintln!("skipped: needs root and a kernel that mounts EROFS from a file");
+            return None;
         }
         let tmp = tempfile::tempdir().unwrap();
         let store = ImageStore::open(tmp.path()).unwrap();
+        Some((tmp, store))
+    }
+
+    /// An overlayfs whiteout (a 0/0 character device) at `p`.
+    fn whiteout(p: &Path) {
+        let c = cstring(p).unwrap();
+        // SAFETY: a NUL-terminated path.
+        assert_eq!(
+            unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR, libc::makedev(0, 0)) },
+            0
+        );
+    }
+
+    /// Layers with overlayfs and OCI whiteouts become EROFS disks that stack, under the
+    /// stage, into the image's tree; disks are cached per layer and shared by images.
+    #[test]
+    fn root_disks_stack_layers_honour_whiteouts_and_cache() {
+        let Some((tmp, store)) = erofs_store() else {
+            return;
+        };
         let mk = |files: &[(&str, &str)]| {
             let d = store.temp_dir("l").unwrap();
             for (p, c) in files {
@@ -1365,11 +1539,7 @@ mod tests {
         let (l1, _) = store.add_layer(&base).unwrap();
         let top = mk(&[("etc/over", "top"), ("opq/new", "y"), ("opq-oci/new", "y")]);
         // overlayfs-style whiteout and opaque dir, as `run` steps produce them.
-        let wh = cstring(&top.join("etc/gone-overlay")).unwrap();
-        assert_eq!(
-            unsafe { libc::mknod(wh.as_ptr(), libc::S_IFCHR, libc::makedev(0, 0)) },
-            0
-        );
+        whiteout(&top.join("etc/gone-overlay"));
         let opq = cstring(&top.join("opq")).unwrap();
         assert_eq!(
             unsafe {
@@ -1395,74 +1565,116 @@ mod tests {
         std::fs::write(&aether, b"#!/bin/sh\necho aether\n").unwrap();
 
         let layers = vec![l1.clone(), l2.clone(), l3.clone()];
-        let disk = ensure_root_disk(&store, DiskSource::Layers(&layers), &aether).unwrap();
-        assert!(disk.starts_with(tmp.path().join("guest/disks")));
-        assert_eq!(debugfs(&disk, "cat /etc/keep"), "base");
-        assert_eq!(debugfs(&disk, "cat /etc/over"), "top");
-        assert_eq!(
-            debugfs(&disk, "cat /.dsec/aether"),
-            "#!/bin/sh\necho aether\n"
-        );
-        let root = debugfs(&disk, "ls -l /");
-        for d in ["proc", "sys", "dev", "mnt", "etc", ".dsec"] {
-            assert!(root.contains(&format!(" {d}")), "/{d} missing in:\n{root}");
+        let disks = ensure_root_disks(&store, DiskSource::Layers(&layers), &aether).unwrap();
+        assert_eq!(disks.len(), 4, "{disks:?}");
+        assert!(disks[0].starts_with(tmp.path().join("guest/disks")));
+        // Top first, each layer its own disk.
+        for (d, l) in disks[1..].iter().zip([&l3, &l2, &l1]) {
+            assert_eq!(*d, tmp.path().join("erofs").join(format!("{l}.img")));
         }
-        let etc = debugfs(&disk, "ls /etc");
-        assert!(
-            !etc.contains("gone-overlay"),
-            "overlay whiteout ignored:\n{etc}"
-        );
-        assert!(!etc.contains("gone-oci"), "OCI whiteout ignored:\n{etc}");
-        assert!(!etc.contains(".wh."), "{etc}");
-        let opq_ls = debugfs(&disk, "ls /opq");
-        assert!(
-            opq_ls.contains("new") && !opq_ls.contains("old"),
-            "{opq_ls}"
-        );
-        let opq_oci = debugfs(&disk, "ls /opq-oci");
+        let (keep, over, aether_text, root, etc, opq_ls, opq_oci, owner, mode) =
+            stacked(&disks, |m| {
+                use std::os::unix::fs::MetadataExt;
+                let keep = std::fs::metadata(m.join("etc/keep")).unwrap();
+                (
+                    std::fs::read_to_string(m.join("etc/keep")).unwrap(),
+                    std::fs::read_to_string(m.join("etc/over")).unwrap(),
+                    std::fs::read_to_string(m.join(".dsec/aether")).unwrap(),
+                    names(m),
+                    names(&m.join("etc")),
+                    names(&m.join("opq")),
+                    names(&m.join("opq-oci")),
+                    (keep.uid(), keep.gid()),
+                    std::fs::metadata(m.join(".dsec/aether")).unwrap().mode() & 0o7777,
+                )
+            });
+        assert_eq!(keep, "base");
+        assert_eq!(over, "top");
+        assert_eq!(aether_text, "#!/bin/sh\necho aether\n");
+        for d in ["proc", "sys", "dev", "mnt", "etc", ".dsec"] {
+            assert!(root.contains(&d.to_string()), "/{d} missing in {root:?}");
+        }
+        assert_eq!(etc, ["keep", "over"], "whiteouts ignored");
+        assert_eq!(opq_ls, ["new"]);
         // The opaque marker hides everything below its layer, even l2's newer file.
-        assert!(
-            opq_oci.contains("fresh")
-                && !opq_oci.contains("old")
-                && !opq_oci.contains("new")
-                && !opq_oci.contains(".wh."),
-            "{opq_oci}"
-        );
-        let owner = debugfs(&disk, "stat /etc/keep");
-        assert!(owner.contains("User:  1000   Group:  1001"), "{owner}");
-        let stat = debugfs(&disk, "stat /.dsec/aether");
-        assert!(stat.contains("Mode:  0755"), "{stat}");
-        assert!(debugfs(&disk, "stats").contains("Filesystem volume name:   dsecroot"));
+        assert_eq!(opq_oci, ["fresh"]);
+        assert_eq!(owner, (1000, 1001));
+        assert_eq!(mode, 0o755);
 
-        // Cache hit: same path, not rewritten.
-        let mtime = std::fs::metadata(&disk).unwrap().modified().unwrap();
+        // Cache hit: same paths, not rewritten; another image with a shared layer
+        // shares its disk.
+        let mtime = std::fs::metadata(&disks[1]).unwrap().modified().unwrap();
         assert_eq!(
-            ensure_root_disk(&store, DiskSource::Layers(&layers), &aether).unwrap(),
-            disk
+            ensure_root_disks(&store, DiskSource::Layers(&layers), &aether).unwrap(),
+            disks
         );
-        assert_eq!(std::fs::metadata(&disk).unwrap().modified().unwrap(), mtime);
-        // Another aether, another disk.
+        assert_eq!(
+            std::fs::metadata(&disks[1]).unwrap().modified().unwrap(),
+            mtime
+        );
+        let other = ensure_root_disks(&store, DiskSource::Layers(&layers[..1]), &aether).unwrap();
+        assert_eq!(other[1], disks[3]);
+        // Another aether, another stage; the layers' disks stay.
         std::fs::write(&aether, b"other").unwrap();
-        let disk2 = ensure_root_disk(&store, DiskSource::Layers(&layers), &aether).unwrap();
-        assert_ne!(disk, disk2);
+        let disks2 = ensure_root_disks(&store, DiskSource::Layers(&layers), &aether).unwrap();
+        assert_ne!(disks[0], disks2[0]);
+        assert_eq!(disks[1..], disks2[1..]);
         // Nothing left behind in tmp/, and the store's layers are untouched.
         assert_eq!(
             std::fs::read_dir(tmp.path().join("tmp")).unwrap().count(),
             0
         );
         assert!(store.layer_path(&l3).join("etc/.wh.gone-oci").exists());
-        // Too small a disk is an error that says so.
-        std::fs::write(&aether, vec![7u8; 3 << 20]).unwrap();
-        let err = build_root_disk(
-            &store,
-            DiskSource::Layers(&layers),
-            &aether,
-            &tmp.path().join("x.ext4"),
-            Some(2),
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(err.contains("larger size"), "{err}");
-        assert!(!tmp.path().join("x.ext4").exists());
+        // A layer's disk goes with the layer.
+        store.gc(&HashSet::new()).unwrap();
+        assert!(!disks[1].exists());
+    }
+
+    /// An image deeper than [`MAX_ROOT_DISKS`] keeps its top layers as their own disks and
+    /// merges the rest into one, whiteouts across the cut included.
+    #[test]
+    fn deep_images_merge_their_bottom_layers() {
+        let Some((tmp, store)) = erofs_store() else {
+            return;
+        };
+        let n = MAX_ROOT_DISKS + 4;
+        let mut layers = Vec::new();
+        for i in 0..n {
+            let d = store.temp_dir("l").unwrap();
+            std::fs::create_dir(d.join("f")).unwrap();
+            std::fs::write(d.join(format!("f/{i}")), i.to_string()).unwrap();
+            // Layer 1 deletes layer 0's file (both merged); the top deletes layer 2's.
+            let gone = match i {
+                1 => Some(0),
+                i if i == n - 1 => Some(2),
+                _ => None,
+            };
+            if let Some(g) = gone {
+                whiteout(&d.join(format!("f/{g}")));
+            }
+            layers.push(store.add_layer(&d).unwrap().0);
+        }
+        let aether = tmp.path().join("aether");
+        std::fs::write(&aether, b"a").unwrap();
+        let disks = ensure_root_disks(&store, DiskSource::Layers(&layers), &aether).unwrap();
+        assert_eq!(disks.len(), MAX_ROOT_DISKS);
+        assert!(
+            disks[MAX_ROOT_DISKS - 1]
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("merged-")
+        );
+        let seen = stacked(&disks, |m| names(&m.join("f")));
+        let mut want: Vec<String> = (0..n)
+            .filter(|i| *i != 0 && *i != 2)
+            .map(|i| i.to_string())
+            .collect();
+        want.sort();
+        assert_eq!(seen, want);
+        assert_eq!(
+            ensure_root_disks(&store, DiskSource::Layers(&layers), &aether).unwrap(),
+            disks
+        );
     }
 }

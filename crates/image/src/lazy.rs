@@ -245,6 +245,99 @@ impl Fetch for RegistryFetch {
     }
 }
 
+/// What [`PeerChunks::chunk`] gives: a chunk's bytes from whichever peer had it first
+/// (not yet checked), or none.
+pub type PeerFetched = std::pin::Pin<Box<dyn std::future::Future<Output = Option<Vec<u8>>> + Send>>;
+
+/// Other nodes that may hold a blob's chunks (the cluster's edges): asked before the
+/// registry, their bytes checked against the chunk table like the registry's.
+pub trait PeerChunks: Send + Sync {
+    /// Chunk `index` of blob `hex` from a peer that holds it.
+    fn chunk(&self, hex: &str, index: u64) -> PeerFetched;
+}
+
+/// Fetches whole chunks from peers first, and anything they do not give (a chunk none
+/// holds, bytes that do not match its digest, a peer that does not answer) from `next`.
+pub struct PeerFirst {
+    peers: Arc<dyn PeerChunks>,
+    hex: String,
+    table: Arc<ChunkTable>,
+    next: Arc<dyn Fetch>,
+}
+
+impl PeerFirst {
+    pub fn new(peers: Arc<dyn PeerChunks>, src: &LazySource, next: Arc<dyn Fetch>) -> PeerFirst {
+        PeerFirst {
+            peers,
+            hex: src.hex().to_string(),
+            table: Arc::new(src.table.clone()),
+            next,
+        }
+    }
+}
+
+impl Fetch for PeerFirst {
+    fn fetch(&self, start: u64, len: u64) -> Fetched {
+        let (peers, hex, table, next) = (
+            self.peers.clone(),
+            self.hex.clone(),
+            self.table.clone(),
+            self.next.clone(),
+        );
+        Box::pin(async move {
+            let t = &table;
+            let whole = t.chunk_size > 0
+                && start.is_multiple_of(t.chunk_size)
+                && start < t.size
+                && len == t.chunk_size.min(t.size - start);
+            if whole {
+                let i = start / t.chunk_size;
+                if let Some(b) = peers.chunk(&hex, i).await {
+                    if b.len() as u64 == len
+                        && hex::encode(Sha256::digest(&b)) == t.chunks[i as usize]
+                    {
+                        tracing::debug!(blob = %hex, chunk = i, "chunk from a peer");
+                        return Ok(b);
+                    }
+                    tracing::warn!(blob = %hex, chunk = i, "a peer sent other bytes than the chunk; fetching it from the registry");
+                }
+            }
+            next.fetch(start, len).await
+        })
+    }
+}
+
+/// Chunk `index` of lazy blob `hex` when this store holds it (what a peer asks for):
+/// read from the cache without fetching anything, and only if it still matches its
+/// digest (an eviction may punch it out while it is read).
+pub fn held_chunk(store: &Path, hex: &str, index: u64) -> Result<Option<Vec<u8>>, ImageError> {
+    if !is_registered(store, hex) {
+        return Ok(None);
+    }
+    let src = source(store, hex)?;
+    let t = &src.table;
+    let Some(want) = t.chunks.get(index as usize) else {
+        return Ok(None);
+    };
+    let dir = blob_dir(store, hex);
+    let open = |name: &str| {
+        std::fs::File::open(dir.join(name)).ctx(|| format!("opening {}", dir.join(name).display()))
+    };
+    let mut bit = [0u8];
+    open("have")?
+        .read_exact_at(&mut bit, index / 8)
+        .ctx(|| "reading which chunks are held".into())?;
+    if bit[0] & (1 << (index % 8)) == 0 {
+        return Ok(None);
+    }
+    let start = index * t.chunk_size;
+    let mut b = vec![0u8; t.chunk_size.min(t.size - start) as usize];
+    open("data")?
+        .read_exact_at(&mut b, start)
+        .ctx(|| "reading a held chunk".into())?;
+    Ok((hex::encode(Sha256::digest(&b)) == *want).then_some(b))
+}
+
 /// What a blob's reads cost so far.
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct LazyStats {
@@ -1244,7 +1337,8 @@ impl LazyMounter {
 }
 
 /// `dsec lazyfs`: serves the store's lazy blobs on `<store>/lazyfs` until it is
-/// unmounted. Returns at once when another process serves the store already.
+/// unmounted; `peers`, when the node is one of a cluster's edges, are asked for each
+/// chunk before the registry. Returns at once when another process serves the store already.
 /// `cache_mb`: the most MiB of fetched chunks kept (0: no bound); `prefetch`: fetch the
 /// rest of a blob in the background from a second after something first reads it.
 pub fn serve(
@@ -1252,6 +1346,7 @@ pub fn serve(
     rt: tokio::runtime::Handle,
     cache_mb: u64,
     prefetch: bool,
+    peers: Option<Arc<dyn PeerChunks>>,
 ) -> Result<(), ImageError> {
     use std::os::fd::AsRawFd;
     let lock_path = store.join("lazyfs.lock");
@@ -1279,7 +1374,14 @@ pub fn serve(
         &store.join(GENERATION),
         dsec_common::id::random_hex(8).as_bytes(),
     )?;
-    let fs = crate::lazyfs::LazyFs::new(store, rt, crate::lazyfs::registry_fetcher())
+    let registry = crate::lazyfs::registry_fetcher();
+    let make: crate::lazyfs::MakeFetch = match peers {
+        Some(p) => Arc::new(move |store: &Path, src: &LazySource| {
+            Arc::new(PeerFirst::new(p.clone(), src, registry(store, src))) as Arc<dyn Fetch>
+        }),
+        None => registry,
+    };
+    let fs = crate::lazyfs::LazyFs::new(store, rt, make)
         .with_cache_limit((cache_mb > 0).then_some(cache_mb << 20))
         .with_prefetch(prefetch.then_some(std::time::Duration::from_secs(1)));
     tracing::info!(
@@ -1426,5 +1528,95 @@ mod tests {
                 }
                 let _ = std::fs::remove_dir_all(blob_dir(store.path(), src.hex()));
             });
+    }
+
+    /// A peer that answers with the bytes it is given for each chunk (or nothing), and
+    /// counts what it is asked.
+    struct Peer(Option<Vec<u8>>, AtomicU64);
+
+    impl PeerChunks for Peer {
+        fn chunk(&self, _hex: &str, index: u64) -> PeerFetched {
+            self.1.fetch_add(1, Ordering::SeqCst);
+            let b = self.0.as_ref().map(|b| {
+                let cs = 4096usize;
+                let start = index as usize * cs;
+                b[start..(start + cs).min(b.len())].to_vec()
+            });
+            Box::pin(async move { b })
+        }
+    }
+
+    struct Counted(Memory, AtomicU64);
+
+    impl Fetch for Counted {
+        fn fetch(&self, start: u64, len: u64) -> Fetched {
+            self.1.fetch_add(1, Ordering::SeqCst);
+            self.0.fetch(start, len)
+        }
+    }
+
+    /// Chunks come from a peer that holds them, without the registry; a peer's bytes
+    /// that are not the chunk's, or a peer without it, send the fetch to the registry;
+    /// and what a node serves its peers is only what it holds, checked.
+    #[test]
+    fn peers_are_asked_first_and_their_bytes_are_checked() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let blob: Vec<u8> = (0..10_000u32).map(|i| (i * 13 % 251) as u8).collect();
+        let src = source(table_of(&blob, 4096));
+        let registry = Arc::new(Counted(Memory(blob.clone()), AtomicU64::new(0)));
+        for (peer_has, from_registry) in [
+            (Some(blob.clone()), 0),
+            (Some(vec![9u8; blob.len()]), 3),
+            (None, 3),
+        ] {
+            registry.1.store(0, Ordering::SeqCst);
+            let peer = Arc::new(Peer(peer_has, AtomicU64::new(0)));
+            let f = PeerFirst::new(peer.clone(), &src, registry.clone());
+            for (i, start) in [0u64, 4096, 8192].into_iter().enumerate() {
+                let len = 4096.min(blob.len() as u64 - start);
+                let got = rt.block_on(f.fetch(start, len)).unwrap();
+                assert_eq!(
+                    got,
+                    blob[start as usize..(start + len) as usize],
+                    "chunk {i}"
+                );
+            }
+            assert_eq!(registry.1.load(Ordering::SeqCst), from_registry);
+            assert_eq!(peer.1.load(Ordering::SeqCst), 3);
+        }
+        // A range that is not a whole chunk goes to the registry alone.
+        let peer = Arc::new(Peer(Some(blob.clone()), AtomicU64::new(0)));
+        let f = PeerFirst::new(peer.clone(), &src, registry.clone());
+        assert_eq!(rt.block_on(f.fetch(100, 50)).unwrap(), blob[100..150]);
+        assert_eq!(peer.1.load(Ordering::SeqCst), 0);
+
+        // Serving peers: a store that registered the blob and read its middle chunk.
+        let store = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(store.path().join("tmp")).unwrap();
+        register(store.path(), &src).unwrap();
+        let hex = src.hex().to_string();
+        assert_eq!(held_chunk(store.path(), &hex, 1).unwrap(), None);
+        let b = LazyBlob::open(store.path(), &hex, Arc::new(Memory(blob.clone()))).unwrap();
+        rt.block_on(b.read_at(5000, 10)).unwrap();
+        assert_eq!(
+            held_chunk(store.path(), &hex, 1).unwrap().as_deref(),
+            Some(&blob[4096..8192])
+        );
+        for (h, i) in [
+            (hex.as_str(), 0),
+            (hex.as_str(), 2),
+            (hex.as_str(), 3),
+            (&"cd".repeat(32)[..], 1),
+            ("../x", 1),
+        ] {
+            assert_eq!(held_chunk(store.path(), h, i).unwrap(), None, "{h} {i}");
+        }
+        // Punched out under a reader (or otherwise changed): not served.
+        let data = blob_dir(store.path(), &hex).join("data");
+        let f = std::fs::OpenOptions::new().write(true).open(&data).unwrap();
+        f.write_all_at(&[0u8; 16], 4096).unwrap();
+        assert_eq!(held_chunk(store.path(), &hex, 1).unwrap(), None);
     }
 }

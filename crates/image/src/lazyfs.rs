@@ -307,9 +307,11 @@ impl LazyFs {
             } else {
                 FileType::RegularFile
             },
-            // Root's alone, as the store's layers are (EROFS opens a blob as root, at
-            // mount; reads by other tasks then need `allow_other`, not permission).
-            perm: if dir { 0o500 } else { 0o400 },
+            // The directory is root's alone, as the store's layers are (EROFS opens a
+            // blob as root, at mount). A blob is readable by whoever is handed it: a
+            // jailed VMM running as its own user, which sees only the files bound into
+            // its jail (a VM's root disks).
+            perm: if dir { 0o500 } else { 0o444 },
             nlink: if dir { 2 } else { 1 },
             uid: 0,
             gid: 0,

@@ -29,7 +29,7 @@ pub mod store;
 pub mod vmlinux;
 
 pub use guest::{
-    DiskSource, Kernel, ensure_initramfs, ensure_kernel, ensure_root_disk, ensure_vmlinux,
+    DiskSource, Kernel, ensure_initramfs, ensure_kernel, ensure_root_disks, ensure_vmlinux,
 };
 pub use reference::ImageRef;
 pub use store::{ImageStore, Manifest};

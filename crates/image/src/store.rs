@@ -355,8 +355,11 @@ impl ImageStore {
                 // A lazy layer: its mount first, then its chunks.
                 crate::lazy::LazyMounter::remove(&self.root, &name)?;
                 remove_tree(&e.path())?;
-                // What a push learnt of its EROFS conversion.
-                let _ = std::fs::remove_file(self.root.join("erofs").join(format!("{name}.json")));
+                // What a push learnt of its EROFS conversion, and its VM disk.
+                let erofs = self.root.join("erofs");
+                for f in [".json", ".img", ".img.sha256"] {
+                    let _ = std::fs::remove_file(erofs.join(format!("{name}{f}")));
+                }
                 removed += 1;
             }
         }

@@ -1,8 +1,8 @@
 //! Boots a real guest under QEMU (TCG, `-M microvm`) from the artefacts `dsec_image::guest`
-//! builds: the Debian cloud kernel, the busybox initramfs and an ext4 root disk made from an
-//! image in a throw-away store. Skipped where `qemu-system-x86_64` is not installed.
-//! Needs root (the root disk is built through an overlay mount) and a Debian mirror the
-//! first time (the kernel package is downloaded).
+//! builds: the Debian cloud kernel, the busybox initramfs and the EROFS root disks of a
+//! two-layer image in a throw-away store. Skipped where `qemu-system-x86_64` is not
+//! installed. Needs root and a Debian mirror the first time (the kernel package is
+//! downloaded).
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
@@ -39,20 +39,26 @@ fn host_tsc_khz() -> Option<u64> {
     Some((mhz * 1000.0).round() as u64)
 }
 
-/// A one-layer image: busybox as /bin/sh and friends, and a marker file.
+/// A two-layer image: busybox as /bin/sh and friends and a file the top layer deletes,
+/// then a marker file.
 fn make_image(store: &ImageStore, marker: &str) -> ImageRef {
     let d = store.temp_dir("guest-test-layer").unwrap();
     std::fs::create_dir_all(d.join("bin")).unwrap();
     std::fs::create_dir_all(d.join("etc")).unwrap();
     std::fs::copy(guest::HOST_BUSYBOX, d.join("bin/busybox")).unwrap();
-    for applet in ["sh", "cat", "echo", "touch", "poweroff"] {
+    for applet in ["sh", "cat", "echo", "touch", "poweroff", "ls"] {
         std::os::unix::fs::symlink("busybox", d.join("bin").join(applet)).unwrap();
     }
+    std::fs::write(d.join("etc/dsec-gone"), "deleted above\n").unwrap();
+    let (base, size) = store.add_layer(&d).unwrap();
+    let d = store.temp_dir("guest-test-layer").unwrap();
+    std::fs::create_dir_all(d.join("etc")).unwrap();
     std::fs::write(d.join("etc/dsec-marker"), format!("{marker}\n")).unwrap();
-    let (layer, size) = store.add_layer(&d).unwrap();
+    std::fs::write(d.join("etc/.wh.dsec-gone"), "").unwrap();
+    let (top, _) = store.add_layer(&d).unwrap();
     let manifest = Manifest {
         schema_version: 1,
-        layers: vec![layer],
+        layers: vec![base, top],
         env: Default::default(),
         workdir: None,
         start: None,
@@ -149,26 +155,47 @@ fn guest_boots_from_the_root_disk_into_the_configured_init() {
     let marker = format!("marker-{}", hex::encode(r));
     let image = make_image(&store, &marker);
     // busybox stands in for aether here; the guest is told to run /bin/sh instead.
-    let disk = guest::ensure_root_disk(
+    let disks = guest::ensure_root_disks(
         &store,
         DiskSource::Image(&image),
         Path::new(guest::HOST_BUSYBOX),
     )
     .unwrap();
-    println!(
-        "root disk {} ({} MiB)",
-        disk.display(),
-        std::fs::metadata(&disk).unwrap().len() >> 20
-    );
+    assert_eq!(disks.len(), 3, "the stage and two layers: {disks:?}");
+    for d in &disks {
+        println!(
+            "root disk {} ({} KiB)",
+            d.display(),
+            std::fs::metadata(d).unwrap().len() >> 10
+        );
+    }
 
-    let mut append = String::from("console=ttyS0 quiet panic=-1");
+    let mut append = format!(
+        "console=ttyS0 quiet panic=-1 {}",
+        guest::root_cmdline(disks.len())
+    );
     if let Some(khz) = host_tsc_khz() {
         append.push_str(&format!(" tsc_early_khz={khz} tsc=reliable"));
     }
     append.push_str(
         " dsec.init=/bin/sh -- -c \"cat /etc/dsec-marker; touch /probe && echo upper-writable; \
-         cat /proc/mounts; echo dsec-test-done; poweroff -f\"",
+         ls /etc/dsec-gone || echo whiteout-honoured; cat /proc/mounts; echo dsec-test-done; \
+         poweroff -f\"",
     );
+    // Attached bottom first: the guest finds each layer by its serial, not by its order.
+    let mut drives = Vec::new();
+    for (i, d) in disks.iter().enumerate().rev() {
+        drives.push("-drive".to_string());
+        drives.push(format!(
+            "id=d{i},file={},format=raw,if=none,readonly=on",
+            d.display()
+        ));
+        drives.push("-device".to_string());
+        drives.push(format!(
+            "virtio-blk-device,drive=d{i},serial={}",
+            guest::disk_serial(i)
+        ));
+    }
     let spawned = Instant::now();
     let mut child = Command::new("qemu-system-x86_64")
         .args([
@@ -181,12 +208,7 @@ fn guest_boots_from_the_root_disk_into_the_configured_init() {
         .arg(&initrd)
         .arg("-append")
         .arg(&append)
-        .arg("-drive")
-        .arg(format!(
-            "id=d0,file={},format=raw,if=none,readonly=on",
-            disk.display()
-        ))
-        .args(["-device", "virtio-blk-device,drive=d0"])
+        .args(&drives)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -255,6 +277,15 @@ fn guest_boots_from_the_root_disk_into_the_configured_init() {
     assert!(
         text.contains("upper-writable"),
         "root is not writable through the tmpfs upper layer"
+    );
+    assert!(
+        text.contains("whiteout-honoured"),
+        "the top layer's whiteout did not hide the file below"
+    );
+    assert_eq!(
+        text.matches(" erofs ro").count(),
+        3,
+        "each disk is mounted as EROFS"
     );
     assert!(
         text.contains("dsec-root / overlay"),

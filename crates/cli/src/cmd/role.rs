@@ -345,15 +345,23 @@ async fn run_edge(cfg: RoleConfig, tls: Tls) -> Result<i32> {
         Some(tls.client.clone()),
     ));
     let (edge, reaper) = super::up::start_edge(edge_cfg, iam.clone()).await?;
+    let others: std::collections::BTreeMap<String, String> = cfg
+        .cluster
+        .edges
+        .iter()
+        .filter(|(name, _)| **name != cfg.name)
+        .map(|(n, a)| (n.clone(), a.clone()))
+        .collect();
+    // The store's lazy file system asks the other edges for chunks before the registry.
+    if let Err(e) =
+        dsec_apiserver::transfer::write_lazy_peers(edge.images().root(), &cfg.tls, &others)
+    {
+        tracing::warn!("lazy images will not fetch chunks from other edges: {e}");
+    }
     // A resume or fork placed on another edge pulls the state from here, or from there.
     edge.set_peers(Arc::new(dsec_apiserver::transfer::MtlsPeers::new(
         dsec_mtls::Client::new(Some(tls.client.clone())),
-        cfg.cluster
-            .edges
-            .iter()
-            .filter(|(name, _)| **name != cfg.name)
-            .map(|(n, a)| (n.clone(), a.clone()))
-            .collect(),
+        others,
     )));
     let app = dsec_apiserver::router(dsec_apiserver::AppState {
         edge: edge.clone(),

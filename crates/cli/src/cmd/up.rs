@@ -372,6 +372,11 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
     )
     .await?;
     let (edge, reaper) = start_edge(edge_cfg, iam.clone()).await?;
+    // One node: no peer edges for the lazy file system to ask (a store that served a
+    // cluster's edge before may name some).
+    let _ = std::fs::remove_file(dsec_apiserver::transfer::lazy_peers_file(
+        edge.images().root(),
+    ));
     let _ = node.set(edge.clone());
     // The replica routes (guarded by the cluster secret) let more IAM replicas join.
     let app = dsec_apiserver::router(dsec_apiserver::AppState {

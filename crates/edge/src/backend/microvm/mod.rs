@@ -1,7 +1,7 @@
 //! The `microvm` backend: a Firecracker (v1.16 line) VMM per sandbox, on hosts with
 //! hardware KVM. The guest is the one the `vm` backend boots (Debian's cloud kernel, as the
-//! ELF vmlinux Firecracker needs, the project's initramfs, the image's layers as a
-//! read-only ext4 disk under an overlay with a tmpfs writable layer, aether as init), but
+//! ELF vmlinux Firecracker needs, the project's initramfs, the image's layers as
+//! read-only EROFS disks under an overlay with a tmpfs writable layer, aether as init), but
 //! its channel is vsock: aether listens on a vsock port and `dsec-aether vsockproxy`
 //! carries the sandbox's `aether.sock` through Firecracker's vsock unix socket.
 //!
@@ -77,7 +77,12 @@ pub struct MicrovmConfig {
 /// The VM's own description (`<sandbox dir>/microvm.json`).
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 struct VmInfo {
+    /// The root's top disk (the stage of [`guest::ensure_root_disks`], or a single ext4
+    /// disk in a VM saved before roots were layered).
     disk: PathBuf,
+    /// The root's other disks, top first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    lowers: Vec<PathBuf>,
     mem_mb: u64,
     cpus: u64,
     track_dirty_pages: bool,
@@ -91,7 +96,8 @@ pub struct BootPlan {
     pub kernel: PathBuf,
     pub initrd: PathBuf,
     pub boot_args: String,
-    pub disk: PathBuf,
+    /// The root disks, top first.
+    pub disks: Vec<PathBuf>,
     pub vsock_uds: PathBuf,
     pub track_dirty_pages: bool,
 }
@@ -115,16 +121,20 @@ pub fn boot_calls(c: &Client, caps: &Capabilities, p: &BootPlan) -> Result<(), a
             initrd_path: Some(p.initrd.clone()),
         },
     )?;
-    // Not the root device: the initramfs mounts it (read-only, under the overlay).
-    c.put(
-        "/drives/rootfs",
-        &api::Drive {
-            drive_id: "rootfs".into(),
-            path_on_host: p.disk.clone(),
-            is_root_device: false,
-            is_read_only: true,
-        },
-    )?;
+    // Not root devices: the initramfs mounts them (read-only, under the overlay), in
+    // this order, which is the guest's.
+    for (i, disk) in p.disks.iter().enumerate() {
+        let id = guest::disk_serial(i);
+        c.put(
+            &format!("/drives/{id}"),
+            &api::Drive {
+                drive_id: id.clone(),
+                path_on_host: disk.clone(),
+                is_root_device: false,
+                is_read_only: true,
+            },
+        )?;
+    }
     c.put(
         &format!("/network-interfaces/{}", netns::IFACE_ID),
         &api::NetworkInterface {
@@ -554,12 +564,13 @@ impl MicrovmBackend {
         paths: &SandboxPaths,
     ) -> Result<(), String> {
         let aether = self.aether.as_ref().map_err(Clone::clone)?;
-        let disk =
-            guest::ensure_root_disk(&self.images, guest::DiskSource::Layers(&rec.layers), aether)
+        let disks =
+            guest::ensure_root_disks(&self.images, guest::DiskSource::Layers(&rec.layers), aether)
                 .map_err(|e| e.to_string())?;
         let (kernel, initrd) = self.boot_files()?;
         let info = VmInfo {
-            disk,
+            disk: disks.first().cloned().ok_or("the VM has no root disk")?,
+            lowers: disks[1..].to_vec(),
             // The guest's writable layer is a tmpfs inside it: its disk limit is memory.
             mem_mb: rec.limits.memory_mb.max(128) + rec.limits.disk_mb / 4,
             cpus: vcpus(rec.limits.cpu_cores),
@@ -572,20 +583,24 @@ impl MicrovmBackend {
             kernel,
             initrd,
             boot_args: format!(
-                "console=ttyS0 reboot=k panic=1 quiet i8042.noaux i8042.nomux i8042.dumbkbd random.trust_cpu=on {}=vsock dsec.rw_mb={}{}",
+                "console=ttyS0 reboot=k panic=1 quiet i8042.noaux i8042.nomux i8042.dumbkbd random.trust_cpu=on {}=vsock dsec.rw_mb={} {}{}",
                 dsec_common::vsock::CMDLINE_KEY,
                 rec.limits.disk_mb,
+                guest::root_cmdline(disks.len()),
                 // The guest's address and gateway on the tap (the same in every copy).
                 match rec.network.as_ref().and_then(|n| n.gateway.as_ref()) {
                     Some(_) => format!(" {}", super::vm::net::cmdline()),
                     None => String::new(),
                 }
             ),
-            disk: info.disk.clone(),
+            disks,
             vsock_uds: paths.dir.join(VSOCK_UDS),
             track_dirty_pages: info.track_dirty_pages,
         };
-        let visible = [plan.kernel.clone(), plan.initrd.clone(), plan.disk.clone()];
+        let visible: Vec<PathBuf> = [plan.kernel.clone(), plan.initrd.clone()]
+            .into_iter()
+            .chain(plan.disks.iter().cloned())
+            .collect();
         let c = self.spawn_vmm(fc, rec, paths, info.mem_mb, &visible)?;
         boot_calls(&c, &fc.caps, &plan).map_err(|e| e.to_string())?;
         self.spawn_proxy(paths)
@@ -602,16 +617,20 @@ impl MicrovmBackend {
         let saved = snapshot::validate(saved_dir, fc)?;
         let info = VmInfo {
             disk: saved.disk.clone(),
+            lowers: saved.lowers.clone(),
             mem_mb: saved.mem_mb,
             cpus: saved.cpus,
             track_dirty_pages: saved.track_dirty_pages,
         };
         write_json(&paths.dir.join(INFO), &info)?;
-        let visible = [
+        let visible: Vec<PathBuf> = [
             saved_dir.join(snapshot::VMSTATE),
             saved.mem.clone(),
             saved.disk.clone(),
-        ];
+        ]
+        .into_iter()
+        .chain(saved.lowers.iter().cloned())
+        .collect();
         self.give_to_vmm(&[&visible[0], &visible[1]])?;
         let c = self.spawn_vmm(fc, rec, paths, info.mem_mb, &visible)?;
         load_calls(
@@ -709,6 +728,7 @@ impl MicrovmBackend {
             firecracker: fc.version,
             snapshot_version: fc.snapshot_version.clone(),
             disk: info.disk,
+            lowers: info.lowers,
             mem_mb: info.mem_mb,
             cpus: info.cpus,
             track_dirty_pages: info.track_dirty_pages,
@@ -913,16 +933,18 @@ impl Backend for MicrovmBackend {
     fn saved_files(&self, saved: &Path) -> Result<Vec<SavedFile>, ApiError> {
         let bad = |e: String| ApiError::internal(format!("reading the saved microVM: {e}"));
         let meta = snapshot::read_meta(saved).map_err(bad)?;
-        Ok(vec![
+        let mut out = vec![
             SavedFile::at(snapshot::META, saved.join(snapshot::META)).map_err(bad)?,
             SavedFile::at(snapshot::VMSTATE, saved.join(snapshot::VMSTATE)).map_err(bad)?,
             SavedFile::at(snapshot::MEM, meta.mem).map_err(bad)?,
-            moved_disk::saved_file(&meta.disk).map_err(bad)?,
-        ])
+        ];
+        let disks: Vec<PathBuf> = std::iter::once(meta.disk).chain(meta.lowers).collect();
+        out.extend(moved_disk::saved_files(&disks).map_err(bad)?);
+        Ok(out)
     }
 
     fn local_copy(&self, f: &SavedFile) -> Option<PathBuf> {
-        moved_disk::local_copy(self.images.root(), f)
+        moved_disk::local_copy(&self.images, f)
     }
 
     /// Checks a microVM state fetched from another edge (its files, format, Firecracker
@@ -938,13 +960,11 @@ impl Backend for MicrovmBackend {
         let bad =
             |e: String| ApiError::invalid(format!("the microVM state sent by the other edge: {e}"));
         let fc = self.unavailable()?;
-        let names = [
-            snapshot::META,
-            snapshot::VMSTATE,
-            snapshot::MEM,
-            moved_disk::NAME,
-        ];
-        if let Some(f) = files.iter().find(|f| !names.contains(&f.name.as_str())) {
+        let names = [snapshot::META, snapshot::VMSTATE, snapshot::MEM];
+        if let Some(f) = files
+            .iter()
+            .find(|f| !names.contains(&f.name.as_str()) && !moved_disk::is_name(&f.name))
+        {
             return Err(bad(format!("unknown file {:?}", f.name)));
         }
         for n in [snapshot::META, snapshot::VMSTATE, snapshot::MEM] {
@@ -979,7 +999,11 @@ impl Backend for MicrovmBackend {
         }
         // Next to `fc.json` wherever `staged` goes (`home`, for a resume).
         saved.mem = PathBuf::from(snapshot::MEM);
-        saved.disk = moved_disk::place(self.images.root(), staged, files, have).map_err(bad)?;
+        let mut disks = moved_disk::place(self.images.root(), staged, files, have)
+            .map_err(bad)?
+            .into_iter();
+        saved.disk = disks.next().ok_or_else(|| bad("it has no disk".into()))?;
+        saved.lowers = disks.collect();
         snapshot::write_meta(staged, &saved).map_err(ApiError::internal)
     }
 
@@ -1086,7 +1110,10 @@ mod tests {
             kernel: "/store/guest/kernel-6.1/vmlinux".into(),
             initrd: "/store/guest/kernel-6.1/initramfs-ab.cpio.gz".into(),
             boot_args: "console=ttyS0 dsec.channel=vsock".into(),
-            disk: "/store/guest/disks/k.ext4".into(),
+            disks: vec![
+                "/store/guest/disks/stage-k.erofs".into(),
+                "/store/erofs/l.img".into(),
+            ],
             vsock_uds: "/state/sandboxes/local-a/fc.vsock".into(),
             track_dirty_pages: false,
         }
@@ -1116,10 +1143,20 @@ mod tests {
                 ),
                 call(
                     "PUT",
-                    "/drives/rootfs",
+                    "/drives/dsec_l0",
                     json!({
-                        "drive_id": "rootfs",
-                        "path_on_host": "/store/guest/disks/k.ext4",
+                        "drive_id": "dsec_l0",
+                        "path_on_host": "/store/guest/disks/stage-k.erofs",
+                        "is_root_device": false,
+                        "is_read_only": true
+                    })
+                ),
+                call(
+                    "PUT",
+                    "/drives/dsec_l1",
+                    json!({
+                        "drive_id": "dsec_l1",
+                        "path_on_host": "/store/erofs/l.img",
                         "is_root_device": false,
                         "is_read_only": true
                     })

@@ -37,6 +37,9 @@ pub struct SavedVm {
     pub snapshot_version: String,
     /// The read-only root disk the guest had (its page cache is in the saved memory).
     pub disk: PathBuf,
+    /// Its other root disks, top first (the image's layers).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lowers: Vec<PathBuf>,
     pub mem_mb: u64,
     pub cpus: u64,
     /// Whether the VM tracked dirty pages (Diff snapshots of its copies are possible).
@@ -109,7 +112,10 @@ pub fn validate(dir: &Path, fc: &Firecracker) -> Result<SavedVm, String> {
             fc.snapshot_version
         ));
     }
-    for f in [dir.join(VMSTATE), saved.disk.clone()] {
+    for f in [dir.join(VMSTATE), saved.disk.clone()]
+        .into_iter()
+        .chain(saved.lowers.iter().cloned())
+    {
         if !f.is_file() {
             return Err(format!("{} is missing", f.display()));
         }
@@ -205,6 +211,7 @@ mod tests {
             firecracker: Version::new(1, 16, 1),
             snapshot_version: "v10.0.0".into(),
             disk: disk.to_path_buf(),
+            lowers: vec![],
             mem_mb: 2,
             cpus: 1,
             track_dirty_pages: false,

@@ -1,8 +1,9 @@
 //! The `vm` backend: a QEMU `microvm` per sandbox, with KVM where the host has hardware
 //! virtualisation and TCG (emulation) otherwise. The guest boots the kernel and initramfs
-//! the image store builds from Debian packages; its root is the image's layers as a
-//! read-only ext4 disk (shared by every VM of the image) under an overlay whose writable
-//! layer is a tmpfs in the guest; aether is its init and serves the channel over a
+//! the image store builds from Debian packages; its root is the image's layers as
+//! read-only EROFS disks (one per layer, shared by every VM whose image has it; a lazily
+//! pulled layer's read from the lazy file system as the guest asks) under the stage disk
+//! (aether) and an overlay whose writable layer is a tmpfs in the guest; aether is its init and serves the channel over a
 //! virtio-serial port, which `dsec-aether vmux` carries to the sandbox's `aether.sock`.
 //! QEMU and vmux run detached from the edge (their pids in the sandbox directory), so a
 //! restarted edge re-adopts running VMs.
@@ -208,6 +209,9 @@ struct SavedVm {
     /// The root disk the guest had (its page cache is in the saved memory, so a restore
     /// must get the same disk even if the image's disk has been rebuilt since).
     disk: PathBuf,
+    /// The root's other disks (its layers, below `disk`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    lowers: Vec<PathBuf>,
     mem_mb: u64,
     cpus: u64,
     /// `shared`: `dev` holds the device state and `ram` the memory file;
@@ -237,6 +241,7 @@ impl SavedVm {
     fn of(info: VmInfo, ram: Option<&Path>, kernel: Option<String>) -> SavedVm {
         SavedVm {
             disk: info.disk,
+            lowers: info.lowers,
             mem_mb: info.mem_mb,
             cpus: info.cpus,
             kind: if ram.is_some() { "shared" } else { "full" }.into(),
@@ -252,6 +257,7 @@ impl SavedVm {
     fn info(&self, shared_ram: bool) -> VmInfo {
         VmInfo {
             disk: self.disk.clone(),
+            lowers: self.lowers.clone(),
             mem_mb: self.mem_mb,
             cpus: self.cpus,
             shared_ram,
@@ -261,13 +267,19 @@ impl SavedVm {
     }
 }
 
-/// The files a saved VM is made of, as another edge receives them.
-const SAVED_FILES: &[&str] = &["vm.json", "dev", "full", "ram", "disk"];
+/// The files a saved VM is made of, as another edge receives them (and its disks,
+/// [`moved_disk::is_name`]).
+const SAVED_FILES: &[&str] = &["vm.json", "dev", "full", "ram"];
 
 /// The VM's own description (`<sandbox dir>/vm.json`): what a save and a restart need.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 struct VmInfo {
+    /// The root's top disk: the stage of [`guest::ensure_root_disks`] (or, in a VM saved
+    /// before roots were layered, its one ext4 disk).
     disk: PathBuf,
+    /// The root's other disks, top first: the image's layers.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    lowers: Vec<PathBuf>,
     mem_mb: u64,
     cpus: u64,
     /// Whether its memory is its own shared file (else a private mapping of a template).
@@ -287,6 +299,36 @@ fn default_machine() -> String {
 /// How long saving or loading a VM's state may take (the memory goes through it when the
 /// VM's pages are private).
 const SAVE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// QEMU's drives and block devices for the VM's root disks: read-only, the top one
+/// `root` (as VMs saved with a single disk had it), each layered one with the serial
+/// that tells the guest's `/init` its place ([`guest::disk_serial`]).
+fn drive_args(info: &VmInfo, bus: &str) -> Vec<String> {
+    let layered = !info.lowers.is_empty();
+    let mut out = Vec::new();
+    for (i, d) in std::iter::once(&info.disk).chain(&info.lowers).enumerate() {
+        let id = if i == 0 {
+            "root".to_string()
+        } else {
+            format!("root{i}")
+        };
+        out.push("-drive".into());
+        out.push(format!(
+            "id={id},file={},format=raw,if=none,readonly=on",
+            d.display()
+        ));
+        out.push("-device".into());
+        out.push(if layered {
+            format!(
+                "virtio-blk-{bus},drive={id},serial={}",
+                guest::disk_serial(i)
+            )
+        } else {
+            format!("virtio-blk-{bus},drive={id}")
+        });
+    }
+    out
+}
 
 /// The command line of a template that takes a live migration of the VM whose command
 /// line is `own` (see [`VmBackend::live_save`]): the same machine and devices, its files
@@ -511,6 +553,10 @@ impl VmBackend {
             tsc_khz(),
             rec.limits.disk_mb
         );
+        if !info.lowers.is_empty() {
+            append.push(' ');
+            append.push_str(&guest::root_cmdline(1 + info.lowers.len()));
+        }
         if info.net {
             append.push(' ');
             append.push_str(&net::cmdline());
@@ -578,12 +624,7 @@ impl VmBackend {
         .arg("-initrd")
         .arg(&initrd)
         .args(["-append", &append])
-        .arg("-drive")
-        .arg(format!(
-            "id=root,file={},format=raw,if=none,readonly=on",
-            info.disk.display()
-        ))
-        .args(["-device", &format!("virtio-blk-{bus},drive=root")])
+        .args(drive_args(info, bus))
         // Entropy from the host: without it the guest's CRNG can take minutes to initialise
         // under TCG, and getrandom() (Python's start-up) blocks until then.
         .args(["-object", "rng-random,id=rng,filename=/dev/urandom"])
@@ -722,11 +763,13 @@ impl VmBackend {
 
     fn boot(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), String> {
         let aether = self.aether.as_ref().map_err(Clone::clone)?;
-        let disk =
-            guest::ensure_root_disk(&self.images, guest::DiskSource::Layers(&rec.layers), aether)
-                .map_err(|e| e.to_string())?;
+        let mut disks =
+            guest::ensure_root_disks(&self.images, guest::DiskSource::Layers(&rec.layers), aether)
+                .map_err(|e| e.to_string())?
+                .into_iter();
         let info = VmInfo {
-            disk,
+            disk: disks.next().ok_or("the VM has no root disk")?,
+            lowers: disks.collect(),
             // The guest's writable layer is a tmpfs inside it, so its disk limit is
             // guest memory.
             mem_mb: rec.limits.memory_mb.max(128) + rec.limits.disk_mb / 4,
@@ -1278,12 +1321,13 @@ impl Backend for VmBackend {
         if let Some(ram) = ram {
             out.push(SavedFile::at("ram", ram).map_err(bad)?);
         }
-        out.push(moved_disk::saved_file(&vm.disk).map_err(bad)?);
+        let disks: Vec<PathBuf> = std::iter::once(vm.disk).chain(vm.lowers).collect();
+        out.extend(moved_disk::saved_files(&disks).map_err(bad)?);
         Ok(out)
     }
 
     fn local_copy(&self, f: &SavedFile) -> Option<PathBuf> {
-        moved_disk::local_copy(self.images.root(), f)
+        moved_disk::local_copy(&self.images, f)
     }
 
     fn adopt_saved(
@@ -1297,7 +1341,7 @@ impl Backend for VmBackend {
             |e: String| ApiError::invalid(format!("the VM state sent by the other edge: {e}"));
         if let Some(f) = files
             .iter()
-            .find(|f| !SAVED_FILES.contains(&f.name.as_str()))
+            .find(|f| !SAVED_FILES.contains(&f.name.as_str()) && !moved_disk::is_name(&f.name))
         {
             return Err(bad(format!("unknown file {:?}", f.name)));
         }
@@ -1343,7 +1387,11 @@ impl Backend for VmBackend {
             "shared" => return Err(bad("ram is missing".into())),
             _ => None,
         };
-        vm.disk = moved_disk::place(self.images.root(), staged, files, have).map_err(bad)?;
+        let mut disks = moved_disk::place(self.images.root(), staged, files, have)
+            .map_err(bad)?
+            .into_iter();
+        vm.disk = disks.next().ok_or_else(|| bad("it has no disk".into()))?;
+        vm.lowers = disks.collect();
         write_json(&staged.join("vm.json"), &vm).map_err(ApiError::internal)
     }
 
