@@ -154,8 +154,13 @@ async fn lazy_chunk(
     }
 }
 
-/// How long a peer may take to answer for a chunk before the registry is asked instead.
+/// How long a peer may take to answer for a chunk before the registry is asked instead:
+/// this, and a second for each 32 MiB of the chunk.
 const CHUNK_TIMEOUT: Duration = Duration::from_secs(3);
+/// How many edges are asked for one chunk: chosen by the chunk, so that the nodes that
+/// fetched it first (and hold it) are asked by the others, and a cluster's asks grow with
+/// its chunks, not with its chunks times its edges.
+const ASKED_PER_CHUNK: usize = 2;
 
 /// Where an edge tells its store's lazy file system (`dsec lazyfs`, a process of its
 /// own that outlives the edge) which edges to ask for chunks, and with which
@@ -186,8 +191,14 @@ pub fn write_lazy_peers(
             _ => {}
         }
     }
+    // Absolute: the lazy file system outlives the edge, in a directory of its own.
+    let tls = dsec_mtls::TlsFiles {
+        ca: std::path::absolute(&tls.ca)?,
+        cert: std::path::absolute(&tls.cert)?,
+        key: std::path::absolute(&tls.key)?,
+    };
     let body = serde_json::to_vec_pretty(&LazyPeersFile {
-        tls: tls.clone(),
+        tls,
         edges: edges.clone(),
     })
     .map_err(std::io::Error::other)?;
@@ -254,9 +265,17 @@ impl LazyPeers {
 }
 
 impl dsec_image::lazy::PeerChunks for LazyPeers {
-    /// Every peer at once; the first to send the chunk wins.
-    fn chunk(&self, hex: &str, index: u64) -> dsec_image::lazy::PeerFetched {
+    /// Two edges chosen by the chunk, at once; the first to send it wins.
+    fn chunk(&self, hex: &str, index: u64, len: u64) -> dsec_image::lazy::PeerFetched {
         let peers = self.peers();
+        let within = CHUNK_TIMEOUT + Duration::from_secs(len >> 25);
+        // Where in the ring of edges this chunk's asks start.
+        let start = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            (hex, index).hash(&mut h);
+            h.finish() as usize
+        };
         let path = format!("/v1/lazy/{hex}/chunks/{index}");
         let quiet = self.quiet.clone();
         Box::pin(async move {
@@ -265,19 +284,15 @@ impl dsec_image::lazy::PeerChunks for LazyPeers {
             let asked: Vec<String> = {
                 let mut q = quiet.lock().unwrap_or_else(|e| e.into_inner());
                 q.retain(|_, until| *until > now);
-                peers
-                    .edges
-                    .keys()
-                    .filter(|e| !q.contains_key(*e))
-                    .cloned()
+                let up: Vec<&String> = peers.edges.keys().filter(|e| !q.contains_key(*e)).collect();
+                (0..up.len().min(ASKED_PER_CHUNK))
+                    .map(|i| up[(start + i) % up.len()].clone())
                     .collect()
             };
             let (peers, path) = (&peers, &path);
             let mut asks: futures_util::stream::FuturesUnordered<_> = asked
                 .iter()
-                .map(
-                    |edge| async move { (edge, peers.get_within(edge, path, CHUNK_TIMEOUT).await) },
-                )
+                .map(|edge| async move { (edge, peers.get_within(edge, path, within).await) })
                 .collect();
             use futures_util::StreamExt;
             while let Some((edge, r)) = asks.next().await {

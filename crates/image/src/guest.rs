@@ -594,8 +594,8 @@ fn init_script() -> String {
 # OpenDsec guest init: load the virtio modules, mount the root read-only under an
 # overlayfs with a tmpfs upper layer, and switch_root into the agent.
 # Kernel command line: dsec.init=PATH (default {AETHER_GUEST_PATH}); dsec.layers=N: the
-# root is N EROFS disks, top first (a disk whose virtio serial is dsec_lI is layer I,
-# else disks count in the order the kernel names them); without it, one disk
+# root is N EROFS disks, top first (a disk whose virtio serial is dsec_lI is layer I;
+# without serials, the first N in the order the kernel names them); without it, one disk
 # dsec.root=DEV (default /dev/vda) of type dsec.rootfstype=TYPE (default ext4). The words
 # after `--` become the arguments of dsec.init.
 export PATH=/bin
@@ -659,17 +659,30 @@ if [ -n "$layers" ]; then
         [ $i -gt 200 ] && fail "$n of $layers root disks after 10 s (are the virtio-blk devices attached?)"
         sleep 0.05
     done
+    # Disks with a dsec_l<I> serial are layer I; where none has one, the first N in the
+    # kernel's order are the layers. Other disks are not the root's.
+    byserial=
+    for d in /sys/block/vd*; do
+        serial=
+        [ -r "$d/serial" ] && read -r serial < "$d/serial"
+        case "$serial" in dsec_l[0-9]*) byserial=1 ;; esac
+    done
     k=0
     for d in /sys/block/vd*; do
         dev=${{d##*/}}
         serial=
         [ -r "$d/serial" ] && read -r serial < "$d/serial"
+        idx=
         case "$serial" in
             dsec_l[0-9]*) idx=${{serial#dsec_l}} ;;
-            *) idx=$k ;;
+            *) [ -z "$byserial" ] && idx=$k && k=$((k + 1)) ;;
         esac
-        k=$((k + 1))
-        mkdir -p /mnt/lower/$idx
+        case "$idx" in
+            ''|*[!0-9]*) continue ;;
+        esac
+        [ "$idx" -lt "$layers" ] || continue
+        [ -e /mnt/lower/$idx ] && fail "two disks are root disk $idx"
+        mkdir /mnt/lower/$idx
         mount -t erofs -o ro "/dev/$dev" /mnt/lower/$idx || fail "cannot mount root disk $idx (/dev/$dev, EROFS)"
     done
     lowerdir=
@@ -970,10 +983,10 @@ fn mkdir_mode(p: &Path, mode: u32) -> Result<(), ImageError> {
 }
 
 /// The most disks a VM's root is made of: its stage and up to this many less one image
-/// layers. QEMU's `microvm` has 24 virtio-mmio transports and Firecracker about 19
-/// interrupt lines, shared with the console, network, entropy and vsock devices; the
-/// bottom layers of a deeper image are merged into one disk.
-pub const MAX_ROOT_DISKS: usize = 16;
+/// layers. QEMU's `microvm` has 24 virtio-mmio transports and Firecracker 19 interrupt
+/// lines (5 to 23), shared with the network, entropy and vsock devices and whatever else
+/// a VM is given; the bottom layers of a deeper image are merged into one disk.
+pub const MAX_ROOT_DISKS: usize = 12;
 
 /// A layer tree with OCI whiteouts in a form overlayfs reads: the layer itself, or a
 /// converted copy under `work` (whiteouts as 0/0 devices, opaque directories marked).
@@ -1000,23 +1013,53 @@ fn overlay_ready(store: &ImageStore, layer: &str, work: &Path) -> Result<PathBuf
 }
 
 /// Writes `build` to `dest` through a temporary file next to it, unless `dest` exists.
+/// One build per destination at a time in this process, and the file is published with
+/// a link that never replaces one already there: a disk that VMs use (and whose sha256
+/// is kept beside it) never changes under them.
 fn cached(
     dest: &Path,
     build: impl FnOnce(&Path) -> Result<(), ImageError>,
 ) -> Result<PathBuf, ImageError> {
+    type Locks = std::sync::Mutex<BTreeMap<PathBuf, std::sync::Arc<std::sync::Mutex<()>>>>;
+    static BUILDING: Locks = std::sync::Mutex::new(BTreeMap::new());
     if dest.is_file() {
         return Ok(dest.to_path_buf());
     }
-    let dir = dest
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir).ctx(|| format!("creating {}", dir.display()))?;
-    let tmp = TempPath::new(dir.join(format!(".tmp-{}", random_hex(8))));
-    build(tmp.path())?;
-    std::fs::rename(tmp.path(), dest).ctx(|| format!("writing {}", dest.display()))?;
-    tmp.keep();
-    Ok(dest.to_path_buf())
+    let lock = BUILDING
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .entry(dest.to_path_buf())
+        .or_default()
+        .clone();
+    let one = lock.lock().unwrap_or_else(|e| e.into_inner());
+    let r = (|| {
+        if dest.is_file() {
+            return Ok(dest.to_path_buf());
+        }
+        let dir = dest
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        std::fs::create_dir_all(dir).ctx(|| format!("creating {}", dir.display()))?;
+        let tmp = TempPath::new(dir.join(format!(".tmp-{}", random_hex(8))));
+        build(tmp.path())?;
+        std::fs::File::open(tmp.path())
+            .and_then(|f| f.sync_all())
+            .ctx(|| format!("syncing {}", tmp.path().display()))?;
+        match std::fs::hard_link(tmp.path(), dest) {
+            Ok(()) => {}
+            // Another process (a second edge on the store) published it first.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e).ctx(|| format!("writing {}", dest.display())),
+        }
+        Ok(dest.to_path_buf())
+    })();
+    drop(one);
+    BUILDING
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(dest);
+    r
 }
 
 /// The EROFS disk of one store layer: the lazy file system's file for a lazily pulled
@@ -1140,6 +1183,8 @@ fn merged_disk(store: &ImageStore, layers: &[String]) -> Result<PathBuf, ImageEr
     let dest =
         disks_dir(store.root()).join(format!("merged-{}.erofs", &hex::encode(h.finalize())[..32]));
     cached(&dest, |tmp| {
+        // Lazy ones are read whole, through their mounts.
+        store.ready_layers(layers)?;
         let work = TempPath::new(store.temp_dir("merge")?);
         let mut lowers = Vec::new();
         for l in layers.iter().rev() {
@@ -1233,9 +1278,12 @@ pub fn adopt_disk(store_root: &Path, received: &Path, sha256: &str) -> Result<Pa
         let _ = std::fs::remove_file(received);
     } else if std::fs::rename(received, &dest).is_err() {
         // Another filesystem: copy, then move into place whole.
-        let tmp = dir.join(format!(".imported-{sha256}.tmp"));
-        std::fs::copy(received, &tmp).ctx(|| format!("copying the disk to {}", tmp.display()))?;
-        std::fs::rename(&tmp, &dest).ctx(|| format!("moving the disk to {}", dest.display()))?;
+        let tmp = TempPath::new(dir.join(format!(".imported-{sha256}.{}.tmp", random_hex(6))));
+        std::fs::copy(received, tmp.path())
+            .ctx(|| format!("copying the disk to {}", tmp.path().display()))?;
+        std::fs::rename(tmp.path(), &dest)
+            .ctx(|| format!("moving the disk to {}", dest.display()))?;
+        tmp.keep();
         let _ = std::fs::remove_file(received);
     }
     let mut side = dest.as_os_str().to_owned();
@@ -1280,7 +1328,6 @@ pub fn ensure_root_disks(
         disks.push(layer_disk(store, l)?);
     }
     if !bottom.is_empty() {
-        store.ready_layers(bottom)?;
         disks.push(merged_disk(store, bottom)?);
     }
     Ok(disks)
@@ -1294,7 +1341,9 @@ pub fn root_cmdline(n: usize) -> String {
 
 /// The virtio-blk serial of root disk `i`, which `/init` places it by when the device
 /// order differs from the command line's. QEMU sets it as `serial=`; it is also the
-/// Firecracker drive id (which Firecracker answers as the serial; alphanumerics and `_`).
+/// Firecracker drive id (alphanumerics and `_`), though Firecracker answers another
+/// serial, so a microVM's disks are placed by their order, which is the order they are
+/// attached in.
 pub fn disk_serial(i: usize) -> String {
     format!("dsec_l{i}")
 }

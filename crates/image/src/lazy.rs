@@ -245,6 +245,20 @@ impl Fetch for RegistryFetch {
     }
 }
 
+/// A digest of a chunk table (its size, chunk size and every chunk's digest): two nodes
+/// whose tables for a blob have the same one read the same bytes from it. A lazy blob's
+/// name is its registry digest, which nothing checks against the bytes read (they are
+/// checked against the table), so it is the table that says what a blob holds.
+pub fn table_digest(t: &ChunkTable) -> String {
+    let mut h = Sha256::new();
+    h.update(t.size.to_le_bytes());
+    h.update(t.chunk_size.to_le_bytes());
+    for c in &t.chunks {
+        h.update(c.as_bytes());
+    }
+    hex::encode(h.finalize())
+}
+
 /// What [`PeerChunks::chunk`] gives: a chunk's bytes from whichever peer had it first
 /// (not yet checked), or none.
 pub type PeerFetched = std::pin::Pin<Box<dyn std::future::Future<Output = Option<Vec<u8>>> + Send>>;
@@ -252,8 +266,8 @@ pub type PeerFetched = std::pin::Pin<Box<dyn std::future::Future<Output = Option
 /// Other nodes that may hold a blob's chunks (the cluster's edges): asked before the
 /// registry, their bytes checked against the chunk table like the registry's.
 pub trait PeerChunks: Send + Sync {
-    /// Chunk `index` of blob `hex` from a peer that holds it.
-    fn chunk(&self, hex: &str, index: u64) -> PeerFetched;
+    /// Chunk `index` (`len` bytes) of blob `hex` from a peer that holds it.
+    fn chunk(&self, hex: &str, index: u64, len: u64) -> PeerFetched;
 }
 
 /// Fetches whole chunks from peers first, and anything they do not give (a chunk none
@@ -292,7 +306,7 @@ impl Fetch for PeerFirst {
                 && len == t.chunk_size.min(t.size - start);
             if whole {
                 let i = start / t.chunk_size;
-                if let Some(b) = peers.chunk(&hex, i).await {
+                if let Some(b) = peers.chunk(&hex, i, len).await {
                     if b.len() as u64 == len
                         && hex::encode(Sha256::digest(&b)) == t.chunks[i as usize]
                     {
@@ -311,25 +325,28 @@ impl Fetch for PeerFirst {
 /// read from the cache without fetching anything, and only if it still matches its
 /// digest (an eviction may punch it out while it is read).
 pub fn held_chunk(store: &Path, hex: &str, index: u64) -> Result<Option<Vec<u8>>, ImageError> {
-    if !is_registered(store, hex) {
+    if !crate::digest::valid_digest(hex) {
         return Ok(None);
+    }
+    let dir = blob_dir(store, hex);
+    let open = |name: &str| {
+        std::fs::File::open(dir.join(name)).ctx(|| format!("opening {}", dir.join(name).display()))
+    };
+    // The bit first: most asks are for chunks not held, and cost no more than this read.
+    let Ok(have) = std::fs::File::open(dir.join("have")) else {
+        return Ok(None);
+    };
+    let mut bit = [0u8];
+    match have.read_at(&mut bit, index / 8) {
+        Ok(1) if bit[0] & (1 << (index % 8)) != 0 => {}
+        Ok(_) => return Ok(None),
+        Err(e) => return Err(e).ctx(|| "reading which chunks are held".into()),
     }
     let src = source(store, hex)?;
     let t = &src.table;
     let Some(want) = t.chunks.get(index as usize) else {
         return Ok(None);
     };
-    let dir = blob_dir(store, hex);
-    let open = |name: &str| {
-        std::fs::File::open(dir.join(name)).ctx(|| format!("opening {}", dir.join(name).display()))
-    };
-    let mut bit = [0u8];
-    open("have")?
-        .read_exact_at(&mut bit, index / 8)
-        .ctx(|| "reading which chunks are held".into())?;
-    if bit[0] & (1 << (index % 8)) == 0 {
-        return Ok(None);
-    }
     let start = index * t.chunk_size;
     let mut b = vec![0u8; t.chunk_size.min(t.size - start) as usize];
     open("data")?
@@ -1535,7 +1552,7 @@ mod tests {
     struct Peer(Option<Vec<u8>>, AtomicU64);
 
     impl PeerChunks for Peer {
-        fn chunk(&self, _hex: &str, index: u64) -> PeerFetched {
+        fn chunk(&self, _hex: &str, index: u64, _len: u64) -> PeerFetched {
             self.1.fetch_add(1, Ordering::SeqCst);
             let b = self.0.as_ref().map(|b| {
                 let cs = 4096usize;

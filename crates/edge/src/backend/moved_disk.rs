@@ -50,27 +50,49 @@ pub fn saved_files(disks: &[PathBuf]) -> Result<Vec<SavedFile>, String> {
                 .map_err(|e| format!("{}: {e}", disk.display()))?
                 .len();
             let sha = guest::disk_sha256(disk).map_err(|e| e.to_string())?;
+            // A lazy layer's file: its name, and what its chunk table says it holds.
+            let hint = match lazy_table(disk) {
+                Some(t) => Some(format!("{sha}@{t}")),
+                None => disk.file_name().map(|n| n.to_string_lossy().into_owned()),
+            };
             Ok(SavedFile {
                 name: name_of(i),
                 size,
                 sha256: Some(sha),
-                hint: disk.file_name().map(|n| n.to_string_lossy().into_owned()),
+                hint,
                 path: disk.to_path_buf(),
             })
         })
         .collect()
 }
 
-/// A disk in `store` with the content of `f`: a lazily pulled layer of that digest, a
-/// layer's disk or a guest disk under the sender's name, or one received before. The
-/// name is only a hint; the content is checked.
+/// The [`dsec_image::lazy::table_digest`] of a disk that is a lazy layer's file on
+/// `<store>/lazyfs/`.
+fn lazy_table(disk: &Path) -> Option<String> {
+    let dir = disk.parent()?;
+    if dir.file_name()? != "lazyfs" {
+        return None;
+    }
+    let hex = disk.file_name()?.to_str()?;
+    let src = dsec_image::lazy::source(dir.parent()?, hex).ok()?;
+    Some(dsec_image::lazy::table_digest(&src.table))
+}
+
+/// A disk in `store` with the content of `f`: a lazily pulled layer of that digest and
+/// chunk table, a layer's disk or a guest disk under the sender's name, or one received
+/// before. The name is only a hint; the content is checked.
 pub fn local_copy(store: &ImageStore, f: &SavedFile) -> Option<PathBuf> {
     let sha = f.sha256.as_deref().filter(|_| is_name(&f.name))?;
     if !sha.bytes().all(|b| b.is_ascii_hexdigit()) || sha.len() != 64 {
         return None;
     }
-    if dsec_image::lazy::is_registered(store.root(), sha)
+    // A lazy layer of that digest whose chunk table is the sender's: the same bytes.
+    if let Some(table) = f
+        .hint
+        .as_deref()
+        .and_then(|h| h.strip_prefix(sha)?.strip_prefix('@'))
         && let Some(m) = store.lazy()
+        && lazy_table(&m.fuse_dir().join(sha)).as_deref() == Some(table)
         && m.ensure_daemon().is_ok()
     {
         return Some(m.fuse_dir().join(sha));
@@ -140,9 +162,11 @@ mod tests {
     fn disk_names_are_numbered_and_nothing_else_is_one() {
         assert_eq!(index_of("disk"), Some(0));
         assert_eq!(index_of("disk.1"), Some(1));
-        assert_eq!(index_of("disk.15"), Some(15));
+        let last = guest::MAX_ROOT_DISKS - 1;
+        assert_eq!(index_of(&format!("disk.{last}")), Some(last));
+        let past = format!("disk.{}", last + 1);
         for n in [
-            "disk.0", "disk.01", "disk.16", "disk.", "disk.-1", "disks", "ram",
+            "disk.0", "disk.01", &past, "disk.", "disk.-1", "disks", "ram",
         ] {
             assert_eq!(index_of(n), None, "{n}");
         }
