@@ -8,6 +8,7 @@ at a registry it may not reach."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import gzip
 import hashlib
@@ -270,6 +271,27 @@ async def test_a_multi_arch_image_with_whiteouts_pulls_and_runs(client, registry
                                 "--as", "root/pt-pulled-env:v3").stdout)
     assert by_digest["digest"] == out["digest"]
     assert store_tmp() == before
+
+
+@pytest.mark.parametrize("backend", ["container", "vm"])
+async def test_an_image_lacking_its_working_directory_starts_in_it(client, registry, backend):
+    """An image of busybox alone, whose config names a working directory (`/work`) it
+    does not have: it starts in that directory, made for it, on both backends (a VM's
+    agent used to refuse it, and the create waited for the agent until its timeout)."""
+    if backend == "vm" and not shutil.which("qemu-system-x86_64"):
+        pytest.skip("qemu-system-x86_64 is not installed")
+    layout = Layout(WORK / "layout-bare")
+    layout.tag(layout.image([layout.layer(busybox(), "gzip")], ["PATH=/bin"]))
+    registry.push(layout.path, "team/bare:v1")
+    pull(f"{registry.host}/team/bare:v1", "--plain-http", "--as", "root/pt-bare:v1")
+    sb = await asyncio.wait_for(client.run_sandbox(DSecRunArgs(image="root/pt-bare:v1", backend=backend)), 120)
+    try:
+        r = await sb.run_shell("pwd; ls /")
+        assert r.exit_code == 0, r.stderr
+        assert r.stdout.split()[0] == "/work" and "work" in r.stdout.split()[1:], r.stdout
+    finally:
+        await sb.stop()
+    shutil.rmtree(layout.path, ignore_errors=True)
 
 
 def test_what_a_registry_or_a_caller_gets_wrong_is_a_clear_error_and_nothing_is_named(registry):

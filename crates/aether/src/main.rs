@@ -219,7 +219,12 @@ fn serve_one(
         Request::Environment { env, workdir } => {
             *ctx.base_env.write().unwrap_or_else(|p| p.into_inner()) = exec::with_defaults(env);
             match workdir.filter(|w| !w.is_empty()) {
-                Some(w) if !std::path::Path::new(&w).is_dir() => {
+                // Made when the image names one it lacks, as container runtimes do (a VM's
+                // root has no runtime to do it).
+                Some(w)
+                    if !std::path::Path::new(&w).is_dir()
+                        && std::fs::create_dir_all(&w).is_err() =>
+                {
                     invalid(format!("working directory {w} is not a directory"))
                 }
                 w => {
