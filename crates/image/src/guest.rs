@@ -22,8 +22,8 @@
 //! the kernel command line (default `/.dsec/aether`), passing it the words after `--` on
 //! the command line.
 //!
-//! Everything is built in a temporary path next to its final place and renamed into it,
-//! so a crash leaves nothing half-written under a cached name.
+//! Everything is built in a temporary path next to its final place and renamed (a root
+//! disk: linked) into it, so a crash leaves nothing half-written under a cached name.
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -162,18 +162,31 @@ fn detail(e: &ImageError) -> String {
 /// [`file_sha256`] of the aether binary, remembered while the file is the same one
 /// (device, inode, size, modification time): it is hashed into every VM's root disk key,
 /// and hashing its megabytes on every boot would be the larger part of a boot's host work.
+/// An error says what to do about it.
 fn aether_digest(p: &Path) -> Result<String, ImageError> {
     use std::os::unix::fs::MetadataExt;
     type Seen = std::sync::Mutex<Option<((u64, u64, u64, i64, i64), String)>>;
     static SEEN: Seen = std::sync::Mutex::new(None);
-    let m = std::fs::metadata(p).ctx(|| format!("reading {}", p.display()))?;
+    let unreadable = |e: &dyn std::fmt::Display| {
+        build_err(format!(
+            "aether binary {} is not readable ({e}); build it (`cargo build -p dsec-aether`) or pass its path",
+            p.display()
+        ))
+    };
+    let m = std::fs::metadata(p).map_err(|e| unreadable(&e))?;
+    if !m.is_file() {
+        return Err(build_err(format!(
+            "aether binary {} is not a regular file",
+            p.display()
+        )));
+    }
     let key = (m.dev(), m.ino(), m.size(), m.mtime(), m.mtime_nsec());
     if let Some((k, d)) = SEEN.lock().unwrap_or_else(|e| e.into_inner()).as_ref()
         && *k == key
     {
         return Ok(d.clone());
     }
-    let d = file_sha256(p)?;
+    let d = file_sha256(p).map_err(|e| unreadable(&e))?;
     *SEEN.lock().unwrap_or_else(|e| e.into_inner()) = Some((key, d.clone()));
     Ok(d)
 }
@@ -1239,11 +1252,8 @@ pub fn disks_dir(store_root: &Path) -> PathBuf {
 /// `<disk>.sha256` after the first time. A lazy layer's file is named by its digest,
 /// which its chunks are checked against as they arrive.
 pub fn disk_sha256(disk: &Path) -> Result<String, ImageError> {
-    if disk.parent().and_then(Path::file_name) == Some(std::ffi::OsStr::new("lazyfs"))
-        && let Some(name) = disk.file_name().and_then(|n| n.to_str())
-        && crate::digest::valid_digest(name)
-    {
-        return Ok(name.to_string());
+    if let Some((_, hex)) = crate::lazy::lazyfs_blob(disk) {
+        return Ok(hex.to_string());
     }
     let mut side = disk.as_os_str().to_owned();
     side.push(".sha256");
@@ -1303,26 +1313,15 @@ pub fn ensure_root_disks(
     aether: &Path,
 ) -> Result<Vec<PathBuf>, ImageError> {
     let layers = source.layers(store)?;
-    let aether_md = std::fs::metadata(aether).map_err(|e| {
-        build_err(format!(
-            "aether binary {} is not readable ({e}); build it (`cargo build -p dsec-aether`) or pass its path",
-            aether.display()
-        ))
-    })?;
-    if !aether_md.is_file() {
-        return Err(build_err(format!(
-            "aether binary {} is not a regular file",
-            aether.display()
-        )));
-    }
     let aether_sha = aether_digest(aether)?;
     let mut disks = vec![stage_disk(store, aether, &aether_sha)?];
-    let own = layers.len().min(MAX_ROOT_DISKS - 1);
-    // Layers kept as their own disks: the top ones, all of them when they fit.
-    let (bottom, top) = if own == layers.len() {
+    // Layers kept as their own disks: all of them when they fit beside the stage, else
+    // the top ones, with one disk left for the merged rest.
+    let room = MAX_ROOT_DISKS - 1;
+    let (bottom, top) = if layers.len() <= room {
         (&layers[..0], &layers[..])
     } else {
-        layers.split_at(layers.len() - (own - 1))
+        layers.split_at(layers.len() - (room - 1))
     };
     for l in top.iter().rev() {
         disks.push(layer_disk(store, l)?);

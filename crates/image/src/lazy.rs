@@ -1197,9 +1197,21 @@ pub struct LazyMounter {
     pub prefetch: bool,
 }
 
+/// The directory of a store the lazy file system serves its blobs in.
+const FUSE_DIR: &str = "lazyfs";
+
+/// The store and the blob of a path that is a blob's file on the lazy file system
+/// (`<store>/lazyfs/<hex>`), as a VM's root disk is.
+pub fn lazyfs_blob(path: &Path) -> Option<(&Path, &str)> {
+    let dir = path.parent()?;
+    let hex = path.file_name()?.to_str()?;
+    (dir.file_name()? == FUSE_DIR && crate::digest::valid_digest(hex))
+        .then_some((dir.parent()?, hex))
+}
+
 impl LazyMounter {
     pub fn fuse_dir(&self) -> PathBuf {
-        self.store.join("lazyfs")
+        self.store.join(FUSE_DIR)
     }
 
     fn alive(&self) -> bool {

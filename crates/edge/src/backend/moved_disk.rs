@@ -28,7 +28,7 @@ fn index_of(name: &str) -> Option<usize> {
     if name == NAME {
         return Some(0);
     }
-    let i: usize = name.strip_prefix("disk.")?.parse().ok()?;
+    let i: usize = name.strip_prefix(NAME)?.strip_prefix('.')?.parse().ok()?;
     (i > 0 && i < guest::MAX_ROOT_DISKS && name == name_of(i)).then_some(i)
 }
 
@@ -37,13 +37,14 @@ pub fn is_name(name: &str) -> bool {
     index_of(name).is_some()
 }
 
-/// `disks` (the root's, top first) as files of a saved state.
-pub fn saved_files(disks: &[PathBuf]) -> Result<Vec<SavedFile>, String> {
-    if disks.len() > guest::MAX_ROOT_DISKS {
-        return Err(format!("{} root disks is too many", disks.len()));
+/// A root's disks (`top`, then `lowers`, as saved states record them) as files of a
+/// saved state.
+pub fn saved_files(top: &Path, lowers: &[PathBuf]) -> Result<Vec<SavedFile>, String> {
+    if 1 + lowers.len() > guest::MAX_ROOT_DISKS {
+        return Err(format!("{} root disks is too many", 1 + lowers.len()));
     }
-    disks
-        .iter()
+    std::iter::once(top)
+        .chain(lowers.iter().map(PathBuf::as_path))
         .enumerate()
         .map(|(i, disk)| {
             let size = std::fs::metadata(disk)
@@ -69,12 +70,8 @@ pub fn saved_files(disks: &[PathBuf]) -> Result<Vec<SavedFile>, String> {
 /// The [`dsec_image::lazy::table_digest`] of a disk that is a lazy layer's file on
 /// `<store>/lazyfs/`.
 fn lazy_table(disk: &Path) -> Option<String> {
-    let dir = disk.parent()?;
-    if dir.file_name()? != "lazyfs" {
-        return None;
-    }
-    let hex = disk.file_name()?.to_str()?;
-    let src = dsec_image::lazy::source(dir.parent()?, hex).ok()?;
+    let (store, hex) = dsec_image::lazy::lazyfs_blob(disk)?;
+    let src = dsec_image::lazy::source(store, hex).ok()?;
     Some(dsec_image::lazy::table_digest(&src.table))
 }
 
@@ -82,10 +79,10 @@ fn lazy_table(disk: &Path) -> Option<String> {
 /// chunk table, a layer's disk or a guest disk under the sender's name, or one received
 /// before. The name is only a hint; the content is checked.
 pub fn local_copy(store: &ImageStore, f: &SavedFile) -> Option<PathBuf> {
-    let sha = f.sha256.as_deref().filter(|_| is_name(&f.name))?;
-    if !sha.bytes().all(|b| b.is_ascii_hexdigit()) || sha.len() != 64 {
-        return None;
-    }
+    let sha = f
+        .sha256
+        .as_deref()
+        .filter(|s| is_name(&f.name) && dsec_image::digest::valid_digest(s))?;
     // A lazy layer of that digest whose chunk table is the sender's: the same bytes.
     if let Some(table) = f
         .hint
@@ -121,15 +118,15 @@ pub fn local_copy(store: &ImageStore, f: &SavedFile) -> Option<PathBuf> {
         .find(|c| c.is_file() && guest::disk_sha256(c).is_ok_and(|s| s == sha))
 }
 
-/// Where the received state's disks (top first) are on this edge: the local copies found
-/// before the transfer, or the fetched ones (in `staged`), checked against their sha256
-/// and kept in the store.
+/// Where the received state's disks are on this edge (the top one, and those below it):
+/// the local copies found before the transfer, or the fetched ones (in `staged`), checked
+/// against their sha256 and kept in the store.
 pub fn place(
     store_root: &Path,
     staged: &Path,
     files: &[SavedFile],
     have: &BTreeMap<String, PathBuf>,
-) -> Result<Vec<PathBuf>, String> {
+) -> Result<(PathBuf, Vec<PathBuf>), String> {
     let mut disks: BTreeMap<usize, &SavedFile> = BTreeMap::new();
     for f in files {
         if let Some(i) = index_of(&f.name) {
@@ -139,19 +136,18 @@ pub fn place(
     if disks.keys().copied().ne(0..disks.len()) {
         return Err("its disks are not numbered from 0 without gaps".into());
     }
-    disks
-        .values()
-        .map(|f| {
-            if let Some(p) = have.get(&f.name) {
-                return Ok(p.clone());
-            }
-            let sha = f
-                .sha256
-                .as_deref()
-                .ok_or_else(|| format!("{} has no sha256", f.name))?;
-            guest::adopt_disk(store_root, &staged.join(&f.name), sha).map_err(|e| e.to_string())
-        })
-        .collect()
+    let mut placed = disks.values().map(|f| {
+        if let Some(p) = have.get(&f.name) {
+            return Ok(p.clone());
+        }
+        let sha = f
+            .sha256
+            .as_deref()
+            .ok_or_else(|| format!("{} has no sha256", f.name))?;
+        guest::adopt_disk(store_root, &staged.join(&f.name), sha).map_err(|e| e.to_string())
+    });
+    let top = placed.next().ok_or("it has no disk")??;
+    Ok((top, placed.collect::<Result<_, String>>()?))
 }
 
 #[cfg(test)]
@@ -195,12 +191,12 @@ mod tests {
         let wrong = [file("disk", sha_x), file("disk.1", &"0".repeat(64))];
         assert!(place(tmp.path(), &staged, &wrong, &have).is_err());
         let ok = [file("disk", sha_x), file("disk.1", sha_x)];
-        let placed = place(tmp.path(), &staged, &ok, &have).unwrap();
-        assert_eq!(placed[0], PathBuf::from("/here/stage"));
+        let (top, lowers) = place(tmp.path(), &staged, &ok, &have).unwrap();
+        assert_eq!(top, PathBuf::from("/here/stage"));
         assert_eq!(
-            placed[1],
+            lowers[0],
             guest::disks_dir(tmp.path()).join(format!("imported-{sha_x}.img"))
         );
-        assert_eq!(std::fs::read(&placed[1]).unwrap(), b"x");
+        assert_eq!(std::fs::read(&lowers[0]).unwrap(), b"x");
     }
 }

@@ -938,8 +938,7 @@ impl Backend for MicrovmBackend {
             SavedFile::at(snapshot::VMSTATE, saved.join(snapshot::VMSTATE)).map_err(bad)?,
             SavedFile::at(snapshot::MEM, meta.mem).map_err(bad)?,
         ];
-        let disks: Vec<PathBuf> = std::iter::once(meta.disk).chain(meta.lowers).collect();
-        out.extend(moved_disk::saved_files(&disks).map_err(bad)?);
+        out.extend(moved_disk::saved_files(&meta.disk, &meta.lowers).map_err(bad)?);
         Ok(out)
     }
 
@@ -999,11 +998,8 @@ impl Backend for MicrovmBackend {
         }
         // Next to `fc.json` wherever `staged` goes (`home`, for a resume).
         saved.mem = PathBuf::from(snapshot::MEM);
-        let mut disks = moved_disk::place(self.images.root(), staged, files, have)
-            .map_err(bad)?
-            .into_iter();
-        saved.disk = disks.next().ok_or_else(|| bad("it has no disk".into()))?;
-        saved.lowers = disks.collect();
+        (saved.disk, saved.lowers) =
+            moved_disk::place(self.images.root(), staged, files, have).map_err(bad)?;
         snapshot::write_meta(staged, &saved).map_err(ApiError::internal)
     }
 

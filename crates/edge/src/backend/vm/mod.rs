@@ -3,8 +3,9 @@
 //! the image store builds from Debian packages; its root is the image's layers as
 //! read-only EROFS disks (one per layer, shared by every VM whose image has it; a lazily
 //! pulled layer's read from the lazy file system as the guest asks) under the stage disk
-//! (aether) and an overlay whose writable layer is a tmpfs in the guest; aether is its init and serves the channel over a
-//! virtio-serial port, which `dsec-aether vmux` carries to the sandbox's `aether.sock`.
+//! (aether) and an overlay whose writable layer is a tmpfs in the guest; aether is its
+//! init and serves the channel over a virtio-serial port, which `dsec-aether vmux`
+//! carries to the sandbox's `aether.sock`.
 //! QEMU and vmux run detached from the edge (their pids in the sandbox directory), so a
 //! restarted edge re-adopts running VMs.
 
@@ -1321,8 +1322,7 @@ impl Backend for VmBackend {
         if let Some(ram) = ram {
             out.push(SavedFile::at("ram", ram).map_err(bad)?);
         }
-        let disks: Vec<PathBuf> = std::iter::once(vm.disk).chain(vm.lowers).collect();
-        out.extend(moved_disk::saved_files(&disks).map_err(bad)?);
+        out.extend(moved_disk::saved_files(&vm.disk, &vm.lowers).map_err(bad)?);
         Ok(out)
     }
 
@@ -1387,11 +1387,8 @@ impl Backend for VmBackend {
             "shared" => return Err(bad("ram is missing".into())),
             _ => None,
         };
-        let mut disks = moved_disk::place(self.images.root(), staged, files, have)
-            .map_err(bad)?
-            .into_iter();
-        vm.disk = disks.next().ok_or_else(|| bad("it has no disk".into()))?;
-        vm.lowers = disks.collect();
+        (vm.disk, vm.lowers) =
+            moved_disk::place(self.images.root(), staged, files, have).map_err(bad)?;
         write_json(&staged.join("vm.json"), &vm).map_err(ApiError::internal)
     }
 
