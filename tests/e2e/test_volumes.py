@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DATA, server_down, server_up
+from conftest import DATA, leftovers, server_down, server_up
 from opendsec import (
     DSecClient,
     DSecRunArgs,
@@ -253,3 +253,82 @@ def test_the_cli_makes_fills_reads_and_removes_a_volume(tmp_path):
     finally:
         dsec("volume", "rm", vid)
     assert vid not in dsec("volume", "ls").stdout
+
+
+def virtiofsd_processes(sandbox_id: str) -> list[int]:
+    """virtiofsd daemons serving sandbox `sandbox_id`'s volumes."""
+    out = []
+    for p in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = p.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"virtiofsd") and any(sandbox_id.encode() in a for a in argv):
+            out.append(int(p.parent.name))
+    return out
+
+
+async def test_a_vm_mounts_volumes_shared_with_containers(client):
+    """A vm sandbox mounts volumes (virtio-fs): it sees what a container and the file API
+    wrote and the reverse; a read-only mount stays read-only when the guest's root remounts
+    it; only `user.*` extended attributes pass; a VM that mounts volumes cannot be forked or
+    paused to disk (409, saying why) but pauses in place; its daemons and binds go with it."""
+    rw = await client.create_volume(f"vmrw-{os.urandom(3).hex()}", size_mb=64)
+    ro = await client.create_volume(f"vmro-{os.urandom(3).hex()}", size_mb=64)
+    try:
+        await client.volume(ro["id"]).write("keep.txt", b"read me")
+        c = await client.run_sandbox(DSecRunArgs(image="root/base", ttl_seconds=300,
+                                                 volumes={"/mnt/data": rw["id"]}))
+        vm = await client.run_sandbox(DSecRunArgs(
+            image="root/py:3.11", backend="vm", ttl_seconds=300,
+            volumes={"/mnt/data": rw["id"], "/srv/ro": {"volume": ro["id"], "read_only": True}}))
+        try:
+            assert len(virtiofsd_processes(vm.id)) >= 2, "one virtiofsd per volume"
+            r = await c.run_shell("echo from-container > /mnt/data/c.txt")
+            assert r.exit_code == 0, r.stderr
+            r = await vm.run_shell("cat /mnt/data/c.txt /srv/ro/keep.txt; echo; "
+                                   "echo from-vm > /mnt/data/v.txt && chown 1000:1000 /mnt/data/v.txt")
+            assert r.exit_code == 0 and r.stdout == "from-container\nread me\n", r
+            r = await c.run_shell("cat /mnt/data/v.txt; stat -c '%u %g' /mnt/data/v.txt")
+            assert r.stdout == "from-vm\n1000 1000\n", r
+            assert await client.volume(rw["id"]).read("v.txt") == b"from-vm\n"
+
+            # Read-only from the node's side: the guest's root cannot remount it writable.
+            r = await vm.run_shell("echo x > /srv/ro/w.txt")
+            assert r.exit_code != 0 and "Read-only file system" in r.stderr, r
+            r = await vm.run_shell("mount -o remount,rw /srv/ro; echo x > /srv/ro/w.txt")
+            assert r.exit_code != 0, r
+            assert "w.txt" not in [e["path"] for e in await client.volume(ro["id"]).list("/")]
+
+            # user.* attributes pass; trusted.* and security.* are refused.
+            r = await vm.run_shell(
+                "cd /mnt/data && python3 -c \"import os; os.setxattr('v.txt', 'user.k', b'v'); "
+                "print(os.getxattr('v.txt', 'user.k').decode())\"")
+            assert r.stdout == "v\n", r
+            for name in ("trusted.overlay.opaque", "security.selinux"):
+                r = await vm.run_shell(
+                    f"cd /mnt/data && python3 -c \"import os; os.setxattr('v.txt', '{name}', b'y')\"")
+                assert r.exit_code != 0 and "PermissionError" in r.stderr, (name, r)
+
+            # Saving the VM is refused, saying why; a pause in place works.
+            with pytest.raises(PreconditionError) as e:
+                await vm.fork(count=1)
+            assert "mounts volumes" in e.value.message, e.value.message
+            with pytest.raises(PreconditionError) as e:
+                await vm.pause(to_disk=True)
+            assert "mounts volumes" in e.value.message, e.value.message
+            await vm.pause()
+            await vm.resume()
+            r = await vm.run_shell("cat /mnt/data/v.txt")
+            assert r.stdout == "from-vm\n", r
+
+            with pytest.raises(PreconditionError):
+                await client.delete_volume(ro["id"])
+        finally:
+            await vm.stop()
+            await c.stop()
+        assert virtiofsd_processes(vm.id) == []
+        assert leftovers(vm.id) == []
+    finally:
+        for v in (rw, ro):
+            await client.delete_volume(v["id"])

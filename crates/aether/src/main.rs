@@ -216,9 +216,14 @@ fn serve_one(
             }
             Err(e) => err((ErrorCode::Internal, e)),
         },
-        Request::Environment { env, workdir } => {
+        Request::Environment {
+            env,
+            workdir,
+            mounts,
+        } => {
             *ctx.base_env.write().unwrap_or_else(|p| p.into_inner()) = exec::with_defaults(env);
             match workdir.filter(|w| !w.is_empty()) {
+                _ if let Err(e) = vm::mount_shares(&mounts) => err((ErrorCode::Internal, e)),
                 // Made when the image names one it lacks, as container runtimes do (a VM's
                 // root has no runtime to do it).
                 Some(w)

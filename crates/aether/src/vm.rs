@@ -61,6 +61,70 @@ fn prepare_guest() {
     let _ = std::fs::write("/proc/sys/kernel/hostname", "sandbox");
 }
 
+/// Mounts a VM's volumes: each virtio-fs device at its path (made if missing), `nosuid`
+/// and `nodev`, read-only where asked (the node serves those read-only too). One already
+/// mounted there is left as it is, so a repeated request changes nothing.
+pub fn mount_shares(mounts: &[dsec_common::channel::GuestMount]) -> Result<(), String> {
+    if mounts.is_empty() {
+        return Ok(());
+    }
+    // One at a time: the edge sends the request again when an answer is slow (a first
+    // virtio-fs mount under emulation can take seconds), and a second mount of a device
+    // still being mounted fails with EBUSY instead of finding the first.
+    static MOUNTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = MOUNTING.lock().unwrap_or_else(|p| p.into_inner());
+    let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    for m in mounts {
+        if !m.path.starts_with('/') {
+            return Err(format!("volume mount path {} is not absolute", m.path));
+        }
+        let escaped: String = m
+            .path
+            .chars()
+            .map(|ch| match ch {
+                ' ' | '\t' | '\n' | '\\' => format!("\\{:03o}", ch as u32),
+                c => c.to_string(),
+            })
+            .collect();
+        // mountinfo: ... mount-point(5th) ... - fstype source ...
+        let mounted = table.lines().any(|l| {
+            let f: Vec<&str> = l.split(' ').collect();
+            let fstype = f.iter().position(|x| *x == "-").and_then(|i| f.get(i + 1));
+            f.get(4) == Some(&escaped.as_str()) && fstype == Some(&"virtiofs")
+        });
+        if mounted {
+            continue;
+        }
+        std::fs::create_dir_all(&m.path)
+            .map_err(|e| format!("making volume mount point {}: {e}", m.path))?;
+        let c = |s: &str| std::ffi::CString::new(s).map_err(|_| format!("{s:?} has a NUL byte"));
+        let (tag, path, fstype) = (c(&m.tag)?, c(&m.path)?, c("virtiofs")?);
+        let mut flags = libc::MS_NOSUID | libc::MS_NODEV;
+        if m.read_only {
+            flags |= libc::MS_RDONLY;
+        }
+        // SAFETY: mount(2) with NUL-terminated strings that outlive the call.
+        let rc = unsafe {
+            libc::mount(
+                tag.as_ptr(),
+                path.as_ptr(),
+                fstype.as_ptr(),
+                flags,
+                std::ptr::null(),
+            )
+        };
+        if rc != 0 {
+            return Err(format!(
+                "mounting volume {} at {}: {} (is the virtiofs module loaded?)",
+                m.tag,
+                m.path,
+                io::Error::last_os_error()
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// After a restore from a snapshot: the clock stood still while the VM was saved, and
 /// every copy of one snapshot has the same RNG state. Steps the clock and reseeds.
 pub fn restored(unix_ms: u64, entropy_hex: &str) -> Result<(), String> {

@@ -176,10 +176,23 @@ pub enum Request {
         env: BTreeMap<String, String>,
         #[serde(default)]
         workdir: Option<String>,
+        /// A VM's volumes: virtio-fs devices to mount (before the working directory is
+        /// made, which may be inside one). Mounting one already mounted changes nothing.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        mounts: Vec<GuestMount>,
     },
     /// The writable filesystem's use (`statvfs("/")`: for an overlay root, its upper
     /// layer's filesystem).
     DiskUsage,
+}
+
+/// A virtio-fs device (its tag) the guest mounts at `path`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestMount {
+    pub tag: String,
+    pub path: String,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub read_only: bool,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

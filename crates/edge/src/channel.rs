@@ -295,8 +295,16 @@ pub async fn wait_ready_with(
                 ));
             }
         }
-        match call(sock, req, Duration::from_secs(2)).await {
-            Ok(r) => return Ok(r),
+        let answered = tokio::time::timeout(Duration::from_secs(2), async {
+            Conn::open(sock, req).await?.whole_reply().await
+        })
+        .await
+        .map_err(|_| deadline_error(Duration::from_secs(2)))
+        .and_then(|r| r);
+        match answered {
+            // The agent answered: an error it replies ends the wait (it would say the same
+            // again), only a connection that failed or timed out is tried again.
+            Ok(r) => return check(r),
             Err(e) if tokio::time::Instant::now() >= deadline => {
                 return Err(ApiError::unavailable(format!(
                     "the sandbox agent did not start within {} s: {}",

@@ -165,9 +165,17 @@ async fn tell_environment(
 fn environment_request(rec: &SandboxRecord) -> Request {
     let mut env = rec.env.clone();
     env.insert("DSEC_SANDBOX_ID".into(), rec.id.clone());
+    // A VM mounts its volumes itself, from the virtio-fs devices its backend attached; a
+    // container's are in place before its agent starts.
+    let mounts = if rec.backend == "vm" {
+        volumes::guest_mounts(&rec.volumes)
+    } else {
+        Vec::new()
+    };
     Request::Environment {
         env,
         workdir: rec.workdir.clone(),
+        mounts,
     }
 }
 

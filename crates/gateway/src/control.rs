@@ -273,6 +273,42 @@ struct NetworkOpts {
     /// port); without it they see the host the client asked for.
     #[serde(rename = "maskRequestHost")]
     mask_request_host: Option<String>,
+    /// Not served (see [`refuse_unsupported_network`]): refused rather than dropped.
+    #[serde(default, rename = "dnsServers")]
+    dns_servers: Vec<String>,
+    #[serde(default, rename = "egressProxy")]
+    egress_proxy: Option<Value>,
+    #[serde(default)]
+    rules: Option<Value>,
+}
+
+/// A create's or an update's network settings this gateway does not serve, refused with
+/// 400 rather than silently left out: its own DNS servers (the node's DNS proxy answers
+/// every sandbox), an egress proxy, and per-domain rules that change outbound HTTPS
+/// requests (header injection needs TLS interception, which egress here never does).
+fn refuse_unsupported_network(
+    dns_servers: &[String],
+    egress_proxy: Option<&Value>,
+    rules: Option<&Value>,
+) -> Result<(), UpErr> {
+    let unsupported = [
+        ("dnsServers", !dns_servers.is_empty()),
+        ("egressProxy", egress_proxy.is_some_and(|v| !v.is_null())),
+        (
+            "rules",
+            rules.is_some_and(|v| !v.is_null() && v.as_object().is_none_or(|o| !o.is_empty())),
+        ),
+    ];
+    match unsupported.iter().find(|(_, given)| *given) {
+        Some((name, _)) => Err(UpErr::new(
+            400,
+            "invalid_argument",
+            format!(
+                "network {name} is not supported by this gateway (the node's DNS proxy answers every sandbox; egress is allowOut/denyOut, and outbound requests are never rewritten): leave it out"
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// A `maskRequestHost` the gateway can put in a `Host` header: a host name or address,
@@ -398,6 +434,9 @@ async fn create_inner(gw: &Gw, h: &HeaderMap, body: &Bytes) -> Res {
         )
         .await?;
         return Ok((StatusCode::CREATED, axum::Json(sandbox_json(gw, &info))).into_response());
+    }
+    if let Some(n) = &req.network {
+        refuse_unsupported_network(&n.dns_servers, n.egress_proxy.as_ref(), n.rules.as_ref())?;
     }
     let template = template_for(gw, &k, &req.template_id).await?;
     let mut labels = metadata;
@@ -529,6 +568,7 @@ async fn connect(State(gw): State<Gw>, h: HeaderMap, Path(id): Path<String>, bod
 async fn kill(State(gw): State<Gw>, h: HeaderMap, Path(id): Path<String>) -> Res {
     let k = key(&h)?;
     let id = sandbox_id(&id)?;
+    gw.forget_running(&id);
     let _: Value = gw
         .up
         .call(Method::DELETE, &format!("/v1/sandboxes/{id}"), &k, None)
@@ -565,28 +605,11 @@ async fn update_network(
     let k = key(&h)?;
     let id = sandbox_id(&id)?;
     let req: NetworkUpdate = parse(&body, "network update")?;
-    let unsupported = [
-        ("dnsServers", !req.dns_servers.is_empty()),
-        (
-            "egressProxy",
-            req.egress_proxy.as_ref().is_some_and(|v| !v.is_null()),
-        ),
-        (
-            "rules",
-            req.rules
-                .as_ref()
-                .is_some_and(|v| !v.is_null() && v.as_object().is_none_or(|o| !o.is_empty())),
-        ),
-    ];
-    if let Some((name, _)) = unsupported.iter().find(|(_, given)| *given) {
-        return Err(UpErr::new(
-            400,
-            "invalid_argument",
-            format!(
-                "network {name} is not supported by this gateway (the node's DNS proxy answers every sandbox; egress is allowOut/denyOut)"
-            ),
-        ));
-    }
+    refuse_unsupported_network(
+        &req.dns_servers,
+        req.egress_proxy.as_ref(),
+        req.rules.as_ref(),
+    )?;
     let mut rules = BTreeMap::new();
     if req.allow_internet_access != Some(false) {
         rules.extend(req.deny_out.into_iter().map(|d| (d, false)));
@@ -790,6 +813,7 @@ async fn pause(
             "sandbox is already paused",
         ));
     }
+    gw.forget_running(&info.id);
     let _: Value = gw
         .up
         .call(

@@ -145,7 +145,10 @@ pub(crate) async fn target_signed(
             id
         }
     };
-    running(gw, &id).await?;
+    if !gw.recently_running(&id) {
+        running(gw, &id).await?;
+        gw.saw_running(&id);
+    }
     let user = match user.as_deref() {
         None | Some("" | "user") => has_default_user(gw, &id).await.then(|| "user".to_string()),
         Some(_) => user,

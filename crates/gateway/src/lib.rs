@@ -145,9 +145,42 @@ pub(crate) struct Gw {
     builds: Arc<std::sync::Mutex<templates::Builds>>,
     /// Sandbox id -> whether it has E2B's default user `user` ([`envd`]).
     default_users: Arc<std::sync::Mutex<std::collections::HashMap<String, bool>>>,
+    /// Sandbox id -> when the API last said it runs: an envd call within
+    /// [`RUNNING_FRESH`] of that skips asking again (one loopback round trip fewer per
+    /// call; what the call itself does still fails on a sandbox gone meanwhile).
+    seen_running: Arc<std::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>>,
 }
 
+/// How long an answer that a sandbox runs is taken as still true.
+const RUNNING_FRESH: std::time::Duration = std::time::Duration::from_secs(1);
+
 impl Gw {
+    fn lock_seen(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, std::time::Instant>> {
+        self.seen_running.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether the API said within [`RUNNING_FRESH`] that sandbox `id` runs.
+    pub(crate) fn recently_running(&self, id: &str) -> bool {
+        self.lock_seen()
+            .get(id)
+            .is_some_and(|t| t.elapsed() < RUNNING_FRESH)
+    }
+
+    pub(crate) fn saw_running(&self, id: &str) {
+        let mut m = self.lock_seen();
+        if m.len() >= 65_536 {
+            m.retain(|_, t| t.elapsed() < RUNNING_FRESH);
+        }
+        m.insert(id.to_string(), std::time::Instant::now());
+    }
+
+    /// Sandbox `id` was paused or killed through this gateway: the next call asks.
+    pub(crate) fn forget_running(&self, id: &str) {
+        self.lock_seen().remove(id);
+    }
+
     fn lock_default_users(
         &self,
     ) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, bool>> {
@@ -166,6 +199,7 @@ pub fn router(cfg: Config) -> Router {
         watchers: Default::default(),
         builds: Default::default(),
         default_users: Default::default(),
+        seen_running: Default::default(),
     };
     control::routes()
         .merge(snapshots::routes())

@@ -179,7 +179,15 @@ pub(crate) async fn stream(
     .await;
     let (resp, pty) = match opened {
         Ok(x) => x,
-        Err(RpcErr(c, m)) => return stream_error(&c, &m),
+        Err(RpcErr(c, m)) => {
+            // The sandbox may have gone since it was last seen running (the check is
+            // skipped for a moment after one): then E2B's "not found" as before.
+            gw.forget_running(&t.id);
+            if let Err(gone) = crate::envd::running(gw, &t.id).await {
+                return gone;
+            }
+            return stream_error(&c, &m);
+        }
     };
     let keepalive = header_str(h, "keepalive-ping-interval")
         .and_then(|v| v.parse::<u64>().ok())
@@ -201,20 +209,33 @@ async fn relay(
     let mut buf = BytesMut::new();
     let mut started = false;
     loop {
+        // Every event already here goes out as one chunk (the end message and the end of
+        // the stream, say): one write and one wake-up of the client, not one per frame.
+        let mut out = Vec::new();
+        let mut done = false;
         while let Some(nl) = buf.iter().position(|b| *b == b'\n') {
             let line = buf.split_to(nl + 1);
             let Ok(ev) = serde_json::from_slice::<Value>(&line[..nl]) else {
                 continue;
             };
-            let (frames, done) = convert(&ev, pty, &mut started);
-            for f in frames {
-                if tx.send(f).await.is_err() {
-                    return;
-                }
+            let (frames, end) = convert(&ev, pty, &mut started);
+            out.extend(frames.into_iter().flatten());
+            if end {
+                done = true;
+                break;
             }
-            if done {
-                return;
-            }
+        }
+        if !out.is_empty() && tx.send(out).await.is_err() {
+            return;
+        }
+        if done {
+            // The API's response ends right after: read its end, so that its connection
+            // goes back to the pool instead of being closed.
+            let _ = tokio::time::timeout(Duration::from_secs(1), async {
+                while let Some(Ok(_)) = body.frame().await {}
+            })
+            .await;
+            return;
         }
         let next = match keepalive.filter(|_| started) {
             Some(d) => match tokio::time::timeout(d, body.frame()).await {

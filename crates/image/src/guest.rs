@@ -62,6 +62,9 @@ pub const GUEST_MODULES: &[&str] = &[
     "libcrc32c",
     "erofs",
     "overlay",
+    // Volumes (virtio-fs devices).
+    "fuse",
+    "virtiofs",
 ];
 
 /// Modules for the channel over vsock (Firecracker), loaded after [`GUEST_MODULES`] only
@@ -111,7 +114,7 @@ const INITRAMFS_FORMAT: &str = "dsec-initramfs-v2";
 const ROOT_DISK_FORMAT: &str = "dsec-root-disk-v2";
 /// Bumped whenever the set of modules taken from the kernel package changes: a cached
 /// kernel of another format is unpacked again.
-const KERNEL_FORMAT: &str = "dsec-kernel-v3";
+const KERNEL_FORMAT: &str = "dsec-kernel-v4";
 
 /// A guest kernel unpacked into the store.
 #[derive(Debug, Clone, PartialEq, Eq)]

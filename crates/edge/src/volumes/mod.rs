@@ -517,9 +517,9 @@ impl Edge {
         if asked.is_empty() {
             return Ok(Vec::new());
         }
-        if backend != "container" {
+        if backend != "container" && backend != "vm" {
             return Err(ApiError::invalid(format!(
-                "volumes are mounted into container sandboxes only; the {backend} backend cannot mount them yet"
+                "volumes are mounted into container and vm sandboxes; the {backend} backend cannot mount them (Firecracker has no shared-filesystem device)"
             )));
         }
         if asked.len() > MAX_MOUNTS {
@@ -577,6 +577,99 @@ pub(crate) fn mount_points(
             Ok(dir.join(disk::MOUNT))
         })
         .collect()
+}
+
+/// The virtio-fs tag of a VM's `i`th volume.
+pub fn share_tag(i: usize) -> String {
+    format!("dsec_v{i}")
+}
+
+/// What a VM's agent mounts: each volume's device at its path.
+pub fn guest_mounts(mounts: &[VolumeMount]) -> Vec<dsec_common::channel::GuestMount> {
+    mounts
+        .iter()
+        .enumerate()
+        .map(|(i, m)| dsec_common::channel::GuestMount {
+            tag: share_tag(i),
+            path: m.path.clone(),
+            read_only: m.read_only,
+        })
+        .collect()
+}
+
+/// A VM's view of its volumes in the sandboxes' mount namespace: each volume bound at
+/// `<shares>/<i>` (read-only where the sandbox mounts it so: the guest cannot undo that),
+/// the directory a virtio-fs daemon serves. Runs in that namespace; what is bound already
+/// stays. Returns the directories.
+pub(crate) fn bind_shares(
+    state_dir: &Path,
+    mounts: &[VolumeMount],
+    shares: &Path,
+) -> Result<Vec<PathBuf>, String> {
+    let sources = mount_points(state_dir, mounts)?;
+    let table = std::fs::read_to_string("/proc/thread-self/mountinfo").unwrap_or_default();
+    let mut out = Vec::with_capacity(mounts.len());
+    for (i, (m, src)) in mounts.iter().zip(sources).enumerate() {
+        let dst = shares.join(i.to_string());
+        out.push(dst.clone());
+        let seen = crate::mountns::mountinfo_path(&dst);
+        if table
+            .lines()
+            .any(|l| l.split(' ').nth(4) == Some(seen.as_str()))
+        {
+            continue;
+        }
+        std::fs::create_dir_all(&dst).map_err(|e| format!("creating {}: {e}", dst.display()))?;
+        let c = |p: &Path| {
+            std::ffi::CString::new(p.as_os_str().as_encoded_bytes())
+                .map_err(|_| format!("{} has a NUL byte", p.display()))
+        };
+        let (s, d) = (c(&src)?, c(&dst)?);
+        let bind = |flags: libc::c_ulong| {
+            // SAFETY: mount(2) with NUL-terminated paths that outlive the call.
+            let rc = unsafe {
+                libc::mount(
+                    s.as_ptr(),
+                    d.as_ptr(),
+                    std::ptr::null(),
+                    flags,
+                    std::ptr::null(),
+                )
+            };
+            if rc != 0 {
+                return Err(format!(
+                    "binding volume {} at {}: {}",
+                    m.volume,
+                    dst.display(),
+                    std::io::Error::last_os_error()
+                ));
+            }
+            Ok(())
+        };
+        bind(libc::MS_BIND)?;
+        let fixed = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_NOSUID | libc::MS_NODEV;
+        let ro = if m.read_only { libc::MS_RDONLY } else { 0 };
+        if let Err(e) = bind(fixed | ro) {
+            unbind_shares(shares);
+            return Err(e);
+        }
+    }
+    Ok(out)
+}
+
+/// Undoes [`bind_shares`] (in the sandboxes' mount namespace).
+pub(crate) fn unbind_shares(shares: &Path) {
+    let Ok(dir) = std::fs::read_dir(shares) else {
+        return;
+    };
+    for e in dir.flatten() {
+        if let Ok(c) = std::ffi::CString::new(e.path().as_os_str().as_encoded_bytes()) {
+            // SAFETY: umount2 with a NUL-terminated path.
+            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        }
+        let _ = std::fs::remove_dir(e.path());
+    }
+    let _ = std::fs::remove_dir(shares);
 }
 
 /// A volume file being read: its size and its bytes, chunk by chunk.

@@ -22,8 +22,10 @@ use dsec_image::guest;
 mod mapped;
 pub(crate) mod net;
 mod qmp;
+mod shares;
 
 use qmp::Qmp;
+use shares::stop_shares;
 
 use super::detached::{alive, copy_sparse, kill, read_json, read_pid, write_json};
 use super::{Backend, SandboxPaths, SavedFile, moved_disk};
@@ -264,6 +266,7 @@ impl SavedVm {
             shared_ram,
             machine: self.machine.clone(),
             net: self.net,
+            shares: 0,
         }
     }
 }
@@ -291,6 +294,26 @@ struct VmInfo {
     /// Whether it has a network device (in the sandbox's namespace).
     #[serde(default)]
     net: bool,
+    /// How many volumes it mounts (virtio-fs devices `dsec_v<i>`, each served by a
+    /// virtiofsd of its own). Such a VM is never saved (see [`refuse_saving`]).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    shares: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+/// A VM that mounts volumes cannot be saved: a virtio-fs device's state is its daemon's
+/// (open files, locks), which QEMU's migration cannot carry, so QEMU refuses it.
+fn refuse_saving(rec: &SandboxRecord, what: &str) -> Result<(), ApiError> {
+    if rec.volumes.is_empty() {
+        return Ok(());
+    }
+    Err(ApiError::precondition(format!(
+        "sandbox {} mounts volumes, and a vm sandbox that mounts volumes cannot be {what} (its shared-filesystem devices cannot be saved with it); use a container sandbox, or a vm without volumes",
+        rec.id
+    )))
 }
 
 fn default_machine() -> String {
@@ -525,7 +548,14 @@ impl VmBackend {
         // `mapped-ram` save instead. No prealloc or mlock, which would touch every page
         // and end the sharing.
         let size = info.mem_mb;
+        if info.shares > 0 && (incoming.is_some() || !matches!(mem, Mem::Own { fill: None })) {
+            return Err("a VM that mounts volumes is never restored from a save".into());
+        }
         let memory = match mem {
+            // A virtio-fs daemon maps the guest's memory: it must be shareable.
+            Mem::Own { fill: None } if self.anon_ram() && info.shares > 0 => {
+                format!("memory-backend-memfd,id=mem,size={size}M,share=on")
+            }
             Mem::Own { fill: None } if self.anon_ram() => {
                 format!("memory-backend-ram,id=mem,size={size}M")
             }
@@ -669,6 +699,24 @@ impl VmBackend {
             },
         )?;
         cgroup::own::join_before_exec(&mut cmd, &procs)?;
+        if info.shares > 0 {
+            // virtiofsd (libvhost-user) serves modern virtio only, and microvm's
+            // virtio-mmio devices are legacy unless told otherwise.
+            if bus == "device" {
+                cmd.args(["-global", "virtio-mmio.force-legacy=false"]);
+            }
+            for (i, sock) in self.start_shares(rec, dir, &procs)?.iter().enumerate() {
+                cmd.arg("-chardev")
+                    .arg(format!("socket,id=vfs{i},path={}", sock.display()))
+                    .args([
+                        "-device",
+                        &format!(
+                            "vhost-user-fs-{bus},chardev=vfs{i},tag={}",
+                            crate::volumes::share_tag(i)
+                        ),
+                    ]);
+            }
+        }
         // With a network, QEMU runs in the sandbox's namespace, next to its tap.
         let _netns = if info.net {
             let node_side = rec
@@ -778,6 +826,7 @@ impl VmBackend {
             shared_ram: !self.anon_ram(),
             machine: self.options.as_ref().map_err(Clone::clone)?.machine.clone(),
             net: rec.network.as_ref().is_some_and(|n| n.gateway.is_some()),
+            shares: rec.volumes.len(),
         };
         self.start(rec, paths, &info, Mem::Own { fill: None }, None, None)
     }
@@ -1093,6 +1142,7 @@ impl VmBackend {
         for f in ["qemu.pid", "vmux.pid", "vm.chardev", "vm.wake", "vm.qmp"] {
             let _ = std::fs::remove_file(dir.join(f));
         }
+        stop_shares(dir);
         if let Some(id) = dir.file_name() {
             let rel = cgroup::sandbox_cgroup_path(&id.to_string_lossy());
             // A killed QEMU can take a moment (seconds, nested) to leave its cgroup.
@@ -1190,6 +1240,9 @@ impl Backend for VmBackend {
     /// like [`Backend::snapshot`]'s. A failed capture leaves the VM running and falls back
     /// to a paused one (`None`).
     fn snapshot_live(&self, rec: &SandboxRecord, dest: &Path) -> Option<Result<u64, ApiError>> {
+        if let Err(e) = refuse_saving(rec, "forked or snapshotted") {
+            return Some(Err(e));
+        }
         let capture = self.capture();
         let info: VmInfo = read_json(&self.sandboxes.join(&rec.id).join("vm.json")).ok()?;
         let live = match capture {
@@ -1247,7 +1300,7 @@ impl Backend for VmBackend {
     }
 
     fn plan_snapshot(&self, rec: &SandboxRecord, dest: &Path) -> bool {
-        if self.capture() != ForkCapture::Mapped {
+        if self.capture() != ForkCapture::Mapped || !rec.volumes.is_empty() {
             return false;
         }
         match self.plan(rec, dest) {
@@ -1267,6 +1320,7 @@ impl Backend for VmBackend {
         _paths: &SandboxPaths,
         dest: &Path,
     ) -> Result<(), ApiError> {
+        refuse_saving(rec, "forked or snapshotted")?;
         let ram = self
             .ram_dir
             .join(format!("seed-{}-{}.ram", rec.id, crate::random_hex(8)));
@@ -1393,6 +1447,7 @@ impl Backend for VmBackend {
     }
 
     fn suspend(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError> {
+        refuse_saving(rec, "paused to disk or moved")?;
         let dest = self.suspended_dir(&rec.id);
         let part = paths.dir.join("suspended.part");
         let _ = std::fs::remove_dir_all(&part);
