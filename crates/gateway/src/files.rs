@@ -226,7 +226,7 @@ async fn put(
 
 /// The `WriteInfo` of a file the API wrote (its answer names the absolute path).
 async fn written(
-    r: hyper::Response<hyper::body::Incoming>,
+    r: hyper::Response<crate::upstream::UpBody>,
     path: &str,
     meta: &BTreeMap<String, String>,
 ) -> Value {

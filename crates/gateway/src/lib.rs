@@ -83,6 +83,9 @@ pub struct Config {
     /// Builds templates into the node's image store (`Template.build()`); None: builds
     /// are refused.
     pub builder: Option<Arc<dyn Builder>>,
+    /// The API's router where the gateway runs in the API's process: calls go to it
+    /// directly (see [`upstream`]). None: over HTTP to `api_url`.
+    pub in_process: Option<upstream::InProcess>,
 }
 
 /// What an E2B template stands for: an OpenDsec image, and the backend to run it on
@@ -194,7 +197,7 @@ impl Gw {
 /// the same URL.
 pub fn router(cfg: Config) -> Router {
     let gw = Gw {
-        up: Upstream::new(&cfg.api_url),
+        up: Upstream::new(&cfg.api_url, cfg.in_process.clone()),
         cfg: Arc::new(cfg),
         watchers: Default::default(),
         builds: Default::default(),

@@ -201,7 +201,7 @@ pub(crate) async fn stream(
 /// NDJSON exec events in, Connect frames out, until the end frame. A client that goes
 /// away ends the relay, not the process.
 async fn relay(
-    mut body: hyper::body::Incoming,
+    mut body: crate::upstream::UpBody,
     tx: mpsc::Sender<Vec<u8>>,
     pty: bool,
     keepalive: Option<Duration>,

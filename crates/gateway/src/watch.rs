@@ -40,7 +40,11 @@ struct Watcher {
 }
 
 /// A watch's upstream stream, opened on a directory, and that directory's absolute path.
-async fn open(gw: &Gw, t: &Target, msg: &Value) -> Result<(hyper::body::Incoming, String), RpcErr> {
+async fn open(
+    gw: &Gw,
+    t: &Target,
+    msg: &Value,
+) -> Result<(crate::upstream::UpBody, String), RpcErr> {
     let p = msg["path"]
         .as_str()
         .ok_or_else(|| RpcErr::new("invalid_argument", "path is required"))?;
@@ -107,7 +111,7 @@ fn fs_event(ev: &Value, dir: &str) -> Option<Value> {
 /// The next NDJSON event of a watch stream (an `error` line as the error it carries);
 /// None when the stream ends.
 async fn each_line(
-    body: &mut hyper::body::Incoming,
+    body: &mut crate::upstream::UpBody,
     buf: &mut BytesMut,
 ) -> Option<Result<Value, (String, String)>> {
     loop {

@@ -76,6 +76,12 @@ async fn port_proxy(
 }
 
 async fn setup() -> (SocketAddr, String) {
+    setup_with(false).await
+}
+
+/// The gateway over the stand-in API; `in_process`: it calls the API's router directly,
+/// its `api_url` naming a port where nothing listens.
+async fn setup_with(in_process: bool) -> (SocketAddr, String) {
     let api = Router::new()
         .route(
             "/v1/sandboxes/{id}/ports/{port}/{*rest}",
@@ -102,16 +108,23 @@ async fn setup() -> (SocketAddr, String) {
                 "{\"type\":\"start\",\"pid\":42}\n{\"type\":\"stdout\",\"data\":\"aGkK\"}\n{\"type\":\"exit\",\"exit_code\":2}\n"
             }),
         );
-    let api = serve(api).await;
+    let (api_url, local) = if in_process {
+        let l: dsec_gateway::upstream::InProcess = Default::default();
+        let _ = l.set(api);
+        ("http://127.0.0.1:9".to_string(), Some(l))
+    } else {
+        (format!("http://{}", serve(api).await), None)
+    };
     let secret = b"s3cret".to_vec();
     let token = dsec_gateway::access_token(&secret, ID);
     let gw = dsec_gateway::router(dsec_gateway::Config {
-        api_url: format!("http://{api}"),
+        api_url,
         service_key: "dsk.service".into(),
         secret,
         templates: BTreeMap::new(),
         domain: Some("sb.test".into()),
         builder: None,
+        in_process: local,
     });
     (serve(gw).await, token)
 }
@@ -153,6 +166,18 @@ fn frames(mut b: &[u8]) -> Vec<(u8, Value)> {
 #[tokio::test]
 async fn a_process_stream_is_framed_as_connect_events() {
     let (gw, token) = setup().await;
+    process_stream_is_framed(gw, token).await;
+}
+
+/// The same, with the API's router called in the gateway's process: nothing listens at
+/// its `api_url`, so every answer came from the router.
+#[tokio::test]
+async fn a_process_stream_is_framed_the_same_in_process() {
+    let (gw, token) = setup_with(true).await;
+    process_stream_is_framed(gw, token).await;
+}
+
+async fn process_stream_is_framed(gw: SocketAddr, token: String) {
     let start =
         json!({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "echo hi"]}, "stdin": false});
     let body = dsec_gateway::connect::message(&start);

@@ -82,6 +82,7 @@ pub async fn run(a: GatewayArgs) -> Result<i32> {
         ),
         // Images are built where the image store is (`dsec up`, `dsec image build`).
         builder: None,
+        in_process: None,
     });
     println!("E2B gateway on http://{bound} for {}", cfg.api_url);
     println!(

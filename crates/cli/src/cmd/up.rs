@@ -360,6 +360,8 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
         edge: node.clone(),
         store: edge_cfg.image_store.clone(),
     });
+    // The gateway calls the API's router in this process (set once it is built below).
+    let api_router: dsec_gateway::upstream::InProcess = Default::default();
     let gateway = bind_gateway(
         &dir,
         server_cfg.gateway,
@@ -369,6 +371,7 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
         &key,
         &e2b_key,
         Some(builder),
+        Some(api_router.clone()),
     )
     .await?;
     let (edge, reaper) = start_edge(edge_cfg, iam.clone()).await?;
@@ -385,6 +388,7 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
         forwarded: false,
     })
     .merge(raft.router());
+    let _ = api_router.set(app.clone());
     std::fs::write(pid_file(&dir), std::process::id().to_string())?;
     write_private(
         &client_path,
@@ -565,6 +569,7 @@ async fn bind_gateway(
     key: &str,
     user_key: &str,
     builder: Option<Arc<dyn dsec_gateway::Builder>>,
+    in_process: Option<dsec_gateway::upstream::InProcess>,
 ) -> Result<Option<(tokio::net::TcpListener, axum::Router)>> {
     let env_path = dir.join(E2B_ENV);
     let _ = std::fs::remove_file(&env_path);
@@ -619,6 +624,7 @@ async fn bind_gateway(
                 .unwrap_or_else(|| format!("localhost:{}", bound.port())),
         ),
         builder,
+        in_process,
     });
     let url = format!("http://{bound}");
     write_private(
@@ -901,6 +907,7 @@ mod tests {
             "dsk.k",
             "dsk.user",
             None,
+            None,
         )
         .await
         .unwrap();
@@ -928,6 +935,7 @@ mod tests {
             "http://x",
             "dsk.k",
             "dsk.user",
+            None,
             None,
         )
         .await
