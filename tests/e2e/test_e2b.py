@@ -420,6 +420,16 @@ def test_fork_and_snapshots(e2b, template):
             f.files.write("state.txt", f.sandbox_id)
         assert sb.is_running() and sb.files.read("state.txt") == "before"
         assert [f.files.read("state.txt") for f in forks] == [f.sandbox_id for f in forks]
+        # fork() with no count makes one; on the VM backends with the source's memory,
+        # so a process the source runs runs in the copy too.
+        sb.commands.run("sleep 1000", background=True)
+        one = sb.fork(timeout=120)
+        made += [f for f in one if isinstance(f, e2b.Sandbox)]
+        assert len(one) == 1 and isinstance(one[0], e2b.Sandbox), one
+        count = ("for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; done"
+                 " | grep -c '^sleep 1000' || true")
+        memory = template != "base"
+        assert one[0].commands.run(count).stdout.strip() == ("1" if memory else "0")
 
         name = f"snap-{uuid.uuid4().hex[:8]}"
         info = sb.create_snapshot(name=name)
@@ -461,7 +471,6 @@ def test_fork_and_snapshots(e2b, template):
             e2b.Sandbox.kill(x.sandbox_id)
 
 
-@pytest.mark.parametrize("template", ["base"])
 def test_update_network_replaces_the_rules(sandbox, e2b):
     """`update_network` replaces a running sandbox's egress rules at once (allowed entries
     win over denied ones); what the gateway cannot do is refused, not ignored."""
@@ -495,52 +504,63 @@ def test_update_network_replaces_the_rules(sandbox, e2b):
     assert {x.sandbox_id for x in e2b.Sandbox.list().next_items()} == before
 
 
-def test_list_order_started_after_and_template(e2b):
-    """Listing: `order`, `started_after` and the `template` filter, with the pages."""
+def test_list_order_started_after_and_template(e2b, template):
+    """Listing: `order`, `started_after` and the `template` filter, with the pages, which
+    run across running and paused sandboxes alike."""
     import datetime
     import time
 
     tag = uuid.uuid4().hex[:8]
-    first = e2b.Sandbox.create("base", metadata={"lt": tag}, timeout=120)
+    other = template.replace("base", "code-interpreter-v1")  # the same backend
+    made = []
     try:
+        first = e2b.Sandbox.create(template, metadata={"lt": tag}, timeout=300)
+        made.append(first)
         time.sleep(0.05)
         cut = datetime.datetime.now(datetime.timezone.utc)
         time.sleep(0.05)
-        second = e2b.Sandbox.create("code-interpreter-v1", metadata={"lt": tag}, timeout=120)
-        try:
-            def ids(order=None, **q):
-                p = e2b.Sandbox.list(query=e2b.SandboxQuery(metadata={"lt": tag}, **q), order=order, limit=1)
-                out = []
-                while p.has_next:
-                    out += [s.sandbox_id for s in p.next_items()]
-                return out
+        second = e2b.Sandbox.create(other, metadata={"lt": tag}, timeout=300)
+        made.append(second)
+        third = e2b.Sandbox.create(template, metadata={"lt": tag}, timeout=300)
+        made.append(third)
+        third.pause()
 
-            a, b = first.sandbox_id, second.sandbox_id
-            assert ids() == [a, b] and ids("asc") == [a, b]
-            assert ids("desc") == [b, a]
-            assert ids(started_after=cut) == [b]
-            assert ids(template="base") == [a]
-            assert ids(template="code-interpreter-v1") == [b]
-            assert ids(template="no-such-template") == []
-        finally:
-            second.kill()
+        def ids(order=None, **q):
+            p = e2b.Sandbox.list(query=e2b.SandboxQuery(metadata={"lt": tag}, **q), order=order, limit=1)
+            out = []
+            while p.has_next:
+                out += [s.sandbox_id for s in p.next_items()]
+            return out
+
+        a, b, c = first.sandbox_id, second.sandbox_id, third.sandbox_id
+        both = [e2b.SandboxState.RUNNING, e2b.SandboxState.PAUSED]
+        assert ids(state=both) == [a, b, c] and ids("asc", state=both) == [a, b, c]
+        assert ids("desc", state=both) == [c, b, a]
+        assert ids(state=[e2b.SandboxState.RUNNING]) == [a, b]
+        assert ids(state=[e2b.SandboxState.PAUSED]) == [c]
+        assert ids(started_after=cut, state=both) == [b, c]
+        assert ids(template=template, state=both) == [a, c]
+        assert ids(template=other, state=both) == [b]
+        assert ids(template="no-such-template", state=both) == []
     finally:
-        first.kill()
+        for m in made:
+            e2b.Sandbox.kill(m.sandbox_id)
 
 
 @pytest.mark.parametrize("on_timeout", ["pause", {"action": "pause", "mode": "filesystem"}],
                          ids=["full", "filesystem"])
-def test_on_timeout_pause_and_connect_resumes(e2b, on_timeout):
+def test_on_timeout_pause_and_connect_resumes(e2b, template, on_timeout):
     """`lifecycle={"on_timeout": "pause"}`: at its timeout the sandbox is paused, not
     killed; `connect` resumes it with its files, and its processes unless the pause was
-    filesystem-only."""
+    filesystem-only (a VM's memory is on its disk then, so they live on)."""
     import time
 
-    sb = e2b.Sandbox.create("base", timeout=3, lifecycle={"on_timeout": on_timeout})
+    vm = template != "base"  # a guest takes seconds to boot under emulation
+    sb = e2b.Sandbox.create(template, timeout=15 if vm else 3, lifecycle={"on_timeout": on_timeout})
     try:
         sb.files.write("kept.txt", "yes")
         sb.commands.run("sleep 1000", background=True)
-        end = time.monotonic() + 20
+        end = time.monotonic() + (60 if vm else 20)
         while (st := e2b.Sandbox.get_info(sb.sandbox_id).state) != e2b.SandboxState.PAUSED and time.monotonic() < end:
             time.sleep(0.2)
         assert st == e2b.SandboxState.PAUSED, st
@@ -548,12 +568,12 @@ def test_on_timeout_pause_and_connect_resumes(e2b, on_timeout):
         assert c.get_info().state == e2b.SandboxState.RUNNING
         assert c.files.read("kept.txt") == "yes"
         r = c.commands.run("for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; done | grep -c '^sleep 1000' || true")
-        assert r.stdout.strip() == ("1" if on_timeout == "pause" else "0"), r
+        assert r.stdout.strip() == ("1" if on_timeout == "pause" or template.endswith("-vm") else "0"), r
     finally:
         e2b.Sandbox.kill(sb.sandbox_id)
 
 
-def test_a_request_to_its_port_wakes_an_auto_resume_sandbox(e2b):
+def test_a_request_to_its_port_wakes_an_auto_resume_sandbox(e2b, template):
     """`lifecycle={"on_timeout": "pause", "auto_resume": True}`: paused at its timeout, the
     sandbox is resumed by the next request to one of its ports, which its server (frozen
     with it, not restarted) answers. Without `auto_resume` a paused sandbox's port is
@@ -563,8 +583,9 @@ def test_a_request_to_its_port_wakes_an_auto_resume_sandbox(e2b):
     import httpx
 
     url = e2b_env()["E2B_SANDBOX_URL"]
-    sb = e2b.Sandbox.create("base", timeout=6, lifecycle={"on_timeout": "pause", "auto_resume": True})
-    plain = e2b.Sandbox.create("base", timeout=6, lifecycle={"on_timeout": "pause"})
+    ttl = 6 if template == "base" else 25  # a guest takes seconds to boot under emulation
+    sb = e2b.Sandbox.create(template, timeout=ttl, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    plain = e2b.Sandbox.create(template, timeout=ttl, lifecycle={"on_timeout": "pause"})
     try:
         for s in (sb, plain):
             s.files.write("/tmp/srv.py", PORT_SERVER)
@@ -574,7 +595,7 @@ def test_a_request_to_its_port_wakes_an_auto_resume_sandbox(e2b):
             if httpx.get(f"{url}/up", headers={"Host": host}).status_code == 200:
                 break
             time.sleep(0.1)
-        end = time.monotonic() + 30
+        end = time.monotonic() + 30 + ttl
         while time.monotonic() < end and not all(
                 e2b.Sandbox.get_info(s.sandbox_id).state == e2b.SandboxState.PAUSED for s in (sb, plain)):
             time.sleep(0.2)
@@ -732,9 +753,14 @@ async def test_async_sdk(e2b, template):
 
 
 def test_pause_and_connect_resumes(sandbox, e2b):
+    """A pause keeps the sandbox's memory by default (`mode="full"`, and the deprecated
+    `keep_memory=True`): its processes live on after connect."""
     from e2b import SandboxQuery, SandboxState
 
     sandbox.commands.run("echo kept > /tmp/p")
+    sandbox.commands.run("sleep 1000", background=True)
+    count = ("for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; done"
+             " | grep -c '^sleep 1000' || true")
     assert sandbox.pause() is True
     assert sandbox.get_info().state == SandboxState.PAUSED
     assert not sandbox.is_running()
@@ -744,6 +770,10 @@ def test_pause_and_connect_resumes(sandbox, e2b):
     c = e2b.Sandbox.connect(sandbox.sandbox_id)
     assert c.get_info().state == SandboxState.RUNNING
     assert c.commands.run("cat /tmp/p").stdout == "kept\n"
+    assert c.commands.run(count).stdout.strip() == "1"
+    assert c.pause(keep_memory=True) is True
+    c = e2b.Sandbox.connect(sandbox.sandbox_id)
+    assert c.commands.run(count).stdout.strip() == "1"
 
 
 def test_filesystem_only_pause_keeps_files_and_ends_processes(sandbox, e2b, template):
@@ -793,6 +823,16 @@ def test_metrics(sandbox):
     assert all(e.timestamp >= busy_from - datetime.timedelta(seconds=6) for e in later)
     ahead = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=1)
     assert sandbox.get_metrics(start=ahead) == []
+    # `end` closes the range (E2B sends whole seconds): nothing after it, alone or with
+    # a `start`.
+    cut = stamps[-1] - datetime.timedelta(seconds=1)  # after the reading before the last
+    upto = sandbox.get_metrics(end=cut)
+    assert upto and all(e.timestamp <= cut for e in upto), (upto, cut)
+    assert stamps[-2] in [e.timestamp for e in upto] and stamps[-1] not in [e.timestamp for e in upto]
+    # Readings are 3-7 s apart: from 8 s before the one before the last, it is in.
+    window = [e.timestamp for e in sandbox.get_metrics(start=stamps[-2] - datetime.timedelta(seconds=8), end=cut)]
+    assert stamps[-2] in window and set(window) <= set(stamps) and max(window) <= cut, (window, stamps)
+    assert sandbox.get_metrics(start=ahead, end=ahead + datetime.timedelta(minutes=1)) == []
 
 
 # A server run inside the sandbox: GET echoes what reached it, POST answers the body's
@@ -830,6 +870,19 @@ class H(http.server.BaseHTTPRequestHandler):
         self.reply(h.hexdigest())
 http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
 '''
+
+
+def get_when_up(url: str, headers: dict[str, str], tries: int = 100):
+    """GET `url` until the server behind it answers 200 (it may still be starting); the
+    last answer."""
+    import httpx
+
+    for _ in range(tries):
+        r = httpx.get(url, headers=headers)
+        if r.status_code == 200:
+            break
+        time.sleep(0.1)
+    return r
 
 
 def test_sandbox_ports_through_the_host_url(e2b, template):
@@ -881,12 +934,7 @@ def test_sandbox_ports_through_the_host_url(e2b, template):
         # a private sandbox's ports want its traffic token
         phost = private.get_host(8000)
         assert private.traffic_access_token
-        for _ in range(100):
-            r = httpx.get(f"{url}/p", headers={"Host": phost,
-                                               "E2B-Traffic-Access-Token": private.traffic_access_token})
-            if r.status_code == 200:
-                break
-            time.sleep(0.1)
+        r = get_when_up(f"{url}/p", {"Host": phost, "E2B-Traffic-Access-Token": private.traffic_access_token})
         assert r.text.startswith("/p ")
         assert httpx.get(f"{url}/p", headers={"Host": phost}).status_code == 401
         assert httpx.get(f"{url}/p", headers={"Host": phost, "E2B-Traffic-Access-Token": "x"}).status_code == 403
@@ -896,6 +944,35 @@ def test_sandbox_ports_through_the_host_url(e2b, template):
     # a sandbox that is gone
     r = httpx.get(f"{url}/", headers={"Host": host})
     assert r.status_code == 502 and "was not found" in r.json()["message"]
+
+
+def test_connect_gives_the_same_tokens_and_hosts(e2b, template):
+    """`Sandbox.connect` (the class's and the instance's) to a private sandbox, from a
+    process that holds no token: the handle it gets carries the same envd and traffic
+    tokens and the same hosts as the creator's, and both reach the sandbox and its ports."""
+    import time
+
+    import httpx
+
+    url = e2b_env()["E2B_SANDBOX_URL"]
+    sb = e2b.Sandbox.create(template, timeout=120, network={"allow_public_traffic": False})
+    try:
+        sb.files.write("/tmp/srv.py", PORT_SERVER)
+        sb.commands.run("python3 /tmp/srv.py", background=True, timeout=0)
+        c = e2b.Sandbox.connect(sb.sandbox_id)
+        again = sb.connect()
+        for h in (c, again):
+            assert h.sandbox_id == sb.sandbox_id
+            assert h._envd_access_token == sb._envd_access_token
+            assert h.traffic_access_token == sb.traffic_access_token and sb.traffic_access_token
+            assert h.get_host(8000) == sb.get_host(8000)
+            assert h.commands.run("echo hi").stdout == "hi\n"
+        host = c.get_host(8000)
+        r = get_when_up(f"{url}/c", {"Host": host, "E2B-Traffic-Access-Token": c.traffic_access_token})
+        assert r.status_code == 200 and r.text.startswith("/c "), (r.status_code, r.text)
+        assert httpx.get(f"{url}/c", headers={"Host": host}).status_code == 401
+    finally:
+        sb.kill()
 
 
 def test_a_host_mask_is_the_host_a_sandbox_server_sees(e2b, template):
@@ -1162,6 +1239,20 @@ def test_volumes(e2b):
             r = vm.commands.run("cat vol/b.txt && echo vm > vol/c.txt")
             assert r.stdout == "more\n", r
             assert sb.files.read("/mnt/data/c.txt") == "vm\n"
+            # In the VM the volume is a network mount (virtio-fs): a watch is refused
+            # unless it allows network mounts, then sees the VM's own changes.
+            with pytest.raises(e2b.SandboxException, match="network filesystem"):
+                vm.files.watch_dir("vol")
+            w = vm.files.watch_dir("vol", allow_network_mounts=True)
+            vm.files.write("vol/w.txt", "watched")
+            names = set()
+            for _ in range(50):
+                names |= {e.name for e in w.get_new_events()}
+                if "w.txt" in names:
+                    break
+                time.sleep(0.1)
+            w.stop()
+            assert "w.txt" in names, names
         finally:
             sb.kill()
             vm.kill()

@@ -55,7 +55,7 @@ def test_run_code(ci, e2b, template):  # noqa: F811
         sb.kill()
 
 
-@pytest.mark.parametrize("template", TEMPLATES[:1])
+@pytest.mark.parametrize("template", TEMPLATES)
 def test_matplotlib_figures_come_back_as_png_and_chart(ci, e2b, template):  # noqa: F811
     import base64
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import os
 import re
 import subprocess
 import time
@@ -563,6 +564,54 @@ async def test_a_sandbox_that_forges_another_sandboxs_address_is_dropped(lab: Ne
     own = await asyncio.to_thread(learned, attacker)
     assert any(e.startswith(PYPI_IP) for e in own), f"the attacker's own query opened nothing: {own}"
     assert elements(lab, "a", victim) == []
+
+
+# ---- E2B's allowOut / denyOut, through the lab node's gateway -----------------------------
+
+
+def test_e2b_allow_out_wins_over_deny_out(lab: Netlab, node: DSecClient):
+    """E2B's egress rules with real traffic, through the lab node's E2B gateway: deny all
+    plus specific allows reaches the allowed address only; an address both allowed and
+    denied is allowed (allow wins, as E2B defines it); `update_network` changes them at
+    once."""
+    from test_e2b import E2B_VERSION, pip_pinned
+    pip_pinned("e2b", E2B_VERSION)
+    import e2b
+
+    env = {}
+    for line in (netlab.NODE_DIR / "e2b.env").read_text().splitlines():
+        k, _, v = line.partition("=")
+        if k:
+            env[k] = v
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    get = ("python3 -c \"import sys, urllib.request as u\n"
+           "try: print(u.urlopen(sys.argv[1], timeout=3).read().decode().strip())\n"
+           "except Exception as e: print('FAIL', type(e).__name__)\" ")
+    pypi, other = f"http://{PYPI_IP}:{HTTP_PORT}/", f"http://{OTHER_IP}:{HTTP_PORT}/"
+    made = []
+    try:
+        only = e2b.Sandbox.create("base", timeout=300, network={
+            "allow_out": [PYPI_IP], "deny_out": ["0.0.0.0/0"]})
+        made.append(only)
+        both = e2b.Sandbox.create("base", timeout=300, network={
+            "allow_out": [f"{OTHER_IP}/32"], "deny_out": [OTHER_IP, "0.0.0.0/0"]})
+        made.append(both)
+        assert only.commands.run(get + pypi).stdout.strip() == "pypi"
+        assert only.commands.run(get + other).stdout.startswith("FAIL")
+        assert both.commands.run(get + other).stdout.strip() == "other"
+        assert both.commands.run(get + pypi).stdout.startswith("FAIL")
+        only.update_network({"allow_out": [OTHER_IP], "deny_out": ["0.0.0.0/0"]})
+        assert only.commands.run(get + other).stdout.strip() == "other"
+        assert only.commands.run(get + pypi).stdout.startswith("FAIL")
+    finally:
+        for m in made:
+            m.kill()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 # ---- 4. scale and cleanup ------------------------------------------------------------------

@@ -8,6 +8,7 @@ import assert from 'node:assert/strict'
 import { createHash, randomBytes } from 'node:crypto'
 import net from 'node:net'
 
+import { Sandbox as CodeInterpreter } from '@e2b/code-interpreter'
 import {
   CommandExitError,
   FileType,
@@ -61,6 +62,11 @@ const scenarios = {
       assert.equal((await sb.commands.run('whoami; pwd')).stdout, 'user\n/home/user\n')
       assert.equal((await sb.files.write('js.txt', 'from js')).path, '/home/user/js.txt')
       assert.equal((await sb.commands.run('stat -c %U js.txt', { cwd: '.' })).stdout, 'user\n')
+      // what third-party benchmarks run first; a relative cwd is under the home
+      assert.match((await sb.commands.run('node -v')).stdout, /^v\d+\./)
+      assert.match((await sb.commands.run('python --version')).stdout, /^Python 3\./)
+      await sb.commands.run('mkdir -p rel/dir')
+      assert.equal((await sb.commands.run('pwd', { cwd: 'rel/dir' })).stdout, '/home/user/rel/dir\n')
       await assert.rejects(sb.commands.run('sleep 30', { timeoutMs: 1000 }), TimeoutError)
       // background, stdin, kill
       let h = await sb.commands.run('read line; echo got $line', { background: true, stdin: true })
@@ -85,6 +91,13 @@ const scenarios = {
       await sb.pty.sendInput(pty.pid, new TextEncoder().encode('stty size; exit\n'))
       assert.equal((await pty.wait()).exitCode, 0)
       assert.ok(Buffer.concat(out).toString().includes('30 100'))
+      // a second client connects to a running PTY and gets its output
+      const p2 = await sb.pty.create({ cols: 80, rows: 24, onData: () => {} })
+      const seen2 = []
+      const joined = await sb.pty.connect(p2.pid, { onData: (d) => seen2.push(Buffer.from(d)) })
+      await sb.pty.sendInput(p2.pid, new TextEncoder().encode('echo via-conn$((6*7)); exit\n'))
+      await joined.wait()
+      assert.ok(Buffer.concat(seen2).toString().includes('via-conn42'), Buffer.concat(seen2).toString())
     } finally {
       await sb.kill()
     }
@@ -153,6 +166,13 @@ const scenarios = {
       const want = { owner: 'js', step: '2' }
       const info = await sb.files.write('jm/a.txt', 'x', { metadata: { owner: 'js', Step: '2' } })
       assert.deepEqual(info.metadata, want)
+      // kept as the file's extended attributes (user.e2b.*, or trusted.e2b.* in a VM,
+      // whose writable tmpfs keeps no user attributes on the guest's Linux 6.1)
+      const xattr = "python3 -c \"import os; f = '/home/user/jm/a.txt'; " +
+        "n = [x for x in os.listxattr(f) if x.endswith('e2b.owner')]; print(n[0][:-5], os.getxattr(f, n[0]).decode())\""
+      const [prefix, value] = (await sb.commands.run(xattr, { user: 'root' })).stdout.trim().split(' ')
+      assert.equal(value, 'js')
+      assert.ok(prefix === 'user.e2b.' || (prefix === 'trusted.e2b.' && template !== 'base'), prefix)
       assert.deepEqual((await sb.files.getInfo('jm/a.txt')).metadata, want)
       assert.deepEqual((await sb.files.list('jm')).find((e) => e.name === 'a.txt').metadata, want)
       assert.deepEqual((await sb.files.rename('jm/a.txt', 'jm/b.txt')).metadata, want)
@@ -189,16 +209,30 @@ const scenarios = {
       assert.equal((await c.commands.run('echo via connect')).stdout, 'via connect\n')
       const [m] = await c.getMetrics()
       assert.ok(m.cpuCount >= 1 && m.memUsed > 0 && m.memUsed < m.memTotal && m.diskTotal > 0, JSON.stringify(m))
+      // a range in the future holds nothing
+      const ahead = new Date(Date.now() + 60_000)
+      assert.deepEqual(await c.getMetrics({ start: ahead, end: new Date(ahead.getTime() + 60_000) }), [])
+      // startedAfter: b was made after a
+      const after = await Sandbox.list({ query: { metadata: { run: tag }, startedAfter: new Date((await a.getInfo()).startedAt.getTime() + 1) } }).nextItems()
+      assert.ok(!after.some((s) => s.sandboxId === a.sandboxId), JSON.stringify(after))
       const before = (await a.getInfo()).endAt
       await a.setTimeout(600_000)
       assert.ok((await a.getInfo()).endAt - before > 300_000)
-      // pause, and connect resumes
+      // pause (with its memory by default), and connect resumes; pages run across
+      // running and paused sandboxes
       await a.commands.run('echo kept > /tmp/p')
+      await a.commands.run('sleep 1000', { background: true, timeoutMs: 0 })
       assert.equal(await a.pause(), true)
       assert.equal((await a.getInfo()).state, 'paused')
+      const paged = Sandbox.list({ query: { metadata: { run: tag }, state: ['running', 'paused'] }, limit: 1 })
+      const seen = []
+      while (paged.hasNext) seen.push(...(await paged.nextItems()).map((s) => `${s.sandboxId}:${s.state}`))
+      assert.deepEqual(seen.sort(), [`${a.sandboxId}:paused`, `${b.sandboxId}:running`].sort())
       const r = await Sandbox.connect(a.sandboxId)
       assert.equal((await r.getInfo()).state, 'running')
       assert.equal((await r.commands.run('cat /tmp/p')).stdout, 'kept\n')
+      const count = "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; done | grep -c '^sleep 1000' || true"
+      assert.equal((await r.commands.run(count)).stdout, '1\n')
       // kill, and expiry
       assert.equal(await Sandbox.kill(b.sandboxId), true)
       assert.equal(await Sandbox.kill(b.sandboxId), false)
@@ -232,9 +266,14 @@ const scenarios = {
       assert.deepEqual(listed.map((x) => x.snapshotId), [info.snapshotId])
       const byName = await Sandbox.listSnapshots({ name }).nextItems()
       assert.deepEqual(byName.map((x) => x.snapshotId), [info.snapshotId])
+      const everything = await Sandbox.listSnapshots({ limit: 100 }).nextItems()
+      assert.ok(everything.some((x) => x.snapshotId === info.snapshotId))
       const r = await Sandbox.create(info.snapshotId, { timeoutMs: 120_000 })
       made.push(r)
       assert.equal(await r.files.read('state.txt'), 'before')
+      const r2 = await Sandbox.create(name, { timeoutMs: 120_000 })
+      made.push(r2)
+      assert.equal(await r2.files.read('state.txt'), 'before')
       assert.equal(await Sandbox.deleteSnapshot(info.snapshotId), true)
       assert.equal(await Sandbox.deleteSnapshot(info.snapshotId), false)
     } finally {
@@ -258,6 +297,45 @@ const scenarios = {
       assert.deepEqual(none, [])
     } finally {
       await Sandbox.kill(a.sandboxId)
+    }
+    // header injection is refused, not dropped
+    await assert.rejects(
+      Sandbox.create(template, {
+        timeoutMs: 60_000,
+        network: { allowOut: ['api.example.com'], rules: { 'api.example.com': [{ transform: { headers: { A: 'b' } } }] } },
+      }),
+      /rules/,
+    )
+    // keepMemory: false pauses with the files only; connect starts it afresh from them
+    const fsOnly = await Sandbox.create(template, { timeoutMs: 120_000 })
+    try {
+      await fsOnly.files.write('kept.txt', 'fs')
+      assert.equal(await fsOnly.pause({ keepMemory: false }), true)
+      assert.equal((await Sandbox.getInfo(fsOnly.sandboxId)).state, 'paused')
+      const c = await Sandbox.connect(fsOnly.sandboxId, { timeoutMs: 60_000 })
+      assert.equal(await c.files.read('kept.txt'), 'fs')
+    } finally {
+      await Sandbox.kill(fsOnly.sandboxId)
+    }
+    // autoResume: paused at its timeout, woken by a request to one of its ports
+    const vm = template !== 'base'
+    const wake = await Sandbox.create(template, {
+      timeoutMs: vm ? 25_000 : 6_000,
+      lifecycle: { onTimeout: 'pause', autoResume: true },
+    })
+    try {
+      await wake.files.write('/tmp/srv.py', process.env.PORT_SERVER)
+      await wake.commands.run('python3 /tmp/srv.py', { background: true, timeoutMs: 0 })
+      const url = process.env.E2B_SANDBOX_URL
+      const h = { headers: { 'E2b-Sandbox-Id': wake.sandboxId, 'E2b-Sandbox-Port': '8000' } }
+      assert.ok(await until(async () => (await fetch(`${url}/up`, h)).status === 200))
+      assert.ok(await until(async () => (await Sandbox.getInfo(wake.sandboxId)).state === 'paused', 60_000))
+      const r = await fetch(`${url}/wake`, h)
+      assert.equal(r.status, 200)
+      assert.ok((await r.text()).startsWith('/wake '))
+      assert.equal((await Sandbox.getInfo(wake.sandboxId)).state, 'running')
+    } finally {
+      await Sandbox.kill(wake.sandboxId)
     }
     // paused, not killed, at its timeout; connect resumes it with its files
     const p = await Sandbox.create(template, { timeoutMs: 5_000, lifecycle: { onTimeout: 'pause' } })
@@ -304,6 +382,35 @@ const scenarios = {
       assert.equal(await Volume.destroy(vol.volumeId), true)
     }
     assert.equal(await Volume.destroy(vol.volumeId), false)
+  },
+
+  // @e2b/code-interpreter: matplotlib's figures come back as a PNG and E2B's chart data
+  async charts() {
+    const ci = template.replace('base', 'code-interpreter-v1')
+    const sb = await CodeInterpreter.create(ci, { timeoutMs: 300_000 })
+    try {
+      let ex = await sb.runCode(
+        "import matplotlib.pyplot as plt\n" +
+          "plt.plot([1, 2, 3], [4, 5, 6], label='loss')\n" +
+          "plt.title('training'); plt.xlabel('step'); plt.ylabel('value')\n" +
+          'plt.show()',
+        { timeoutMs: 120_000 },
+      )
+      assert.equal(ex.error, undefined, JSON.stringify(ex.error))
+      assert.equal(ex.results.length, 1)
+      const [r] = ex.results
+      assert.deepEqual([...Buffer.from(r.png, 'base64').subarray(0, 8)], [0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a])
+      assert.equal(r.chart.type, 'line')
+      assert.deepEqual([r.chart.title, r.chart.x_label, r.chart.y_label], ['training', 'step', 'value'])
+      assert.deepEqual(r.chart.elements.map((e) => [e.label, e.points]), [['loss', [[1, 4], [2, 5], [3, 6]]]])
+      ex = await sb.runCode("import matplotlib.pyplot as plt\nplt.bar(['a', 'b'], [3, 1]); plt.show()")
+      assert.equal(ex.results[0].chart.type, 'bar')
+      assert.deepEqual(ex.results[0].chart.elements.map((e) => [e.label, e.value]), [['a', 3], ['b', 1]])
+      ex = await sb.runCode('1 + 1')
+      assert.deepEqual(ex.results.map((x) => x.text), ['2'])
+    } finally {
+      await sb.kill()
+    }
   },
 
   async ports() {
@@ -353,6 +460,23 @@ const scenarios = {
       Sandbox.create(template, { timeoutMs: 60_000, network: { maskRequestHost: 'a b' } }),
       /maskRequestHost/,
     )
+    // allowPublicTraffic: false: its ports want its traffic token, which connect gives too
+    const priv = await Sandbox.create(template, { timeoutMs: 120_000, network: { allowPublicTraffic: false } })
+    try {
+      await priv.files.write('/tmp/srv.py', process.env.PORT_SERVER)
+      await priv.commands.run('python3 /tmp/srv.py', { background: true, timeoutMs: 0 })
+      assert.ok(priv.trafficAccessToken)
+      const again = await Sandbox.connect(priv.sandboxId)
+      assert.equal(again.trafficAccessToken, priv.trafficAccessToken)
+      assert.equal(again.getHost(8000), priv.getHost(8000))
+      const url = process.env.E2B_SANDBOX_URL
+      const base = { 'E2b-Sandbox-Id': priv.sandboxId, 'E2b-Sandbox-Port': '8000' }
+      assert.ok(await until(async () =>
+        (await fetch(`${url}/t`, { headers: { ...base, 'E2B-Traffic-Access-Token': again.trafficAccessToken } })).status === 200))
+      assert.equal((await fetch(`${url}/t`, { headers: base })).status, 401)
+    } finally {
+      await priv.kill()
+    }
   },
 }
 
