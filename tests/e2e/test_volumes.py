@@ -324,6 +324,11 @@ async def test_a_vm_mounts_volumes_shared_with_containers(client):
 
             with pytest.raises(PreconditionError):
                 await client.delete_volume(ro["id"])
+            # Nor is it paused to disk at its timeout (that would end it, files and all).
+            with pytest.raises(InvalidArgumentError) as e:
+                await client.run_sandbox(DSecRunArgs(image="root/base", backend="vm", on_timeout="pause_to_disk",
+                                                     volumes={"/mnt/data": rw["id"]}))
+            assert "paused to disk" in e.value.message, e.value.message
         finally:
             await vm.stop()
             await c.stop()

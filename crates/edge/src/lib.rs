@@ -756,6 +756,13 @@ impl Edge {
             .clone()
             .unwrap_or_else(dsec_common::api::root_project);
         let volumes = self.sandbox_volumes(backend.name(), &project, &req.volumes)?;
+        // Such a VM is never saved (its shared-filesystem devices cannot be): a pause to
+        // disk at its timeout would end it instead, files and all.
+        if backend.name() == "vm" && !volumes.is_empty() && v.pause_to_disk_on_timeout {
+            return Err(ApiError::invalid(
+                "a vm sandbox that mounts volumes cannot be paused to disk at its timeout (it is never saved): use on_timeout \"pause\" (in place) or \"stop\", or a container sandbox",
+            ));
+        }
         let now = now_ms();
         let mut env = manifest.env.clone();
         env.extend(req.env.clone());

@@ -569,10 +569,13 @@ async fn kill(State(gw): State<Gw>, h: HeaderMap, Path(id): Path<String>) -> Res
     let k = key(&h)?;
     let id = sandbox_id(&id)?;
     gw.forget_running(&id);
-    let _: Value = gw
+    let gone: Result<Value, UpErr> = gw
         .up
         .call(Method::DELETE, &format!("/v1/sandboxes/{id}"), &k, None)
-        .await?;
+        .await;
+    // Also after: an envd call meanwhile may have seen it running.
+    gw.forget_running(&id);
+    let _ = gone?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
@@ -814,7 +817,7 @@ async fn pause(
         ));
     }
     gw.forget_running(&info.id);
-    let _: Value = gw
+    let paused: Result<Value, UpErr> = gw
         .up
         .call(
             Method::POST,
@@ -822,7 +825,10 @@ async fn pause(
             &k,
             Some(json!({"to_disk": !memory})),
         )
-        .await?;
+        .await;
+    // Also after: an envd call meanwhile may have seen it running.
+    gw.forget_running(&info.id);
+    let _ = paused?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 

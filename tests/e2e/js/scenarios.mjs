@@ -24,6 +24,8 @@ import {
 const template = process.argv[2] ?? 'base'
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms))
 const sha256 = (b) => createHash('sha256').update(b).digest('hex')
+// How many `sleep 1000` processes a sandbox runs (its images have no pgrep)
+const SLEEPERS = "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; done | grep -c '^sleep 1000' || true"
 
 async function until(pred, ms = 10_000) {
   const end = Date.now() + ms
@@ -231,8 +233,7 @@ const scenarios = {
       const r = await Sandbox.connect(a.sandboxId)
       assert.equal((await r.getInfo()).state, 'running')
       assert.equal((await r.commands.run('cat /tmp/p')).stdout, 'kept\n')
-      const count = "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; done | grep -c '^sleep 1000' || true"
-      assert.equal((await r.commands.run(count)).stdout, '1\n')
+      assert.equal((await r.commands.run(SLEEPERS)).stdout, '1\n')
       // kill, and expiry
       assert.equal(await Sandbox.kill(b.sandboxId), true)
       assert.equal(await Sandbox.kill(b.sandboxId), false)
@@ -306,19 +307,22 @@ const scenarios = {
       }),
       /rules/,
     )
+    const vm = template !== 'base' // a guest takes seconds to boot under emulation
     // keepMemory: false pauses with the files only; connect starts it afresh from them
     const fsOnly = await Sandbox.create(template, { timeoutMs: 120_000 })
     try {
       await fsOnly.files.write('kept.txt', 'fs')
+      await fsOnly.commands.run('sleep 1000', { background: true, timeoutMs: 0 })
       assert.equal(await fsOnly.pause({ keepMemory: false }), true)
       assert.equal((await Sandbox.getInfo(fsOnly.sandboxId)).state, 'paused')
       const c = await Sandbox.connect(fsOnly.sandboxId, { timeoutMs: 60_000 })
       assert.equal(await c.files.read('kept.txt'), 'fs')
+      // a container starts afresh from its files; a VM's memory is on its disk then
+      assert.equal((await c.commands.run(SLEEPERS)).stdout, vm ? '1\n' : '0\n')
     } finally {
       await Sandbox.kill(fsOnly.sandboxId)
     }
     // autoResume: paused at its timeout, woken by a request to one of its ports
-    const vm = template !== 'base'
     const wake = await Sandbox.create(template, {
       timeoutMs: vm ? 25_000 : 6_000,
       lifecycle: { onTimeout: 'pause', autoResume: true },
@@ -338,7 +342,7 @@ const scenarios = {
       await Sandbox.kill(wake.sandboxId)
     }
     // paused, not killed, at its timeout; connect resumes it with its files
-    const p = await Sandbox.create(template, { timeoutMs: 5_000, lifecycle: { onTimeout: 'pause' } })
+    const p = await Sandbox.create(template, { timeoutMs: vm ? 15_000 : 5_000, lifecycle: { onTimeout: 'pause' } })
     try {
       await p.files.write('kept.txt', 'yes')
       assert.ok(await until(async () => (await Sandbox.getInfo(p.sandboxId)).state === 'paused', 30_000))

@@ -416,9 +416,10 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
         };
         let _ = stop_tx.send(Some(stop_sandboxes));
     });
+    let mut gateway_task = None;
     if let Some((gl, gapp)) = gateway {
         let mut rx3 = stop_rx.clone();
-        tokio::spawn(async move {
+        gateway_task = Some(tokio::spawn(async move {
             let r = axum::serve(gl.tap_io(no_delay), gapp)
                 .with_graceful_shutdown(async move {
                     let _ = rx3.wait_for(|v| v.is_some()).await;
@@ -427,7 +428,7 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
             if let Err(e) = r {
                 tracing::error!("E2B gateway: {e}");
             }
-        });
+        }));
     }
     let mut rx2 = stop_rx.clone();
     axum::serve(listener.tap_io(no_delay), app)
@@ -435,6 +436,11 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
             let _ = rx2.wait_for(|v| v.is_some()).await;
         })
         .await?;
+    // The gateway calls the API's router in this process: its calls end before the node
+    // stops (one still open after 10 s is not waited for).
+    if let Some(t) = gateway_task {
+        let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+    }
     reaper.abort();
     let stop_sandboxes = stop_rx.borrow_and_update().unwrap_or(true);
     if stop_sandboxes {

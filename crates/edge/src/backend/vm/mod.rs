@@ -1531,6 +1531,7 @@ impl Backend for VmBackend {
 
     fn housekeeping(&self, paths: &SandboxPaths) {
         cap_console(&paths.dir.join("console.log"), CONSOLE_MAX);
+        shares::cap_logs(&paths.dir, CONSOLE_MAX);
     }
 
     fn start_log(&self, paths: &SandboxPaths) -> Option<String> {

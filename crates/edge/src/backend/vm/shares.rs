@@ -14,7 +14,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use super::VmBackend;
-use crate::backend::detached::{alive, kill, read_pid};
+use crate::backend::detached::alive;
 use crate::cgroup;
 use crate::registry::SandboxRecord;
 
@@ -60,6 +60,32 @@ fn pid_file(dir: &Path, i: usize) -> PathBuf {
     dir.join(format!("virtiofsd.{i}.pid"))
 }
 
+/// Where daemon `i` logs (warnings and errors only; capped by the backend's housekeeping).
+fn log_file(dir: &Path, i: usize) -> PathBuf {
+    dir.join(format!("virtiofsd.{i}.log"))
+}
+
+/// A daemon's command line: serving `src` on socket `sock`.
+fn daemon_args(sock: &Path, src: &Path) -> Vec<String> {
+    vec![
+        format!("--socket-path={}", sock.display()),
+        "-o".into(),
+        format!("source={}", src.display()),
+        "-o".into(),
+        "cache=auto".into(),
+        "-o".into(),
+        "sandbox=namespace".into(),
+        "-o".into(),
+        format!("xattrmap={XATTR_MAP}"),
+        // What the guest sends must not fill the node's disk with lines.
+        "-o".into(),
+        "log_level=warn".into(),
+        // The edge's own limit on open files stands (raising it needs a capability the
+        // node may not grant).
+        "--rlimit-nofile=0".into(),
+    ]
+}
+
 impl VmBackend {
     /// Binds the sandbox's volumes and starts a virtiofsd for each, in the cgroup whose
     /// `cgroup.procs` files are `procs`; returns their sockets once each listens.
@@ -79,17 +105,15 @@ impl VmBackend {
             for (i, src) in sources.iter().enumerate() {
                 let sock = socket(dir, i);
                 let _ = std::fs::remove_file(&sock);
-                let log = std::fs::File::create(dir.join(format!("virtiofsd.{i}.log")))
+                // Appending, so that the log can be cut short under the daemon.
+                let _ = std::fs::remove_file(log_file(dir, i));
+                let log = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(log_file(dir, i))
                     .map_err(|e| format!("creating virtiofsd.{i}.log: {e}"))?;
                 let mut cmd = Command::new(&bin);
-                cmd.arg(format!("--socket-path={}", sock.display()))
-                    .arg("-o")
-                    .arg(format!("source={}", src.display()))
-                    .args(["-o", "cache=auto", "-o", "sandbox=namespace"])
-                    .args(["-o", &format!("xattrmap={XATTR_MAP}")])
-                    // The edge's own limit on open files stands (raising it needs a
-                    // capability the node may not grant).
-                    .arg("--rlimit-nofile=0")
+                cmd.args(daemon_args(&sock, src))
                     .stdin(Stdio::null())
                     .stdout(log.try_clone().map_err(|e| e.to_string())?)
                     .stderr(log);
@@ -118,8 +142,7 @@ impl VmBackend {
             let sock = socket(dir, i);
             while !sock.exists() {
                 if !alive(*pid as i32) || t0.elapsed() > Duration::from_secs(10) {
-                    let said = std::fs::read_to_string(dir.join(format!("virtiofsd.{i}.log")))
-                        .unwrap_or_default();
+                    let said = std::fs::read_to_string(log_file(dir, i)).unwrap_or_default();
                     return Err(format!(
                         "virtiofsd for volume {} did not start: {}",
                         rec.volumes[i].volume,
@@ -134,20 +157,28 @@ impl VmBackend {
     }
 }
 
-/// Ends a VM's virtiofsd daemons (they end with QEMU, unless it was killed mid-start)
-/// and removes the binds of its volumes.
+/// Cuts the daemons' logs of the VM in `dir` short, as its console's.
+pub(super) fn cap_logs(dir: &Path, max: u64) {
+    if dir.join(SHARES_DIR).exists() {
+        for i in 0..crate::volumes::MAX_MOUNTS {
+            super::cap_console(&log_file(dir, i), max);
+        }
+    }
+}
+
+/// Forgets a VM's virtiofsd daemons and removes the binds of its volumes. The daemons
+/// end with QEMU, and whatever is left of them goes with the sandbox's cgroup (their pids
+/// are not killed by number: once a daemon has exited, its pid may be another process's).
 pub(super) fn stop_shares(dir: &Path) {
-    let mut i = 0;
-    while read_pid(&pid_file(dir, i)).is_some() || socket(dir, i).exists() {
-        kill(&pid_file(dir, i));
+    let shares = dir.join(SHARES_DIR);
+    if !shares.exists() {
+        return;
+    }
+    for i in 0..crate::volumes::MAX_MOUNTS {
         let _ = std::fs::remove_file(pid_file(dir, i));
         let _ = std::fs::remove_file(socket(dir, i));
-        i += 1;
     }
-    let shares = dir.join(SHARES_DIR);
-    if shares.exists()
-        && let Ok(ns) = crate::mountns::get()
-    {
+    if let Ok(ns) = crate::mountns::get() {
         let _ = ns.run(|| crate::volumes::unbind_shares(&shares));
     }
 }
@@ -169,12 +200,7 @@ mod tests {
         std::fs::create_dir_all(dir.join("src")).unwrap();
         let sock = socket(&dir, 0);
         let mut child = Command::new(bin)
-            .arg(format!("--socket-path={}", sock.display()))
-            .arg("-o")
-            .arg(format!("source={}", dir.join("src").display()))
-            .args(["-o", "cache=auto", "-o", "sandbox=namespace"])
-            .args(["-o", &format!("xattrmap={XATTR_MAP}")])
-            .arg("--rlimit-nofile=0")
+            .args(daemon_args(&sock, &dir.join("src")))
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
