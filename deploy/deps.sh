@@ -32,9 +32,10 @@ if [ "${VERSION_CODENAME:-}" = bookworm ] && ((${qemu_major:-0} < 10)); then
     seabios/bookworm-backports >/dev/null \
     || echo "warning: QEMU 10 could not be installed; VM forks stop the source for longer" >&2
 fi
-# virtiofsd, for the nested-KVM test harness (it shares the host's root with its outer
-# VM): QEMU 7.2 shipped it, QEMU 10 does not, and Debian 12 has no package of its own,
-# so on Debian 12 it is taken from 7.2's qemu-system-common.
+# virtiofsd, for volumes in vm sandboxes (one daemon per mounted volume) and for the
+# nested-KVM test harness (it shares the host's root with its outer VM): QEMU 7.2 shipped
+# it, QEMU 10 does not, and Debian 12 has no package of its own, so on Debian 12 it is
+# taken from 7.2's qemu-system-common.
 if [ "${VERSION_CODENAME:-}" = bookworm ] && ! [ -x /usr/lib/qemu/virtiofsd ] \
   && ! [ -x /usr/libexec/virtiofsd ] && ! [ -x /usr/local/libexec/virtiofsd ]; then
   echo "==> virtiofsd from QEMU 7.2's qemu-system-common"
@@ -43,9 +44,15 @@ if [ "${VERSION_CODENAME:-}" = bookworm ] && ! [ -x /usr/lib/qemu/virtiofsd ] \
     && dpkg -x qemu-system-common_*.deb x); then
     install -D -m 0755 "$vt/x/usr/lib/qemu/virtiofsd" /usr/local/libexec/virtiofsd
   else
-    echo "warning: virtiofsd could not be fetched; the nested-KVM tests cannot run" >&2
+    echo "warning: virtiofsd could not be fetched; vm sandboxes cannot mount volumes and the nested-KVM tests cannot run" >&2
   fi
   rm -rf "$vt"
+elif [ "${VERSION_CODENAME:-}" != bookworm ] && ! [ -x /usr/libexec/virtiofsd ] \
+  && ! [ -x /usr/lib/qemu/virtiofsd ] && ! [ -x /usr/local/libexec/virtiofsd ]; then
+  # Debian 13 and recent Ubuntu package it on its own.
+  echo "==> apt-get install virtiofsd"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends virtiofsd >/dev/null \
+    || echo "warning: virtiofsd could not be installed; vm sandboxes cannot mount volumes" >&2
 fi
 if ! command -v cargo >/dev/null; then
   echo "error: Rust (cargo >= 1.90) is needed to build OpenDsec; install it with rustup (https://rustup.rs)" >&2

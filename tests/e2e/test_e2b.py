@@ -704,16 +704,30 @@ def test_envd_requires_the_sandbox_token(sandbox):
 
 
 def test_quota_and_projects(e2b):
-    """Control-plane calls use the caller's key: its project's quota and visibility apply."""
+    """Control-plane calls use the caller's key: its project's quota and visibility apply.
+    A key in E2B's shape (`e2b_` and 40 hex digits) acts in its own project, as any."""
     import json
 
     tag = uuid.uuid4().hex[:8]
     keys = {}
     for p in ("qa", "qb"):
-        dsec("iam", "project-create", f"root/e2b{p}{tag}", "--sandboxes", "1")
-        out = dsec("iam", "key-create", "--project", f"root/e2b{p}{tag}", "--name", f"k{p}", "--json").stdout
+        dsec("iam", "project-create", f"root/e2b{p}{tag}", "--sandboxes", "1",
+             *(["--disk", "1536"] if p == "qb" else []))
+        out = dsec("iam", "key-create", "--project", f"root/e2b{p}{tag}", "--name", f"k{p}", "--json",
+                   *(["--e2b-format"] if p == "qa" else [])).stdout
         keys[p] = json.loads(out)["key"]
+    assert re.fullmatch(r"e2b_[0-9a-f]{40}", keys["qa"]), keys["qa"]
+    # A volume counts against the project's disk quota: one of 1 GiB fits in 1.5, two do not.
+    vol = e2b.Volume.create(f"q-{tag}", api_key=keys["qb"])
+    try:
+        with pytest.raises(Exception, match="quota"):
+            e2b.Volume.create(f"q2-{tag}", api_key=keys["qb"])
+    finally:
+        assert e2b.Volume.destroy(vol.volume_id, api_key=keys["qb"])
     a = e2b.Sandbox.create(api_key=keys["qa"])
+    rows = json.loads(dsec("ls", "--json").stdout)
+    rows = rows["sandboxes"] if isinstance(rows, dict) else rows
+    assert next(r for r in rows if r["id"] == a.sandbox_id)["project"] == f"root/e2bqa{tag}"
     try:
         with pytest.raises(e2b.RateLimitException, match="quota"):
             e2b.Sandbox.create(api_key=keys["qa"])

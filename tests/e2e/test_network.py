@@ -569,7 +569,8 @@ async def test_a_sandbox_that_forges_another_sandboxs_address_is_dropped(lab: Ne
 # ---- E2B's allowOut / denyOut, through the lab node's gateway -----------------------------
 
 
-def test_e2b_allow_out_wins_over_deny_out(lab: Netlab, node: DSecClient):
+@pytest.mark.parametrize("template", ["base", "base-vm"], ids=["container", "vm"])
+def test_e2b_allow_out_wins_over_deny_out(lab: Netlab, node: DSecClient, template: str):
     """E2B's egress rules with real traffic, through the lab node's E2B gateway: deny all
     plus specific allows reaches the allowed address only; an address both allowed and
     denied is allowed (allow wins, as E2B defines it); `update_network` changes them at
@@ -591,10 +592,10 @@ def test_e2b_allow_out_wins_over_deny_out(lab: Netlab, node: DSecClient):
     pypi, other = f"http://{PYPI_IP}:{HTTP_PORT}/", f"http://{OTHER_IP}:{HTTP_PORT}/"
     made = []
     try:
-        only = e2b.Sandbox.create("base", timeout=300, network={
+        only = e2b.Sandbox.create(template, timeout=300, network={
             "allow_out": [PYPI_IP], "deny_out": ["0.0.0.0/0"]})
         made.append(only)
-        both = e2b.Sandbox.create("base", timeout=300, network={
+        both = e2b.Sandbox.create(template, timeout=300, network={
             "allow_out": [f"{OTHER_IP}/32"], "deny_out": [OTHER_IP, "0.0.0.0/0"]})
         made.append(both)
         assert only.commands.run(get + pypi).stdout.strip() == "pypi"

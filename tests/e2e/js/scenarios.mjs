@@ -204,6 +204,8 @@ const scenarios = {
       const only = await Sandbox.list({ query: { metadata: { run: tag, role: 'b' } } }).nextItems()
       assert.deepEqual(only.map((s) => s.sandboxId), [b.sandboxId])
       assert.deepEqual(only[0].metadata, { run: tag, role: 'b' })
+      const desc = await Sandbox.list({ query: { metadata: { run: tag } }, order: 'desc' }).nextItems()
+      assert.deepEqual(desc.map((s) => s.sandboxId), [b.sandboxId, a.sandboxId])
       const pager = Sandbox.list({ query: { metadata: { run: tag } }, limit: 1 })
       assert.equal((await pager.nextItems()).length, 1)
       assert.equal(pager.hasNext, true)
