@@ -205,17 +205,22 @@ def server():
     wait_for(lambda: not lazyfs_processes(), timeout=10)
 
 
-def lazyfs_processes() -> list[int]:
-    """`dsec lazyfs` daemons serving this suite's image store."""
+def processes_where(pred) -> list[int]:
+    """Pids of the processes whose argv (a list of bytes) `pred` takes."""
     out = []
     for p in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             argv = p.read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"lazyfs" in argv and str(DATA / "images").encode() in argv:
+        if pred(argv):
             out.append(int(p.parent.name))
     return out
+
+
+def lazyfs_processes() -> list[int]:
+    """`dsec lazyfs` daemons serving this suite's image store."""
+    return processes_where(lambda argv: b"lazyfs" in argv and str(DATA / "images").encode() in argv)
 
 
 @pytest.fixture

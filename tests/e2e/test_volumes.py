@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DATA, leftovers, server_down, server_up
+from conftest import DATA, leftovers, processes_where, server_down, server_up
 from opendsec import (
     DSecClient,
     DSecRunArgs,
@@ -257,15 +257,8 @@ def test_the_cli_makes_fills_reads_and_removes_a_volume(tmp_path):
 
 def virtiofsd_processes(sandbox_id: str) -> list[int]:
     """virtiofsd daemons serving sandbox `sandbox_id`'s volumes."""
-    out = []
-    for p in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            argv = p.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and argv[0].endswith(b"virtiofsd") and any(sandbox_id.encode() in a for a in argv):
-            out.append(int(p.parent.name))
-    return out
+    return processes_where(lambda argv: argv[0].endswith(b"virtiofsd")
+                           and any(sandbox_id.encode() in a for a in argv))
 
 
 async def test_a_vm_mounts_volumes_shared_with_containers(client):

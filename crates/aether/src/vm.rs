@@ -78,14 +78,7 @@ pub fn mount_shares(mounts: &[dsec_common::channel::GuestMount]) -> Result<(), S
         if !m.path.starts_with('/') {
             return Err(format!("volume mount path {} is not absolute", m.path));
         }
-        let escaped: String = m
-            .path
-            .chars()
-            .map(|ch| match ch {
-                ' ' | '\t' | '\n' | '\\' => format!("\\{:03o}", ch as u32),
-                c => c.to_string(),
-            })
-            .collect();
+        let escaped = dsec_common::mountinfo::escaped(Path::new(&m.path));
         // mountinfo: ... mount-point(5th) ... - fstype source ...
         let mounted = table.lines().any(|l| {
             let f: Vec<&str> = l.split(' ').collect();

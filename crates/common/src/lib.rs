@@ -10,6 +10,7 @@ pub mod error;
 #[cfg(feature = "http")]
 pub mod http;
 pub mod id;
+pub mod mountinfo;
 pub mod private;
 pub mod project;
 pub mod tree;

@@ -181,8 +181,13 @@ fn deadline_error(timeout: Duration) -> ApiError {
 
 /// One request, one reply.
 pub async fn call(sock: &Path, req: &Request, timeout: Duration) -> Result<Response, ApiError> {
+    check(answer(sock, req, timeout).await?)
+}
+
+/// [`call`] with an agent's error reply left as it is: `Err` only when no answer came.
+async fn answer(sock: &Path, req: &Request, timeout: Duration) -> Result<Response, ApiError> {
     tokio::time::timeout(timeout, async {
-        Conn::open(sock, req).await?.reply().await
+        Conn::open(sock, req).await?.whole_reply().await
     })
     .await
     .map_err(|_| deadline_error(timeout))?
@@ -295,13 +300,7 @@ pub async fn wait_ready_with(
                 ));
             }
         }
-        let answered = tokio::time::timeout(Duration::from_secs(2), async {
-            Conn::open(sock, req).await?.whole_reply().await
-        })
-        .await
-        .map_err(|_| deadline_error(Duration::from_secs(2)))
-        .and_then(|r| r);
-        match answered {
+        match answer(sock, req, Duration::from_secs(2)).await {
             // The agent answered: an error it replies ends the wait (it would say the same
             // again), only a connection that failed or timed out is tried again.
             Ok(r) => return check(r),

@@ -52,16 +52,7 @@ pub fn get() -> Result<&'static MountNs, String> {
         .ok_or_else(|| "the sandboxes' mount namespace was not started".to_string())
 }
 
-/// `p` as `/proc/*/mountinfo` writes it: space, tab, newline and backslash as octal escapes.
-pub(crate) fn mountinfo_path(p: &Path) -> String {
-    p.to_string_lossy()
-        .chars()
-        .map(|ch| match ch {
-            ' ' | '\t' | '\n' | '\\' => format!("\\{:03o}", ch as u32),
-            ch => ch.to_string(),
-        })
-        .collect()
-}
+pub(crate) use dsec_common::mountinfo::escaped as mountinfo_path;
 
 /// Whether the mount table `mountinfo` has a mount at `dir` or anywhere inside it.
 pub(crate) fn has_mount_within(mountinfo: &str, dir: &Path) -> bool {

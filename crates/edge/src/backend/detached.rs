@@ -2,8 +2,31 @@
 //! their channel proxies), known by pid files, and for the small JSON files and sparse
 //! memory files next to them.
 
+use std::os::unix::process::CommandExt;
 use std::path::Path;
+use std::process::{Child, Command};
 use std::time::Duration;
+
+/// Makes `cmd` start a session of its own, so that the edge's exit does not take it along.
+pub fn new_session(cmd: &mut Command) {
+    // SAFETY: setsid(2) between fork and exec, an async-signal-safe call.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+}
+
+/// Starts `cmd` detached ([`new_session`]) and records its pid in `pid_file`; `what`
+/// names it in errors.
+pub fn spawn_detached(cmd: &mut Command, what: &str, pid_file: &Path) -> Result<Child, String> {
+    new_session(cmd);
+    let child = cmd.spawn().map_err(|e| format!("starting {what}: {e}"))?;
+    std::fs::write(pid_file, child.id().to_string())
+        .map_err(|e| format!("writing {}: {e}", pid_file.display()))?;
+    Ok(child)
+}
 
 pub fn read_pid(p: &Path) -> Option<i32> {
     std::fs::read_to_string(p).ok()?.trim().parse().ok()

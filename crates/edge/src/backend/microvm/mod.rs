@@ -30,7 +30,9 @@ use dsec_common::ApiError;
 use dsec_common::api::BackendStatus;
 use dsec_image::{ImageStore, guest};
 
-use super::detached::{alive, copy_sparse, kill, proc_state, read_json, read_pid, write_json};
+use super::detached::{
+    alive, copy_sparse, kill, proc_state, read_json, read_pid, spawn_detached, write_json,
+};
 use super::vm::Accel;
 use super::{Backend, SandboxPaths, SavedFile, moved_disk};
 use crate::cgroup::{self, CgroupMode};
@@ -543,18 +545,7 @@ impl MicrovmBackend {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log);
-        // SAFETY: setsid between fork and exec, so the edge's exit does not take it along.
-        unsafe {
-            std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
-                libc::setsid();
-                Ok(())
-            });
-        }
-        let child = cmd
-            .spawn()
-            .map_err(|e| format!("starting dsec-aether vsockproxy: {e}"))?;
-        std::fs::write(dir.join(PROXY_PID), child.id().to_string())
-            .map_err(|e| format!("writing {PROXY_PID}: {e}"))
+        spawn_detached(&mut cmd, "dsec-aether vsockproxy", &dir.join(PROXY_PID)).map(drop)
     }
 
     fn boot(

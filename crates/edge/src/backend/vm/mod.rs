@@ -27,7 +27,9 @@ mod shares;
 use qmp::Qmp;
 use shares::stop_shares;
 
-use super::detached::{alive, copy_sparse, kill, read_json, read_pid, write_json};
+use super::detached::{
+    alive, copy_sparse, kill, new_session, read_json, read_pid, spawn_detached, write_json,
+};
 use super::{Backend, SandboxPaths, SavedFile, moved_disk};
 use crate::cgroup::{self, CgroupMode};
 use crate::config::ForkCapture;
@@ -756,13 +758,7 @@ impl VmBackend {
             .map_err(|e| format!("creating {}: {e}", qemu_log.display()))?;
         let log2 = log.try_clone().map_err(|e| e.to_string())?;
         cmd.stdin(Stdio::null()).stdout(log).stderr(log2);
-        // SAFETY: setsid between fork and exec, so the edge's exit does not take QEMU along.
-        unsafe {
-            std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
-                libc::setsid();
-                Ok(())
-            });
-        }
+        new_session(&mut cmd);
         let mut child = cmd
             .spawn()
             .map_err(|e| format!("starting {}: {e}", qemu.display()))?;
@@ -778,18 +774,7 @@ impl VmBackend {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(vmux_log);
-        // SAFETY: setsid between fork and exec, so the edge's exit does not take it along.
-        unsafe {
-            std::os::unix::process::CommandExt::pre_exec(&mut vmux, || {
-                libc::setsid();
-                Ok(())
-            });
-        }
-        let child = vmux
-            .spawn()
-            .map_err(|e| format!("starting dsec-aether vmux: {e}"))?;
-        std::fs::write(dir.join("vmux.pid"), child.id().to_string())
-            .map_err(|e| format!("writing vmux.pid: {e}"))?;
+        spawn_detached(&mut vmux, "dsec-aether vmux", &dir.join("vmux.pid"))?;
         // What it loads may still be being written (a fork's copy started early).
         if let Some(ready) = ready {
             ready()?;

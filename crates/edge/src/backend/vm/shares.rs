@@ -14,7 +14,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use super::VmBackend;
-use crate::backend::detached::alive;
+use crate::backend::detached::{alive, spawn_detached};
 use crate::cgroup;
 use crate::registry::SandboxRecord;
 
@@ -118,20 +118,8 @@ impl VmBackend {
                     .stdout(log.try_clone().map_err(|e| e.to_string())?)
                     .stderr(log);
                 cgroup::own::join_before_exec(&mut cmd, procs)?;
-                // SAFETY: setsid between fork and exec, so the edge's exit does not take
-                // the daemon along.
-                unsafe {
-                    std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
-                        libc::setsid();
-                        Ok(())
-                    });
-                }
-                let child = cmd
-                    .spawn()
-                    .map_err(|e| format!("starting {}: {e}", bin.display()))?;
-                std::fs::write(pid_file(dir, i), child.id().to_string())
-                    .map_err(|e| format!("writing virtiofsd.{i}.pid: {e}"))?;
-                pids.push(child.id());
+                let what = bin.display().to_string();
+                pids.push(spawn_detached(&mut cmd, &what, &pid_file(dir, i))?.id());
             }
             Ok(pids)
         })??;
