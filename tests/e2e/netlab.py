@@ -6,8 +6,11 @@
                             up0  192.0.2.1  ─────────────────── eth0 192.0.2.2
                             default via 192.0.2.2               lo: 203.0.113.10  HTTP :8000 ("pypi")
                             TCP :8080 on 0.0.0.0 and [::]           203.0.113.20  HTTP :8000 ("other")
-                            (a service of the host that             203.0.113.53  DNS, the node's upstream
-                            sandboxes must not reach)               198.51.100.1  a "foreign" DNS resolver
+                            (a service of the host that             (both also echo requests on :80, and
+                            sandboxes must not reach)                on :443 over TLS with the lab CA's
+                                                                     certificate for their names)
+                                                                    203.0.113.53  DNS, the node's upstream
+                                                                    198.51.100.1  a "foreign" DNS resolver
                                                                     169.254.169.254 HTTP :80 ("metadata")
 
 The node (`dsec up` run inside dsecn-node, its own data dir and node name `netlab`) gives
@@ -58,6 +61,9 @@ FOREIGN_ZONE_FILE = BASE / "foreign-zone.json"
 UPSTREAM_LOG = LOGS / "dns-upstream.jsonl"
 FOREIGN_LOG = LOGS / "dns-foreign.jsonl"
 HOST_TCP_LOG = LOGS / "host-tcp.jsonl"
+ECHO_LOG = LOGS / "echo.jsonl"
+# The lab's CA (the node's header proxy trusts it; sandboxes do not) and its servers'.
+LAB_CA = BASE / "ca"
 
 NODE_NS = "dsecn-node"
 WORLD_NS = "dsecn-world"
@@ -91,6 +97,8 @@ ZONE: dict[str, list] = {
     "ttl.test": [["A", PYPI_IP, 2]],
 }
 FOREIGN_ZONE = {"*": [["A", FOREIGN_ANSWER, 30]]}
+# The echo servers' certificate names.
+ECHO_NAMES = {"pypi": ["pypi.test", "files.pypi.test"], "other": ["other.test"]}
 
 
 def _run(*argv: str, check: bool = True, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -215,7 +223,29 @@ class Netlab:
         self.node("sysctl", "-qw", "net.ipv4.ip_forward=0")
         self._forward_before = self.ip_forward()
 
+    def _certificates(self) -> None:
+        """The lab CA and a certificate of each echo server's names, signed by it."""
+        LAB_CA.mkdir(parents=True, exist_ok=True)
+        ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+        _run("openssl", "req", "-x509", *ec, "-keyout", str(LAB_CA / "ca.key"), "-out", str(LAB_CA / "ca.pem"),
+             "-days", "30", "-subj", "/CN=netlab CA", "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+        for name, sans in ECHO_NAMES.items():
+            ext = LAB_CA / f"{name}.ext"
+            ext.write_text(f"subjectAltName={','.join('DNS:' + s for s in sans)}\n"
+                           "extendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n")
+            _run("openssl", "req", *ec, "-keyout", str(LAB_CA / f"{name}.key"), "-out", str(LAB_CA / f"{name}.csr"),
+                 "-subj", f"/CN={sans[0]}")
+            _run("openssl", "x509", "-req", "-in", str(LAB_CA / f"{name}.csr"), "-CA", str(LAB_CA / "ca.pem"),
+                 "-CAkey", str(LAB_CA / "ca.key"), "-CAcreateserial", "-out", str(LAB_CA / f"{name}.pem"),
+                 "-days", "30", "-extfile", str(ext))
+
     def _servers(self) -> None:
+        self._certificates()
+        for name, ip in (("pypi", PYPI_IP), ("other", OTHER_IP)):
+            self._start(f"echo-{name}", WORLD_NS, ["echo", ip, "80", name, str(ECHO_LOG)])
+            self._start(f"echo-{name}-tls", WORLD_NS, ["echo", ip, "443", name, str(ECHO_LOG),
+                                                     str(LAB_CA / f"{name}.pem"), str(LAB_CA / f"{name}.key")])
         self._start("http-pypi", WORLD_NS, ["http", PYPI_IP, str(HTTP_PORT), "pypi"])
         self._start("http-other", WORLD_NS, ["http", OTHER_IP, str(HTTP_PORT), "other"])
         self._start("http-metadata", WORLD_NS, ["http", METADATA_IP, "80", "metadata"])
@@ -380,8 +410,13 @@ class Netlab:
         _write_json(ZONE_FILE, ZONE)
 
     def clear_logs(self) -> None:
-        for f in (UPSTREAM_LOG, FOREIGN_LOG, HOST_TCP_LOG):
+        for f in (UPSTREAM_LOG, FOREIGN_LOG, HOST_TCP_LOG, ECHO_LOG):
             f.write_text("")
+
+    @staticmethod
+    def echoed() -> list[dict]:
+        """Requests the echo servers got: server, port, host, headers (lower-case)."""
+        return _read_log(ECHO_LOG)
 
     @staticmethod
     def foreign_queries() -> list[dict]:
@@ -408,6 +443,7 @@ def node_config(image_store: Path) -> str:
             f"image_store = {json.dumps(str(image_store))}\n"
             f"\n[edge.network]\n"
             f"dns_upstream = [{json.dumps(f'{UPSTREAM_DNS_IP}:53')}]\n"
+            f"header_roots = [{json.dumps(str(LAB_CA / 'ca.pem'))}]\n"
             f"\n[edge.network.services]\n{services}\n")
 
 
@@ -554,20 +590,26 @@ class _Log:
             f.write(json.dumps({"t": time.time(), **event}) + "\n")
 
 
+class _Quiet(BaseHTTPRequestHandler):
+    """A handler that logs nothing and answers 200 with a body."""
+
+    def reply(self, body: bytes, ctype: str) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
 def serve_http(addr: str, port: int, name: str) -> None:
     """Answers every GET with its own name."""
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(_Quiet):
         def do_GET(self) -> None:  # noqa: N802
-            body = f"{name}\n".encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
+            self.reply(f"{name}\n".encode(), "text/plain")
 
     srv = ThreadingHTTPServer((addr, port), Handler)
     print("ready", flush=True)
@@ -617,6 +659,29 @@ def serve_dns(addr: str, zone_path: str, log_path: str) -> None:
         threading.Thread(target=tcp_conn, args=(c, peer[0]), daemon=True).start()
 
 
+def serve_echo(addr: str, port: int, name: str, log_path: str, cert: str | None, key: str | None) -> None:
+    """Answers every GET with JSON of its own name and the request's headers, and logs
+    them; over TLS with `cert` and `key`."""
+    log = _Log(log_path)
+
+    class Handler(_Quiet):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:  # noqa: N802
+            headers = {k.lower(): v for k, v in self.headers.items()}
+            log.write(server=name, port=port, path=self.path, headers=headers)
+            self.reply(json.dumps({"server": name, "port": port, "headers": headers}).encode(), "application/json")
+
+    srv = ThreadingHTTPServer((addr, port), Handler)
+    if cert and key:
+        import ssl
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(cert, key)
+        srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
+    print("ready", flush=True)
+    srv.serve_forever()
+
+
 def serve_tcp(port: int, log_path: str) -> None:
     """The node's own service: on 0.0.0.0 and [::] (IPv6 only), says `node` and closes;
     logs every peer."""
@@ -647,6 +712,8 @@ def main(argv: list[str]) -> None:
         serve_http(args[0], int(args[1]), args[2])
     elif role == "dns":
         serve_dns(args[0], args[1], args[2])
+    elif role == "echo":
+        serve_echo(args[0], int(args[1]), args[2], args[3], *(args[4:6] if len(args) >= 6 else (None, None)))
     elif role == "tcp":
         serve_tcp(int(args[0]), args[1])
     else:

@@ -473,7 +473,8 @@ def test_fork_and_snapshots(e2b, template):
 
 def test_update_network_replaces_the_rules(sandbox, e2b):
     """`update_network` replaces a running sandbox's egress rules at once (allowed entries
-    win over denied ones); what the gateway cannot do is refused, not ignored."""
+    win over denied ones; DNS servers opened as E2B opens them); what the gateway cannot
+    do is refused, not ignored."""
     import json
 
     def rules() -> dict:
@@ -487,20 +488,32 @@ def test_update_network_replaces_the_rules(sandbox, e2b):
     assert rules() == {"0.0.0.0/0": False}
     sandbox.update_network({})
     assert rules() == {}
+    # DNS servers are opened when allow_out names a domain, and only then.
+    sandbox.update_network({"allow_out": ["203.0.113.7"], "dns_servers": ["1.1.1.1"]})
+    assert rules() == {"203.0.113.7": True}
+    sandbox.update_network({"allow_out": ["example.com"], "dns_servers": ["1.1.1.1"]})
+    assert rules() == {"example.com": True, "1.1.1.1": True}
+    sandbox.update_network({"allow_out": ["example.com"]})
+    assert rules() == {"example.com": True, "8.8.8.8": True}
+    sandbox.update_network({})
     with pytest.raises(e2b.SandboxException, match="dnsServers"):
-        sandbox.update_network({"allow_out": ["203.0.113.7"], "dns_servers": ["1.1.1.1"]})
+        sandbox.update_network({"allow_out": ["example.com"], "dns_servers": ["dns.example.com"]})
+    # An egress proxy of the caller's is refused, not ignored (as E2B's open-source
+    # deployment does)
+    with pytest.raises(e2b.SandboxException, match="egressProxy"):
+        sandbox.update_network({"allow_out": ["203.0.113.7"], "egress_proxy": {"address": "proxy.example.com:1080"}})
     assert rules() == {}
     # a rule the node refuses (another sandbox's range) leaves the rules as they were
     with pytest.raises(e2b.SandboxException):
         sandbox.update_network({"allow_out": ["10.200.0.0/16"]})
     assert rules() == {}
-    # Header injection (`rules` with a transform) is refused at create too, not dropped,
-    # and nothing is made.
+    # Header rules are checked before anything is made: a header that frames the request
+    # is refused at create, and nothing is made.
     before = {x.sandbox_id for x in e2b.Sandbox.list().next_items()}
-    with pytest.raises(Exception, match="rules"):
+    with pytest.raises(Exception, match="Content-Length"):
         e2b.Sandbox.create("base", timeout=60, network={
             "allow_out": ["api.example.com"],
-            "rules": {"api.example.com": [{"transform": {"headers": {"Authorization": "Bearer x"}}}]}})
+            "rules": {"api.example.com": [{"transform": {"headers": {"Content-Length": "1"}}}]}})
     assert {x.sandbox_id for x in e2b.Sandbox.list().next_items()} == before
 
 
@@ -897,6 +910,53 @@ def get_when_up(url: str, headers: dict[str, str], tries: int = 100):
             break
         time.sleep(0.1)
     return r
+
+
+TLS_SERVER = r'''
+import http.server, ssl, sys
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        b = f"tls {self.path}".encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(b)))
+        self.end_headers()
+        self.wfile.write(b)
+srv = http.server.ThreadingHTTPServer(("0.0.0.0", int(sys.argv[1])), H)
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain("/tmp/tls.pem", "/tmp/tls.key")
+srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
+srv.serve_forever()
+'''
+
+
+def test_https_ports_reach_a_tls_server_in_the_sandbox(e2b, template, tmp_path):
+    """`network.https_ports`: requests for a listed port reach the sandbox's server over
+    TLS (its self-signed certificate accepted); an unlisted port is spoken to in plain
+    HTTP (a TLS server there does not answer it); envd's port cannot be listed."""
+    import httpx
+
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", str(tmp_path / "k"), "-out", str(tmp_path / "c"), "-days", "2",
+                    "-subj", "/CN=sandbox"], check=True, capture_output=True)
+    url = e2b_env()["E2B_SANDBOX_URL"]
+    with pytest.raises(e2b.SandboxException, match="49983"):
+        e2b.Sandbox.create(template, timeout=60, network={"https_ports": [49983]})
+    sb = e2b.Sandbox.create(template, timeout=300, network={"https_ports": [8443]})
+    try:
+        assert sb.get_info().network["https_ports"] == [8443]
+        sb.files.write("/tmp/tls.pem", (tmp_path / "c").read_text())
+        sb.files.write("/tmp/tls.key", (tmp_path / "k").read_text())
+        sb.files.write("/tmp/tls.py", TLS_SERVER)
+        for port in (8443, 8444):
+            sb.commands.run(f"python3 /tmp/tls.py {port}", background=True, timeout=0)
+        r = get_when_up(f"{url}/hello", {"Host": sb.get_host(8443)})
+        assert r.status_code == 200 and r.text == "tls /hello", (r.status_code, r.text)
+        # The same server on a port not listed: plain HTTP, which it does not answer.
+        r = httpx.get(f"{url}/hello", headers={"Host": sb.get_host(8444)}, timeout=30)
+        assert r.status_code == 502, (r.status_code, r.text)
+    finally:
+        sb.kill()
 
 
 def test_sandbox_ports_through_the_host_url(e2b, template):

@@ -21,6 +21,7 @@ import os
 import re
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -566,6 +567,105 @@ async def test_a_sandbox_that_forges_another_sandboxs_address_is_dropped(lab: Ne
     assert elements(lab, "a", victim) == []
 
 
+# ---- egress headers: set by the node, never held by the sandbox -------------------------
+
+# The probe of egress headers (see fetch_probe.py).
+FETCH = (Path(__file__).parent / "fetch_probe.py").read_text()
+LAB_CA_IN_SANDBOX = "/tmp/netlab-ca.pem"
+
+
+async def fetch(sb: Sandbox, *checks: tuple) -> list:
+    r = await sb.exec(argv=["python3", "-c", FETCH, json.dumps(checks)], timeout=120)
+    assert r.exit_code == 0, f"fetch failed in {sb.id}: {r.stderr}"
+    return json.loads(r.stdout)
+
+
+def secret(v: object) -> str | None:
+    """The X-Secret header the echo server got, or None when the request failed."""
+    return v["headers"].get("x-secret") if isinstance(v, dict) else None
+
+
+@pytest.mark.parametrize("backend", ["container", "vm"])
+async def test_egress_headers_reach_the_named_host_only(lab: Netlab, node: DSecClient, backend: str):
+    """A sandbox's egress headers are set by the node on its HTTP and HTTPS requests to
+    the named host (HTTPS through the node's CA, which the sandbox was made to trust, the
+    real server checked by the node) and to nothing else; the sandbox never holds the
+    value. The attacks: a plain-HTTP request that names the host but goes to another
+    allowed address, and TLS that names the host to another allowed address, get no
+    header (the second fails, its server never sees the secret); the proxy cannot be
+    reached directly; a sandbox without headers is not intercepted at all."""
+    import shutil
+
+    if backend == "vm" and not shutil.which("qemu-system-x86_64"):
+        pytest.skip("skipped: qemu-system-x86_64 is not installed")
+    args = dict(image="root/py:3.11", backend=backend, memory_limit_mb=256 if backend == "vm" else 128,
+                ttl_seconds=900)
+    sb, plain = await asyncio.gather(
+        node.run_sandbox(DSecRunArgs(**args, network_rules={"pypi": True, "other.test": True},
+                                     egress_headers={"pypi.test": {"X-Secret": "s3cret", "X-Team": "a"}})),
+        node.run_sandbox(DSecRunArgs(**args, network_rules={"pypi": True})),
+    )
+    ca = (netlab.LAB_CA / "ca.pem").read_text()
+    for s in (sb, plain):
+        await s.files.write(LAB_CA_IN_SANDBOX, ca)
+    assert sb.info.network.get("egress_headers") == {"pypi.test": {"X-Secret": "s3cret", "X-Team": "a"}}
+
+    got = await fetch(
+        sb,
+        ["pypi.test", 443, "pypi.test", None, None, True],             # the named host, HTTPS
+        ["pypi.test", 80, "pypi.test"],                                # the named host, HTTP
+        ["other.test", 443, "other.test", None, LAB_CA_IN_SANDBOX, True],  # another host: untouched
+        ["other.test", 80, "pypi.test"],                               # attack: Host names it, address is other's
+        ["other.test", 443, "pypi.test", "pypi.test", None, True],      # attack: TLS names it to other's address
+        [gateway(sb.info.network["address"]), 10080, "pypi.test"],      # attack: the proxy itself
+    )
+    print(f"\negress headers ({backend}): " + json.dumps([secret(v) if not blocked(v) else v for v in got]),
+          flush=True)
+    https, http_, other, host_spoof, sni_spoof, direct = got
+    assert https["server"] == "pypi" and secret(https) == "s3cret" and https["headers"]["x-team"] == "a", https
+    assert http_["server"] == "pypi" and secret(http_) == "s3cret", http_
+    # Checked against the lab's own CA: the real server's certificate, not the node's.
+    assert other["server"] == "other" and secret(other) == "from-sandbox", other
+    assert host_spoof["server"] == "other" and secret(host_spoof) == "from-sandbox", host_spoof
+    assert blocked(sni_spoof), sni_spoof
+    assert blocked(direct), direct
+    leaked = [e for e in lab.echoed() if e["server"] == "other" and e["headers"].get("x-secret") == "s3cret"]
+    assert not leaked, leaked
+
+    r = await sb.exec(argv=["sh", "-c", "env; cat /proc/self/environ; ls /usr/local/share/ca-certificates"])
+    assert "s3cret" not in r.stdout and "opendsec-egress.crt" in r.stdout, r.stdout
+
+    # Not intercepted: the lab's CA verifies the server it reached, and nothing was set.
+    untouched = await fetch(plain, ["pypi.test", 443, "pypi.test", None, LAB_CA_IN_SANDBOX, True],
+                            ["pypi.test", 80, "pypi.test"])
+    assert [secret(v) for v in untouched] == ["from-sandbox", "from-sandbox"], untouched
+
+    # Changed at runtime, then taken away: the proxy lets go of the sandbox.
+    await sb.set_network_rules({"pypi": True}, {"pypi.test": {"X-Secret": "v2"}})
+    assert secret((await fetch(sb, ["pypi.test", 443, "pypi.test", None, None, True]))[0]) == "v2"
+    await sb.set_network_rules({"pypi": True})
+    after = await fetch(sb, ["pypi.test", 443, "pypi.test", None, LAB_CA_IN_SANDBOX, True],
+                        ["pypi.test", 80, "pypi.test"])
+    assert [secret(v) for v in after] == ["from-sandbox", "from-sandbox"], after
+
+
+async def test_bad_egress_headers_are_refused(lab: Netlab, node: DSecClient):
+    bad = [
+        ({"not a host": {"X-A": "1"}}, "neither a domain"),
+        ({"api.example.com": {"Host": "evil.test"}}, "cannot be set"),
+        ({"api.example.com": {"X-A": "1\r\nX-Injected: 1"}}, "printable ASCII"),
+        ({"api.example.com": {"X A": "1"}}, "not a header name"),
+        ({"api.example.com": {}}, "give 1 to"),
+    ]
+    for headers, says in bad:
+        with pytest.raises(InvalidArgumentError, match=says):
+            await node.run_sandbox(DSecRunArgs(**TINY, network_rules={"api.example.com": True},
+                                               egress_headers=headers))
+    with pytest.raises(InvalidArgumentError, match="no network"):
+        await node.run_sandbox(DSecRunArgs(**TINY, network="none", egress_headers={"pypi.test": {"X-A": "1"}}))
+    assert await node.list_sandboxes() == []
+
+
 # ---- E2B's allowOut / denyOut, through the lab node's gateway -----------------------------
 
 
@@ -575,17 +675,7 @@ def test_e2b_allow_out_wins_over_deny_out(lab: Netlab, node: DSecClient, templat
     plus specific allows reaches the allowed address only; an address both allowed and
     denied is allowed (allow wins, as E2B defines it); `update_network` changes them at
     once."""
-    from test_e2b import E2B_VERSION, pip_pinned
-    pip_pinned("e2b", E2B_VERSION)
-    import e2b
-
-    env = {}
-    for line in (netlab.NODE_DIR / "e2b.env").read_text().splitlines():
-        k, _, v = line.partition("=")
-        if k:
-            env[k] = v
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    e2b, saved = lab_e2b()
     get = ("python3 -c \"import sys, urllib.request as u\n"
            "try: print(u.urlopen(sys.argv[1], timeout=3).read().decode().strip())\n"
            "except Exception as e: print('FAIL', type(e).__name__)\" ")
@@ -608,11 +698,115 @@ def test_e2b_allow_out_wins_over_deny_out(lab: Netlab, node: DSecClient, templat
     finally:
         for m in made:
             m.kill()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_env(saved)
+
+
+@pytest.mark.parametrize("template", ["base", "base-vm"], ids=["container", "vm"])
+def test_e2b_rules_set_headers_and_dns_servers_open(lab: Netlab, node: DSecClient, template: str):
+    """E2B's `network.rules` through the lab node's gateway: a transform's headers are set
+    on HTTPS and HTTP requests to its host (an exact name before the longest wildcard,
+    values replacing the request's own), the sandbox's info shows them, `update_network`
+    replaces them and, left out, removes them; `dns_servers` are opened (all traffic)
+    when `allow_out` names a domain, and only then; workload identity is refused."""
+    e2b, saved = lab_e2b()
+    made = []
+    try:
+        sb = e2b.Sandbox.create(template, timeout=300, network={
+            "allow_out": ["pypi.test", "files.pypi.test"], "deny_out": ["0.0.0.0/0"],
+            "rules": {"pypi.test": [{"transform": {"headers": {"X-Secret": "exact"}}}],
+                      "*.pypi.test": [{"transform": lambda ctx: {"headers": {"X-Secret": "wild"}}}]},
+            "dns_servers": [OTHER_IP]})
+        made.append(sb)
+        sb.files.write("/tmp/fetch.py", FETCH)
+
+        def run(*checks: list) -> list:
+            r = sb.commands.run(f"python3 /tmp/fetch.py '{json.dumps(checks)}'", timeout=120)
+            return json.loads(r.stdout)
+
+        got = run(["pypi.test", 443, "pypi.test", None, None, True], ["pypi.test", 80, "pypi.test"],
+                  ["files.pypi.test", 443, "files.pypi.test", None, None, True])
+        assert [secret(v) for v in got] == ["exact", "exact", "wild"], got
+        net = sb.get_info().network
+        assert net and net["rules"]["pypi.test"][0]["transform"]["headers"] == {"X-Secret": "exact"}, net
+        # The DNS server is open, all of it, since allow_out names a domain.
+        other = sb.commands.run(f"python3 -c \"import urllib.request as u; "
+                                f"print(u.urlopen('http://{OTHER_IP}:{HTTP_PORT}/', timeout=3).read().decode())\"")
+        assert other.stdout.strip() == "other"
+
+        sb.update_network({"allow_out": ["pypi.test"], "deny_out": ["0.0.0.0/0"],
+                           "rules": {"pypi.test": [{"transform": {"headers": {"X-Secret": "second"}}}]}})
+        assert secret(run(["pypi.test", 443, "pypi.test", None, None, True])[0]) == "second"
+        sb.update_network({"allow_out": ["pypi.test"], "deny_out": ["0.0.0.0/0"]})
+        assert secret(run(["pypi.test", 80, "pypi.test"])[0]) == "from-sandbox"
+
+        # No domain in allow_out: the DNS servers are not opened.
+        by_ip = e2b.Sandbox.create(template, timeout=300, network={
+            "allow_out": [PYPI_IP], "deny_out": ["0.0.0.0/0"], "dns_servers": [OTHER_IP]})
+        made.append(by_ip)
+        with pytest.raises(e2b.CommandExitException, match="URLError|timed out"):
+            by_ip.commands.run(f"python3 -c \"import urllib.request as u; "
+                               f"u.urlopen('http://{OTHER_IP}:{HTTP_PORT}/', timeout=3)\"", timeout=60)
+    finally:
+        for m in made:
+            m.kill()
+        restore_env(saved)
+    assert len(made) == 2
+    with pytest.raises(e2b.SandboxException, match="400: iam .workload identity"):
+        e2b, saved = lab_e2b()
+        try:
+            e2b.Sandbox.create(template, timeout=60, iam={"tokens": {"aws": {"audience": "sts.amazonaws.com",
+                                                                           "token_type": "JWT-SVID"}}},
+                               network={"allow_out": ["pypi.test"],
+                                        "rules": {"pypi.test": [{"transform": lambda ctx: {"headers": {
+                                            "Authorization": f"Bearer {ctx.iam.tokens['aws']}"}}}]}})
+        finally:
+            restore_env(saved)
+
+
+@pytest.mark.parametrize("template", ["base", "base-vm"], ids=["container", "vm"])
+def test_e2b_npm_rules_and_dns_servers(lab: Netlab, node: DSecClient, template: str):
+    """The same from JavaScript: the released `e2b` npm package (js/network.mjs) against
+    the lab node's gateway."""
+    import shutil
+
+    from conftest import JS
+    if shutil.which("node") is None or not (JS / "node_modules/e2b").is_dir():
+        pytest.fail("node and the e2b npm package are needed (deploy/deps.sh; conftest installs the package)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
+    for line in (netlab.NODE_DIR / "e2b.env").read_text().splitlines():
+        k, _, v = line.partition("=")
+        if k:
+            env[k] = v
+    r = subprocess.run(["node", "network.mjs", template, OTHER_IP], cwd=JS, env=env,
+                       capture_output=True, text=True, timeout=600)
+    print(r.stdout, r.stderr)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok network"), r.stdout + r.stderr
+
+
+def restore_env(saved: dict) -> None:
+    """Puts back the environment `lab_e2b` replaced."""
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def lab_e2b():
+    """The `e2b` package pointed at the lab node's gateway: (module, the environment it
+    replaced, to put back)."""
+    from test_e2b import E2B_VERSION, pip_pinned
+    pip_pinned("e2b", E2B_VERSION)
+    import e2b
+
+    env = {}
+    for line in (netlab.NODE_DIR / "e2b.env").read_text().splitlines():
+        k, _, v = line.partition("=")
+        if k:
+            env[k] = v
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    return e2b, saved
 
 
 # ---- 4. scale and cleanup ------------------------------------------------------------------

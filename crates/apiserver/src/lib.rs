@@ -571,7 +571,9 @@ async fn set_network(
     let req: SetNetworkRequest = body(&bytes, "set network rules")?;
     Ok(json(
         StatusCode::OK,
-        &st.edge.set_network_rules(&id, req.network_rules).await?,
+        &st.edge
+            .set_network_rules(&id, req.network_rules, req.egress_headers)
+            .await?,
     ))
 }
 

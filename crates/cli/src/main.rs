@@ -67,9 +67,9 @@ enum Command {
     Status(cmd::up::StatusArgs),
     /// Create a sandbox from an image; with a command, run it and print its output
     #[command(
-        after_help = "Example:\n  dsec run root/py:3.11 --memory 1024 -- python3 -c 'print(6*7)'\n  dsec run --rm root/base -- uname -a\n  dsec run --allow pypi --allow 203.0.113.0/24:443 root/py:3.11 -- pip download requests\n  dsec run -v data:/mnt/data root/base -- ls /mnt/data"
+        after_help = "Example:\n  dsec run root/py:3.11 --memory 1024 -- python3 -c 'print(6*7)'\n  dsec run --rm root/base -- uname -a\n  dsec run --allow pypi --allow 203.0.113.0/24:443 root/py:3.11 -- pip download requests\n  dsec run -v data:/mnt/data root/base -- ls /mnt/data\n  dsec run --allow api.example.com --header 'api.example.com:Authorization=Bearer sk-1' root/base -- curl https://api.example.com/"
     )]
-    Run(cmd::sandbox::RunArgs),
+    Run(Box<cmd::sandbox::RunArgs>),
     /// Run a command in a sandbox
     #[command(after_help = "Example:\n  dsec exec local-0123456789ab -- ls -l /")]
     Exec(cmd::sandbox::ExecArgs),
@@ -110,7 +110,7 @@ enum Command {
     ResumeGroup(cmd::pause::GroupArgs),
     /// Replace a running sandbox's egress rules (they hold for new connections at once)
     #[command(
-        after_help = "Example:\n  dsec network local-0123456789ab --allow pypi --allow 203.0.113.0/24:443\n  dsec network local-0123456789ab          # close egress"
+        after_help = "Example:\n  dsec network local-0123456789ab --allow pypi --allow 203.0.113.0/24:443\n  dsec network local-0123456789ab --allow api.example.com --header 'api.example.com:X-Key=k1'\n  dsec network local-0123456789ab          # close egress"
     )]
     Network(cmd::sandbox::NetworkArgs),
     /// Extend a sandbox's lifetime
@@ -204,7 +204,7 @@ fn main() {
             Command::Down(a) => cmd::up::down(a).await,
             Command::Gateway(a) => cmd::gateway::run(a).await,
             Command::Status(a) => cmd::up::status(a).await,
-            Command::Run(a) => cmd::sandbox::run(a).await,
+            Command::Run(a) => cmd::sandbox::run(*a).await,
             Command::Exec(a) => cmd::sandbox::exec(a).await,
             Command::Ls(a) => cmd::sandbox::ls(a).await,
             Command::Rm(a) => cmd::sandbox::rm(a).await,

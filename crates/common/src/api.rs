@@ -53,6 +53,13 @@ pub struct CreateSandboxRequest {
     /// (`"*.example.com": true`), IPv4 CIDRs with an optional port (`"203.0.113.0/24:443"`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub network_rules: BTreeMap<String, bool>,
+    /// Headers added to the sandbox's outbound HTTP and HTTPS requests, per host (a domain,
+    /// `*.example.com`, or an IPv4 address): the node's egress proxy sets them on requests
+    /// to that host on ports 80 and 443 (HTTPS through a node CA the sandbox trusts), so a
+    /// credential reaches the service without the sandbox seeing it. The host must also
+    /// be allowed by `network_rules`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub egress_headers: EgressHeaders,
     /// Volumes mounted into the sandbox (container backend).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub volumes: Vec<VolumeMount>,
@@ -186,13 +193,22 @@ pub struct NetworkInfo {
     pub address: Option<String>,
     #[serde(default)]
     pub rules: BTreeMap<String, bool>,
+    /// Headers set on outbound requests per host (see `CreateSandboxRequest`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub egress_headers: EgressHeaders,
 }
+
+/// Host → header name → value, set on a sandbox's outbound requests to that host.
+pub type EgressHeaders = BTreeMap<String, BTreeMap<String, String>>;
 
 /// `PUT /v1/sandboxes/{id}/network`: replaces the rules of a running sandbox.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SetNetworkRequest {
     pub network_rules: BTreeMap<String, bool>,
+    /// Replaces the sandbox's egress headers (none: it has none after).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub egress_headers: EgressHeaders,
 }
 
 /// `POST /v1/sandboxes/{id}/commit`: the sandbox's filesystem changes become one more

@@ -259,6 +259,12 @@ pub struct NetworkConfig {
     /// into the private, loopback, link-local and reserved ranges, which no tenant rule
     /// can name. Never inside the pool.
     pub private_services: BTreeMap<String, Vec<String>>,
+    /// The port of the egress header proxy (on the sandboxes' gateway address), which
+    /// sets a sandbox's `egress_headers` on its HTTP and HTTPS requests.
+    pub header_port: u16,
+    /// PEM files of CAs the header proxy trusts, besides the system's, when it connects
+    /// on to a server over HTTPS.
+    pub header_roots: Vec<String>,
 }
 
 impl Default for NetworkConfig {
@@ -270,6 +276,8 @@ impl Default for NetworkConfig {
             dns_upstream: Vec::new(),
             services: BTreeMap::new(),
             private_services: BTreeMap::new(),
+            header_port: 10080,
+            header_roots: Vec::new(),
         }
     }
 }

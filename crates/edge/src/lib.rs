@@ -109,6 +109,8 @@ pub struct Edge {
     /// Sandbox networking; `None` when `[edge.network] enabled = false`.
     net: Option<Arc<net::Network>>,
     dns: Vec<tokio::task::JoinHandle<()>>,
+    /// The egress header proxy (`net/headers.rs`), with networking.
+    headers: Option<Arc<net::headers::HeaderProxy>>,
     /// Saved states offered to other edges (a resume or fork placed there).
     offers: transfer::Offers,
     /// The other edges of the cluster; unset on a single machine.
@@ -400,14 +402,26 @@ impl Edge {
             .await?
             .map_err(ApiError::internal)?;
         let network = Arc::new(network);
-        let (net, dns) = if network.enabled() {
+        let (net, mut dns, headers) = if network.enabled() {
             let dns = net::dns::spawn(network.clone())
                 .await
                 .map_err(ApiError::internal)?;
-            (Some(network), dns)
+            let proxy = net::headers::HeaderProxy::new(
+                &cfg.state_dir.join("egress-ca"),
+                &cfg.name,
+                &cfg.network.header_roots,
+            )
+            .map_err(|e| ApiError::internal(e.to_string()))?;
+            (Some(network), dns, Some(Arc::new(proxy)))
         } else {
-            (None, Vec::new())
+            (None, Vec::new(), None)
         };
+        if let (Some(n), Some(h)) = (&net, &headers) {
+            let task = net::headers::spawn(n.clone(), h.clone(), n.gateway())
+                .await
+                .map_err(|e| ApiError::internal(e.to_string()))?;
+            dns.push(task);
+        }
         // Late in the start, so that a start that fails (the network's ports taken) leaves
         // no holder behind.
         let pools = pools::Pools::new(&cfg).map_err(ApiError::invalid)?;
@@ -448,6 +462,7 @@ impl Edge {
             quotas,
             net,
             dns,
+            headers,
             offers: transfer::Offers::default(),
             peers: std::sync::OnceLock::new(),
             snapshot_locks: snapshots::Locks::default(),
@@ -573,8 +588,9 @@ impl Edge {
                         if let (Some(n), Some(nr)) = (&self.net, &rec.network)
                             && let Some(slot) = nr.slot
                         {
-                            let adopted =
-                                n.policy(&nr.rules).and_then(|p| n.adopt(&rec.id, slot, p));
+                            let adopted = n
+                                .policy(&nr.rules, &nr.egress_headers)
+                                .and_then(|p| n.adopt(&rec.id, slot, p));
                             if let Err(e) = adopted {
                                 tracing::warn!(sandbox = %rec.id, "its network: {}", e.message);
                             }
@@ -724,8 +740,9 @@ impl Edge {
     ) -> Result<SandboxInfo, ApiError> {
         let backend = self.backend(&req.backend)?;
         let network = self.network_for(&req)?;
-        // A pool's members mount no volumes.
+        // A pool's members mount no volumes and trust no egress CA.
         if req.volumes.is_empty()
+            && req.egress_headers.is_empty()
             && let Some(info) = self
                 .take_pooled(&req, &v, &digest, backend.name(), network.is_some())
                 .await?
@@ -765,6 +782,11 @@ impl Edge {
         }
         let now = now_ms();
         let mut env = manifest.env.clone();
+        if !req.egress_headers.is_empty() {
+            for (k, v) in net::headers::TRUST_ENV {
+                env.insert(k.to_string(), v.to_string());
+            }
+        }
         env.extend(req.env.clone());
         let rec = SandboxRecord {
             id: SandboxId::generate(&self.cfg.name).to_string(),
@@ -807,11 +829,10 @@ impl Edge {
     /// Gives a sandbox whose record asks for a network its slot, namespace and rules,
     /// saving the record as it goes (so a crash leaves nothing unaccounted for).
     pub(crate) async fn attach_network(&self, rec: &mut SandboxRecord) -> Result<(), ApiError> {
-        let (Some(n), Some(rules)) = (&self.net, rec.network.as_ref().map(|r| r.rules.clone()))
-        else {
+        let (Some(n), Some(nr)) = (&self.net, rec.network.as_ref()) else {
             return Ok(());
         };
-        let policy = n.policy(&rules)?;
+        let policy = n.policy(&nr.rules, &nr.egress_headers)?;
         let slot = n.allocate()?;
         if let Some(nr) = &mut rec.network {
             nr.slot = Some(slot);
@@ -833,7 +854,9 @@ impl Edge {
     ) -> Result<Option<registry::NetRecord>, ApiError> {
         match req.network.as_deref() {
             None | Some("rules") => {}
-            Some("none") if req.network_rules.values().any(|v| *v) => {
+            Some("none")
+                if req.network_rules.values().any(|v| *v) || !req.egress_headers.is_empty() =>
+            {
                 return Err(ApiError::invalid(
                     "network \"none\" has no network to apply network_rules to; drop one of them",
                 ));
@@ -846,7 +869,7 @@ impl Edge {
             }
         }
         let Some(n) = &self.net else {
-            if req.network_rules.values().any(|v| *v) {
+            if req.network_rules.values().any(|v| *v) || !req.egress_headers.is_empty() {
                 return Err(ApiError::precondition(format!(
                     "node {} has sandbox networking turned off ([edge.network] enabled = false), so network_rules cannot be met",
                     self.cfg.name
@@ -854,20 +877,39 @@ impl Edge {
             }
             return Ok(None);
         };
-        n.policy(&req.network_rules)?;
+        n.policy(&req.network_rules, &req.egress_headers)?;
         Ok(Some(registry::NetRecord {
             slot: None,
             ip: None,
             gateway: None,
             rules: req.network_rules.clone(),
+            egress_headers: req.egress_headers.clone(),
         }))
     }
 
-    /// Replaces a running sandbox's network rules; they hold for new connections at once.
+    /// Makes the sandbox behind `sock` trust the egress header proxy's CA.
+    async fn install_trust(&self, sock: &std::path::Path) -> Result<(), ApiError> {
+        let Some(h) = &self.headers else {
+            return Ok(());
+        };
+        net::headers::install_trust(sock, h.ca_pem())
+            .await
+            .map_err(|mut e| {
+                e.message = format!(
+                    "installing the egress proxy's CA in the sandbox: {}",
+                    e.message
+                );
+                e
+            })
+    }
+
+    /// Replaces a running sandbox's network rules and egress headers; they hold for new
+    /// connections at once.
     pub async fn set_network_rules(
         &self,
         id: &str,
         rules: BTreeMap<String, bool>,
+        egress_headers: dsec_common::api::EgressHeaders,
     ) -> Result<SandboxInfo, ApiError> {
         let e = self.entry(id)?;
         let _g = e.op.lock().await;
@@ -876,12 +918,16 @@ impl Edge {
                 "sandbox {id} has no network (created with network \"none\" or on a node without networking); its rules cannot change"
             )));
         };
-        let policy = n.policy(&rules)?;
+        let policy = n.policy(&rules, &egress_headers)?;
+        if !egress_headers.is_empty() {
+            self.install_trust(&self.paths(id).channel).await?;
+        }
         let (n2, id2) = (n.clone(), id.to_string());
         blocking(move || n2.set_policy(&id2, policy)).await??;
         let rec = e.update(|r| {
             if let Some(nr) = &mut r.network {
                 nr.rules = rules;
+                nr.egress_headers = egress_headers;
             }
             r.last_activity_ms = now_ms();
             r.clone()
@@ -965,6 +1011,13 @@ impl Edge {
                     tell_restored(&channel, &rec.id, backend.start_timeout(), alive).await?;
                 } else {
                     tell_environment(&channel, &rec, backend.start_timeout(), alive).await?;
+                    if rec
+                        .network
+                        .as_ref()
+                        .is_some_and(|n| !n.egress_headers.is_empty())
+                    {
+                        self.install_trust(&channel).await?;
+                    }
                     if let Some(s) = &rec.start {
                         start_command(&channel, s).await?;
                     }
@@ -1253,6 +1306,7 @@ impl Edge {
                     ip: None,
                     gateway: None,
                     rules: n.rules.clone(),
+                    egress_headers: n.egress_headers.clone(),
                 }),
                 paused_at_ms: None,
                 paused_to_disk: false,

@@ -293,7 +293,7 @@ impl Edge {
                 if let (Some(n), Some(nr)) = (&self.net, &rec.network)
                     && !nr.rules.is_empty()
                 {
-                    let policy = n.policy(&nr.rules)?;
+                    let policy = n.policy(&nr.rules, &nr.egress_headers)?;
                     let (n2, id2) = (n.clone(), id.clone());
                     blocking(move || n2.set_policy(&id2, policy)).await??;
                 }

@@ -81,6 +81,8 @@ pub struct NetRecord {
     pub ip: Option<String>,
     pub gateway: Option<String>,
     pub rules: BTreeMap<String, bool>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub egress_headers: dsec_common::api::EgressHeaders,
 }
 
 impl SandboxRecord {
@@ -109,11 +111,13 @@ impl SandboxRecord {
                     mode: "rules".into(),
                     address: n.ip.clone(),
                     rules: n.rules.clone(),
+                    egress_headers: n.egress_headers.clone(),
                 },
                 None => dsec_common::api::NetworkInfo {
                     mode: "none".into(),
                     address: None,
                     rules: BTreeMap::new(),
+                    egress_headers: BTreeMap::new(),
                 },
             },
         }

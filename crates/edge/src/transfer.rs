@@ -521,6 +521,7 @@ impl Edge {
                 ip: None,
                 gateway: None,
                 rules: n.rules.clone(),
+                egress_headers: n.egress_headers.clone(),
             }),
             last_activity_ms: now,
             ..old

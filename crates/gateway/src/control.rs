@@ -119,9 +119,43 @@ fn detail_json(gw: &Gw, info: &SandboxInfo, state: &str) -> Value {
         "state": state,
         "metadata": metadata_of(info),
         "allowInternetAccess": info.network.mode != "none",
+        "network": network_json(info),
     });
     if let (Some(o), Value::Object(e)) = (v.as_object_mut(), extra) {
         o.extend(e);
+    }
+    v
+}
+
+/// The sandbox's `network` as E2B's info shows it.
+fn network_json(info: &SandboxInfo) -> Value {
+    let n = &info.network;
+    let pick = |allowed: bool| {
+        n.rules
+            .iter()
+            .filter(|(_, a)| **a == allowed)
+            .map(|(k, _)| k.clone())
+            .collect::<Vec<_>>()
+    };
+    let mut v = json!({
+        "allowOut": pick(true),
+        "denyOut": pick(false),
+        "allowPublicTraffic": crate::ports::public(info),
+    });
+    if !n.egress_headers.is_empty() {
+        v["rules"] = n
+            .egress_headers
+            .iter()
+            .map(|(host, hs)| (host.clone(), json!([{ "transform": { "headers": hs } }])))
+            .collect::<serde_json::Map<_, _>>()
+            .into();
+    }
+    if let Some(m) = info.labels.get(crate::MASK_HOST_LABEL) {
+        v["maskRequestHost"] = json!(m);
+    }
+    let https = crate::ports::https_ports(info);
+    if !https.is_empty() {
+        v["httpsPorts"] = json!(https);
     }
     v
 }
@@ -245,6 +279,9 @@ struct NewSandbox {
     /// `volume_mounts={"/mnt/data": volume}`: each a volume's name and where it goes.
     #[serde(default, rename = "volumeMounts")]
     volume_mounts: Option<Vec<VolumeMountBody>>,
+    /// Workload identity: refused (see `create_inner`).
+    #[serde(default)]
+    iam: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -273,42 +310,113 @@ struct NetworkOpts {
     /// port); without it they see the host the client asked for.
     #[serde(rename = "maskRequestHost")]
     mask_request_host: Option<String>,
-    /// Not served (see [`refuse_unsupported_network`]): refused rather than dropped.
+    /// Opened (all traffic) when `allowOut` names a domain; none given: 8.8.8.8, as E2B.
     #[serde(default, rename = "dnsServers")]
-    dns_servers: Vec<String>,
+    dns_servers: Option<Vec<String>>,
     #[serde(default, rename = "egressProxy")]
     egress_proxy: Option<Value>,
     #[serde(default)]
     rules: Option<Value>,
+    /// Ports whose servers speak TLS: requests for them reach them over TLS.
+    #[serde(default, rename = "httpsPorts")]
+    https_ports: Vec<u32>,
 }
 
-/// A create's or an update's network settings this gateway does not serve, refused with
-/// 400 rather than silently left out: its own DNS servers (the node's DNS proxy answers
-/// every sandbox), an egress proxy, and per-domain rules that change outbound HTTPS
-/// requests (header injection needs TLS interception, which egress here never does).
-fn refuse_unsupported_network(
-    dns_servers: &[String],
-    egress_proxy: Option<&Value>,
-    rules: Option<&Value>,
-) -> Result<(), UpErr> {
-    let unsupported = [
-        ("dnsServers", !dns_servers.is_empty()),
-        ("egressProxy", egress_proxy.is_some_and(|v| !v.is_null())),
-        (
-            "rules",
-            rules.is_some_and(|v| !v.is_null() && v.as_object().is_none_or(|o| !o.is_empty())),
-        ),
-    ];
-    match unsupported.iter().find(|(_, given)| *given) {
-        Some((name, _)) => Err(UpErr::new(
+/// An egress proxy of the caller's (SOCKS5) is refused with 400 rather than silently
+/// left out, as E2B's open-source deployment does.
+fn refuse_egress_proxy(egress_proxy: Option<&Value>) -> Result<(), UpErr> {
+    if egress_proxy.is_some_and(|v| !v.is_null()) {
+        return Err(UpErr::new(
+            400,
+            "invalid_argument",
+            "network egressProxy is not supported by this gateway (a sandbox's egress leaves from the node, by its allowOut/denyOut): leave it out",
+        ));
+    }
+    Ok(())
+}
+
+/// The most DNS servers a network may name, as E2B.
+const MAX_DNS_SERVERS: usize = 10;
+
+/// What `allowOut` adds for DNS: when it names a domain, the DNS servers (8.8.8.8 unless
+/// given), all traffic to them allowed, as E2B. (Every sandbox's DNS goes to the node's
+/// proxy whatever server it asks; this opens the addresses as E2B's firewall does.)
+fn dns_allowed(allow_out: &[String], dns_servers: Option<&[String]>) -> Result<Vec<String>, UpErr> {
+    let servers: Vec<String> = match dns_servers {
+        Some(s) => s.to_vec(),
+        None => vec!["8.8.8.8".to_string()],
+    };
+    if servers.len() > MAX_DNS_SERVERS {
+        return Err(UpErr::new(
             400,
             "invalid_argument",
             format!(
-                "network {name} is not supported by this gateway (the node's DNS proxy answers every sandbox; egress is allowOut/denyOut, and outbound requests are never rewritten): leave it out"
+                "network dnsServers has {} entries; at most {MAX_DNS_SERVERS}",
+                servers.len()
             ),
-        )),
-        None => Ok(()),
+        ));
     }
+    if let Some(bad) = servers
+        .iter()
+        .find(|s| s.parse::<std::net::Ipv4Addr>().is_err())
+    {
+        return Err(UpErr::new(
+            400,
+            "invalid_argument",
+            format!("network dnsServers: {bad:?} is not an IPv4 address"),
+        ));
+    }
+    let names_domain = allow_out
+        .iter()
+        .any(|a| a.chars().any(|c| c.is_ascii_alphabetic()) && a.contains('.'));
+    Ok(if names_domain { servers } else { Vec::new() })
+}
+
+/// E2B's `network.rules` (`{"api.example.com": [{"transform": {"headers": {…}}}]}`) as
+/// OpenDsec's `egress_headers`: a host's rules' headers, later ones replacing earlier ones.
+/// Workload-identity placeholders are refused: this gateway mints no such tokens.
+fn egress_headers(
+    rules: Option<&Value>,
+) -> Result<BTreeMap<String, BTreeMap<String, String>>, UpErr> {
+    let bad = |why: String| UpErr::new(400, "invalid_argument", format!("network rules: {why}"));
+    let mut out = BTreeMap::new();
+    let Some(rules) = rules.filter(|v| !v.is_null()) else {
+        return Ok(out);
+    };
+    let Some(hosts) = rules.as_object() else {
+        return Err(bad("must be an object of host to a list of rules".into()));
+    };
+    for (host, list) in hosts {
+        let Some(list) = list.as_array() else {
+            return Err(bad(format!("{host:?} must map to a list of rules")));
+        };
+        let mut headers = BTreeMap::new();
+        for rule in list {
+            let Some(hs) = rule.get("transform").and_then(|t| t.get("headers")) else {
+                continue;
+            };
+            let Some(hs) = hs.as_object() else {
+                return Err(bad(format!(
+                    "{host:?}: transform headers must be an object"
+                )));
+            };
+            for (name, value) in hs {
+                let Some(value) = value.as_str() else {
+                    return Err(bad(format!("{host:?}: header {name} must be a string")));
+                };
+                if value.contains("${e2b.identity.") {
+                    return Err(bad(format!(
+                        "{host:?}: header {name} uses a workload identity token, which this gateway does not mint: give the value itself"
+                    )));
+                }
+                headers.insert(name.clone(), value.to_string());
+            }
+        }
+        if !headers.is_empty() {
+            out.insert(host.to_ascii_lowercase(), headers);
+        }
+    }
+    Ok(out)
 }
 
 /// A `maskRequestHost` the gateway can put in a `Host` header: a host name or address,
@@ -436,7 +544,14 @@ async fn create_inner(gw: &Gw, h: &HeaderMap, body: &Bytes) -> Res {
         return Ok((StatusCode::CREATED, axum::Json(sandbox_json(gw, &info))).into_response());
     }
     if let Some(n) = &req.network {
-        refuse_unsupported_network(&n.dns_servers, n.egress_proxy.as_ref(), n.rules.as_ref())?;
+        refuse_egress_proxy(n.egress_proxy.as_ref())?;
+    }
+    if req.iam.as_ref().is_some_and(|v| !v.is_null()) {
+        return Err(UpErr::new(
+            400,
+            "invalid_argument",
+            "iam (workload identity tokens) is not supported by this gateway: leave it out",
+        ));
     }
     let template = template_for(gw, &k, &req.template_id).await?;
     let mut labels = metadata;
@@ -458,10 +573,34 @@ async fn create_inner(gw: &Gw, h: &HeaderMap, body: &Bytes) -> Res {
         check_mask(&mask)?;
         labels.insert(crate::MASK_HOST_LABEL.to_string(), mask);
     }
+    if let Some(n) = &req.network
+        && !n.https_ports.is_empty()
+    {
+        if let Some(p) = n
+            .https_ports
+            .iter()
+            .find(|p| **p == 0 || **p > 65535 || **p == u32::from(crate::ENVD_PORT))
+        {
+            return Err(UpErr::new(
+                400,
+                "invalid_argument",
+                format!(
+                    "network httpsPorts: {p} cannot be listed (a TCP port 1-65535, not envd's {})",
+                    crate::ENVD_PORT
+                ),
+            ));
+        }
+        let list: Vec<String> = n.https_ports.iter().map(|p| p.to_string()).collect();
+        labels.insert(crate::HTTPS_PORTS_LABEL.to_string(), list.join(","));
+    }
+    let mut headers = BTreeMap::new();
     if let Some(n) = req.network {
+        let dns = dns_allowed(&n.allow_out, n.dns_servers.as_deref())?;
+        headers = egress_headers(n.rules.as_ref())?;
         rules.extend(n.deny_out.into_iter().map(|d| (d, false)));
         // allowed entries win over denied ones, as in E2B
         rules.extend(n.allow_out.into_iter().map(|d| (d, true)));
+        rules.extend(dns.into_iter().map(|d| (d, true)));
     }
     let mut create = json!({
         "image": template.image(),
@@ -471,8 +610,13 @@ async fn create_inner(gw: &Gw, h: &HeaderMap, body: &Bytes) -> Res {
     });
     if req.allow_internet_access == Some(false) {
         create["network"] = json!("none");
-    } else if !rules.is_empty() {
-        create["network_rules"] = json!(rules);
+    } else {
+        if !rules.is_empty() {
+            create["network_rules"] = json!(rules);
+        }
+        if !headers.is_empty() {
+            create["egress_headers"] = json!(headers);
+        }
     }
     if let Some(b) = template.backend() {
         create["backend"] = json!(b);
@@ -589,7 +733,7 @@ struct NetworkUpdate {
     #[serde(default)]
     deny_out: Vec<String>,
     #[serde(default)]
-    dns_servers: Vec<String>,
+    dns_servers: Option<Vec<String>>,
     #[serde(default)]
     egress_proxy: Option<Value>,
     #[serde(default)]
@@ -608,15 +752,15 @@ async fn update_network(
     let k = key(&h)?;
     let id = sandbox_id(&id)?;
     let req: NetworkUpdate = parse(&body, "network update")?;
-    refuse_unsupported_network(
-        &req.dns_servers,
-        req.egress_proxy.as_ref(),
-        req.rules.as_ref(),
-    )?;
+    refuse_egress_proxy(req.egress_proxy.as_ref())?;
     let mut rules = BTreeMap::new();
+    let mut headers = BTreeMap::new();
     if req.allow_internet_access != Some(false) {
+        let dns = dns_allowed(&req.allow_out, req.dns_servers.as_deref())?;
+        headers = egress_headers(req.rules.as_ref())?;
         rules.extend(req.deny_out.into_iter().map(|d| (d, false)));
         rules.extend(req.allow_out.into_iter().map(|d| (d, true)));
+        rules.extend(dns.into_iter().map(|d| (d, true)));
     }
     let _: Value = gw
         .up
@@ -624,7 +768,7 @@ async fn update_network(
             Method::PUT,
             &format!("/v1/sandboxes/{id}/network"),
             &k,
-            Some(json!({ "network_rules": rules })),
+            Some(json!({ "network_rules": rules, "egress_headers": headers })),
         )
         .await?;
     Ok(StatusCode::NO_CONTENT.into_response())
@@ -975,6 +1119,61 @@ async fn list(State(gw): State<Gw>, h: HeaderMap, RawQuery(q): RawQuery) -> Res 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn e2b_rules_become_egress_headers_in_order() {
+        let rules = json!({
+            "API.example.com": [
+                {"transform": {"headers": {"X-A": "1", "X-B": "first"}}},
+                {},
+                {"transform": {"headers": {"X-B": "second"}}}
+            ],
+            "*.example.com": [{"transform": {}}]
+        });
+        let h = egress_headers(Some(&rules)).unwrap();
+        assert_eq!(
+            h,
+            BTreeMap::from([(
+                "api.example.com".to_string(),
+                BTreeMap::from([
+                    ("X-A".to_string(), "1".to_string()),
+                    ("X-B".to_string(), "second".to_string())
+                ])
+            )])
+        );
+        assert!(egress_headers(None).unwrap().is_empty());
+        for bad in [
+            json!(["x"]),
+            json!({"a.example.com": {"transform": {}}}),
+            json!({"a.example.com": [{"transform": {"headers": {"X": 1}}}]}),
+            json!({"a.example.com": [{"transform": {"headers": {"X": "${e2b.identity.tokens.aws}"}}}]}),
+        ] {
+            let e = egress_headers(Some(&bad)).unwrap_err();
+            assert_eq!(e.status, 400, "{bad}");
+        }
+    }
+
+    #[test]
+    fn dns_servers_open_only_with_a_domain_allowed() {
+        let d = |a: &[&str], s: Option<&[&str]>| {
+            let a: Vec<String> = a.iter().map(|x| x.to_string()).collect();
+            let s: Option<Vec<String>> = s.map(|v| v.iter().map(|x| x.to_string()).collect());
+            dns_allowed(&a, s.as_deref())
+        };
+        assert_eq!(d(&["api.example.com"], None).unwrap(), ["8.8.8.8"]);
+        assert_eq!(
+            d(&["api.example.com"], Some(&["1.1.1.1"])).unwrap(),
+            ["1.1.1.1"]
+        );
+        assert!(d(&["api.example.com"], Some(&[])).unwrap().is_empty());
+        assert!(
+            d(&["203.0.113.7", "198.51.100.0/24"], None)
+                .unwrap()
+                .is_empty()
+        );
+        assert!(d(&["api.example.com"], Some(&["dns.example.com"])).is_err());
+        assert!(d(&["a.example.com"], Some(&["1.1.1.1"; 11])).is_err());
+    }
 
     #[test]
     fn a_host_mask_is_a_host() {

@@ -58,6 +58,8 @@ pub const PUBLIC_LABEL: &str = "e2b.public_traffic";
 /// The label of a sandbox made with `network.maskRequestHost`: the `Host` its servers see
 /// in requests through the gateway (`${PORT}` is the port).
 pub const MASK_HOST_LABEL: &str = "e2b.mask_request_host";
+/// `network.httpsPorts`: ports whose servers speak TLS (comma-separated).
+pub const HTTPS_PORTS_LABEL: &str = "e2b.https_ports";
 /// Labels the gateway keeps for itself start so; they are not shown as metadata.
 pub const LABEL_PREFIX: &str = "e2b.";
 /// On sandboxes made with `auto_resume`: a request to a port of a paused one goes on to

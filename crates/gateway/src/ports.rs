@@ -62,6 +62,14 @@ pub(crate) fn traffic_token(secret: &[u8], id: &str) -> String {
 }
 
 /// Whether the sandbox's ports are open without credentials.
+/// The sandbox's `network.httpsPorts`.
+pub(crate) fn https_ports(info: &SandboxInfo) -> Vec<u16> {
+    info.labels
+        .get(crate::HTTPS_PORTS_LABEL)
+        .map(|l| l.split(',').filter_map(|p| p.parse().ok()).collect())
+        .unwrap_or_default()
+}
+
 pub(crate) fn public(info: &SandboxInfo) -> bool {
     info.labels.get(PUBLIC_LABEL).map(String::as_str) == Some("true")
 }
@@ -127,7 +135,8 @@ async fn proxy(gw: &Gw, id: &str, port: u16, mut req: Request) -> Response {
             // An API key that opened the port goes no further than the gateway.
             let dsec_key = n == "x-api-key"
                 && (v.as_bytes().starts_with(b"dsk.") || v.as_bytes().starts_with(b"e2b_"));
-            if !n.starts_with("e2b-") && n != "x-dsec-token" && !dsec_key {
+            if !n.starts_with("e2b-") && n != "x-dsec-token" && n != "x-dsec-port-tls" && !dsec_key
+            {
                 hs.append(k.clone(), v.clone());
             }
         }
@@ -135,6 +144,10 @@ async fn proxy(gw: &Gw, id: &str, port: u16, mut req: Request) -> Response {
             Ok(t) => hs.insert("x-dsec-token", t),
             Err(_) => return e2b_error(500, "the sandbox's port token is not a header value"),
         };
+        // `network.httpsPorts`: this port's server speaks TLS.
+        if https_ports(&info).contains(&port) {
+            hs.insert("x-dsec-port-tls", HeaderValue::from_static("1"));
+        }
         // `network.maskRequestHost`: the Host its servers see.
         if let Some(mask) = info.labels.get(crate::MASK_HOST_LABEL) {
             match HeaderValue::from_str(&mask.replace("${PORT}", &port.to_string())) {

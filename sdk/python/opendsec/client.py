@@ -61,6 +61,10 @@ class DSecRunArgs:
     # ("pypi", "npm", "github", ...), domains ("*.example.com") or IPv4 CIDRs with an
     # optional port ("203.0.113.0/24:443"); values True (allow) or False (ignored).
     network_rules: dict[str, bool] = field(default_factory=dict)
+    # Headers the node sets on the sandbox's HTTP and HTTPS requests to a host, which
+    # must also be allowed: {"api.example.com": {"Authorization": "Bearer sk-..."}}. The
+    # sandbox never holds the values (HTTPS goes through a node CA it is made to trust).
+    egress_headers: dict[str, dict[str, str]] = field(default_factory=dict)
     # "none": no network at all (loopback only).
     network: str | None = None
     # Volumes to mount (container backend): {"/mnt/data": "my-volume"} or, for a
@@ -872,10 +876,14 @@ class Sandbox:
 
     keep_alive = set_timeout
 
-    async def set_network_rules(self, network_rules: dict[str, bool]) -> SandboxInfo:
-        """Replaces what the sandbox may reach (same keys as ``DSecRunArgs.network_rules``);
-        ``{}`` closes egress. New connections follow the new rules at once."""
-        r = await self._client._request("PUT", f"{self._base}/network", json={"network_rules": network_rules})
+    async def set_network_rules(self, network_rules: dict[str, bool],
+                                egress_headers: dict[str, dict[str, str]] | None = None) -> SandboxInfo:
+        """Replaces what the sandbox may reach (same keys as ``DSecRunArgs.network_rules``)
+        and the headers set on its requests (as ``DSecRunArgs.egress_headers``; none: no
+        headers after); ``{}`` closes egress. New connections follow the new rules at once."""
+        r = await self._client._request("PUT", f"{self._base}/network",
+                                        json={"network_rules": network_rules,
+                                              "egress_headers": egress_headers or {}})
         self.info = SandboxInfo.from_json(r)
         return self.info
 

@@ -64,6 +64,11 @@ pub struct RunArgs {
     /// Without any, egress is closed.
     #[arg(long = "allow", value_name = "RULE")]
     pub allow: Vec<String>,
+    /// Set a header on its requests to a host (repeatable), e.g.
+    /// `api.example.com:Authorization=Bearer sk-…`: the node adds it on the way out over
+    /// HTTP and HTTPS, so the sandbox never holds the value. The host must be allowed.
+    #[arg(long = "header", value_name = "HOST:NAME=VALUE", value_parser = parse_header)]
+    pub headers: Vec<(String, String, String)>,
     /// `none`: no network at all, loopback only
     #[arg(long)]
     pub network: Option<String>,
@@ -103,6 +108,9 @@ pub struct NetworkArgs {
     /// What it may reach from now on (repeatable); none at all closes egress
     #[arg(long = "allow", value_name = "RULE")]
     pub allow: Vec<String>,
+    /// Headers set on its requests to a host from now on (repeatable, as `dsec run`)
+    #[arg(long = "header", value_name = "HOST:NAME=VALUE", value_parser = parse_header)]
+    pub headers: Vec<(String, String, String)>,
     #[command(flatten)]
     pub api: ApiArgs,
 }
@@ -111,10 +119,31 @@ fn rules(allow: &[String]) -> BTreeMap<String, bool> {
     allow.iter().map(|r| (r.clone(), true)).collect()
 }
 
+fn parse_header(s: &str) -> std::result::Result<(String, String, String), String> {
+    let (host, rest) = s
+        .split_once(':')
+        .ok_or("expected HOST:NAME=VALUE, e.g. api.example.com:Authorization=Bearer x")?;
+    let (name, value) = rest
+        .split_once('=')
+        .ok_or("expected HOST:NAME=VALUE, e.g. api.example.com:Authorization=Bearer x")?;
+    Ok((host.to_string(), name.to_string(), value.to_string()))
+}
+
+fn egress_headers(h: &[(String, String, String)]) -> dsec_common::api::EgressHeaders {
+    let mut out = dsec_common::api::EgressHeaders::new();
+    for (host, name, value) in h {
+        out.entry(host.clone())
+            .or_default()
+            .insert(name.clone(), value.clone());
+    }
+    out
+}
+
 pub async fn network(a: NetworkArgs) -> Result<i32> {
     let api = api(&a.api)?;
     let body = dsec_common::api::SetNetworkRequest {
         network_rules: rules(&a.allow),
+        egress_headers: egress_headers(&a.headers),
     };
     let sb: SandboxInfo = api
         .call(
@@ -254,6 +283,7 @@ pub async fn run(a: RunArgs) -> Result<i32> {
         project: a.project.clone(),
         network: a.network.clone(),
         network_rules: rules(&a.allow),
+        egress_headers: egress_headers(&a.headers),
         volumes: a.volumes.clone(),
     };
     let sb: SandboxInfo = api.call(Method::POST, "/v1/sandboxes", Some(&req)).await?;

@@ -7,6 +7,7 @@
 
 pub mod dns;
 pub mod guard;
+pub mod headers;
 pub mod learner;
 pub mod link;
 pub mod netlink;
@@ -133,7 +134,7 @@ impl Network {
         };
         if cfg.enabled {
             link::install_gateway(&pool)?;
-            nft::apply_script(&nft::base(&pool, cfg.dns_port)).map_err(|e| {
+            nft::apply_script(&nft::base(&pool, cfg.dns_port, cfg.header_port)).map_err(|e| {
                 format!(
                     "{e} (sandbox networking needs nftables; or set [edge.network] enabled = false)"
                 )
@@ -161,8 +162,56 @@ impl Network {
         self.cfg.enabled
     }
 
-    pub fn policy(&self, rules: &BTreeMap<String, bool>) -> Result<Policy, ApiError> {
-        rules::compile(rules, &self.catalog)
+    /// A sandbox's rules and egress headers, checked and compiled.
+    pub fn policy(
+        &self,
+        rules: &BTreeMap<String, bool>,
+        headers: &dsec_common::api::EgressHeaders,
+    ) -> Result<Policy, ApiError> {
+        let mut p = rules::compile(rules, &self.catalog)?;
+        p.headers = rules::compile_headers(headers)?;
+        Ok(p)
+    }
+
+    /// The sandboxes' gateway: the node's address in every sandbox's network.
+    pub fn gateway(&self) -> Ipv4Addr {
+        link::gateway(&self.pool)
+    }
+
+    /// Whether `ip` is a sandbox's address.
+    pub fn is_sandbox(&self, ip: Ipv4Addr) -> bool {
+        self.lock().by_ip.contains_key(&ip)
+    }
+
+    /// The headers the sandbox at `src` has for a request to `host` that goes to `daddr`.
+    /// Without `verified` (plain HTTP, where nothing proves who answers) the address must
+    /// be one the sandbox's DNS answer for that very name opened (or the rule's own
+    /// address), so a request that names one host but goes to another gets nothing; a
+    /// server that proved over TLS that it is `host` may be at any address the sandbox
+    /// may reach.
+    pub fn headers_for(
+        &self,
+        src: Ipv4Addr,
+        daddr: Ipv4Addr,
+        host: &str,
+        verified: bool,
+    ) -> Option<Vec<(String, String)>> {
+        let st = self.lock();
+        let a = st.by_ip.get(&src)?;
+        let host = host.trim_end_matches('.').to_ascii_lowercase();
+        let now = Instant::now();
+        let answered = verified
+            || a.learned.get(&daddr).is_some_and(|l| {
+                l.until > now && l.name.trim_end_matches('.').eq_ignore_ascii_case(&host)
+            });
+        a.policy
+            .headers
+            .iter()
+            .find(|r| match &r.host {
+                rules::HeaderHost::Name(p) => answered && p.matches(&host),
+                rules::HeaderHost::Addr(x) => *x == daddr,
+            })
+            .map(|r| r.headers.clone())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {

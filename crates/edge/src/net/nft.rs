@@ -52,6 +52,9 @@ pub const PRIVATE_ONE: &str = "x1";
 pub const PRIVATE_PORT_ONE: &str = "xp1";
 pub const CIDRS_ONE: &str = "c1";
 pub const CIDRS_PORT_ONE: &str = "p1";
+/// Interfaces of sandboxes with egress headers: their HTTP and HTTPS connections to what
+/// their rules open go to the node's header proxy (`headers.rs`).
+pub const HEADERS: &str = "h";
 /// The sets that hold rules (not what DNS answers opened).
 pub const RULE_SETS: [&str; 8] = [
     PRIVATE,
@@ -197,6 +200,16 @@ pub fn rule_elems(k: &str, policy: &Policy) -> Vec<(&'static str, Elem)> {
         groups.entry((set, *port)).or_default().push(range(cidr));
     }
     let mut out = Vec::new();
+    if !policy.headers.is_empty() {
+        out.push((
+            HEADERS,
+            Elem {
+                key: ifname(k).to_vec(),
+                key_end: None,
+                timeout_ms: None,
+            },
+        ));
+    }
     for ((set, port), mut ranges) in groups {
         ranges.sort();
         let mut merged: Vec<(u32, u32)> = Vec::new();
@@ -356,7 +369,7 @@ pub fn remove_legacy(k: &str) -> Vec<String> {
 /// sets' elements of a table left by an earlier run (sandboxes still running). The
 /// per-sandbox verdict map of an earlier version goes (created first so that the delete
 /// never fails).
-pub fn base(pool: &Cidr, dns_port: u16) -> String {
+pub fn base(pool: &Cidr, dns_port: u16, header_port: u16) -> String {
     let never_elems = never()
         .iter()
         .map(|c| c.to_string())
@@ -378,6 +391,7 @@ add set inet {TABLE} {PRIVATE_ONE} {{ type ifname . ipv4_addr; }}
 add set inet {TABLE} {PRIVATE_PORT_ONE} {{ type ifname . ipv4_addr . inet_service; }}
 add set inet {TABLE} {CIDRS_ONE} {{ type ifname . ipv4_addr; }}
 add set inet {TABLE} {CIDRS_PORT_ONE} {{ type ifname . ipv4_addr . inet_service; }}
+add set inet {TABLE} {HEADERS} {{ type ifname; }}
 add chain inet {TABLE} egress
 flush chain inet {TABLE} egress
 add rule inet {TABLE} egress iifname . ip daddr @{PRIVATE} accept
@@ -406,6 +420,7 @@ add chain inet {TABLE} input {{ type filter hook input priority filter; policy a
 flush chain inet {TABLE} input
 add rule inet {TABLE} input iifname \"{p}*\" ct state established,related accept
 add rule inet {TABLE} input iifname \"{p}*\" meta nfproto ipv4 meta l4proto {{ tcp, udp }} th dport {dns_port} accept
+add rule inet {TABLE} input iifname \"{p}*\" meta nfproto ipv4 tcp dport {header_port} ct status dnat accept
 add rule inet {TABLE} input iifname \"{p}*\" drop
 add set inet {TABLE} dnsrate {{ type ipv4_addr; flags dynamic,timeout; timeout 1m; size 65536; }}
 add chain inet {TABLE} dnslimit {{ type filter hook prerouting priority raw; policy accept; }}
@@ -415,6 +430,9 @@ add rule inet {TABLE} dnslimit iifname \"{p}*\" meta l4proto {{ tcp, udp }} th d
 add chain inet {TABLE} prerouting {{ type nat hook prerouting priority dstnat; policy accept; }}
 flush chain inet {TABLE} prerouting
 add rule inet {TABLE} prerouting iifname \"{p}*\" meta nfproto ipv4 meta l4proto {{ tcp, udp }} th dport 53 dnat ip to {gateway}:{dns_port}
+add rule inet {TABLE} prerouting iifname @{HEADERS} meta nfproto ipv4 tcp dport {{ 80, 443 }} ip daddr != @never4 iifname . ip daddr @{LEARNED} dnat ip to {gateway}:{header_port}
+add rule inet {TABLE} prerouting iifname @{HEADERS} meta nfproto ipv4 tcp dport {{ 80, 443 }} ip daddr != @never4 iifname . ip daddr @{CIDRS_ONE} dnat ip to {gateway}:{header_port}
+add rule inet {TABLE} prerouting iifname @{HEADERS} meta nfproto ipv4 tcp dport {{ 80, 443 }} ip daddr != @never4 iifname . ip daddr @{CIDRS} dnat ip to {gateway}:{header_port}
 add chain inet {TABLE} postrouting {{ type nat hook postrouting priority srcnat; policy accept; }}
 flush chain inet {TABLE} postrouting
 add rule inet {TABLE} postrouting ip saddr {pool} oifname != \"{p}*\" masquerade
@@ -553,7 +571,7 @@ mod tests {
     #[test]
     fn sandboxes_never_reach_each_other_before_any_rule_is_looked_at() {
         let pool = Cidr::parse("10.200.0.0/16").unwrap();
-        let b = base(&pool, 10053);
+        let b = base(&pool, 10053, 10080);
         let pos = |needle: &str| {
             b.find(needle)
                 .unwrap_or_else(|| panic!("{needle} missing from:\n{b}"))
@@ -588,7 +606,7 @@ mod tests {
             // SAFETY: unshare on this thread only; its namespace ends with the thread.
             assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0);
             let pool = Cidr::parse("10.200.0.0/16").unwrap();
-            apply_script(&base(&pool, 10053)).unwrap();
+            apply_script(&base(&pool, 10053, 10080)).unwrap();
             f()
         })
         .join()

@@ -99,6 +99,14 @@ pub fn never_range_of(c: &Cidr) -> Option<(Cidr, &'static str)> {
         .find(|(n, _)| c.within(n))
 }
 
+/// The never-range address `ip` lies in, and what it is.
+pub fn never_range_of_ip(ip: Ipv4Addr) -> Option<(Cidr, &'static str)> {
+    never_range_of(&Cidr {
+        addr: ip,
+        prefix: 32,
+    })
+}
+
 /// `203.0.113.0/24` or `198.51.100.7:443`: a network and an optional port.
 pub fn parse_cidr_port(k: &str) -> Result<(Cidr, Option<u16>), &'static str> {
     let (net, port) = match k.rsplit_once(':') {
@@ -167,6 +175,112 @@ pub struct Policy {
     /// The operator's private services the rules named: opened before the never-ranges
     /// are dropped.
     pub private: Vec<(Cidr, Option<u16>)>,
+    /// Headers the node's egress proxy sets on requests to some hosts (`headers.rs`).
+    pub headers: Vec<HeaderRule>,
+}
+
+/// A host whose requests get headers: names (a domain or a pattern), or one address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeaderHost {
+    Name(DomainPattern),
+    Addr(Ipv4Addr),
+}
+
+/// Headers set (replacing any the sandbox sent) on requests to `host`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeaderRule {
+    pub host: HeaderHost,
+    pub headers: Vec<(String, String)>,
+}
+
+/// Most hosts with headers, headers per host, and bytes of a header's value.
+pub const MAX_HEADER_HOSTS: usize = 64;
+pub const MAX_HEADERS: usize = 32;
+pub const MAX_HEADER_VALUE: usize = 8192;
+
+/// Headers that frame or route a request: the proxy owns them, a rule may not set them.
+const FRAMING: [&str; 10] = [
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "upgrade",
+    "te",
+    "trailer",
+    "keep-alive",
+    "proxy-connection",
+    "expect",
+];
+
+/// Checks a sandbox's egress headers (host → name → value) and compiles them; a 400
+/// names what is wrong.
+pub fn compile_headers(
+    h: &BTreeMap<String, BTreeMap<String, String>>,
+) -> Result<Vec<HeaderRule>, ApiError> {
+    if h.len() > MAX_HEADER_HOSTS {
+        return Err(ApiError::invalid(format!(
+            "egress_headers names {} hosts; at most {MAX_HEADER_HOSTS}",
+            h.len()
+        )));
+    }
+    let mut out = Vec::new();
+    for (host, headers) in h {
+        let k = host.trim();
+        let target = match k.parse::<Ipv4Addr>() {
+            Ok(a) => HeaderHost::Addr(a),
+            Err(_) => HeaderHost::Name(DomainPattern::parse(k).ok_or_else(|| {
+                ApiError::invalid(format!(
+                    "egress_headers: {host:?} is neither a domain (\"api.example.com\", \"*.example.com\") nor an IPv4 address"
+                ))
+            })?),
+        };
+        if headers.is_empty() || headers.len() > MAX_HEADERS {
+            return Err(ApiError::invalid(format!(
+                "egress_headers: {host:?} has {} headers; give 1 to {MAX_HEADERS}",
+                headers.len()
+            )));
+        }
+        let mut hs = Vec::new();
+        for (name, value) in headers {
+            let token = !name.is_empty()
+                && name.len() <= 256
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
+            if !token {
+                return Err(ApiError::invalid(format!(
+                    "egress_headers: {host:?}: {name:?} is not a header name (letters, digits and !#$%&'*+-.^_`|~, at most 256)"
+                )));
+            }
+            if FRAMING.contains(&name.to_ascii_lowercase().as_str()) {
+                return Err(ApiError::invalid(format!(
+                    "egress_headers: {host:?}: {name} frames or routes the request and cannot be set"
+                )));
+            }
+            // Visible ASCII, spaces and tabs: nothing that could end the header early.
+            let clean = value.len() <= MAX_HEADER_VALUE
+                && value
+                    .bytes()
+                    .all(|b| b == b'\t' || (0x20..0x7f).contains(&b));
+            if !clean {
+                return Err(ApiError::invalid(format!(
+                    "egress_headers: {host:?}: the value of {name} must be at most {MAX_HEADER_VALUE} bytes of printable ASCII"
+                )));
+            }
+            hs.push((name.to_ascii_lowercase(), value.trim().to_string()));
+        }
+        out.push(HeaderRule {
+            host: target,
+            headers: hs,
+        });
+    }
+    // The first that matches applies (sets are not merged): exact names and addresses,
+    // then the longest wildcard.
+    out.sort_by_key(|r| match &r.host {
+        HeaderHost::Name(p) if p.wildcard => usize::MAX - p.suffix.len(),
+        _ => 0,
+    });
+    Ok(out)
 }
 
 impl Policy {
@@ -349,6 +463,113 @@ pub fn default_services() -> BTreeMap<String, Vec<String>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn headers(v: &[(&str, &[(&str, &str)])]) -> BTreeMap<String, BTreeMap<String, String>> {
+        v.iter()
+            .map(|(h, hs)| {
+                let hs = hs
+                    .iter()
+                    .map(|(n, x)| (n.to_string(), x.to_string()))
+                    .collect();
+                (h.to_string(), hs)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn egress_headers_compile_exact_names_before_the_longest_wildcard() {
+        let r = compile_headers(&headers(&[
+            ("*.example.com", &[("X-A", "wide")]),
+            ("*.api.example.com", &[("X-A", "narrow")]),
+            ("api.example.com", &[("Authorization", "Bearer k")]),
+            ("203.0.113.7", &[("X-A", "addr")]),
+        ]))
+        .unwrap();
+        let order: Vec<String> = r
+            .iter()
+            .map(|x| match &x.host {
+                HeaderHost::Name(p) => {
+                    format!("{}{}", if p.wildcard { "*." } else { "" }, p.suffix)
+                }
+                HeaderHost::Addr(a) => a.to_string(),
+            })
+            .collect();
+        assert_eq!(
+            order,
+            [
+                "203.0.113.7",
+                "api.example.com",
+                "*.api.example.com",
+                "*.example.com"
+            ]
+        );
+        assert_eq!(r[1].headers, [("authorization".into(), "Bearer k".into())]);
+    }
+
+    #[test]
+    fn egress_headers_that_could_split_or_reroute_a_request_are_refused() {
+        for (h, says) in [
+            (headers(&[("a b", &[("X-A", "1")])]), "neither a domain"),
+            (
+                headers(&[("api.example.com", &[("Host", "evil")])]),
+                "cannot be set",
+            ),
+            (
+                headers(&[("api.example.com", &[("transfer-encoding", "chunked")])]),
+                "cannot be set",
+            ),
+            (
+                headers(&[("api.example.com", &[("X-A", "1\r\nX-B: 2")])]),
+                "printable ASCII",
+            ),
+            (
+                headers(&[("api.example.com", &[("X-A", "\u{e9}")])]),
+                "printable ASCII",
+            ),
+            (
+                headers(&[("api.example.com", &[("X A:", "1")])]),
+                "not a header name",
+            ),
+            (headers(&[("api.example.com", &[])]), "give 1 to"),
+        ] {
+            let e = compile_headers(&h).unwrap_err();
+            assert!(e.message.contains(says), "{h:?}: {}", e.message);
+        }
+    }
+
+    /// Fuzz target: whatever a tenant sends as egress headers, what compiles can be put in
+    /// a request as it is: names are tokens, values hold no line break or control byte.
+    #[test]
+    fn fuzz_egress_headers() {
+        bolero::check!()
+            .with_iterations(2000)
+            .with_type::<Vec<(String, String, String)>>()
+            .for_each(|v| {
+                let mut h: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+                for (host, n, x) in v {
+                    h.entry(host.clone())
+                        .or_default()
+                        .insert(n.clone(), x.clone());
+                }
+                if let Ok(rules) = compile_headers(&h) {
+                    for r in rules {
+                        for (n, x) in r.headers {
+                            assert!(hyper_token(&n), "{n:?}");
+                            assert!(
+                                !x.bytes().any(|b| b < 0x20 && b != b'\t' || b == 0x7f),
+                                "{x:?}"
+                            );
+                        }
+                    }
+                }
+            });
+    }
+
+    fn hyper_token(n: &str) -> bool {
+        !n.is_empty()
+            && n.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+    }
 
     fn rules(v: &[(&str, bool)]) -> BTreeMap<String, bool> {
         v.iter().map(|(k, b)| (k.to_string(), *b)).collect()
