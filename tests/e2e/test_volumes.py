@@ -265,7 +265,8 @@ async def test_a_vm_mounts_volumes_shared_with_containers(client):
     """A vm sandbox mounts volumes (virtio-fs): it sees what a container and the file API
     wrote and the reverse; a read-only mount stays read-only when the guest's root remounts
     it; only `user.*` extended attributes pass; a VM that mounts volumes cannot be forked or
-    paused to disk (409, saying why) but pauses in place; its daemons and binds go with it."""
+    paused to disk (409, saying why) but pauses in place; its daemons and binds go with it,
+    and it goes when one of its daemons dies."""
     rw = await client.create_volume(f"vmrw-{os.urandom(3).hex()}", size_mb=64)
     ro = await client.create_volume(f"vmro-{os.urandom(3).hex()}", size_mb=64)
     try:
@@ -322,6 +323,14 @@ async def test_a_vm_mounts_volumes_shared_with_containers(client):
                 await client.run_sandbox(DSecRunArgs(image="root/base", backend="vm", on_timeout="pause_to_disk",
                                                      volumes={"/mnt/data": rw["id"]}))
             assert "paused to disk" in e.value.message, e.value.message
+
+            # A volume's daemon that dies takes the VM with it (its mount would only fail).
+            os.kill(virtiofsd_processes(vm.id)[0], 9)
+            for _ in range(60):
+                if vm.id not in {x.id for x in await client.list_sandboxes()}:
+                    break
+                await asyncio.sleep(0.5)
+            assert vm.id not in {x.id for x in await client.list_sandboxes()}
         finally:
             await vm.stop()
             await c.stop()

@@ -1581,7 +1581,9 @@ impl Edge {
         // for its death (`deaths.rs`) is not polled.
         let mut due: Vec<(String, &'static str)> = Vec::new();
         let mut to_pause: Vec<String> = Vec::new();
-        let mut polled: Vec<(String, String)> = Vec::new();
+        // (id, backend, the record when its backend must be asked too: a VM with volumes,
+        // whose daemons can die without its agent)
+        let mut polled: Vec<(String, String, Option<SandboxRecord>)> = Vec::new();
         {
             let map = self.sandboxes.lock().unwrap_or_else(|p| p.into_inner());
             for (id, e) in map.iter() {
@@ -1602,15 +1604,16 @@ impl Edge {
                     && e.op.try_lock().is_ok()
                     && !self.deaths.as_ref().is_some_and(|d| d.watching(id))
                 {
-                    polled.push((id.clone(), r.backend.clone()));
+                    let ask = (r.backend == "vm" && !r.volumes.is_empty()).then(|| r.clone());
+                    polled.push((id.clone(), r.backend.clone(), ask));
                 }
             }
         }
         if check_alive {
             let work: Vec<(Arc<dyn Backend>, SandboxPaths)> = polled
                 .iter()
-                .filter(|(_, b)| b != "container")
-                .filter_map(|(id, b)| Some((self.backend(b).ok()?, self.paths(id))))
+                .filter(|(_, b, _)| b != "container")
+                .filter_map(|(id, b, _)| Some((self.backend(b).ok()?, self.paths(id))))
                 .collect();
             if !work.is_empty() {
                 let _ = blocking(move || {
@@ -1620,8 +1623,10 @@ impl Edge {
                 })
                 .await;
             }
-            for (id, _) in polled {
-                if !agent_alive(&self.paths(&id).channel) {
+            for (id, b, ask) in polled {
+                let gone = !agent_alive(&self.paths(&id).channel)
+                    || ask.is_some_and(|rec| self.backend(&b).is_ok_and(|be| be.exited(&rec)));
+                if gone {
                     due.push((id, "sandbox died"));
                 }
             }

@@ -1206,9 +1206,12 @@ impl Backend for VmBackend {
         if self.suspended_dir(&rec.id).join("vm.json").exists() {
             return true;
         }
+        // Its volumes' daemons too: without one, the guest's mount of it only fails.
+        let daemons = (0..rec.volumes.len()).map(|i| shares::pid_file(&dir, i));
         [dir.join("qemu.pid"), dir.join("vmux.pid")]
-            .iter()
-            .all(|p| read_pid(p).is_some_and(alive))
+            .into_iter()
+            .chain(daemons)
+            .all(|p| read_pid(&p).is_some_and(alive))
     }
 
     /// Stops the VM's CPUs in place (its memory stays where it is).

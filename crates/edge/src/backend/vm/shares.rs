@@ -56,7 +56,7 @@ fn socket(dir: &Path, i: usize) -> PathBuf {
     dir.join(format!("vfs{i}.sock"))
 }
 
-fn pid_file(dir: &Path, i: usize) -> PathBuf {
+pub(crate) fn pid_file(dir: &Path, i: usize) -> PathBuf {
     dir.join(format!("virtiofsd.{i}.pid"))
 }
 
