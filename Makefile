@@ -6,7 +6,7 @@ AETHER := target/$(AETHER_TARGET)/release/dsec-aether
 DSEC_TEST_DIR ?= /var/tmp/dsec-test
 CARGO_PROFILE_FLAG := $(if $(filter release,$(PROFILE)),--release,)
 
-.PHONY: build aether dsec test test-rust test-e2e test-nested lint images bench bench-runtime bench-cluster bench-network bench-vm bench-gateway bench-tenant bench-guest bench-vm-nested bench-burst bench-functions bench-vm-pool clean-test
+.PHONY: build aether dsec test test-rust test-e2e test-nested lint images bench bench-runtime bench-cluster bench-network bench-vm bench-gateway bench-tenant bench-guest bench-vm-nested bench-burst bench-functions bench-vm-pool bench-headers clean-test
 
 build: dsec aether
 
@@ -80,6 +80,9 @@ bench-vm-pool: build
 
 bench-network: build
 	DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec DSEC_AETHER=$(CURDIR)/$(AETHER) python3 bench/network.py $(BENCH_ARGS)
+
+bench-headers: build
+	DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec DSEC_AETHER=$(CURDIR)/$(AETHER) python3 bench/egress_headers.py $(BENCH_ARGS)
 
 bench-tenant: build
 	DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec DSEC_AETHER=$(CURDIR)/$(AETHER) python3 bench/tenant_pressure.py $(BENCH_ARGS)
