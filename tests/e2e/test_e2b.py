@@ -860,6 +860,13 @@ def test_metrics(sandbox):
     window = [e.timestamp for e in sandbox.get_metrics(start=stamps[-2] - datetime.timedelta(seconds=8), end=cut)]
     assert stamps[-2] in window and set(window) <= set(stamps) and max(window) <= cut, (window, stamps)
     assert sandbox.get_metrics(start=ahead, end=ahead + datetime.timedelta(minutes=1)) == []
+    # A range around one reading (whole seconds, as E2B sends) holds that reading, and
+    # every reading a range covers is shown, the first one in it too.
+    sec = lambda t: t.replace(microsecond=0)  # noqa: E731
+    one = sandbox.get_metrics(start=sec(stamps[-2]), end=sec(stamps[-2]) + datetime.timedelta(seconds=1))
+    assert [e.timestamp for e in one] == [stamps[-2]], (one, stamps)
+    inner = [e.timestamp for e in sandbox.get_metrics(start=sec(stamps[1]), end=cut)]
+    assert inner == [t for t in stamps if t >= sec(stamps[1]) and t <= cut], (inner, stamps)
 
 
 # A server run inside the sandbox: GET echoes what reached it, POST answers the body's

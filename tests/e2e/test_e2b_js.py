@@ -36,4 +36,4 @@ def test_e2b_npm_package(node_e2b, template):
     assert r.returncode == 0, r.stdout + r.stderr
     done = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("ok ")]
     assert done == ["commands", "files", "metadata", "lifecycle", "snapshots", "parity", "volumes", "charts",
-                    "ports"]
+                    "ports", "metrics"]

@@ -808,6 +808,10 @@ const CPU_WINDOW: std::time::Duration = std::time::Duration::from_millis(250);
 /// since the one before, memory then, and the sandbox's disk as it is now (disk is not
 /// kept). A running sandbox with fewer than two readings yet, and no range asked for,
 /// gets one entry measured now over a short window.
+/// How far before a range's start the history is read: more than the edge's interval
+/// between readings (5 s).
+const LOOKBACK_MS: u64 = 15_000;
+
 async fn metrics(
     State(gw): State<Gw>,
     h: HeaderMap,
@@ -815,11 +819,11 @@ async fn metrics(
     RawQuery(q): RawQuery,
 ) -> Res {
     let k = key(&h)?;
-    let mut range = String::new();
+    let (mut start_ms, mut end_ms) = (None, None);
     for (name, v) in query_pairs(q.as_deref().unwrap_or("")) {
-        let param = match name.as_str() {
-            "start" => "start_ms",
-            "end" => "end_ms",
+        let slot = match name.as_str() {
+            "start" => &mut start_ms,
+            "end" => &mut end_ms,
             _ => continue,
         };
         let secs: u64 = v.parse().map_err(|_| {
@@ -829,12 +833,23 @@ async fn metrics(
                 format!("{name} must be a unix timestamp in seconds, not {v:?}"),
             )
         })?;
-        range.push_str(&format!(
-            "{}{param}={}",
-            if range.is_empty() { '?' } else { '&' },
-            secs.saturating_mul(1000)
-        ));
+        *slot = Some(secs.saturating_mul(1000));
     }
+    let ranged = start_ms.is_some() || end_ms.is_some();
+    // A reading's CPU is over the interval before it: the history starts a reading early,
+    // so the first one inside the range has its predecessor (and is shown).
+    let mut range = Vec::new();
+    if let Some(s) = start_ms {
+        range.push(format!("start_ms={}", s.saturating_sub(LOOKBACK_MS)));
+    }
+    if let Some(e) = end_ms {
+        range.push(format!("end_ms={e}"));
+    }
+    let range = if range.is_empty() {
+        String::new()
+    } else {
+        format!("?{}", range.join("&"))
+    };
     let (info, state) = get_info(&gw, &k, &id).await?;
     let hist: MetricsHistory = gw
         .up
@@ -858,6 +873,7 @@ async fn metrics(
     let series: Vec<Value> = hist
         .samples
         .windows(2)
+        .filter(|w| start_ms.is_none_or(|s| w[1].timestamp_ms >= s))
         .map(|w| {
             let wall_ns =
                 (w[1].timestamp_ms.saturating_sub(w[0].timestamp_ms) as f64 * 1e6).max(1.0);
@@ -874,7 +890,7 @@ async fn metrics(
             )
         })
         .collect();
-    if !series.is_empty() || !range.is_empty() || state != "running" {
+    if !series.is_empty() || ranged || state != "running" {
         return Ok(axum::Json(Value::Array(series)).into_response());
     }
     let Some(a) = now else {

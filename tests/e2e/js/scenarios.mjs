@@ -15,6 +15,7 @@ import {
   FilesystemEventType,
   NotFoundError,
   Sandbox,
+  SandboxError,
   SandboxNotFoundError,
   TimeoutError,
   AuthenticationError,
@@ -210,6 +211,10 @@ const scenarios = {
       assert.equal((await pager.nextItems()).length, 1)
       assert.equal(pager.hasNext, true)
       const c = await Sandbox.connect(a.sandboxId)
+      // connect gives the envd access token create gave (a process that holds none gets it)
+      assert.match(a.envdAccessToken ?? '', /\S/)
+      assert.equal(c.envdAccessToken, a.envdAccessToken)
+      assert.notEqual((await Sandbox.connect(b.sandboxId)).envdAccessToken, a.envdAccessToken)
       assert.equal((await c.commands.run('echo via connect')).stdout, 'via connect\n')
       const [m] = await c.getMetrics()
       assert.ok(m.cpuCount >= 1 && m.memUsed > 0 && m.memUsed < m.memTotal && m.diskTotal > 0, JSON.stringify(m))
@@ -260,6 +265,25 @@ const scenarios = {
       made.push(...forks.filter((f) => f instanceof Sandbox))
       assert.equal(made.length, 2, String(forks))
       for (const f of made) assert.equal(await f.files.read('state.txt'), 'before')
+      // fork() with no count makes one copy (the array's one entry), of the source as it
+      // was then; on the VM backends with its memory, so its processes run in the copy too
+      await sb.files.write('fork.txt', 'at fork')
+      await sb.commands.run('sleep 1000', { background: true, timeoutMs: 0 })
+      const one = await sb.fork({ timeoutMs: 120_000 })
+      made.push(...one.filter((f) => f instanceof Sandbox))
+      assert.equal(one.length, 1, String(one))
+      assert.ok(one[0] instanceof Sandbox, String(one[0]))
+      assert.ok(![sb, ...made.slice(0, 2)].some((s) => s.sandboxId === one[0].sandboxId))
+      await sb.files.write('fork.txt', 'later')
+      assert.equal(await one[0].files.read('fork.txt'), 'at fork')
+      assert.equal((await one[0].commands.run(SLEEPERS)).stdout, template === 'base' ? '0\n' : '1\n')
+      await one[0].files.write('fork.txt', 'in the copy')
+      assert.equal(await sb.files.read('fork.txt'), 'later')
+      // and the class's, by id
+      const [byId, ...more] = await Sandbox.fork(sb.sandboxId)
+      if (byId instanceof Sandbox) made.push(byId)
+      assert.ok(byId instanceof Sandbox && more.length === 0, String([byId, ...more]))
+      assert.equal(await byId.files.read('fork.txt'), 'later')
       const name = `js-snap-${randomBytes(4).toString('hex')}`
       const info = await sb.createSnapshot({ name })
       snaps.push(info.snapshotId)
@@ -301,13 +325,14 @@ const scenarios = {
     } finally {
       await Sandbox.kill(a.sandboxId)
     }
-    // header injection is refused, not dropped
+    // a header rule that would reframe the request is refused before anything is made
+    // (rules that set headers: js/network.mjs, against test_network's lab)
     await assert.rejects(
       Sandbox.create(template, {
         timeoutMs: 60_000,
-        network: { allowOut: ['api.example.com'], rules: { 'api.example.com': [{ transform: { headers: { A: 'b' } } }] } },
+        network: { allowOut: ['api.example.com'], rules: { 'api.example.com': [{ transform: { headers: { 'Content-Length': '1' } } }] } },
       }),
-      /rules/,
+      /Content-Length/,
     )
     const vm = template !== 'base' // a guest takes seconds to boot under emulation
     // keepMemory: false pauses with the files only; connect starts it afresh from them
@@ -343,15 +368,25 @@ const scenarios = {
     } finally {
       await Sandbox.kill(wake.sandboxId)
     }
-    // paused, not killed, at its timeout; connect resumes it with its files
-    const p = await Sandbox.create(template, { timeoutMs: vm ? 15_000 : 5_000, lifecycle: { onTimeout: 'pause' } })
+    // paused, not killed, at its timeout; connect resumes it with its files, and with its
+    // processes unless the pause kept no memory (a VM's memory is on its disk then)
+    const onTimeout = { full: 'pause', files: { action: 'pause', keepMemory: false } }
+    const timed = {}
     try {
-      await p.files.write('kept.txt', 'yes')
-      assert.ok(await until(async () => (await Sandbox.getInfo(p.sandboxId)).state === 'paused', 30_000))
-      const c = await Sandbox.connect(p.sandboxId, { timeoutMs: 60_000 })
-      assert.equal(await c.files.read('kept.txt'), 'yes')
+      for (const [k, how] of Object.entries(onTimeout)) {
+        timed[k] = await Sandbox.create(template, { timeoutMs: vm ? 15_000 : 5_000, lifecycle: { onTimeout: how } })
+        await timed[k].files.write('kept.txt', k)
+        await timed[k].commands.run('sleep 1000', { background: true, timeoutMs: 0 })
+      }
+      for (const [k, p] of Object.entries(timed)) {
+        assert.ok(await until(async () => (await Sandbox.getInfo(p.sandboxId)).state === 'paused', 60_000), k)
+        const c = await Sandbox.connect(p.sandboxId, { timeoutMs: 60_000 })
+        assert.equal((await c.getInfo()).state, 'running')
+        assert.equal(await c.files.read('kept.txt'), k)
+        assert.equal((await c.commands.run(SLEEPERS)).stdout, k === 'full' || template.endsWith('-vm') ? '1\n' : '0\n', k)
+      }
     } finally {
-      await Sandbox.kill(p.sandboxId)
+      for (const p of Object.values(timed)) await Sandbox.kill(p.sandboxId)
     }
   },
 
@@ -371,6 +406,21 @@ const scenarios = {
         try {
           const r = await sb.commands.run('cat /mnt/v/d/a.txt && echo js > /mnt/v/b.txt')
           assert.equal(r.stdout, 'from js')
+          // A VM mounts the volume over virtio-fs, a network mount, where envd refuses a
+          // watch unless it allows network mounts (then it sees the sandbox's own changes);
+          // a container's is a local mount, watched as any directory.
+          const network = template === 'base-vm'
+          assert.equal((await sb.commands.run('stat -f -c %T /mnt/v')).stdout.startsWith('fuse'), network)
+          if (network) {
+            await assert.rejects(sb.files.watchDir('/mnt/v', () => {}), (e) =>
+              e instanceof SandboxError && /network filesystem/.test(e.message))
+          }
+          const seen = []
+          const w = await sb.files.watchDir('/mnt/v', (e) => seen.push([e.name, e.type]),
+            network ? { allowNetworkMounts: true } : {})
+          await sb.files.write('/mnt/v/w.txt', 'watched')
+          assert.ok(await until(() => seen.some(([n, t]) => n === 'w.txt' && t === FilesystemEventType.WRITE)), JSON.stringify(seen))
+          await w.stop()
         } finally {
           await sb.kill()
         }
@@ -482,6 +532,32 @@ const scenarios = {
       assert.equal((await fetch(`${url}/t`, { headers: base })).status, 401)
     } finally {
       await priv.kill()
+    }
+  },
+
+  // getMetrics({ start, end }): the readings (one every 5 s) inside the range, each of
+  // them; E2B sends the range in whole seconds
+  async metrics() {
+    const sb = await Sandbox.create(template, { timeoutMs: 120_000 })
+    try {
+      let stamps = []
+      const readings = async () => (stamps = (await sb.getMetrics()).map((x) => x.timestamp.getTime())).length >= 4
+      assert.ok(await until(readings, 40_000), String(stamps))
+      assert.deepEqual(stamps, [...stamps].sort((x, y) => x - y))
+      const sec = (ms, round) => round(ms / 1000) * 1000
+      const range = async (from, upto) => {
+        const got = (await sb.getMetrics({ start: new Date(from), end: new Date(upto) })).map((x) => x.timestamp.getTime())
+        assert.ok(got.every((t) => t >= from && t <= upto), JSON.stringify({ got, from, upto, stamps }))
+        return got
+      }
+      // from after the first to before the last: the ones between, at least two
+      const between = await range(sec(stamps[0] + 1000, Math.ceil), sec(stamps.at(-1) - 1000, Math.floor))
+      assert.deepEqual(between, stamps.slice(1, -1), JSON.stringify({ between, stamps }))
+      // around one reading (they are 3-7 s apart): that one
+      const one = await range(sec(stamps[1] - 1000, Math.floor), sec(stamps[1] + 1000, Math.ceil))
+      assert.deepEqual(one, [stamps[1]], JSON.stringify({ one, stamps }))
+    } finally {
+      await sb.kill()
     }
   },
 }
