@@ -252,6 +252,8 @@ class Netlab:
         self._start("dns-upstream", WORLD_NS, ["dns", UPSTREAM_DNS_IP, str(ZONE_FILE), str(UPSTREAM_LOG)])
         self._start("dns-foreign", WORLD_NS, ["dns", FOREIGN_DNS_IP, str(FOREIGN_ZONE_FILE), str(FOREIGN_LOG)])
         self._start("host-tcp", NODE_NS, ["tcp", str(HOST_PORT), str(HOST_TCP_LOG)])
+        # and on :80, where the header proxy would take a sandbox's HTTP
+        self._start("host-tcp-80", NODE_NS, ["tcp", "80", str(HOST_TCP_LOG)])
 
     def _start(self, name: str, ns: str, args: list[str]) -> None:
         """Starts `netlab.py ARGS` in `ns` in its own process group and waits for its

@@ -618,10 +618,12 @@ async def test_egress_headers_reach_the_named_host_only(lab: Netlab, node: DSecC
         ["other.test", 80, "pypi.test"],                               # attack: Host names it, address is other's
         ["other.test", 443, "pypi.test", "pypi.test", None, True],      # attack: TLS names it to other's address
         [gateway(sb.info.network["address"]), 10080, "pypi.test"],      # attack: the proxy itself
+        ["pypi.test", 443, "other.test", "pypi.test", None, True],      # attack: TLS names it, Host another
+        ["pypi.test", 80, "pypi.test", None, None, False, "http://other.test/"],  # attack: URI names another
     )
     print(f"\negress headers ({backend}): " + json.dumps([secret(v) if not blocked(v) else v for v in got]),
           flush=True)
-    https, http_, other, host_spoof, sni_spoof, direct = got
+    https, http_, other, host_spoof, sni_spoof, direct, inner_host, absolute = got
     assert https["server"] == "pypi" and secret(https) == "s3cret" and https["headers"]["x-team"] == "a", https
     assert http_["server"] == "pypi" and secret(http_) == "s3cret", http_
     # Checked against the lab's own CA: the real server's certificate, not the node's.
@@ -629,11 +631,23 @@ async def test_egress_headers_reach_the_named_host_only(lab: Netlab, node: DSecC
     assert host_spoof["server"] == "other" and secret(host_spoof) == "from-sandbox", host_spoof
     assert blocked(sni_spoof), sni_spoof
     assert blocked(direct), direct
+    # Behind a server that proved it is the host, a request naming another host (which a
+    # front serving many routes by) gets nothing; nor one whose URI names another.
+    assert inner_host["server"] == "pypi" and secret(inner_host) == "from-sandbox", inner_host
+    assert absolute["server"] == "pypi" and secret(absolute) == "from-sandbox", absolute
     leaked = [e for e in lab.echoed() if e["server"] == "other" and e["headers"].get("x-secret") == "s3cret"]
     assert not leaked, leaked
 
     r = await sb.exec(argv=["sh", "-c", "env; cat /proc/self/environ; ls /usr/local/share/ca-certificates"])
     assert "s3cret" not in r.stdout and "opendsec-egress.crt" in r.stdout, r.stdout
+
+    # The node's own address, even when a rule names it, is not reached through the proxy
+    # (which would connect from the node to itself).
+    lab.clear_logs()
+    node_self = await node.run_sandbox(DSecRunArgs(**args, network_rules={NODE_IP: True},
+                                                   egress_headers={NODE_IP: {"X-Secret": "s3cret"}}))
+    got_node = await fetch(node_self, [NODE_IP, 80, NODE_IP])
+    assert blocked(got_node[0]) and lab.host_connections() == [], (got_node, lab.host_connections())
 
     # Not intercepted: the lab's CA verifies the server it reached, and nothing was set.
     untouched = await fetch(plain, ["pypi.test", 443, "pypi.test", None, LAB_CA_IN_SANDBOX, True],

@@ -166,19 +166,47 @@ async fn ask_udp(upstream: SocketAddr, query: &[u8]) -> Result<Vec<u8>, String> 
         .await
         .map_err(|e| e.to_string())?;
     sock.connect(upstream).await.map_err(|e| e.to_string())?;
-    sock.send(query).await.map_err(|e| e.to_string())?;
+    // An id of the node's own, not the sandbox's: an answer forged from off the path must
+    // guess it as well as the port (and the question must be the one asked).
+    let mut sent = query.to_vec();
+    let id: [u8; 2] = {
+        let mut b = [0u8; 2];
+        // SAFETY: a 2-byte buffer for the kernel to fill.
+        let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), 2, 0) };
+        if n != 2 {
+            return Err("no randomness for a DNS query id".into());
+        }
+        b
+    };
+    if sent.len() < 12 {
+        return Err("query too short".into());
+    }
+    sent[..2].copy_from_slice(&id);
+    let qend = question(query)
+        .map(|q| q.2)
+        .ok_or("query without a question")?;
+    sock.send(&sent).await.map_err(|e| e.to_string())?;
     let mut buf = vec![0u8; MAX_MESSAGE];
     loop {
         let n = tokio::time::timeout(UPSTREAM_TIMEOUT, sock.recv(&mut buf))
             .await
             .map_err(|_| format!("{upstream} did not answer"))?
             .map_err(|e| e.to_string())?;
-        // Only the answer to this query (same id) counts.
-        if n >= 12 && buf[..2] == query[..2] {
+        if matches_query(&buf[..n], &sent, qend) {
             buf.truncate(n);
+            buf[..2].copy_from_slice(&query[..2]);
             return Ok(buf);
         }
     }
+}
+
+/// Whether `answer` answers `sent`: the same id and the same question (names compared
+/// without case, as resolvers may change it).
+fn matches_query(answer: &[u8], sent: &[u8], qend: usize) -> bool {
+    answer.len() >= qend
+        && answer[..2] == sent[..2]
+        && answer[4..6] == sent[4..6]
+        && answer[12..qend].eq_ignore_ascii_case(&sent[12..qend])
 }
 
 async fn ask_tcp(upstream: SocketAddr, query: &[u8]) -> Result<Vec<u8>, String> {
@@ -367,6 +395,25 @@ pub async fn spawn(net: Arc<Network>) -> Result<Vec<tokio::task::JoinHandle<()>>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_the_answer_to_the_question_asked_counts() {
+        let q = query("pypi.test", TYPE_A);
+        let qend = question(&q).unwrap().2;
+        let mut same = q.clone();
+        same[2] |= 0x80;
+        assert!(matches_query(&same, &q, qend));
+        // a resolver that changed the name's case answers the same question
+        let upper = query("PYPI.test", TYPE_A);
+        assert!(matches_query(&upper, &q, qend));
+        // another name, another type, another id: not this query's answer
+        assert!(!matches_query(&query("evil.test", TYPE_A), &q, qend));
+        assert!(!matches_query(&query("pypi.test", 28), &q, qend));
+        let mut other_id = q.clone();
+        other_id[0] ^= 1;
+        assert!(!matches_query(&other_id, &q, qend));
+        assert!(!matches_query(&q[..qend - 1], &q, qend));
+    }
 
     /// Fuzz target: any query from a sandbox, and any answer from upstream, is read (or
     /// refused) without a panic; a judged answer opens only addresses it carries.

@@ -57,8 +57,14 @@ const SNIFF_TIMEOUT: Duration = Duration::from_secs(10);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a request's head may take to arrive.
 const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
-/// Most connections one sandbox may have through the proxy at a time.
+/// Most connections one sandbox may have through the proxy at a time, and all of them.
 const MAX_PER_SANDBOX: usize = 512;
+const MAX_TOTAL: usize = 16_384;
+/// How long a TLS handshake (with the sandbox, with the server) may take.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often a connection checks that its sandbox is still there (a stopped sandbox's
+/// connections end within this, though its peer never said goodbye).
+const OWNER_CHECK: Duration = Duration::from_secs(10);
 /// Most certificates kept made (one per host name asked for).
 const MAX_CERTS: usize = 4096;
 /// A ClientHello larger than this is relayed untouched.
@@ -157,6 +163,7 @@ pub struct HeaderProxy {
     certs: Mutex<HashMap<String, Arc<CertifiedKey>>>,
     upstream: Arc<rustls::ClientConfig>,
     open: Mutex<HashMap<Ipv4Addr, usize>>,
+    total: tokio::sync::Semaphore,
 }
 
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
@@ -206,6 +213,7 @@ impl HeaderProxy {
             certs: Mutex::new(HashMap::new()),
             upstream: Arc::new(upstream),
             open: Mutex::new(HashMap::new()),
+            total: tokio::sync::Semaphore::new(MAX_TOTAL),
         })
     }
 
@@ -335,32 +343,78 @@ async fn serve(
         return Err("not IPv4".into());
     };
     let src = *from.ip();
-    if !net.is_sandbox(src) {
-        return Err("not from a sandbox".into());
-    }
+    let owner = net.sandbox_id_at(src).ok_or("not from a sandbox")?;
     let dst = original_dst(&client).ok_or("no original destination")?;
     let local = client.local_addr().map_err(|e| e.to_string())?;
-    // Only translated connections to what a rule opened get here; never back to the node.
-    if SocketAddr::V4(dst) == local || never_range_of_ip(*dst.ip()).is_some() {
+    // Only translated connections to what a rule opened get here (the table sends no
+    // address of the node's own, nor the pool); never back to the node or a sandbox.
+    if SocketAddr::V4(dst) == local
+        || never_range_of_ip(*dst.ip()).is_some()
+        || net.in_pool(*dst.ip())
+    {
         return Err(format!("refused: {dst} is never reachable"));
     }
+    let _all = proxy
+        .total
+        .try_acquire()
+        .map_err(|_| "the proxy is at its connection limit")?;
     let _slot = Slot::take(proxy, src).ok_or("too many connections from the sandbox")?;
-    let first = tokio::time::timeout(SNIFF_TIMEOUT, peek_first(&client)).await;
-    match first {
-        Ok(Some(0x16)) => {
-            let name = tokio::time::timeout(SNIFF_TIMEOUT, server_name(&client))
-                .await
-                .ok()
-                .flatten();
-            let host = name.unwrap_or_else(|| dst.ip().to_string());
-            match net.headers_for(src, *dst.ip(), &host, true) {
-                Some(hs) => rewrite_tls(proxy, client, dst, &host, hs).await,
-                None => relay(client, dst).await,
+    keepalive(&client);
+    let work = async {
+        let first = tokio::time::timeout(SNIFF_TIMEOUT, peek_first(&client)).await;
+        match first {
+            Ok(Some(0x16)) => {
+                let name = tokio::time::timeout(SNIFF_TIMEOUT, server_name(&client))
+                    .await
+                    .ok()
+                    .flatten();
+                let host = name.unwrap_or_else(|| dst.ip().to_string());
+                match net.headers_for(src, *dst.ip(), &host, true) {
+                    Some(_) => rewrite_tls(net, proxy, src, client, dst, &host).await,
+                    None => relay(client, dst).await,
+                }
+            }
+            Ok(Some(_)) => rewrite_http(net, src, client, dst).await,
+            // Says nothing first, or is already gone: relay whatever comes.
+            Ok(None) | Err(_) => relay(client, dst).await,
+        }
+    };
+    // A connection lives no longer than its sandbox (whose address may go to another).
+    let gone = async {
+        loop {
+            tokio::time::sleep(OWNER_CHECK).await;
+            if net.sandbox_id_at(src).as_deref() != Some(owner.as_str()) {
+                return;
             }
         }
-        Ok(Some(_)) => rewrite_http(net, src, client, dst).await,
-        // Says nothing first, or is already gone: relay whatever comes.
-        Ok(None) | Err(_) => relay(client, dst).await,
+    };
+    tokio::select! {
+        r = work => r,
+        () = gone => Err("its sandbox is gone".into()),
+    }
+}
+
+/// TCP keepalive, so that a peer that vanished (a sandbox's veth removed) is found out.
+fn keepalive(s: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    let fd = s.as_raw_fd();
+    for (level, opt, v) in [
+        (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 60),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 10),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 6),
+    ] {
+        let v: libc::c_int = v;
+        // SAFETY: an int option on a socket this process owns.
+        unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                opt,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
     }
 }
 
@@ -399,7 +453,10 @@ async fn server_name(s: &TcpStream) -> Option<String> {
 
 async fn connect(dst: SocketAddrV4) -> Result<TcpStream, String> {
     match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(dst)).await {
-        Ok(Ok(s)) => Ok(s),
+        Ok(Ok(s)) => {
+            keepalive(&s);
+            Ok(s)
+        }
         Ok(Err(e)) => Err(format!("connecting to {dst}: {e}")),
         Err(_) => Err(format!("connecting to {dst}: timed out")),
     }
@@ -415,25 +472,42 @@ async fn relay(mut client: TcpStream, dst: SocketAddrV4) -> Result<(), String> {
 }
 
 async fn rewrite_tls(
+    net: &Network,
     proxy: &HeaderProxy,
+    src: Ipv4Addr,
     client: TcpStream,
     dst: SocketAddrV4,
     host: &str,
-    headers: Vec<(String, String)>,
 ) -> Result<(), String> {
     let cfg = proxy.server_config(host)?;
     let name = ServerName::try_from(host.to_string()).map_err(|e| e.to_string())?;
-    let client = tokio_rustls::TlsAcceptor::from(cfg)
-        .accept(client)
+    let accept = tokio_rustls::TlsAcceptor::from(cfg).accept(client);
+    let client = tokio::time::timeout(HANDSHAKE_TIMEOUT, accept)
         .await
+        .map_err(|_| format!("TLS with the sandbox for {host}: timed out"))?
         .map_err(|e| format!("TLS with the sandbox for {host}: {e}"))?;
     let tcp = connect(dst).await?;
-    let server = tokio_rustls::TlsConnector::from(proxy.upstream.clone())
-        .connect(name, tcp)
+    let connect = tokio_rustls::TlsConnector::from(proxy.upstream.clone()).connect(name, tcp);
+    let server = tokio::time::timeout(HANDSHAKE_TIMEOUT, connect)
         .await
+        .map_err(|_| format!("TLS with {host} at {dst}: timed out"))?
         .map_err(|e| format!("TLS with {host} at {dst}: {e}"))?;
-    let headers = Arc::new(headers);
-    proxy_http(client, server, move |_| Some(headers.clone())).await
+    // The server proved it is `host`; a request on this connection that names another
+    // host (which a front serving many would route by) gets nothing. Looked up per
+    // request, so changed headers hold on connections already open.
+    proxy_http(client, server, |h| {
+        same_host(h, host)
+            .then(|| net.headers_for(src, *dst.ip(), h, true))
+            .flatten()
+            .map(Arc::new)
+    })
+    .await
+}
+
+/// Whether two host names are the same name.
+fn same_host(a: &str, b: &str) -> bool {
+    a.trim_end_matches('.')
+        .eq_ignore_ascii_case(b.trim_end_matches('.'))
 }
 
 async fn rewrite_http(
@@ -449,18 +523,39 @@ async fn rewrite_http(
     .await
 }
 
-/// The host a request names (`Host`, or the URI's authority), without its port.
+/// The host a request names, without its port: its one `Host` (`name[:port]`), which must
+/// be the URI's host when the URI names one (an origin routes by the URI). None when the
+/// request is ambiguous: it then gets no headers.
 fn host_of<B>(req: &Request<B>) -> Option<String> {
-    let h = req
-        .headers()
-        .get(hyper::header::HOST)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string)
-        .or_else(|| req.uri().authority().map(|a| a.as_str().to_string()))?;
-    let h = h.trim();
-    let host = match h.strip_prefix('[') {
-        Some(v6) => v6.split(']').next().unwrap_or(""),
-        None => h.rsplit_once(':').map(|(a, _)| a).unwrap_or(h),
+    let mut all = req.headers().get_all(hyper::header::HOST).iter();
+    let header = all.next();
+    if all.next().is_some() {
+        return None;
+    }
+    let from_uri = req.uri().host();
+    let host = match header {
+        Some(v) => {
+            let v = v.to_str().ok()?.trim();
+            let (name, port) = match v.rsplit_once(':') {
+                Some((n, p)) => (n, Some(p)),
+                None => (v, None),
+            };
+            let name_ok = !name.is_empty()
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-._".contains(&b));
+            let port_ok = port.is_none_or(|p| {
+                !p.is_empty() && p.len() <= 5 && p.bytes().all(|b| b.is_ascii_digit())
+            });
+            if !(name_ok && port_ok) {
+                return None;
+            }
+            if from_uri.is_some_and(|u| !same_host(u, name)) {
+                return None;
+            }
+            name
+        }
+        None => from_uri?,
     };
     Some(host.to_string())
 }
@@ -481,7 +576,11 @@ where
     let headers_for = &headers_for;
     let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
         let sender = sender.clone();
-        let set = host_of(&req).and_then(|h| headers_for(&h));
+        // A request that would echo itself back (TRACE) or become a tunnel gets none.
+        let plain = !matches!(*req.method(), hyper::Method::TRACE | hyper::Method::CONNECT);
+        let set = host_of(&req)
+            .filter(|_| plain)
+            .and_then(|h| headers_for(&h));
         async move {
             if let Some(set) = set {
                 for (name, value) in set.iter() {
@@ -508,19 +607,30 @@ where
 }
 
 /// Puts the node's CA into the sandbox behind `sock`: its own file, and appended to the
-/// system bundle (once: a sandbox that has the file has both).
+/// system bundle, unless the file already holds this CA (an image made from a sandbox of
+/// another node may hold that node's).
 pub async fn install_trust(sock: &Path, pem: &str) -> Result<(), dsec_common::ApiError> {
-    use crate::channel::{Conn, call, check};
-    use dsec_common::channel::{Request, Response};
-    let exists = call(
+    use crate::channel::{Conn, check};
+    use dsec_common::channel::{FRAME_DATA, Request, Response};
+    let mut held = Vec::new();
+    let mut conn = Conn::open(
         sock,
-        &Request::Exists {
+        &Request::ReadFile {
             path: TRUST_PATH.into(),
         },
-        Duration::from_secs(10),
     )
     .await?;
-    if matches!(check(exists)?, Response::Exists { exists: true }) {
+    if let Ok(Response::File { size }) = conn.reply().await
+        && size <= 64 * 1024
+    {
+        while let Some((FRAME_DATA, d)) = conn.frame().await? {
+            if d.is_empty() {
+                break;
+            }
+            held.extend_from_slice(&d);
+        }
+    }
+    if held.trim_ascii() == pem.as_bytes().trim_ascii() {
         return Ok(());
     }
     for (path, append) in [(SYSTEM_BUNDLE, true), (TRUST_PATH, false)] {
@@ -552,24 +662,50 @@ mod tests {
     }
 
     #[test]
-    fn the_host_of_a_request_is_its_host_header_without_the_port() {
+    fn the_host_of_a_request_is_its_one_host_without_the_port() {
+        let h = |r: &Request<()>| host_of(r);
         assert_eq!(
-            host_of(&req(Some("api.example.com"), "/")).as_deref(),
+            h(&req(Some("api.example.com"), "/")).as_deref(),
             Some("api.example.com")
         );
         assert_eq!(
-            host_of(&req(Some("api.example.com:8080"), "/")).as_deref(),
+            h(&req(Some("api.example.com:8080"), "/")).as_deref(),
             Some("api.example.com")
         );
         assert_eq!(
-            host_of(&req(Some("[2001:db8::1]:80"), "/")).as_deref(),
-            Some("2001:db8::1")
-        );
-        assert_eq!(
-            host_of(&req(None, "http://h.example.com:81/x")).as_deref(),
+            h(&req(None, "http://h.example.com:81/x")).as_deref(),
             Some("h.example.com")
         );
-        assert_eq!(host_of(&req(None, "/")), None);
+        assert_eq!(h(&req(None, "/")), None);
+        // Ambiguous requests name no host: the URI names another (an origin routes by
+        // the URI), two Host headers, a Host that is not name[:port].
+        assert_eq!(
+            h(&req(Some("api.example.com"), "http://evil.example/")),
+            None
+        );
+        assert_eq!(
+            h(&req(Some("api.example.com"), "http://API.example.com/x")).as_deref(),
+            Some("api.example.com")
+        );
+        let mut two = req(Some("api.example.com"), "/");
+        two.headers_mut()
+            .append("host", "evil.example".parse().unwrap());
+        assert_eq!(h(&two), None);
+        for bad in [
+            "api.example.com:80, evil",
+            "api.example.com:x",
+            "a b",
+            "[2001:db8::1]:80",
+            "",
+        ] {
+            assert_eq!(h(&req(Some(bad), "/")), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn names_compare_without_case_or_the_root_dot() {
+        assert!(same_host("API.example.com.", "api.example.com"));
+        assert!(!same_host("api.example.com.evil", "api.example.com"));
     }
 
     #[test]

@@ -178,9 +178,14 @@ impl Network {
         link::gateway(&self.pool)
     }
 
-    /// Whether `ip` is a sandbox's address.
-    pub fn is_sandbox(&self, ip: Ipv4Addr) -> bool {
-        self.lock().by_ip.contains_key(&ip)
+    /// The id of the sandbox whose address `ip` is.
+    pub fn sandbox_id_at(&self, ip: Ipv4Addr) -> Option<String> {
+        self.lock().by_ip.get(&ip).map(|a| a.id.clone())
+    }
+
+    /// Whether `ip` is in the sandboxes' pool.
+    pub fn in_pool(&self, ip: Ipv4Addr) -> bool {
+        self.pool.contains(ip)
     }
 
     /// The headers the sandbox at `src` has for a request to `host` that goes to `daddr`.

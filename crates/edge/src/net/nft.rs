@@ -430,9 +430,9 @@ add rule inet {TABLE} dnslimit iifname \"{p}*\" meta l4proto {{ tcp, udp }} th d
 add chain inet {TABLE} prerouting {{ type nat hook prerouting priority dstnat; policy accept; }}
 flush chain inet {TABLE} prerouting
 add rule inet {TABLE} prerouting iifname \"{p}*\" meta nfproto ipv4 meta l4proto {{ tcp, udp }} th dport 53 dnat ip to {gateway}:{dns_port}
-add rule inet {TABLE} prerouting iifname @{HEADERS} meta nfproto ipv4 tcp dport {{ 80, 443 }} ip daddr != @never4 iifname . ip daddr @{LEARNED} dnat ip to {gateway}:{header_port}
-add rule inet {TABLE} prerouting iifname @{HEADERS} meta nfproto ipv4 tcp dport {{ 80, 443 }} ip daddr != @never4 iifname . ip daddr @{CIDRS_ONE} dnat ip to {gateway}:{header_port}
-add rule inet {TABLE} prerouting iifname @{HEADERS} meta nfproto ipv4 tcp dport {{ 80, 443 }} ip daddr != @never4 iifname . ip daddr @{CIDRS} dnat ip to {gateway}:{header_port}
+add rule inet {TABLE} prerouting iifname @{HEADERS} meta nfproto ipv4 tcp dport {{ 80, 443 }} ip daddr != @never4 ip daddr != {pool} fib daddr type != local iifname . ip daddr @{LEARNED} dnat ip to {gateway}:{header_port}
+add rule inet {TABLE} prerouting iifname @{HEADERS} meta nfproto ipv4 tcp dport {{ 80, 443 }} ip daddr != @never4 ip daddr != {pool} fib daddr type != local iifname . ip daddr @{CIDRS_ONE} dnat ip to {gateway}:{header_port}
+add rule inet {TABLE} prerouting iifname @{HEADERS} meta nfproto ipv4 tcp dport {{ 80, 443 }} ip daddr != @never4 ip daddr != {pool} fib daddr type != local iifname . ip daddr @{CIDRS} dnat ip to {gateway}:{header_port}
 add chain inet {TABLE} postrouting {{ type nat hook postrouting priority srcnat; policy accept; }}
 flush chain inet {TABLE} postrouting
 add rule inet {TABLE} postrouting ip saddr {pool} oifname != \"{p}*\" masquerade
