@@ -18,20 +18,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "sdk/python"))
-sys.path.insert(0, str(ROOT / "tests/e2e"))
+from benchlib import DSEC, ROOT, pct  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "tests/e2e"))
 import netlab  # noqa: E402
 from opendsec import DSecClient, DSecRunArgs  # noqa: E402
 
-DSEC = __import__("os").environ.get("DSEC_BIN", str(ROOT / "target/debug/dsec"))
-IMAGES = Path(__import__("os").environ.get("DSEC_TEST_DIR", "/var/tmp/dsec-test")) / "images"
+IMAGES = Path(os.environ.get("DSEC_TEST_DIR", "/var/tmp/dsec-test")) / "images"
 CA_IN_SANDBOX = "/tmp/lab-ca.pem"
 
 # n GETs of https://pypi.test/ (or http://), a new connection each; prints the ms of each
@@ -61,11 +60,6 @@ print(json.dumps({"ms": times, "secret": got}))
 
 ARGS = dict(image="root/py:3.11", memory_limit_mb=64, cpu_cores_limit=0.5, ttl_seconds=1800)
 HEADERS = {"pypi.test": {"X-Secret": "bench"}}
-
-
-def pct(v: list[float], p: float) -> float:
-    s = sorted(v)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
 
 
 async def loop(sb, n: int, tls: bool, cafile: str = "") -> dict:

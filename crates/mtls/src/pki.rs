@@ -26,8 +26,9 @@ fn pki(what: &str, e: rcgen::Error) -> Error {
     Error::Certificate(format!("{what}: {e}"))
 }
 
-/// Writes a file readable by its owner only (keys) or by all (certificates).
-fn write(path: &Path, text: &str, private: bool) -> Result<(), Error> {
+/// Writes a file readable by its owner only (keys) or by all (certificates), through a
+/// temporary file (a crash leaves the old one or the new one).
+pub fn write(path: &Path, text: &str, private: bool) -> Result<(), Error> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let tmp = path.with_extension("tmp");
@@ -43,13 +44,14 @@ fn write(path: &Path, text: &str, private: bool) -> Result<(), Error> {
     std::fs::rename(&tmp, path).map_err(|e| io(path, e))
 }
 
-fn validity(params: &mut CertificateParams) {
+/// Valid from a year ago (a day of slack for clocks that are a little behind, and more)
+/// until `years` from now.
+pub fn validity(params: &mut CertificateParams, years: i32) {
     // SAFETY: time(NULL) only reads the clock.
     let now = unsafe { libc::time(std::ptr::null_mut()) };
     let year = 1970 + (now / 31_556_952) as i32;
-    // A day of slack for clocks that are a little behind.
     params.not_before = rcgen::date_time_ymd(year - 1, 1, 1);
-    params.not_after = rcgen::date_time_ymd(year + VALID_YEARS, 1, 1);
+    params.not_after = rcgen::date_time_ymd(year + years, 1, 1);
 }
 
 /// Creates `dir/ca.pem` and `dir/ca.key` unless they exist. Returns whether it made them.
@@ -70,7 +72,7 @@ pub fn init_ca(dir: &Path) -> Result<bool, Error> {
         KeyUsagePurpose::CrlSign,
         KeyUsagePurpose::DigitalSignature,
     ];
-    validity(&mut params);
+    validity(&mut params, VALID_YEARS);
     let cert = params
         .self_signed(&key)
         .map_err(|e| pki("signing the CA certificate", e))?;
@@ -150,7 +152,7 @@ pub fn issue(dir: &Path, role: Role, name: &str, hosts: &[String]) -> Result<Iss
         ExtendedKeyUsagePurpose::ServerAuth,
         ExtendedKeyUsagePurpose::ClientAuth,
     ];
-    validity(&mut params);
+    validity(&mut params, VALID_YEARS);
     let key = KeyPair::generate().map_err(|e| pki("generating the key", e))?;
     let cert = params
         .signed_by(&key, &issuer)

@@ -105,10 +105,12 @@ impl Ca {
             );
             params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
             params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-            validity(&mut params, 10);
+            dsec_mtls::pki::validity(&mut params, 10);
             let cert = params.self_signed(&key).map_err(|e| err(e.to_string()))?;
-            write_private(&key_path, &key.serialize_pem()).map_err(|e| err(e.to_string()))?;
-            std::fs::write(&cert_path, cert.pem()).map_err(|e| err(e.to_string()))?;
+            dsec_mtls::pki::write(&key_path, &key.serialize_pem(), true)
+                .map_err(|e| err(e.to_string()))?;
+            dsec_mtls::pki::write(&cert_path, &cert.pem(), false)
+                .map_err(|e| err(e.to_string()))?;
         }
         let pem = std::fs::read_to_string(&cert_path).map_err(|e| err(e.to_string()))?;
         let key_pem = std::fs::read_to_string(&key_path).map_err(|e| err(e.to_string()))?;
@@ -126,7 +128,7 @@ impl Ca {
             Ok(ip) => SanType::IpAddress(ip.into()),
             Err(_) => SanType::DnsName(host.try_into().map_err(|e: rcgen::Error| e.to_string())?),
         }];
-        validity(&mut params, 1);
+        dsec_mtls::pki::validity(&mut params, 1);
         let cert = params
             .signed_by(&key, &self.issuer)
             .map_err(|e| e.to_string())?;
@@ -135,26 +137,6 @@ impl Ca {
             rustls::crypto::aws_lc_rs::sign::any_supported_type(&der).map_err(|e| e.to_string())?;
         Ok(CertifiedKey::new(vec![cert.der().clone()], signer))
     }
-}
-
-fn validity(params: &mut CertificateParams, years: i32) {
-    // SAFETY: time(NULL) only reads the clock.
-    let now = unsafe { libc::time(std::ptr::null_mut()) };
-    let year = 1970 + (now / 31_556_952) as i32;
-    params.not_before = rcgen::date_time_ymd(year - 1, 1, 1);
-    params.not_after = rcgen::date_time_ymd(year + years, 1, 1);
-}
-
-fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .create(true)
-        .write(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)?;
-    f.write_all(text.as_bytes())
 }
 
 /// The proxy's state: the CA, certificates made, TLS to servers, connections per sandbox.
