@@ -21,6 +21,7 @@ aether:
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	CARGO=$(CARGO) sh .ci/layering
 
 test-rust:
 	$(CARGO) test --workspace

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "sdk/python"))
 from opendsec import DSecClient, DSecRunArgs, InvalidArgumentError  # noqa: E402
 from opendsec import client as sdk  # noqa: E402
 
-SCHEMAS = json.loads((ROOT / "crates/apiserver/openapi.json").read_text())["components"]["schemas"]
+SCHEMAS = json.loads((ROOT / "crates/common/openapi.json").read_text())["components"]["schemas"]
 
 
 def props(name: str) -> set[str]:

@@ -244,12 +244,7 @@ fn winsize(s: PtySize) -> libc::winsize {
     }
 }
 
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+use dsec_common::now_ms;
 
 fn set_cloexec(fd: i32) {
     // SAFETY: fcntl on an fd we own.

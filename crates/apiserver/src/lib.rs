@@ -1,833 +1,605 @@
-//! The apiserver: the public REST/JSON API (described by `openapi.json`, served at
-//! `/openapi.json`), API-key authentication through IAM, and routing of each request to
-//! the edge its sandbox id names. It holds no per-sandbox state.
+//! The apiserver of a cluster. It keeps no per-sandbox state: it authenticates the API key
+//! through IAM, places creates on the watcher's view (filter, then power-of-k with its own
+//! recent placements overlaid; a node that refuses is skipped and the next one tried), and
+//! forwards every request for a sandbox, streams and upgrades included, to the edge its id
+//! names, over mutual TLS, with the caller's principal in [`PRINCIPAL_HEADER`]. The edge
+//! decides visibility (404 for other projects' sandboxes), admission and quota.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::Router;
-use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Extension, Path, RawQuery, Request, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, RawQuery, Request, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
+use dsec_common::ApiError;
 use dsec_common::api::{
-    ClusterStatus, CreateSandboxRequest, ExecRequest, ForkRequest, GroupRequest,
-    ListSandboxesResponse, PauseRequest, ResumeRequest, SetNetworkRequest, SetTimeoutRequest,
+    GroupFailure, GroupRequest, GroupResponse, ListSandboxesResponse, ListSnapshotsResponse,
+    NodeStatus,
 };
 use dsec_common::id::SandboxId;
-use dsec_common::{ApiError, ErrorCode};
-use dsec_edge::Edge;
-use dsec_iam::{Iam, Principal};
-use serde::de::DeserializeOwned;
+use dsec_iam::{Iam, Principal, PrincipalKind, ROOT, RemoteIam};
+use dsec_watcher::{ClusterView, Demand, EdgeEndpoint, Placer, Poller, SharedView};
+use http_body_util::{BodyExt, Limited};
 
-pub mod cluster;
-pub mod iam;
-mod images;
-mod ports;
-mod runtime;
-mod snapshots;
-pub mod transfer;
-mod volumes;
+use dsec_common::http::{
+    ApiResult, Failure, api_key, body, json, label_filter, missing_key, no_such_endpoint,
+    public_routes, unknown_key,
+};
+use dsec_iam::http::{PRINCIPAL_HEADER, create_request, encode_principal, status_for};
 
-pub const OPENAPI: &str = include_str!("../openapi.json");
+/// The most a create may take on an edge (image unpacking included).
+const CREATE_TIMEOUT: Duration = Duration::from_secs(120);
+/// The most a listing or status call to one edge may take.
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// A group pause to disk writes every member's memory out.
+const GROUP_TIMEOUT: Duration = Duration::from_secs(600);
+const MAX_ANSWER: usize = 64 << 20;
+/// Memory a create is placed by when it names none (the edges' usual default).
+const DEFAULT_MEMORY_MB: u64 = 512;
 
-#[derive(Clone)]
-pub struct AppState {
-    pub edge: Arc<Edge>,
-    pub iam: Arc<dyn Iam>,
-    /// Take the caller's principal from [`PRINCIPAL_HEADER`] (set by an apiserver) instead
-    /// of an API key: only for an edge's listener that admits cluster components alone
-    /// (mutual TLS), never for a public one.
-    pub forwarded: bool,
+pub struct ClusterConfig {
+    /// Edge name → `host:port` of its cluster listener.
+    pub edges: BTreeMap<String, String>,
+    /// The watcher's `host:port`; without one the apiserver polls the edges itself.
+    pub watcher: Option<String>,
+    /// How often the view is refreshed.
+    pub refresh: Duration,
 }
 
-/// The principal an apiserver authenticated, passed on to the edge (base64url of its JSON).
-pub const PRINCIPAL_HEADER: &str = "x-dsec-principal";
-
-pub fn encode_principal(p: &Principal) -> String {
-    use base64::Engine;
-    let json = serde_json::to_vec(p).unwrap_or_default();
-    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(json)
+pub struct Cluster {
+    iam: RemoteIam,
+    edges: BTreeMap<String, String>,
+    watcher: Option<String>,
+    refresh: Duration,
+    client: dsec_mtls::Client,
+    placer: Placer,
+    view: SharedView,
+    /// Polls the edges directly while the watcher does not answer.
+    fallback: Poller,
 }
 
-pub fn decode_principal(v: &str) -> Option<Principal> {
-    use base64::Engine;
-    let json = base64::engine::general_purpose::URL_SAFE_NO_PAD
-        .decode(v.trim())
-        .ok()?;
-    serde_json::from_slice(&json).ok()
-}
-
-/// The forwarded principal of a request, when the state trusts forwarding and the peer's
-/// certificate may forward one for it (see [`may_forward`]).
-pub(crate) fn forwarded_principal(st: &AppState, req: &Request) -> Option<Principal> {
-    if !st.forwarded {
-        return None;
-    }
-    let peer = req.extensions().get::<dsec_mtls::Identity>();
-    if !may_forward(peer, req.method(), req.uri().path()) {
-        return None;
-    }
-    req.headers()
-        .get(PRINCIPAL_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .and_then(decode_principal)
-}
-
-/// Which cluster components may act for a principal on an edge's listener: apiservers
-/// (they authenticated the caller), and the watcher only to read `/v1/status`. An edge's
-/// certificate forwards nothing, so one escaped node cannot act as anyone on the others
-/// (edge-to-edge transfers check the peer's certificate themselves).
-pub(crate) fn may_forward(
-    peer: Option<&dsec_mtls::Identity>,
-    method: &axum::http::Method,
-    path: &str,
-) -> bool {
-    match peer.map(|p| p.role) {
-        Some(dsec_mtls::Role::Apiserver) => true,
-        Some(dsec_mtls::Role::Watcher) => method == axum::http::Method::GET && path == "/v1/status",
-        _ => false,
+/// How the apiserver itself appears to edges when it polls them.
+fn component_principal(name: &str) -> Principal {
+    Principal {
+        name: name.to_string(),
+        kind: PrincipalKind::Agent,
+        key_id: String::new(),
+        project: ROOT.to_string(),
     }
 }
 
-/// An [`ApiError`] as an HTTP response: its status and `{"code","message"}`.
-#[derive(Debug)]
-pub struct Failure(pub ApiError);
-
-impl From<ApiError> for Failure {
-    fn from(e: ApiError) -> Self {
-        Failure(e)
-    }
+/// The header that lets a cluster component read an edge's status.
+pub fn component_auth(name: &str) -> (String, String) {
+    (
+        PRINCIPAL_HEADER.to_string(),
+        encode_principal(&component_principal(name)),
+    )
 }
 
-impl IntoResponse for Failure {
-    fn into_response(self) -> Response {
-        let status = StatusCode::from_u16(self.0.code.http_status())
-            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        (status, axum::Json(self.0)).into_response()
+impl Cluster {
+    pub fn new(cfg: ClusterConfig, iam: RemoteIam, client: dsec_mtls::Client) -> Arc<Cluster> {
+        let endpoints = cfg
+            .edges
+            .iter()
+            .map(|(name, addr)| EdgeEndpoint {
+                name: name.clone(),
+                url: client.base(addr),
+                auth: Some(component_auth("apiserver")),
+            })
+            .collect();
+        Arc::new(Cluster {
+            iam,
+            edges: cfg.edges,
+            watcher: cfg.watcher,
+            refresh: cfg.refresh,
+            fallback: Poller::new(endpoints, Duration::from_secs(2), client.clone()),
+            client,
+            // Own placements count for two refreshes: until the view has them.
+            placer: Placer::new(2, cfg.refresh * 2 + Duration::from_millis(500)),
+            view: SharedView::default(),
+        })
     }
-}
 
-pub(crate) type ApiResult<T> = Result<T, Failure>;
-
-pub(crate) fn json<T: serde::Serialize>(status: StatusCode, v: &T) -> Response {
-    (status, axum::Json(v)).into_response()
-}
-
-/// Parses a JSON body, saying what was wrong in terms of the request.
-pub(crate) fn body<T: DeserializeOwned>(bytes: &Bytes, what: &str) -> Result<T, Failure> {
-    if bytes.is_empty() {
-        return Err(
-            ApiError::invalid(format!("{what} needs a JSON body; see /openapi.json")).into(),
-        );
+    fn view(&self) -> ClusterView {
+        self.view.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
-    serde_json::from_slice(bytes).map_err(|e| {
-        let kind = if e.is_syntax() || e.is_eof() {
-            "is not valid JSON"
-        } else {
-            "does not match the schema"
+
+    /// Fetches the watcher's view; if it does not answer, polls the edges directly.
+    pub async fn refresh_once(&self) {
+        if let Some(w) = &self.watcher {
+            match self.fetch_watcher(w).await {
+                Ok(nodes) => {
+                    let mut v = ClusterView::default();
+                    for n in nodes {
+                        v.update(n);
+                    }
+                    *self.view.write().unwrap_or_else(|p| p.into_inner()) = v;
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(watcher = %w, "the watcher does not answer ({e}); polling the edges directly")
+                }
+            }
+        }
+        self.fallback.poll_once().await;
+        let v = self
+            .fallback
+            .view()
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        *self.view.write().unwrap_or_else(|p| p.into_inner()) = v;
+    }
+
+    async fn fetch_watcher(&self, addr: &str) -> Result<Vec<NodeStatus>, String> {
+        let url = format!("{}{}", self.client.base(addr), dsec_watcher::PATH_VIEW);
+        let req = hyper::Request::get(url)
+            .body(Body::empty())
+            .map_err(|e| e.to_string())?;
+        let (status, bytes) = self.send(req, CALL_TIMEOUT).await?;
+        if !status.is_success() {
+            return Err(format!("HTTP {status}"));
+        }
+        let s: dsec_common::api::ClusterStatus =
+            serde_json::from_slice(&bytes).map_err(|e| e.to_string())?;
+        Ok(s.nodes)
+    }
+
+    /// Refreshes the view every `refresh` until the task is dropped.
+    pub fn spawn_refresh(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let c = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(c.refresh);
+            loop {
+                tick.tick().await;
+                c.refresh_once().await;
+            }
+        })
+    }
+
+    /// Sends a request and reads the whole (bounded) answer.
+    async fn send(
+        &self,
+        req: hyper::Request<Body>,
+        timeout: Duration,
+    ) -> Result<(StatusCode, Bytes), String> {
+        let call = async {
+            let resp = self.client.request(req).await.map_err(|e| {
+                use std::error::Error;
+                match e.source() {
+                    Some(s) => format!("{e}: {s}"),
+                    None => e.to_string(),
+                }
+            })?;
+            let status = resp.status();
+            let bytes = Limited::new(resp.into_body(), MAX_ANSWER)
+                .collect()
+                .await
+                .map_err(|e| format!("reading the answer: {e}"))?
+                .to_bytes();
+            Ok((status, bytes))
         };
-        ApiError::invalid(format!("the {what} body {kind}: {e}; see /openapi.json")).into()
-    })
+        tokio::time::timeout(timeout, call)
+            .await
+            .map_err(|_| format!("no answer within {timeout:?}"))?
+    }
+
+    fn edge_addr(&self, edge: &str) -> ApiResult<&str> {
+        self.edges.get(edge).map(String::as_str).ok_or_else(|| {
+            Failure(ApiError::not_found(format!(
+                "edge {edge} is not part of this cluster (the sandbox id names an edge this apiserver does not know)"
+            )))
+        })
+    }
+
+    /// A JSON call to an edge on behalf of `p`.
+    async fn call(
+        &self,
+        edge: &str,
+        method: Method,
+        path_and_query: &str,
+        body: Option<Vec<u8>>,
+        p: &Principal,
+        timeout: Duration,
+    ) -> Result<(StatusCode, Bytes), String> {
+        let addr = self.edge_addr(edge).map_err(|f| f.0.message)?;
+        let mut req = hyper::Request::builder()
+            .method(method)
+            .uri(format!("{}{path_and_query}", self.client.base(addr)))
+            .header(PRINCIPAL_HEADER, encode_principal(p));
+        if body.is_some() {
+            req = req.header(header::CONTENT_TYPE, "application/json");
+        }
+        let req = req
+            .body(body.map(Body::from).unwrap_or_else(Body::empty))
+            .map_err(|e| e.to_string())?;
+        self.send(req, timeout).await
+    }
+
+    async fn principal(&self, headers: &HeaderMap) -> Result<Principal, Failure> {
+        let k = api_key(headers).ok_or_else(missing_key)?;
+        self.iam.authenticate_async(k).await.ok_or_else(unknown_key)
+    }
+
+    /// Forwards `req` as it is to `edge`, streaming both ways; an `Upgrade` is spliced.
+    async fn forward(
+        &self,
+        edge: &str,
+        mut req: Request,
+        principal: Option<&Principal>,
+    ) -> ApiResult<Response> {
+        let addr = self.edge_addr(edge)?;
+        let pq = req
+            .uri()
+            .path_and_query()
+            .map(|p| p.as_str())
+            .unwrap_or("/")
+            .to_string();
+        *req.uri_mut() = Uri::try_from(format!("{}{pq}", self.client.base(addr)))
+            .map_err(|e| ApiError::invalid(format!("bad request path: {e}")))?;
+        let h = req.headers_mut();
+        h.remove(PRINCIPAL_HEADER);
+        if let Some(p) = principal {
+            h.remove(header::AUTHORIZATION);
+            h.remove("x-api-key");
+            let v = HeaderValue::from_str(&encode_principal(p))
+                .map_err(|e| ApiError::internal(e.to_string()))?;
+            h.insert(PRINCIPAL_HEADER, v);
+        }
+        let client_upgrade = req
+            .headers()
+            .contains_key(header::UPGRADE)
+            .then(|| hyper::upgrade::on(&mut req));
+        let mut resp = self.client.request(req).await.map_err(|e| {
+            Failure(ApiError::unavailable(format!(
+                "edge {edge} ({addr}) does not answer ({e}); its sandboxes are reachable again once it is back"
+            )))
+        })?;
+        dsec_common::http::splice_upgrade(client_upgrade, &mut resp);
+        Ok(resp.map(Body::new).into_response())
+    }
 }
 
-pub fn router(state: AppState) -> Router {
-    let api = Router::new()
+pub fn router(c: Arc<Cluster>) -> Router {
+    let iam: Arc<dyn Iam> = Arc::new(c.iam.clone());
+    let iam_routes = dsec_iam::http::routes()
+        .with_state(iam)
+        .route_layer(middleware::from_fn_with_state(c.clone(), auth));
+    public_routes()
         .route("/v1/status", get(status))
         .route("/v1/sandboxes", post(create).get(list))
-        .route("/v1/sandboxes/{id}", get(get_one).delete(stop))
-        .route("/v1/sandboxes/{id}/metrics", get(metrics))
-        .route("/v1/sandboxes/{id}/metrics/history", get(metrics_history))
-        .route("/v1/sandboxes/{id}/exec", post(exec))
-        .route("/v1/sandboxes/{id}/commit", post(commit))
-        .route("/v1/sandboxes/{id}/fork", post(fork))
-        .route("/v1/sandboxes/{id}/pause", post(pause))
-        .route("/v1/sandboxes/{id}/resume", post(resume))
-        .route("/v1/groups/pause", post(pause_group))
-        .route("/v1/groups/resume", post(resume_group))
-        .route("/v1/sandboxes/{id}/timeout", post(set_timeout))
-        .route(
-            "/v1/sandboxes/{id}/network",
-            axum::routing::put(set_network),
-        )
         .route("/v1/images", get(images))
-        .route("/v1/images/builds", post(build_image))
-        .route(
-            "/v1/images/{reference}",
-            axum::routing::delete(images::remove_image),
-        )
-        .route("/v1/images:pull", post(images::pull_image))
-        .route("/v1/images:push", post(images::push_image))
-        .route("/v1/registries", get(images::list_logins))
+        .route("/v1/images/builds", post(images))
+        .route("/v1/images:pull", post(images))
+        .route("/v1/images:push", post(images))
+        .route("/v1/registries", get(images))
         .route(
             "/v1/registries/{registry}/login",
-            axum::routing::put(images::put_login).delete(images::delete_login),
+            axum::routing::put(images).delete(images),
         )
-        .route("/v1/functions", get(functions))
-        .route("/v1/functions/{call}", post(call_function))
-        .merge(runtime::routes())
-        .merge(snapshots::routes())
-        .merge(volumes::routes())
-        .merge(iam::routes().with_state(state.iam.clone()))
-        .route_layer(middleware::from_fn_with_state(state.clone(), auth));
-    public_routes()
-        .merge(api)
-        // Edge to edge over mutual TLS: each handler checks the peer's certificate.
-        .merge(transfer::routes())
-        // Checks the API key or the sandbox's port token itself.
-        .merge(ports::routes())
-        .fallback(|| async {
-            Failure(ApiError::not_found(
-                "no such endpoint; the API is described at /openapi.json",
-            ))
-        })
-        .method_not_allowed_fallback(|| async {
-            Failure(ApiError::new(
-                ErrorCode::InvalidArgument,
-                "method not allowed on this endpoint; see /openapi.json",
-            ))
-        })
-        .layer(DefaultBodyLimit::max(64 << 20))
-        .with_state(state)
+        .route("/v1/groups/{verb}", post(group))
+        .route("/v1/snapshots", get(list_snapshots))
+        .route("/v1/snapshots/{sid}", any(snapshot))
+        .route("/v1/snapshots/{sid}/{*rest}", any(snapshot_rest))
+        .route("/v1/sandboxes/{id}", any(sandbox))
+        .route("/v1/sandboxes/{id}/{*rest}", any(sandbox_rest))
+        .merge(iam_routes)
+        .fallback(|| async { no_such_endpoint() })
+        .with_state(c)
 }
 
-/// `/healthz`, answered by every listener of every role.
-pub fn health<S: Clone + Send + Sync + 'static>() -> Router<S> {
-    Router::new().route(
-        "/healthz",
-        get(|| async { axum::Json(serde_json::json!({"ok": true})) }),
-    )
-}
-
-/// What any apiserver serves without a key: health and the API description.
-pub(crate) fn public_routes<S: Clone + Send + Sync + 'static>() -> Router<S> {
-    health().route(
-        "/openapi.json",
-        get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }),
-    )
-}
-
-pub(crate) fn api_key(headers: &HeaderMap) -> Option<&str> {
-    if let Some(v) = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-    {
-        return v.strip_prefix("Bearer ").map(str::trim);
+async fn auth(State(c): State<Arc<Cluster>>, mut req: Request, next: Next) -> Response {
+    match c.principal(req.headers()).await {
+        Ok(p) => {
+            req.extensions_mut().insert(p);
+            next.run(req).await
+        }
+        Err(e) => e.into_response(),
     }
-    headers
-        .get("x-api-key")
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim)
 }
 
-/// The caller: the forwarded principal (on an edge's cluster listener) or the API key's.
-pub(crate) fn caller(st: &AppState, req: &Request) -> Result<Principal, Failure> {
-    if let Some(p) = forwarded_principal(st, req) {
-        return Ok(p);
-    }
-    let k = api_key(req.headers()).ok_or_else(missing_key)?;
-    st.iam.authenticate(k).ok_or_else(unknown_key)
+fn owning_edge(id: &str) -> ApiResult<String> {
+    Ok(SandboxId::parse(id)
+        .map_err(|e| ApiError::invalid(e.to_string()))?
+        .edge()
+        .to_string())
 }
 
-pub(crate) fn missing_key() -> Failure {
-    Failure(ApiError::new(
-        ErrorCode::Unauthenticated,
-        "missing API key: send `Authorization: Bearer dsk.…` (dsec up printed one and wrote it to client.toml)",
-    ))
+async fn sandbox(
+    State(c): State<Arc<Cluster>>,
+    Path(id): Path<String>,
+    req: Request,
+) -> ApiResult<Response> {
+    let p = c.principal(req.headers()).await?;
+    let edge = owning_edge(&id)?;
+    c.forward(&edge, req, Some(&p)).await
 }
 
-pub(crate) fn unknown_key() -> Failure {
-    Failure(ApiError::new(
-        ErrorCode::Unauthenticated,
-        "API key not recognised (or revoked): check DSEC_API_KEY or client.toml",
-    ))
-}
-
-async fn auth(State(st): State<AppState>, mut req: Request, next: Next) -> Response {
-    let principal = match caller(&st, &req) {
-        Ok(p) => p,
-        Err(e) => return e.into_response(),
+async fn sandbox_rest(
+    State(c): State<Arc<Cluster>>,
+    Path((id, rest)): Path<(String, String)>,
+    req: Request,
+) -> ApiResult<Response> {
+    let edge = owning_edge(&id)?;
+    // Port forwarding may be opened by the sandbox's port token instead of a key; the
+    // edge checks the token.
+    let p = if rest.starts_with("ports/") && api_key(req.headers()).is_none() {
+        None
+    } else {
+        Some(c.principal(req.headers()).await?)
     };
-    // A sandbox of a project the key cannot see does not exist for it (404, not 403, so
-    // ids don't leak).
-    if let Some(id) = req.uri().path().strip_prefix("/v1/sandboxes/")
-        && let Some(id) = id.split('/').next()
-        && let Err(e) = visible(&st, &principal, id)
+    c.forward(&edge, req, p.as_ref()).await
+}
+
+async fn snapshot(
+    State(c): State<Arc<Cluster>>,
+    Path(sid): Path<String>,
+    req: Request,
+) -> ApiResult<Response> {
+    let p = c.principal(req.headers()).await?;
+    let edge = owning_edge(&sid)?;
+    c.forward(&edge, req, Some(&p)).await
+}
+
+async fn snapshot_rest(
+    State(c): State<Arc<Cluster>>,
+    Path((sid, _rest)): Path<(String, String)>,
+    req: Request,
+) -> ApiResult<Response> {
+    let p = c.principal(req.headers()).await?;
+    let edge = owning_edge(&sid)?;
+    c.forward(&edge, req, Some(&p)).await
+}
+
+/// Every edge's snapshots the caller may see.
+async fn list_snapshots(State(c): State<Arc<Cluster>>, headers: HeaderMap) -> ApiResult<Response> {
+    let p = c.principal(&headers).await?;
+    let calls = c.edges.keys().map(|edge| {
+        let (c, p) = (c.clone(), p.clone());
+        async move {
+            let r = c
+                .call(edge, Method::GET, "/v1/snapshots", None, &p, CALL_TIMEOUT)
+                .await;
+            (edge.clone(), r)
+        }
+    });
+    let mut out = ListSnapshotsResponse {
+        snapshots: Vec::new(),
+    };
+    let mut missing = Vec::new();
+    for (edge, r) in futures_util::future::join_all(calls).await {
+        match r
+            .ok()
+            .filter(|(s, _)| s.is_success())
+            .and_then(|(_, b)| serde_json::from_slice::<ListSnapshotsResponse>(&b).ok())
+        {
+            Some(l) => out.snapshots.extend(l.snapshots),
+            None => missing.push(edge),
+        }
+    }
+    out.snapshots.sort_by(|a, b| a.id.cmp(&b.id));
+    let mut resp = json(StatusCode::OK, &out);
+    if !missing.is_empty()
+        && let Ok(v) = HeaderValue::from_str(&missing.join(","))
     {
-        return e.into_response();
+        resp.headers_mut().insert("x-dsec-unreachable-edges", v);
     }
-    req.extensions_mut().insert(principal);
-    next.run(req).await
+    Ok(resp)
 }
 
-/// Whether the principal may see sandbox `id` (a sandbox of its project or inside it).
-pub(crate) fn visible(st: &AppState, p: &Principal, id: &str) -> ApiResult<()> {
-    if id.is_empty() {
-        return Ok(());
+async fn status(State(c): State<Arc<Cluster>>, headers: HeaderMap) -> ApiResult<Response> {
+    let p = c.principal(&headers).await?;
+    let mut view = c.view();
+    if view.nodes().is_empty() {
+        c.refresh_once().await;
+        view = c.view();
     }
-    route(st, id)?;
-    match st.edge.get(id) {
-        Ok(info) if dsec_iam::within(&info.project, &p.project) => Ok(()),
-        Ok(_) => Err(ApiError::not_found(format!(
-            "sandbox {id} does not exist (it may have been stopped or its TTL ran out)"
-        ))
-        .into()),
-        Err(e) => Err(e.into()),
-    }
-}
-
-/// Checks that the id is well formed and names an edge this apiserver reaches.
-pub(crate) fn route(st: &AppState, id: &str) -> ApiResult<()> {
-    let parsed = SandboxId::parse(id).map_err(|e| ApiError::invalid(e.to_string()))?;
-    if parsed.edge() != st.edge.name() {
-        return Err(ApiError::not_found(format!(
-            "sandbox {id} belongs to edge {}, which this apiserver does not know",
-            parsed.edge()
-        ))
-        .into());
-    }
-    Ok(())
-}
-
-async fn status(State(st): State<AppState>, Extension(p): Extension<Principal>) -> Response {
-    let mut view = dsec_watcher::ClusterView::default();
-    view.update(st.edge.status());
-    json(StatusCode::OK, &status_for(&p, view.status()))
-}
-
-/// The status a key sees: sandbox counts of its own project subtree only (other projects'
-/// names and counts are theirs); node-wide totals and capacity stay.
-pub(crate) fn status_for(p: &Principal, mut s: ClusterStatus) -> ClusterStatus {
-    for n in &mut s.nodes {
-        n.projects
-            .retain(|project, _| dsec_iam::within(project, &p.project));
-    }
-    s
-}
-
-/// A create body, parsed, in the caller's project (or one inside it; 404 otherwise).
-/// A project the key may put sandboxes in: its own or one inside it; any other is as
-/// unknown as a missing one (404).
-fn usable_project(p: &Principal, project: &str) -> ApiResult<()> {
-    if dsec_iam::within(project, &p.project) {
-        return Ok(());
-    }
-    Err(ApiError::not_found(format!(
-        "project {project} does not exist (this key can use {} and the projects inside it)",
-        p.project
-    ))
-    .into())
-}
-
-pub(crate) fn create_request(bytes: &Bytes, p: &Principal) -> ApiResult<CreateSandboxRequest> {
-    let mut req: CreateSandboxRequest = body(bytes, "create sandbox")?;
-    let project = req.project.clone().unwrap_or_else(|| p.project.clone());
-    usable_project(p, &project)?;
-    images::check_read(p, &req.image)?;
-    req.project = Some(project);
-    Ok(req)
+    Ok(json(StatusCode::OK, &status_for(&p, view.status())))
 }
 
 async fn create(
-    State(st): State<AppState>,
-    Extension(p): Extension<Principal>,
-    bytes: Bytes,
-) -> ApiResult<Response> {
-    let mut req = create_request(&bytes, &p)?;
-    let project = req.project.clone().unwrap_or_else(|| p.project.clone());
-    volumes::check_mounts(&st, &p, &project, &mut req.volumes)?;
-    let info = st.edge.create(req).await?;
-    Ok(json(StatusCode::CREATED, &info))
-}
-
-pub(crate) fn label_filter(q: Option<&str>) -> ApiResult<BTreeMap<String, String>> {
-    let mut out = BTreeMap::new();
-    for pair in q.unwrap_or("").split('&').filter(|s| !s.is_empty()) {
-        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        if k != "label" {
-            return Err(ApiError::invalid(format!(
-                "unknown query parameter {k:?}; use label=KEY=VALUE"
-            ))
-            .into());
-        }
-        let v = percent_decode(v);
-        let (lk, lv) = v
-            .split_once('=')
-            .ok_or_else(|| ApiError::invalid(format!("label filter {v:?} must be KEY=VALUE")))?;
-        out.insert(lk.to_string(), lv.to_string());
-    }
-    Ok(out)
-}
-
-pub(crate) fn percent_decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'+' => out.push(b' '),
-            b'%' if i + 2 < b.len() => {
-                match u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("zz"), 16)
-                {
-                    Ok(v) => {
-                        out.push(v);
-                        i += 2;
-                    }
-                    Err(_) => out.push(b'%'),
-                }
-            }
-            c => out.push(c),
-        }
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-async fn list(
-    State(st): State<AppState>,
-    Extension(p): Extension<Principal>,
-    RawQuery(q): RawQuery,
-) -> ApiResult<Response> {
-    let labels = label_filter(q.as_deref())?;
-    let mut sandboxes = st.edge.list(&labels);
-    sandboxes.retain(|s| dsec_iam::within(&s.project, &p.project));
-    Ok(json(StatusCode::OK, &ListSandboxesResponse { sandboxes }))
-}
-
-async fn get_one(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
-    route(&st, &id)?;
-    Ok(json(StatusCode::OK, &st.edge.get(&id)?))
-}
-
-async fn metrics(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
-    route(&st, &id)?;
-    Ok(json(StatusCode::OK, &st.edge.metrics(&id).await?))
-}
-
-/// `?start_ms=&end_ms=` (milliseconds since the epoch, both optional).
-async fn metrics_history(
-    State(st): State<AppState>,
-    Path(id): Path<String>,
-    RawQuery(q): RawQuery,
-) -> ApiResult<Response> {
-    route(&st, &id)?;
-    let mut range = [None, None];
-    for pair in q
-        .as_deref()
-        .unwrap_or("")
-        .split('&')
-        .filter(|p| !p.is_empty())
-    {
-        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        let at = match k {
-            "start_ms" => 0,
-            "end_ms" => 1,
-            other => {
-                return Err(ApiError::invalid(format!(
-                    "unknown query parameter {other:?}: start_ms and end_ms (milliseconds since the epoch) are taken"
-                ))
-                .into());
-            }
-        };
-        range[at] = Some(v.parse::<u64>().map_err(|_| {
-            ApiError::invalid(format!(
-                "{k} must be milliseconds since the epoch, not {v:?}"
-            ))
-        })?);
-    }
-    Ok(json(
-        StatusCode::OK,
-        &st.edge.metrics_history(&id, range[0], range[1])?,
-    ))
-}
-
-async fn stop(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
-    route(&st, &id)?;
-    st.edge.stop(&id).await?;
-    Ok(StatusCode::NO_CONTENT.into_response())
-}
-
-async fn exec(
-    State(st): State<AppState>,
-    Path(id): Path<String>,
+    State(c): State<Arc<Cluster>>,
     headers: HeaderMap,
     bytes: Bytes,
 ) -> ApiResult<Response> {
-    route(&st, &id)?;
-    let req: ExecRequest = body(&bytes, "exec")?;
-    runtime::exec(&st, &id, &headers, req).await
-}
-
-async fn fork(
-    State(st): State<AppState>,
-    Path(id): Path<String>,
-    bytes: Bytes,
-) -> ApiResult<Response> {
-    route(&st, &id)?;
-    let req: ForkRequest = if bytes.is_empty() {
-        body(&Bytes::from_static(b"{}"), "fork")?
-    } else {
-        body(&bytes, "fork")?
-    };
-    Ok(json(StatusCode::CREATED, &st.edge.fork(&id, req).await?))
-}
-
-async fn pause(
-    State(st): State<AppState>,
-    Path(id): Path<String>,
-    bytes: Bytes,
-) -> ApiResult<Response> {
-    route(&st, &id)?;
-    let req: PauseRequest = if bytes.is_empty() {
-        PauseRequest::default()
-    } else {
-        body(&bytes, "pause")?
-    };
-    Ok(json(
-        StatusCode::OK,
-        &st.edge.pause(&id, req.to_disk).await?,
-    ))
-}
-
-async fn resume(
-    State(st): State<AppState>,
-    Path(id): Path<String>,
-    bytes: Bytes,
-) -> ApiResult<Response> {
-    route(&st, &id)?;
-    let req: ResumeRequest = if bytes.is_empty() {
-        ResumeRequest::default()
-    } else {
-        body(&bytes, "resume")?
-    };
-    let info = match req.edge.filter(|e| e != st.edge.name()) {
-        Some(target) => st.edge.resume_on(&id, &target).await?,
-        None => st.edge.resume(&id).await?,
-    };
-    Ok(json(StatusCode::OK, &info))
-}
-
-/// The caller's sandboxes (its project and those inside it) that carry every label.
-pub(crate) fn group_ids(
-    st: &AppState,
-    p: &Principal,
-    req: &GroupRequest,
-) -> ApiResult<Vec<String>> {
-    if req.labels.is_empty() {
-        return Err(ApiError::invalid(
-            "labels must name at least one key: value; a group is the sandboxes that carry them all",
+    let p = c.principal(&headers).await?;
+    let req = create_request(&bytes, &p)?;
+    if !req.volumes.is_empty() {
+        return Err(ApiError::unimplemented(
+            "volumes are kept by one edge: create a sandbox with volumes through that edge's API (the cluster apiserver does not place them yet)",
         )
         .into());
     }
-    let mut sandboxes = st.edge.list(&req.labels);
-    sandboxes.retain(|s| dsec_iam::within(&s.project, &p.project));
-    Ok(sandboxes.into_iter().map(|s| s.id).collect())
-}
-
-async fn pause_group(
-    State(st): State<AppState>,
-    Extension(p): Extension<Principal>,
-    bytes: Bytes,
-) -> ApiResult<Response> {
-    let req: GroupRequest = body(&bytes, "group pause")?;
-    let ids = group_ids(&st, &p, &req)?;
-    Ok(json(
-        StatusCode::OK,
-        &st.edge.group(ids, req.to_disk, false).await,
-    ))
-}
-
-async fn resume_group(
-    State(st): State<AppState>,
-    Extension(p): Extension<Principal>,
-    bytes: Bytes,
-) -> ApiResult<Response> {
-    let req: GroupRequest = body(&bytes, "group resume")?;
-    let ids = group_ids(&st, &p, &req)?;
-    Ok(json(StatusCode::OK, &st.edge.group(ids, false, true).await))
-}
-
-async fn set_timeout(
-    State(st): State<AppState>,
-    Path(id): Path<String>,
-    bytes: Bytes,
-) -> ApiResult<Response> {
-    route(&st, &id)?;
-    let req: SetTimeoutRequest = body(&bytes, "set timeout")?;
-    Ok(json(
-        StatusCode::OK,
-        &st.edge.set_timeout(&id, req.ttl_seconds).await?,
-    ))
-}
-
-async fn set_network(
-    State(st): State<AppState>,
-    Path(id): Path<String>,
-    bytes: Bytes,
-) -> ApiResult<Response> {
-    route(&st, &id)?;
-    let req: SetNetworkRequest = body(&bytes, "set network rules")?;
-    Ok(json(
-        StatusCode::OK,
-        &st.edge
-            .set_network_rules(&id, req.network_rules, req.egress_headers)
-            .await?,
-    ))
-}
-
-/// A commit names an image of the caller's project subtree (see [`images`]); an existing
-/// one is replaced only with `overwrite`.
-async fn commit(
-    State(st): State<AppState>,
-    Extension(p): Extension<Principal>,
-    Path(id): Path<String>,
-    bytes: Bytes,
-) -> ApiResult<Response> {
-    route(&st, &id)?;
-    let req: dsec_common::api::CommitRequest = body(&bytes, "commit")?;
-    images::check_write(&p, &req.image)?;
-    Ok(json(StatusCode::CREATED, &st.edge.commit(&id, req).await?))
-}
-
-/// `POST /v1/images/builds`: builds the spec (JSON) on this node, `run` steps in
-/// sandboxes; answers NDJSON as it goes: `{"log": line}`…, then `{"image", "digest"}` or
-/// `{"error": {"code", "message"}}`. The build goes on if the caller leaves.
-async fn build_image(
-    State(st): State<AppState>,
-    Extension(p): Extension<Principal>,
-    bytes: Bytes,
-) -> ApiResult<Response> {
-    let spec: dsec_image::build::BuildSpec = body(&bytes, "image build")?;
-    images::check_build(&p, &spec)?;
-    let name = dsec_image::ImageRef::parse(&spec.name)
-        .map_err(|e| ApiError::invalid(e.to_string()))?
-        .to_string();
-    let edge = st.edge.clone();
-    Ok(ndjson(move |log| async move {
-        match edge.build_image(spec, p.project, log).await {
-            Ok(digest) => serde_json::json!({"image": name, "digest": digest}),
-            Err(e) => serde_json::json!({ "error": e }),
-        }
-    }))
-}
-
-/// An NDJSON answer: a `{"log": line}` line for each line `work` sends, then the value
-/// it ends with. `work` runs to its end even when the caller leaves, so that nothing is
-/// left half-made and it never waits on a reader.
-pub(crate) fn ndjson<F, W>(work: W) -> Response
-where
-    W: FnOnce(tokio::sync::mpsc::UnboundedSender<String>) -> F,
-    F: std::future::Future<Output = serde_json::Value> + Send + 'static,
-{
-    let line = |v: serde_json::Value| {
-        let mut b = serde_json::to_vec(&v).unwrap_or_default();
-        b.push(b'\n');
-        Bytes::from(b)
+    let demand = Demand {
+        backend: req.backend.clone(),
+        memory_mb: req
+            .memory_limit_mb
+            .filter(|m| m.is_finite() && *m > 0.0)
+            .map(|m| m as u64)
+            .unwrap_or(DEFAULT_MEMORY_MB),
     };
-    let (log_tx, mut log_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
-    let (out_tx, out_rx) = tokio::sync::mpsc::unbounded_channel::<Bytes>();
-    let done = tokio::spawn(work(log_tx));
-    tokio::spawn(async move {
-        while let Some(l) = log_rx.recv().await {
-            let _ = out_tx.send(line(serde_json::json!({ "log": l })));
-        }
-        let last = done.await.unwrap_or_else(
-            |e| serde_json::json!({"error": ApiError::internal(format!("the worker failed: {e}"))}),
-        );
-        let _ = out_tx.send(line(last));
-    });
-    let stream = futures_util::stream::unfold(out_rx, |mut rx| async move {
-        rx.recv()
-            .await
-            .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
-    });
-    (
-        [(header::CONTENT_TYPE, "application/x-ndjson")],
-        axum::body::Body::from_stream(stream),
-    )
-        .into_response()
-}
-
-async fn images(
-    State(st): State<AppState>,
-    Extension(p): Extension<Principal>,
-) -> ApiResult<Response> {
-    let store = st.edge.images().clone();
-    let list = tokio::task::spawn_blocking(move || store.list())
-        .await
-        .map_err(|e| ApiError::internal(e.to_string()))?
-        .map_err(|e| ApiError::internal(e.to_string()))?;
-    let list = images::visible(&p, list);
-    Ok(json(StatusCode::OK, &serde_json::json!({ "images": list })))
-}
-
-/// `GET /v1/functions`: the functions this key may call.
-async fn functions(
-    State(st): State<AppState>,
-    Extension(p): Extension<Principal>,
-) -> ApiResult<Response> {
-    let list = st.edge.functions(&p.project);
-    Ok(json(
-        StatusCode::OK,
-        &serde_json::json!({ "functions": list }),
-    ))
-}
-
-/// `POST /v1/functions/{name}:call`.
-async fn call_function(
-    State(st): State<AppState>,
-    Extension(p): Extension<Principal>,
-    Path(call): Path<String>,
-    bytes: Bytes,
-) -> ApiResult<Response> {
-    let Some(name) = call.strip_suffix(":call") else {
-        return Err(ApiError::not_found(format!(
-            "no such endpoint: POST /v1/functions/{call}; to call a function, POST /v1/functions/NAME:call"
-        ))
-        .into());
-    };
-    let req: dsec_common::api::FunctionCallRequest = body(&bytes, "function call")?;
-    if let Some(project) = &req.project {
-        usable_project(&p, project)?;
+    let payload = serde_json::to_vec(&req).map_err(|e| ApiError::internal(e.to_string()))?;
+    let mut view = c.view();
+    if view.nodes().is_empty() {
+        c.refresh_once().await;
+        view = c.view();
     }
-    let r = st.edge.call_function(name, &p.project, req).await?;
-    Ok(json(StatusCode::OK, &r))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Fuzz target: any request body or query string is parsed (or refused with a
-    /// message) without a panic, whatever the route.
-    #[test]
-    fn fuzz_bodies_and_queries() {
-        let key = Principal {
-            name: "k".into(),
-            kind: dsec_iam::PrincipalKind::Agent,
-            key_id: "k".into(),
-            project: "root/t1".into(),
-        };
-        bolero::check!()
-            .with_iterations(2000)
-            .for_each(|input: &[u8]| {
-                let b = Bytes::copy_from_slice(input);
-                let _ = create_request(&b, &key);
-                let _ = body::<ExecRequest>(&b, "exec");
-                let _ = body::<ForkRequest>(&b, "fork");
-                let _ = body::<dsec_common::api::CommitRequest>(&b, "commit");
-                let _ = body::<SetNetworkRequest>(&b, "network");
-                if let Ok(spec) = body::<dsec_image::build::BuildSpec>(&b, "build") {
-                    let _ = images::check_build(&key, &spec);
+    let mut exclude: Vec<String> = Vec::new();
+    let mut refusals: Vec<String> = Vec::new();
+    loop {
+        let node = match c.placer.choose(&view, &demand, &exclude) {
+            Ok(n) => n,
+            Err(e) => {
+                let any_healthy = view.nodes().iter().any(|n| n.healthy);
+                let mut msg = e.to_string();
+                if !refusals.is_empty() {
+                    msg = format!("{msg} ({})", refusals.join("; "));
                 }
-                let q = String::from_utf8_lossy(input);
-                let _ = label_filter(Some(&q));
-                let _ = percent_decode(&q);
-            });
-    }
-
-    #[test]
-    fn only_apiservers_act_for_principals_and_the_watcher_only_reads_status() {
-        use axum::http::Method;
-        use dsec_mtls::{Identity, Role};
-        let id = |role| Identity::new(role, "n1").unwrap();
-        let api = id(Role::Apiserver);
-        assert!(may_forward(Some(&api), &Method::POST, "/v1/sandboxes"));
-        let watcher = id(Role::Watcher);
-        assert!(may_forward(Some(&watcher), &Method::GET, "/v1/status"));
-        assert!(!may_forward(Some(&watcher), &Method::POST, "/v1/sandboxes"));
-        assert!(!may_forward(Some(&watcher), &Method::GET, "/v1/sandboxes"));
-        let edge = id(Role::Edge);
-        assert!(!may_forward(Some(&edge), &Method::GET, "/v1/status"));
-        assert!(!may_forward(
-            Some(&edge),
-            &Method::DELETE,
-            "/v1/sandboxes/e1-x"
-        ));
-        assert!(!may_forward(None, &Method::GET, "/v1/status"));
-    }
-
-    #[test]
-    fn status_shows_a_key_only_its_own_projects() {
-        let mut node = dsec_common::api::NodeStatus::unreachable("e0");
-        node.projects = BTreeMap::from([
-            ("root".to_string(), 1),
-            ("root/t1".to_string(), 2),
-            ("root/t1/a".to_string(), 3),
-            ("root/t2".to_string(), 4),
-        ]);
-        let s = ClusterStatus {
-            version: "x".into(),
-            nodes: vec![node],
+                return Err(Failure(if any_healthy {
+                    ApiError::node_full(msg)
+                } else {
+                    ApiError::unavailable(msg)
+                }));
+            }
         };
-        let key = |project: &str| Principal {
-            name: "k".into(),
-            kind: dsec_iam::PrincipalKind::Agent,
-            key_id: "k".into(),
-            project: project.into(),
-        };
-        let seen = status_for(&key("root/t1"), s.clone());
-        let names: Vec<&String> = seen.nodes[0].projects.keys().collect();
-        assert_eq!(names, ["root/t1", "root/t1/a"]);
-        assert_eq!(status_for(&key("root"), s).nodes[0].projects.len(), 4);
+        match c
+            .call(
+                &node,
+                Method::POST,
+                "/v1/sandboxes",
+                Some(payload.clone()),
+                &p,
+                CREATE_TIMEOUT,
+            )
+            .await
+        {
+            Err(e) => {
+                tracing::warn!(edge = %node, "create not delivered: {e}");
+                refusals.push(format!("{node} does not answer"));
+            }
+            Ok((status, answer)) => {
+                let refused = status == StatusCode::TOO_MANY_REQUESTS
+                    && serde_json::from_slice::<ApiError>(&answer).is_ok_and(|e| e.node_refused);
+                if !refused {
+                    return Ok(
+                        (status, [(header::CONTENT_TYPE, "application/json")], answer)
+                            .into_response(),
+                    );
+                }
+                tracing::info!(edge = %node, "edge refused the create; placing it elsewhere");
+                refusals.push(format!("{node} is full"));
+            }
+        }
+        exclude.push(node);
     }
+}
 
-    #[test]
-    fn label_filters_parse_and_reject_unknown_params() {
-        let m = label_filter(Some("label=a%3D1=x&label=b=2")).unwrap();
-        assert_eq!(m.get("a"), Some(&"1=x".to_string()));
-        assert_eq!(m.get("b"), Some(&"2".to_string()));
-        assert!(label_filter(Some("foo=1")).is_err());
-        assert!(label_filter(Some("label=novalue")).is_err());
-        assert_eq!(percent_decode("a%20b+c%zz"), "a b c%zz");
-    }
-
-    #[test]
-    fn openapi_document_is_valid_json_with_every_route() {
-        let v: serde_json::Value = serde_json::from_str(OPENAPI).unwrap();
-        for p in [
-            "/v1/sandboxes",
-            "/v1/sandboxes/{id}",
-            "/v1/sandboxes/{id}/exec",
-            "/v1/sandboxes/{id}/fork",
-            "/v1/sandboxes/{id}/pause",
-            "/v1/sandboxes/{id}/resume",
-            "/v1/groups/pause",
-            "/v1/groups/resume",
-            "/v1/sandboxes/{id}/snapshot",
-            "/v1/snapshots",
-            "/v1/snapshots/{sid}",
-            "/v1/snapshots/{sid}/restore",
-            "/v1/sandboxes/{id}/commit",
-            "/v1/sandboxes/{id}/metrics",
-            "/v1/sandboxes/{id}/metrics/history",
-            "/v1/sandboxes/{id}/timeout",
-            "/v1/sandboxes/{id}/network",
-            "/v1/status",
-            "/v1/images",
-            "/v1/images/builds",
-            "/v1/images/{reference}",
-            "/v1/images:pull",
-            "/v1/images:push",
-            "/v1/registries",
-            "/v1/registries/{registry}/login",
-            "/v1/sandboxes/{id}/processes/{pid}/output",
-            "/v1/sandboxes/{id}/files",
-            "/v1/sandboxes/{id}/files/watch",
-            "/v1/sandboxes/{id}/sessions/{sid}/run",
-            "/v1/sandboxes/{id}/trajectories/{name}",
-            "/v1/functions",
-            "/v1/functions/{name}:call",
-            "/v1/volumes",
-            "/v1/volumes/{vid}",
-            "/v1/volumes/{vid}/files",
-            "/v1/volumes/{vid}/stat",
-            "/v1/volumes/{vid}/list",
-            "/v1/volumes/{vid}/mkdir",
-        ] {
-            assert!(v["paths"].get(p).is_some(), "{p} missing from openapi.json");
+async fn list(
+    State(c): State<Arc<Cluster>>,
+    headers: HeaderMap,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Response> {
+    let p = c.principal(&headers).await?;
+    // Checked here too, so a bad filter is one clear error, not one per edge.
+    label_filter(q.as_deref())?;
+    let path = match &q {
+        Some(q) => format!("/v1/sandboxes?{q}"),
+        None => "/v1/sandboxes".to_string(),
+    };
+    let calls = c.edges.keys().map(|edge| {
+        let (c, p, path) = (c.clone(), p.clone(), path.clone());
+        async move {
+            let r = c
+                .call(edge, Method::GET, &path, None, &p, CALL_TIMEOUT)
+                .await;
+            (edge.clone(), r)
+        }
+    });
+    let mut out = ListSandboxesResponse {
+        sandboxes: Vec::new(),
+    };
+    let mut missing = Vec::new();
+    for (edge, r) in futures_util::future::join_all(calls).await {
+        match r {
+            Ok((s, bytes)) if s.is_success() => {
+                match serde_json::from_slice::<ListSandboxesResponse>(&bytes) {
+                    Ok(l) => out.sandboxes.extend(l.sandboxes),
+                    Err(_) => missing.push(edge),
+                }
+            }
+            Ok((s, bytes)) => {
+                // The same answer from every edge (a bad filter): pass it on.
+                return Ok((s, [(header::CONTENT_TYPE, "application/json")], bytes).into_response());
+            }
+            Err(_) => missing.push(edge),
         }
     }
+    out.sandboxes.sort_by(|a, b| a.id.cmp(&b.id));
+    let mut resp = json(StatusCode::OK, &out);
+    if !missing.is_empty()
+        && let Ok(v) = HeaderValue::from_str(&missing.join(","))
+    {
+        // The listing lacks these edges' sandboxes (they did not answer).
+        resp.headers_mut().insert("x-dsec-unreachable-edges", v);
+    }
+    Ok(resp)
+}
+
+/// A group pause or resume: every edge acts on its own sandboxes with the labels, at
+/// once; the answers are merged. An edge that does not answer is one failure, named.
+async fn group(
+    State(c): State<Arc<Cluster>>,
+    Path(verb): Path<String>,
+    headers: HeaderMap,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    if verb != "pause" && verb != "resume" {
+        return Err(Failure(ApiError::not_found(
+            "no such endpoint: groups can be paused (/v1/groups/pause) or resumed (/v1/groups/resume)",
+        )));
+    }
+    let p = c.principal(&headers).await?;
+    // Checked here too, so a bad body is one clear error, not one per edge.
+    let req: GroupRequest = body(&bytes, "group")?;
+    if req.labels.is_empty() {
+        return Err(Failure(ApiError::invalid(
+            "labels must name at least one key: value; a group is the sandboxes that carry them all",
+        )));
+    }
+    let started = std::time::Instant::now();
+    let path = format!("/v1/groups/{verb}");
+    let calls = c.edges.keys().map(|edge| {
+        let (c, p, path, body) = (c.clone(), p.clone(), path.clone(), bytes.to_vec());
+        async move {
+            let r = c
+                .call(edge, Method::POST, &path, Some(body), &p, GROUP_TIMEOUT)
+                .await;
+            (edge.clone(), r)
+        }
+    });
+    let mut out = GroupResponse::default();
+    for (edge, r) in futures_util::future::join_all(calls).await {
+        let answer = match r {
+            Ok((s, bytes)) if s.is_success() => serde_json::from_slice::<GroupResponse>(&bytes)
+                .map_err(|e| format!("edge {edge} gave an answer that is not a group result: {e}")),
+            Ok((s, bytes)) => Err(serde_json::from_slice::<ApiError>(&bytes)
+                .map(|e| format!("edge {edge}: {}", e.message))
+                .unwrap_or_else(|_| format!("edge {edge} answered {s}"))),
+            Err(e) => Err(format!("edge {edge} does not answer: {e}")),
+        };
+        match answer {
+            Ok(g) => {
+                out.done.extend(g.done);
+                out.failed.extend(g.failed);
+            }
+            Err(message) => out.failed.push(GroupFailure {
+                id: format!("edge:{edge}"),
+                code: dsec_common::ErrorCode::Unavailable,
+                message,
+            }),
+        }
+    }
+    out.done.sort();
+    out.took_ms = started.elapsed().as_millis() as u64;
+    Ok(json(StatusCode::OK, &out))
+}
+
+/// Images and registry logins (`/v1/images`, builds, pulls, pushes, `/v1/registries`):
+/// any healthy edge (the image store, and the logins kept in it, are shared).
+async fn images(State(c): State<Arc<Cluster>>, req: Request) -> ApiResult<Response> {
+    let p = c.principal(req.headers()).await?;
+    let view = c.view();
+    let edge = view
+        .nodes()
+        .iter()
+        .find(|n| n.healthy)
+        .map(|n| n.name.clone())
+        .or_else(|| c.edges.keys().next().cloned())
+        .ok_or_else(|| ApiError::unavailable("the cluster has no edges"))?;
+    c.forward(&edge, req, Some(&p)).await
 }

@@ -231,7 +231,7 @@ fn main() {
                 let rt = tokio::runtime::Handle::current();
                 // A cluster's edge names its peers in the store; they are asked first.
                 let peers: std::sync::Arc<dyn dsec_image::lazy::PeerChunks> =
-                    std::sync::Arc::new(dsec_apiserver::transfer::LazyPeers::new(&a.store));
+                    std::sync::Arc::new(dsec_edge_api::transfer::LazyPeers::new(&a.store));
                 tokio::task::spawn_blocking(move || {
                     dsec_image::lazy::serve(&a.store, rt, a.cache_mb, a.prefetch, Some(peers))
                 })

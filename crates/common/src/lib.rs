@@ -10,6 +10,7 @@ pub mod error;
 #[cfg(feature = "http")]
 pub mod http;
 pub mod id;
+pub mod image_ref;
 pub mod mountinfo;
 pub mod private;
 pub mod project;
@@ -18,6 +19,15 @@ pub mod vmux;
 pub mod vsock;
 
 pub use error::{ApiError, ErrorCode};
+
+/// Milliseconds since the Unix epoch (0 on a clock before it): the one clock of every
+/// timestamp the API and the stores keep.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
 
 /// Inputs each fuzz target runs as a property test under `cargo test` (CI).
 #[cfg(test)]

@@ -124,12 +124,7 @@ impl SandboxRecord {
     }
 }
 
-pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+pub use dsec_common::now_ms;
 
 pub struct Registry {
     root: PathBuf,

@@ -674,12 +674,7 @@ struct ConnectBody {
     timeout: Option<u64>,
 }
 
-pub(crate) fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+pub(crate) use dsec_common::now_ms;
 
 /// Connect (and the old resume): resumes a paused sandbox; `timeout` only extends.
 async fn connect(State(gw): State<Gw>, h: HeaderMap, Path(id): Path<String>, body: Bytes) -> Res {
@@ -992,43 +987,7 @@ async fn pause(
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
-/// Decodes one percent-encoded component (`+` as a space when `form`).
-pub(crate) fn pct(s: &str, form: bool) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'+' if form => out.push(b' '),
-            b'%' if i + 2 < b.len() => {
-                match std::str::from_utf8(&b[i + 1..i + 3])
-                    .ok()
-                    .and_then(|h| u8::from_str_radix(h, 16).ok())
-                {
-                    Some(v) => {
-                        out.push(v);
-                        i += 2;
-                    }
-                    None => out.push(b'%'),
-                }
-            }
-            c => out.push(c),
-        }
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-/// A query string as decoded `(name, value)` pairs.
-pub(crate) fn query_pairs(q: &str) -> Vec<(String, String)> {
-    q.split('&')
-        .filter(|s| !s.is_empty())
-        .map(|p| {
-            let (k, v) = p.split_once('=').unwrap_or((p, ""));
-            (pct(k, true), pct(v, true))
-        })
-        .collect()
-}
+pub(crate) use dsec_common::http::{percent_decode as pct, query_pairs};
 
 /// The `metadata` list filter: one query value holding a form string whose keys and
 /// values are percent-encoded once more.

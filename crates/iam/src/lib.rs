@@ -3,6 +3,7 @@
 //! sha256 is stored. [`state`] is the deterministic state machine, [`store`] keeps it in a
 //! redb file; callers use the [`Iam`] trait, which a replicated store implements too.
 
+pub mod http;
 pub mod raft;
 pub mod remote;
 pub mod service;
@@ -153,12 +154,7 @@ pub enum KeyFormat {
     E2b,
 }
 
-pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+pub use dsec_common::now_ms;
 
 /// Makes a key for `principal` in `project`; the returned key is the only copy.
 pub fn create_key(

@@ -105,9 +105,7 @@ pub fn registry_name(registry: &str) -> Result<String, ImageError> {
     })
 }
 
-fn now_ms() -> u64 {
-    crate::store::now_ms()
-}
+use dsec_common::now_ms;
 
 /// The node's book of registry logins (see the module's description).
 pub struct CredentialBook {

@@ -24,14 +24,13 @@ pub mod lazyfs;
 mod oci;
 pub mod pull;
 pub mod push;
-pub mod reference;
 pub mod store;
 pub mod vmlinux;
 
+pub use dsec_common::image_ref::{BadImageRef, ImageRef};
 pub use guest::{
     DiskSource, Kernel, ensure_initramfs, ensure_kernel, ensure_root_disks, ensure_vmlinux,
 };
-pub use reference::ImageRef;
 pub use store::{ImageStore, Manifest};
 
 #[derive(Debug, thiserror::Error)]
@@ -69,6 +68,12 @@ pub enum ImageError {
         context: String,
         source: std::io::Error,
     },
+}
+
+impl From<BadImageRef> for ImageError {
+    fn from(e: BadImageRef) -> Self {
+        ImageError::BadReference(e.0)
+    }
 }
 
 pub(crate) trait IoContext<T> {

@@ -41,6 +41,7 @@ pub fn base_name(project: &str, reference: &str) -> Result<ImageRef, ImageError>
         "{project}/from-{}:base",
         &sha256_of(reference.as_bytes())[..12]
     ))
+    .map_err(ImageError::from)
 }
 
 /// Why a pull failed, for the API to choose its status.

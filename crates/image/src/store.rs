@@ -55,12 +55,7 @@ pub struct ImageStore {
     lazy: Option<crate::lazy::LazyMounter>,
 }
 
-pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+pub use dsec_common::now_ms;
 
 impl ImageStore {
     pub fn open(root: impl Into<PathBuf>) -> Result<ImageStore, ImageError> {

@@ -216,7 +216,7 @@ async fn run_iam(cfg: RoleConfig, tls: Tls) -> Result<i32> {
     let app = node
         .router()
         .merge(dsec_iam::service::router(node.clone()))
-        .merge(dsec_apiserver::health())
+        .merge(dsec_common::http::health())
         .layer(middleware::from_fn(replicas_only));
     let listener = bind(cfg.listen).await?;
     let server_tls = tls.clone();
@@ -287,8 +287,8 @@ async fn write_bootstrap_key(node: &RaftIam, file: &Path) -> Result<()> {
 async fn run_apiserver(cfg: RoleConfig, tls: Tls) -> Result<i32> {
     let client = dsec_mtls::Client::new(Some(tls.client.clone()));
     let iam = RemoteIam::new(cfg.cluster.iam.clone(), Some(tls.client.clone()));
-    let cluster = dsec_apiserver::cluster::Cluster::new(
-        dsec_apiserver::cluster::ClusterConfig {
+    let cluster = dsec_apiserver::Cluster::new(
+        dsec_apiserver::ClusterConfig {
             edges: cfg.cluster.edges.clone(),
             watcher: cfg.cluster.watcher.clone(),
             refresh: Duration::from_millis(500),
@@ -298,11 +298,11 @@ async fn run_apiserver(cfg: RoleConfig, tls: Tls) -> Result<i32> {
     );
     let refresh = cluster.spawn_refresh();
     let internal = bind(cfg.listen).await?;
-    dsec_mtls::server::spawn(internal, &tls, &Role::ALL, dsec_apiserver::health());
+    dsec_mtls::server::spawn(internal, &tls, &Role::ALL, dsec_common::http::health());
     let public_addr = cfg.public_listen.context("public_listen is required")?;
     let public = bind(public_addr).await?;
     tracing::info!("public API on http://{public_addr}");
-    axum::serve(public, dsec_apiserver::cluster::router(cluster))
+    axum::serve(public, dsec_apiserver::router(cluster))
         .with_graceful_shutdown(async {
             stop_signal().await;
         })
@@ -321,13 +321,13 @@ async fn run_watcher(cfg: RoleConfig, tls: Tls) -> Result<i32> {
         .map(|(name, addr)| dsec_watcher::EdgeEndpoint {
             name: name.clone(),
             url: client.base(addr),
-            auth: Some(dsec_apiserver::cluster::component_auth(&cfg.name)),
+            auth: Some(dsec_apiserver::component_auth(&cfg.name)),
         })
         .collect();
     let poller = dsec_watcher::Poller::new(endpoints, Duration::from_secs(2), client);
     let view = poller.view();
     let polling = tokio::spawn(poller.run(every));
-    let app = dsec_watcher::router(view).merge(dsec_apiserver::health());
+    let app = dsec_watcher::router(view).merge(dsec_common::http::health());
     let listener = bind(cfg.listen).await?;
     dsec_mtls::serve(listener, &tls, &[Role::Apiserver], app, async {
         stop_signal().await;
@@ -354,16 +354,16 @@ async fn run_edge(cfg: RoleConfig, tls: Tls) -> Result<i32> {
         .collect();
     // The store's lazy file system asks the other edges for chunks before the registry.
     if let Err(e) =
-        dsec_apiserver::transfer::write_lazy_peers(edge.images().root(), &cfg.tls, &others)
+        dsec_edge_api::transfer::write_lazy_peers(edge.images().root(), &cfg.tls, &others)
     {
         tracing::warn!("lazy images will not fetch chunks from other edges: {e}");
     }
     // A resume or fork placed on another edge pulls the state from here, or from there.
-    edge.set_peers(Arc::new(dsec_apiserver::transfer::MtlsPeers::new(
+    edge.set_peers(Arc::new(dsec_edge_api::transfer::MtlsPeers::new(
         dsec_mtls::Client::new(Some(tls.client.clone())),
         others,
     )));
-    let app = dsec_apiserver::router(dsec_apiserver::AppState {
+    let app = dsec_edge_api::router(dsec_edge_api::AppState {
         edge: edge.clone(),
         iam,
         forwarded: true,

@@ -268,7 +268,7 @@ pub(crate) async fn start_edge(
     cfg: EdgeConfig,
     iam: Arc<dyn Iam>,
 ) -> Result<(Arc<Edge>, tokio::task::JoinHandle<()>)> {
-    let quotas = Arc::new(dsec_apiserver::iam::IamQuotas(iam));
+    let quotas = Arc::new(dsec_edge_api::quotas::IamQuotas(iam));
     let edge = Edge::start_with(cfg, Some(quotas))
         .await
         .map_err(|e| anyhow::anyhow!("starting the edge: {}", e.message))?;
@@ -377,12 +377,12 @@ pub async fn serve(a: UpArgs) -> Result<i32> {
     let (edge, reaper) = start_edge(edge_cfg, iam.clone()).await?;
     // One node: no peer edges for the lazy file system to ask (a store that served a
     // cluster's edge before may name some).
-    let _ = std::fs::remove_file(dsec_apiserver::transfer::lazy_peers_file(
+    let _ = std::fs::remove_file(dsec_edge_api::transfer::lazy_peers_file(
         edge.images().root(),
     ));
     let _ = node.set(edge.clone());
     // The replica routes (guarded by the cluster secret) let more IAM replicas join.
-    let app = dsec_apiserver::router(dsec_apiserver::AppState {
+    let app = dsec_edge_api::router(dsec_edge_api::AppState {
         edge: edge.clone(),
         iam: iam.clone(),
         forwarded: false,

@@ -17,7 +17,10 @@ use dsec_edge::volumes::fs::Owner;
 use dsec_iam::Principal;
 
 use crate::runtime::{flag, parse_mode, query, required};
-use crate::{ApiResult, AppState, Failure, body, json, usable_project};
+use dsec_common::http::{ApiResult, Failure, body, json};
+use dsec_iam::http::usable_project;
+
+use crate::AppState;
 
 pub(crate) fn routes() -> Router<AppState> {
     Router::new()

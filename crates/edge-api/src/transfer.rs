@@ -20,7 +20,9 @@ use dsec_mtls::{Identity, Role};
 use http_body_util::BodyExt;
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
 
-use crate::{ApiResult, AppState, body, json};
+use dsec_common::http::{ApiResult, body, json};
+
+use crate::AppState;
 
 /// The most a JSON answer from a peer may be.
 const MAX_JSON: usize = 64 << 20;

@@ -15,7 +15,9 @@ use dsec_common::{ApiError, ErrorCode};
 use hyper_util::rt::TokioIo;
 use std::sync::Arc;
 
-use crate::{ApiResult, AppState, Failure, api_key, route};
+use dsec_common::http::{ApiResult, Failure, api_key};
+
+use crate::{AppState, route};
 
 pub fn routes() -> Router<AppState> {
     Router::new()
@@ -221,7 +223,7 @@ async fn proxy(
         headers.remove("x-api-key");
     }
     headers.remove("x-dsec-token");
-    headers.remove(crate::PRINCIPAL_HEADER);
+    headers.remove(dsec_iam::http::PRINCIPAL_HEADER);
     if !headers.contains_key(header::HOST) {
         headers.insert(header::HOST, HeaderValue::from_static("localhost"));
     }

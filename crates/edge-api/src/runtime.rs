@@ -20,7 +20,9 @@ use dsec_edge::trajectory::{Outcome, StepRef};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::{ApiResult, AppState, Failure, body, json as json_response, percent_decode, route};
+use dsec_common::http::{ApiResult, Failure, body, json as json_response, query_pairs};
+
+use crate::{AppState, route};
 
 pub fn routes() -> Router<AppState> {
     Router::new()
@@ -79,14 +81,7 @@ pub fn outcome(status: StatusCode, o: Outcome) -> Response {
 }
 
 pub(crate) fn query(q: Option<&str>) -> BTreeMap<String, String> {
-    q.unwrap_or("")
-        .split('&')
-        .filter(|s| !s.is_empty())
-        .map(|pair| {
-            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            (percent_decode(k), percent_decode(v))
-        })
-        .collect()
+    query_pairs(q.unwrap_or("")).into_iter().collect()
 }
 
 pub(crate) fn required(q: &BTreeMap<String, String>, k: &str) -> Result<String, Failure> {

@@ -1,9 +1,14 @@
-//! Image references: `ns/name[:tag]`, lower-case path components, no path tricks.
+//! Image references: `ns/name[:tag]`, lower-case path components, no path tricks. Here in
+//! `common` because the cluster front door checks a create's image against the key's
+//! project without linking the image store.
 
 use std::fmt;
 use std::path::PathBuf;
 
-use crate::ImageError;
+/// A string that is not an image reference; the message says what to write instead.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct BadImageRef(pub String);
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ImageRef {
@@ -29,9 +34,9 @@ fn valid_tag(s: &str) -> bool {
 }
 
 impl ImageRef {
-    pub fn parse(s: &str) -> Result<ImageRef, ImageError> {
+    pub fn parse(s: &str) -> Result<ImageRef, BadImageRef> {
         let bad = |why: &str| {
-            ImageError::BadReference(format!(
+            BadImageRef(format!(
                 "'{s}' is not a valid image reference ({why}); use ns/name[:tag] with lower-case letters, digits, '.', '_' and '-', e.g. root/py:3.11"
             ))
         };

@@ -12,7 +12,9 @@ use dsec_common::ApiError;
 use dsec_common::api::{ForkRequest, ListSnapshotsResponse, SnapshotInfo};
 use dsec_iam::Principal;
 
-use crate::{ApiResult, AppState, body, json, route};
+use dsec_common::http::{ApiResult, body, json};
+
+use crate::{AppState, route};
 
 pub(crate) fn routes() -> Router<AppState> {
     Router::new()

@@ -10,25 +10,8 @@ use dsec_iam::Principal;
 use dsec_image::build::BuildSpec;
 use dsec_image::{ImageRef, store::ImageEntry};
 
-use crate::ApiResult;
-
-/// The image a create names, as the caller may see it: an image of a project it cannot
-/// read does not exist for it (404, the same answer as a missing image, so names of other
-/// projects' images don't leak). A reference that does not parse is left to the edge,
-/// which says what is wrong with it.
-pub(crate) fn check_read(p: &Principal, image: &str) -> ApiResult<()> {
-    let Ok(r) = ImageRef::parse(image) else {
-        return Ok(());
-    };
-    if p.may_read_images(&r.project()) {
-        return Ok(());
-    }
-    Err(ApiError::not_found(format!(
-        "image {r} not found; this key (project {}) can use images of its project, the projects inside it and its parents, e.g. root/base",
-        p.project
-    ))
-    .into())
-}
+use dsec_common::http::ApiResult;
+use dsec_iam::http::check_read;
 
 /// A commit's (or any other write's) target: 403 naming where the key may write.
 pub(crate) fn check_write(p: &Principal, image: &str) -> ApiResult<ImageRef> {
@@ -325,7 +308,7 @@ pub(crate) async fn pull_image(
     axum::extract::Extension(p): axum::extract::Extension<Principal>,
     bytes: axum::body::Bytes,
 ) -> ApiResult<axum::response::Response> {
-    let b: PullBody = crate::body(&bytes, "image pull")?;
+    let b: PullBody = dsec_common::http::body(&bytes, "image pull")?;
     let r = parse_reference(&b.reference, "registry.example.com/team/python:3.11")?;
     let target = match &b.target {
         Some(t) => check_write(&p, t)?,
@@ -406,7 +389,7 @@ pub(crate) async fn push_image(
     axum::extract::Extension(p): axum::extract::Extension<Principal>,
     bytes: axum::body::Bytes,
 ) -> ApiResult<axum::response::Response> {
-    let b: PushBody = crate::body(&bytes, "image push")?;
+    let b: PushBody = dsec_common::http::body(&bytes, "image push")?;
     check_read(&p, &b.image)?;
     let image = ImageRef::parse(&b.image).map_err(|e| ApiError::invalid(e.to_string()))?;
     let r = parse_reference(&b.reference, "registry.example.com/team/env:v1")?;
@@ -516,7 +499,7 @@ pub(crate) async fn put_login(
     bytes: axum::body::Bytes,
 ) -> ApiResult<axum::response::Response> {
     use dsec_image::pull::Credentials;
-    let b: LoginBody = crate::body(&bytes, "registry login")?;
+    let b: LoginBody = dsec_common::http::body(&bytes, "registry login")?;
     let project = login_project(&p, b.project)?;
     let login = match (b.username, b.password, b.token) {
         (Some(username), Some(password), None) => Credentials::Basic { username, password },
@@ -534,7 +517,7 @@ pub(crate) async fn put_login(
         .map_err(|e| ApiError::internal(e.to_string()))?
         .map_err(login_error)?;
     tracing::info!(project = %kept.project, registry = %kept.registry, by = %p.name, "registry login kept");
-    Ok(crate::json(axum::http::StatusCode::OK, &kept))
+    Ok(dsec_common::http::json(axum::http::StatusCode::OK, &kept))
 }
 
 /// `DELETE /v1/registries/{registry}/login[?project=]`: forgets the project's login.
@@ -557,7 +540,7 @@ pub(crate) async fn delete_login(
         ))
         .into());
     }
-    Ok(crate::json(
+    Ok(dsec_common::http::json(
         axum::http::StatusCode::OK,
         &serde_json::json!({"project": project, "registry": registry, "removed": true}),
     ))
@@ -573,7 +556,7 @@ pub(crate) async fn list_logins(
         .await
         .map_err(|e| ApiError::internal(e.to_string()))?
         .map_err(login_error)?;
-    Ok(crate::json(
+    Ok(dsec_common::http::json(
         axum::http::StatusCode::OK,
         &serde_json::json!({ "logins": logins }),
     ))
@@ -593,7 +576,7 @@ pub(crate) async fn remove_image(
         return Err(ApiError::not_found(format!("image {r} not found")).into());
     }
     let freed = st.edge.remove_image(&r).await?;
-    Ok(crate::json(
+    Ok(dsec_common::http::json(
         axum::http::StatusCode::OK,
         &serde_json::json!({"image": r.to_string(), "removed": true, "freed_layers": freed}),
     ))
