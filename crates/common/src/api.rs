@@ -488,6 +488,40 @@ pub struct BackendStatus {
     pub available: bool,
     /// What the backend runs on (e.g. `crun 1.8.1`), or why it is unavailable.
     pub detail: String,
+    /// What the backend can do beyond create, exec, files, sessions, limits, pause in
+    /// place, snapshots, forks, commits and stop, which every backend does.
+    #[serde(default)]
+    pub capabilities: Vec<Capability>,
+}
+
+/// A capability some backends have and others lack. A request for one its backend lacks
+/// is refused before anything is done, naming the capability (501).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Capability {
+    /// A fork's copies (and a snapshot's restores) keep the processes and their memory,
+    /// not only the files.
+    ForkMemory,
+    /// Pause to disk: the processes end and the memory is freed, files kept (a VM's
+    /// memory is written out and restored).
+    PauseToDisk,
+    /// A sandbox's saved state goes to another edge: forks onto, restores on and moves
+    /// to another node.
+    Move,
+    /// Volumes mounted into the sandbox.
+    Volumes,
+}
+
+impl Capability {
+    /// What the capability lets a caller do, for the refusal's sentence.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Capability::ForkMemory => "keep processes and memory across a fork or snapshot",
+            Capability::PauseToDisk => "pause to disk",
+            Capability::Move => "move a sandbox's state to another edge",
+            Capability::Volumes => "mount volumes",
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

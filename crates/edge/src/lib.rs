@@ -32,6 +32,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dsec_common::ApiError;
+use dsec_common::api::Capability;
 use dsec_common::api::{
     CreateSandboxRequest, ExecRequest, ExecResult, ForkRequest, ForkResponse, NodeStatus,
     SandboxInfo, SandboxState,
@@ -772,7 +773,7 @@ impl Edge {
             .project
             .clone()
             .unwrap_or_else(dsec_common::api::root_project);
-        let volumes = self.sandbox_volumes(backend.name(), &project, &req.volumes)?;
+        let volumes = self.sandbox_volumes(backend.as_ref(), &project, &req.volumes)?;
         // Such a VM is never saved (its shared-filesystem devices cannot be): a pause to
         // disk at its timeout would end it instead, files and all.
         if backend.name() == "vm" && !volumes.is_empty() && v.pause_to_disk_on_timeout {
@@ -1139,11 +1140,8 @@ impl Edge {
         let e = self.entry(id)?;
         let src = e.snapshot();
         let backend = self.backend(&src.backend)?;
-        if remote.is_some() && !backend.fork_preserves_memory() {
-            return Err(ApiError::unimplemented(format!(
-                "the {} backend cannot fork onto another edge (VM backends can); leave out edge",
-                backend.name()
-            )));
+        if remote.is_some() {
+            backend::require(backend.as_ref(), Capability::Move, "leave out edge")?;
         }
         let peers = match &remote {
             Some(_) => Some(self.peers()?),
@@ -1370,6 +1368,13 @@ impl Edge {
             )));
         }
         let backend = self.backend(&rec.backend)?;
+        if to_disk {
+            backend::require(
+                backend.as_ref(),
+                Capability::PauseToDisk,
+                "pause in place (to_disk: false)",
+            )?;
+        }
         let (b2, r2, p2, was_running) = (
             backend.clone(),
             rec.clone(),

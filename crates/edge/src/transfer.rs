@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dsec_common::ApiError;
+use dsec_common::api::Capability;
 use dsec_common::api::{ForkRequest, SandboxInfo, SandboxState};
 use dsec_common::id::SandboxId;
 use serde::{Deserialize, Serialize};
@@ -394,12 +395,7 @@ impl Edge {
         let peers = self.peers()?;
         let e = self.entry(id)?;
         let backend = self.backend(&e.snapshot().backend)?;
-        if !backend.fork_preserves_memory() {
-            return Err(ApiError::unimplemented(format!(
-                "the {} backend cannot move a sandbox to another edge (VM backends can); resume it where it is",
-                backend.name()
-            )));
-        }
+        crate::backend::require(backend.as_ref(), Capability::Move, "resume it where it is")?;
         if !e.snapshot().paused_to_disk {
             self.pause_now(id, true).await?;
         }
@@ -446,12 +442,11 @@ impl Edge {
             return Err(ApiError::invalid("an edge cannot import from itself"));
         }
         let backend = self.backend(&req.record.backend)?;
-        if !backend.fork_preserves_memory() {
-            return Err(ApiError::unimplemented(format!(
-                "the {} backend cannot restore a state from another edge",
-                backend.name()
-            )));
-        }
+        crate::backend::require(
+            backend.as_ref(),
+            Capability::Move,
+            "restore it on the edge that saved it",
+        )?;
         let count = match &req.kind {
             ImportKind::Fork { count, labels } => crate::validate::fork_count(&ForkRequest {
                 count: *count as f64,

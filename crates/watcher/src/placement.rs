@@ -176,6 +176,7 @@ mod tests {
                 name: "container".into(),
                 available: true,
                 detail: String::new(),
+                capabilities: Vec::new(),
             }],
             cpus: 16,
             memory_total_mb: 65536,

@@ -11,7 +11,7 @@ pub mod vm;
 use std::path::{Path, PathBuf};
 
 use dsec_common::ApiError;
-use dsec_common::api::BackendStatus;
+use dsec_common::api::{BackendStatus, Capability};
 
 use crate::registry::SandboxRecord;
 
@@ -61,6 +61,39 @@ pub struct SandboxPaths {
     pub channel: PathBuf,
 }
 
+/// Refuses (501, naming the capability and what to do instead) a request the backend
+/// cannot serve, before any of it is done.
+pub fn require(b: &dyn Backend, cap: Capability, instead: &str) -> Result<(), ApiError> {
+    if b.capabilities().contains(&cap) {
+        return Ok(());
+    }
+    let with: Vec<&str> = ["container", "vm", "microvm"]
+        .into_iter()
+        .filter(|n| capabilities_of(n).contains(&cap))
+        .collect();
+    Err(ApiError::unimplemented(format!(
+        "the {} backend cannot {} (capability {}; backends that can: {}); {instead}",
+        b.name(),
+        cap.describe(),
+        serde_json::to_value(cap)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default(),
+        with.join(", ")
+    )))
+}
+
+/// Each backend's capabilities, known without the backend running (for messages, and
+/// for checks made where only the backend's name is at hand).
+pub fn capabilities_of(backend: &str) -> &'static [Capability] {
+    match backend {
+        "container" => container::BACKEND_CAPABILITIES,
+        "vm" => vm::BACKEND_CAPABILITIES,
+        "microvm" => microvm::BACKEND_CAPABILITIES,
+        _ => &[],
+    }
+}
+
 pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
     fn status(&self) -> BackendStatus;
@@ -69,8 +102,13 @@ pub trait Backend: Send + Sync {
     fn changes_in_guest(&self) -> bool {
         false
     }
+    /// What this backend can do that others may not; the edge refuses a request that
+    /// needs a capability missing here before doing anything (see [`require`]).
+    fn capabilities(&self) -> &'static [Capability];
     /// Whether fork carries process memory.
-    fn fork_preserves_memory(&self) -> bool;
+    fn fork_preserves_memory(&self) -> bool {
+        self.capabilities().contains(&Capability::ForkMemory)
+    }
     /// Whether agent connections may be kept open between calls. Not for VMs: a kept
     /// connection would be inside the guest's memory when it is snapshotted or forked.
     fn keeps_agent_connections(&self) -> bool {

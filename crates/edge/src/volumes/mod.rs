@@ -12,6 +12,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use dsec_common::api::Capability;
 use dsec_common::api::{CreateVolumeRequest, VolumeInfo, VolumeMount};
 use dsec_common::id::SandboxId;
 use dsec_common::{ApiError, ErrorCode};
@@ -510,18 +511,22 @@ impl Edge {
     /// sandbox's is in or over, mounted at a path of its own.
     pub(crate) fn sandbox_volumes(
         &self,
-        backend: &str,
+        backend: &dyn crate::backend::Backend,
         project: &str,
         asked: &[VolumeMount],
     ) -> Result<Vec<VolumeMount>, ApiError> {
         if asked.is_empty() {
             return Ok(Vec::new());
         }
-        if backend != "container" && backend != "vm" {
-            return Err(ApiError::invalid(format!(
-                "volumes are mounted into container and vm sandboxes; the {backend} backend cannot mount them (Firecracker has no shared-filesystem device)"
-            )));
-        }
+        // A create's argument its backend cannot take: 400, as for any other.
+        crate::backend::require(backend, Capability::Volumes, "leave out volumes").map_err(
+            |e| {
+                ApiError::invalid(format!(
+                    "{} (Firecracker has no shared-filesystem device)",
+                    e.message
+                ))
+            },
+        )?;
         if asked.len() > MAX_MOUNTS {
             return Err(ApiError::invalid(format!(
                 "a sandbox mounts at most {MAX_MOUNTS} volumes (asked for {})",

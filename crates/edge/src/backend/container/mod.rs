@@ -8,6 +8,7 @@ mod runtime;
 mod seccomp;
 
 use base64::Engine as _;
+use dsec_common::api::Capability;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
@@ -25,6 +26,9 @@ use super::detached::read_pid;
 use super::{Backend, SandboxPaths};
 use crate::cgroup::{self, CgroupMode};
 use crate::registry::SandboxRecord;
+
+/// See [`crate::backend::Backend::capabilities`].
+pub const BACKEND_CAPABILITIES: &[Capability] = &[Capability::PauseToDisk, Capability::Volumes];
 
 pub struct ContainerBackend {
     runtime: Result<OciRuntime, String>,
@@ -425,11 +429,12 @@ impl Backend for ContainerBackend {
             name: "container".into(),
             available,
             detail,
+            capabilities: BACKEND_CAPABILITIES.to_vec(),
         }
     }
 
-    fn fork_preserves_memory(&self) -> bool {
-        false
+    fn capabilities(&self) -> &'static [Capability] {
+        BACKEND_CAPABILITIES
     }
 
     fn keeps_agent_connections(&self) -> bool {

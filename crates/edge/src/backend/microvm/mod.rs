@@ -20,6 +20,7 @@ pub mod netns;
 pub mod probe;
 pub mod snapshot;
 
+use dsec_common::api::Capability;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -40,6 +41,13 @@ use crate::registry::SandboxRecord;
 use api::Client;
 use probe::{Capabilities, Firecracker};
 use snapshot::SavedVm;
+
+/// See [`crate::backend::Backend::capabilities`].
+pub const BACKEND_CAPABILITIES: &[Capability] = &[
+    Capability::ForkMemory,
+    Capability::PauseToDisk,
+    Capability::Move,
+];
 
 /// Files in the sandbox directory. The VMM's own (its sockets, what it writes) are in
 /// [`VMM_DIR`], the one directory of the sandbox its jail can see and write.
@@ -794,11 +802,12 @@ impl Backend for MicrovmBackend {
             name: "microvm".into(),
             available,
             detail,
+            capabilities: BACKEND_CAPABILITIES.to_vec(),
         }
     }
 
-    fn fork_preserves_memory(&self) -> bool {
-        true
+    fn capabilities(&self) -> &'static [Capability] {
+        BACKEND_CAPABILITIES
     }
 
     fn changes_in_guest(&self) -> bool {

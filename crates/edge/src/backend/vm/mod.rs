@@ -9,6 +9,7 @@
 //! QEMU and vmux run detached from the edge (their pids in the sandbox directory), so a
 //! restarted edge re-adopts running VMs.
 
+use dsec_common::api::Capability;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -34,6 +35,14 @@ use super::{Backend, SandboxPaths, SavedFile, moved_disk};
 use crate::cgroup::{self, CgroupMode};
 use crate::config::ForkCapture;
 use crate::registry::SandboxRecord;
+
+/// See [`crate::backend::Backend::capabilities`].
+pub const BACKEND_CAPABILITIES: &[Capability] = &[
+    Capability::ForkMemory,
+    Capability::PauseToDisk,
+    Capability::Move,
+    Capability::Volumes,
+];
 
 /// How a VM's CPU is run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1170,11 +1179,12 @@ impl Backend for VmBackend {
             name: "vm".into(),
             available,
             detail,
+            capabilities: BACKEND_CAPABILITIES.to_vec(),
         }
     }
 
-    fn fork_preserves_memory(&self) -> bool {
-        true
+    fn capabilities(&self) -> &'static [Capability] {
+        BACKEND_CAPABILITIES
     }
 
     fn changes_in_guest(&self) -> bool {
