@@ -399,7 +399,8 @@ pub fn receive_file(
     let mut target: Result<File, FsError> = (|| {
         // Refused before the file is touched (the data is still read to its end).
         if let Some(m) = metadata {
-            dsec_common::api::check_metadata(m).map_err(|e| (ErrorCode::InvalidArgument, e))?;
+            dsec_common::api::check_metadata(m)
+                .map_err(|e| (ErrorCode::InvalidArgument, e.message))?;
         }
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             fs::create_dir_all(parent).map_err(|e| io_err("cannot create directory", parent, e))?;

@@ -21,16 +21,15 @@ use dsec_common::api::{
     GroupFailure, GroupRequest, GroupResponse, ListSandboxesResponse, ListSnapshotsResponse,
     NodeStatus,
 };
-use dsec_common::id::SandboxId;
-use dsec_iam::{Iam, Principal, PrincipalKind, ROOT, RemoteIam};
-use dsec_watcher::{ClusterView, Demand, EdgeEndpoint, Placer, Poller, SharedView};
-use http_body_util::{BodyExt, Limited};
-
 use dsec_common::http::{
     ApiResult, Failure, api_key, body, json, label_filter, missing_key, no_such_endpoint,
     public_routes, unknown_key,
 };
+use dsec_common::id::SandboxId;
 use dsec_iam::http::{PRINCIPAL_HEADER, create_request, encode_principal, status_for};
+use dsec_iam::{Iam, Principal, PrincipalKind, ROOT, RemoteIam};
+use dsec_watcher::{CallError, ClusterView, Demand, EdgeEndpoint, Placer, Poller, SharedView};
+use http_body_util::{BodyExt, Limited};
 
 /// The most a create may take on an edge (image unpacking included).
 const CREATE_TIMEOUT: Duration = Duration::from_secs(120);
@@ -136,17 +135,14 @@ impl Cluster {
         *self.view.write().unwrap_or_else(|p| p.into_inner()) = v;
     }
 
-    async fn fetch_watcher(&self, addr: &str) -> Result<Vec<NodeStatus>, String> {
+    async fn fetch_watcher(&self, addr: &str) -> Result<Vec<NodeStatus>, CallError> {
         let url = format!("{}{}", self.client.base(addr), dsec_watcher::PATH_VIEW);
-        let req = hyper::Request::get(url)
-            .body(Body::empty())
-            .map_err(|e| e.to_string())?;
+        let req = hyper::Request::get(url).body(Body::empty())?;
         let (status, bytes) = self.send(req, CALL_TIMEOUT).await?;
         if !status.is_success() {
-            return Err(format!("HTTP {status}"));
+            return Err(CallError::Status(status.as_u16()));
         }
-        let s: dsec_common::api::ClusterStatus =
-            serde_json::from_slice(&bytes).map_err(|e| e.to_string())?;
+        let s: dsec_common::api::ClusterStatus = serde_json::from_slice(&bytes)?;
         Ok(s.nodes)
     }
 
@@ -167,26 +163,24 @@ impl Cluster {
         &self,
         req: hyper::Request<Body>,
         timeout: Duration,
-    ) -> Result<(StatusCode, Bytes), String> {
+    ) -> Result<(StatusCode, Bytes), CallError> {
         let call = async {
-            let resp = self.client.request(req).await.map_err(|e| {
-                use std::error::Error;
-                match e.source() {
-                    Some(s) => format!("{e}: {s}"),
-                    None => e.to_string(),
-                }
-            })?;
+            let resp = self
+                .client
+                .request(req)
+                .await
+                .map_err(|e| CallError::Transport(e.into()))?;
             let status = resp.status();
             let bytes = Limited::new(resp.into_body(), MAX_ANSWER)
                 .collect()
                 .await
-                .map_err(|e| format!("reading the answer: {e}"))?
+                .map_err(CallError::Body)?
                 .to_bytes();
             Ok((status, bytes))
         };
         tokio::time::timeout(timeout, call)
             .await
-            .map_err(|_| format!("no answer within {timeout:?}"))?
+            .map_err(|_| CallError::Timeout(timeout))?
     }
 
     fn edge_addr(&self, edge: &str) -> ApiResult<&str> {
@@ -206,8 +200,10 @@ impl Cluster {
         body: Option<Vec<u8>>,
         p: &Principal,
         timeout: Duration,
-    ) -> Result<(StatusCode, Bytes), String> {
-        let addr = self.edge_addr(edge).map_err(|f| f.0.message)?;
+    ) -> Result<(StatusCode, Bytes), CallError> {
+        let addr = self
+            .edge_addr(edge)
+            .map_err(|f| CallError::Unknown(f.0.message))?;
         let mut req = hyper::Request::builder()
             .method(method)
             .uri(format!("{}{path_and_query}", self.client.base(addr)))
@@ -215,9 +211,7 @@ impl Cluster {
         if body.is_some() {
             req = req.header(header::CONTENT_TYPE, "application/json");
         }
-        let req = req
-            .body(body.map(Body::from).unwrap_or_else(Body::empty))
-            .map_err(|e| e.to_string())?;
+        let req = req.body(body.map(Body::from).unwrap_or_else(Body::empty))?;
         self.send(req, timeout).await
     }
 

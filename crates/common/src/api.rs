@@ -5,6 +5,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::ApiError;
+
 /// `POST /v1/sandboxes`. Numbers are JSON numbers; the edge checks each is a whole
 /// number in range and names the field when it is not.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -200,6 +202,9 @@ pub struct NetworkInfo {
 
 /// Host → header name → value, set on a sandbox's outbound requests to that host.
 pub type EgressHeaders = BTreeMap<String, BTreeMap<String, String>>;
+
+/// Names and values: labels, a file's metadata, a query's parameters.
+pub type StringMap = BTreeMap<String, String>;
 
 /// `PUT /v1/sandboxes/{id}/network`: replaces the rules of a running sandbox.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -638,32 +643,32 @@ pub const METADATA_MAX_BYTES: usize = 2048;
 /// Checks metadata a caller gives a file: keys of HTTP token characters (they travel as
 /// header names, so they are lower case), values of printable US-ASCII, within the
 /// limits above.
-pub fn check_metadata(m: &BTreeMap<String, String>) -> Result<(), String> {
+pub fn check_metadata(m: &StringMap) -> Result<(), ApiError> {
     if m.len() > METADATA_MAX_KEYS {
-        return Err(format!(
+        return Err(ApiError::invalid(format!(
             "a file may have at most {METADATA_MAX_KEYS} metadata keys ({} given)",
             m.len()
-        ));
+        )));
     }
     let token = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
     let mut bytes = 0;
     for (k, v) in m {
         if k.is_empty() || !k.chars().all(token) || k.chars().any(|c| c.is_ascii_uppercase()) {
-            return Err(format!(
+            return Err(ApiError::invalid(format!(
                 "metadata key {k:?} must be non-empty lower-case letters, digits and !#$%&'*+-.^_`|~"
-            ));
+            )));
         }
         if !v.chars().all(|c| (' '..='~').contains(&c)) {
-            return Err(format!(
+            return Err(ApiError::invalid(format!(
                 "the value of metadata key {k:?} must be printable US-ASCII"
-            ));
+            )));
         }
         bytes += k.len() + v.len();
     }
     if bytes > METADATA_MAX_BYTES {
-        return Err(format!(
+        return Err(ApiError::invalid(format!(
             "metadata keys and values may hold at most {METADATA_MAX_BYTES} bytes together ({bytes} given)"
-        ));
+        )));
     }
     Ok(())
 }

@@ -104,6 +104,49 @@ impl ApiError {
     }
 }
 
+/// A system call or file operation that failed, with what was being done: the `Io`
+/// variant the components' typed errors share, so `?` carries the cause (its errno for a
+/// caller to match on) and the context together.
+#[derive(Debug, thiserror::Error)]
+#[error("{context}: {source}")]
+pub struct IoFailure {
+    pub context: String,
+    #[source]
+    pub source: std::io::Error,
+}
+
+impl IoFailure {
+    pub fn new(context: impl Into<String>, source: std::io::Error) -> Self {
+        IoFailure {
+            context: context.into(),
+            source,
+        }
+    }
+
+    /// The last OS error (`errno`), for a raw system call that returned -1.
+    pub fn last_os(context: impl Into<String>) -> Self {
+        Self::new(context, std::io::Error::last_os_error())
+    }
+
+    pub fn errno(&self) -> Option<i32> {
+        self.source.raw_os_error()
+    }
+}
+
+/// `result.ctx(|| format!("opening {}", p.display()))?`: an I/O error with its context.
+pub trait IoContext<T> {
+    fn ctx(self, context: impl FnOnce() -> String) -> Result<T, IoFailure>;
+}
+
+impl<T> IoContext<T> for std::io::Result<T> {
+    fn ctx(self, context: impl FnOnce() -> String) -> Result<T, IoFailure> {
+        self.map_err(|source| IoFailure {
+            context: context(),
+            source,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -118,7 +118,7 @@ pub fn method_not_allowed() -> Failure {
 }
 
 /// `label=KEY=VALUE` pairs of a listing's query; any other parameter is refused.
-pub fn label_filter(q: Option<&str>) -> ApiResult<BTreeMap<String, String>> {
+pub fn label_filter(q: Option<&str>) -> ApiResult<crate::api::StringMap> {
     let mut out = BTreeMap::new();
     for pair in q.unwrap_or("").split('&').filter(|s| !s.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));

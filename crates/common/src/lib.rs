@@ -6,6 +6,7 @@ pub mod beneath;
 pub mod channel;
 pub mod client_config;
 pub mod disk;
+pub mod elf;
 pub mod error;
 #[cfg(feature = "http")]
 pub mod http;
@@ -18,7 +19,7 @@ pub mod tree;
 pub mod vmux;
 pub mod vsock;
 
-pub use error::{ApiError, ErrorCode};
+pub use error::{ApiError, ErrorCode, IoContext, IoFailure};
 
 /// Milliseconds since the Unix epoch (0 on a clock before it): the one clock of every
 /// timestamp the API and the stores keep.

@@ -27,6 +27,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::channel::{CHUNK, FRAME_DATA, write_frame};
+use crate::{IoContext, IoFailure};
 
 /// Longest header the receiver reads.
 pub const MAX_HEADER: usize = 256 << 10;
@@ -93,8 +94,33 @@ pub fn escape(b: &[u8]) -> String {
     s
 }
 
+/// What is wrong with a tree's entry, or with a file it is read from.
+#[derive(Debug, thiserror::Error)]
+pub enum TreeError {
+    #[error("bad escape at byte {at} of {text:?}")]
+    BadEscape { at: usize, text: String },
+    #[error("unescaped byte {byte:#04x} in {text:?}")]
+    Unescaped { byte: u8, text: String },
+    /// A path a header names that no tree may hold: why.
+    #[error("path {path:?} {why}")]
+    BadPath { path: String, why: &'static str },
+    /// An extended attribute a layer cannot carry ([`XattrRule::Refuse`]).
+    #[error("{} has attribute {name}: {why}; it cannot be committed", path.display())]
+    Uncommittable {
+        path: PathBuf,
+        name: String,
+        why: &'static str,
+    },
+    #[error("{} has more than {MAX_XATTRS} extended attributes", .0.display())]
+    TooManyXattrs(PathBuf),
+    #[error("{} has a NUL byte", .0.display())]
+    NulInPath(PathBuf),
+    #[error(transparent)]
+    Io(#[from] IoFailure),
+}
+
 /// The inverse of [`escape`]; strict: anything `escape` cannot produce is an error.
-pub fn unescape(s: &str) -> Result<Vec<u8>, String> {
+pub fn unescape(s: &str) -> Result<Vec<u8>, TreeError> {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -105,14 +131,21 @@ pub fn unescape(s: &str) -> Result<Vec<u8>, String> {
                 .get(i + 1..i + 3)
                 .and_then(|h| std::str::from_utf8(h).ok())
                 .filter(|h| h.bytes().all(|x| x.is_ascii_hexdigit()))
-                .ok_or_else(|| format!("bad escape at byte {i} of {s:?}"))?;
-            out.push(u8::from_str_radix(hex, 16).map_err(|e| e.to_string())?);
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .ok_or_else(|| TreeError::BadEscape {
+                    at: i,
+                    text: s.to_string(),
+                })?;
+            out.push(hex);
             i += 3;
         } else if (0x20..0x7f).contains(&c) {
             out.push(c);
             i += 1;
         } else {
-            return Err(format!("unescaped byte {c:#04x} in {s:?}"));
+            return Err(TreeError::Unescaped {
+                byte: c,
+                text: s.to_string(),
+            });
         }
     }
     Ok(out)
@@ -152,13 +185,13 @@ pub struct ExportStats {
     pub bytes: u64,
 }
 
-fn cpath(p: &Path) -> Result<CString, String> {
-    CString::new(p.as_os_str().as_bytes()).map_err(|_| format!("{} has a NUL byte", p.display()))
+fn cpath(p: &Path) -> Result<CString, TreeError> {
+    CString::new(p.as_os_str().as_bytes()).map_err(|_| TreeError::NulInPath(p.to_path_buf()))
 }
 
 /// The extended attributes of `p` (not following a symlink), by [`xattr_rule`]: kept
 /// ones returned, dropped ones left out, refused ones an error.
-pub fn read_xattrs(p: &Path) -> Result<BTreeMap<String, Vec<u8>>, String> {
+pub fn read_xattrs(p: &Path) -> Result<BTreeMap<String, Vec<u8>>, TreeError> {
     let c = cpath(p)?;
     let mut out = BTreeMap::new();
     let names = loop {
@@ -169,7 +202,7 @@ pub fn read_xattrs(p: &Path) -> Result<BTreeMap<String, Vec<u8>>, String> {
             if e.raw_os_error() == Some(libc::ENOTSUP) {
                 return Ok(out);
             }
-            return Err(format!("listing attributes of {}: {e}", p.display()));
+            return Err(IoFailure::new(format!("listing attributes of {}", p.display()), e).into());
         }
         if n == 0 {
             return Ok(out);
@@ -183,11 +216,9 @@ pub fn read_xattrs(p: &Path) -> Result<BTreeMap<String, Vec<u8>>, String> {
         }
         // ERANGE: the list grew between the calls; ask again.
         if std::io::Error::last_os_error().raw_os_error() != Some(libc::ERANGE) {
-            return Err(format!(
-                "listing attributes of {}: {}",
-                p.display(),
-                std::io::Error::last_os_error()
-            ));
+            return Err(
+                IoFailure::last_os(format!("listing attributes of {}", p.display())).into(),
+            );
         }
     };
     for raw in names.split(|b| *b == 0).filter(|n| !n.is_empty()) {
@@ -195,14 +226,15 @@ pub fn read_xattrs(p: &Path) -> Result<BTreeMap<String, Vec<u8>>, String> {
         match xattr_rule(&name) {
             XattrRule::Drop => continue,
             XattrRule::Refuse(why) => {
-                return Err(format!(
-                    "{} has attribute {name}: {why}; it cannot be committed",
-                    p.display()
-                ));
+                return Err(TreeError::Uncommittable {
+                    path: p.to_path_buf(),
+                    name,
+                    why,
+                });
             }
             XattrRule::Keep => {}
         }
-        let cname = CString::new(raw).map_err(|e| e.to_string())?;
+        let cname = CString::new(raw).map_err(|_| TreeError::NulInPath(name.clone().into()))?;
         let mut buf = vec![0u8; MAX_XATTR_VALUE];
         // SAFETY: NUL-terminated path and name, a buffer of the length passed.
         let n = unsafe {
@@ -218,16 +250,15 @@ pub fn read_xattrs(p: &Path) -> Result<BTreeMap<String, Vec<u8>>, String> {
             if e.raw_os_error() == Some(libc::ENODATA) {
                 continue;
             }
-            return Err(format!("reading attribute {name} of {}: {e}", p.display()));
+            return Err(
+                IoFailure::new(format!("reading attribute {name} of {}", p.display()), e).into(),
+            );
         }
         buf.truncate(n as usize);
         out.insert(name, buf);
     }
     if out.len() > MAX_XATTRS {
-        return Err(format!(
-            "{} has more than {MAX_XATTRS} extended attributes",
-            p.display()
-        ));
+        return Err(TreeError::TooManyXattrs(p.to_path_buf()));
     }
     Ok(out)
 }
@@ -258,7 +289,7 @@ pub fn export(
     }
     let mut stats = ExportStats::default();
     let mut links: HashMap<(u64, u64), PathBuf> = HashMap::new();
-    let mut names = sorted_names(root).map_err(tree)?;
+    let mut names = sorted_names(root).map_err(|e| tree(e.to_string()))?;
     names.retain(|n| !skip.iter().any(|s| OsStr::new(s) == n.as_os_str()));
     // Depth-first, parents before children; each level's names reversed, to pop in order.
     names.reverse();
@@ -356,7 +387,7 @@ pub fn export(
                     e.xattrs = x.into_iter().map(|(k, v)| (k, escape(&v))).collect();
                 }
                 Err(_) if std::fs::symlink_metadata(&abs).is_err() => continue,
-                Err(m) => return Err(tree(m)),
+                Err(m) => return Err(tree(m.to_string())),
             }
         }
         let header = serde_json::to_vec(&e).map_err(|err| tree(err.to_string()))?;
@@ -375,7 +406,7 @@ pub fn export(
             let mut names = match sorted_names(&abs) {
                 Ok(n) => n,
                 Err(_) if std::fs::symlink_metadata(&abs).is_err() => Vec::new(),
-                Err(m) => return Err(tree(m)),
+                Err(m) => return Err(tree(m.to_string())),
             };
             names.reverse();
             stack.push((rel, names));
@@ -406,11 +437,11 @@ fn send_content(mut f: File, abs: &Path, out: &mut impl Write) -> Result<u64, Ex
     }
 }
 
-fn sorted_names(dir: &Path) -> Result<Vec<OsString>, String> {
-    let rd = std::fs::read_dir(dir).map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
+fn sorted_names(dir: &Path) -> Result<Vec<OsString>, IoFailure> {
+    let rd = std::fs::read_dir(dir).ctx(|| format!("cannot list {}", dir.display()))?;
     let mut names = Vec::new();
     for ent in rd {
-        let ent = ent.map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
+        let ent = ent.ctx(|| format!("cannot list {}", dir.display()))?;
         names.push(ent.file_name());
     }
     names.sort_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
@@ -419,22 +450,24 @@ fn sorted_names(dir: &Path) -> Result<Vec<OsString>, String> {
 
 /// A header's path as a relative path, checked: not empty, no empty, `.` or `..`
 /// component, nothing absolute, no NUL, at most [`MAX_PATH`] bytes.
-pub fn checked_path(escaped: &str) -> Result<PathBuf, String> {
+pub fn checked_path(escaped: &str) -> Result<PathBuf, TreeError> {
     let raw = unescape(escaped)?;
+    let bad = |why| TreeError::BadPath {
+        path: escaped.to_string(),
+        why,
+    };
     if raw.is_empty() || raw.len() > MAX_PATH {
-        return Err(format!("path {escaped:?} is empty or too long"));
+        return Err(bad("is empty or too long"));
     }
     if raw.contains(&0) {
-        return Err(format!("path {escaped:?} contains a NUL byte"));
+        return Err(bad("contains a NUL byte"));
     }
     if raw[0] == b'/' {
-        return Err(format!("path {escaped:?} is absolute"));
+        return Err(bad("is absolute"));
     }
     for comp in raw.split(|b| *b == b'/') {
         if comp.is_empty() || comp == b"." || comp == b".." {
-            return Err(format!(
-                "path {escaped:?} has an empty, '.' or '..' component"
-            ));
+            return Err(bad("has an empty, '.' or '..' component"));
         }
     }
     Ok(PathBuf::from(OsString::from_vec(raw)))

@@ -5,13 +5,12 @@
 //! sit in the edge's router, which a cluster's apiservers forward to with the caller's
 //! principal, so both paths enforce them.
 
+use dsec_common::http::ApiResult;
 use dsec_common::{ApiError, ErrorCode};
 use dsec_iam::Principal;
+use dsec_iam::http::check_read;
 use dsec_image::build::BuildSpec;
 use dsec_image::{ImageRef, store::ImageEntry};
-
-use dsec_common::http::ApiResult;
-use dsec_iam::http::check_read;
 
 /// A commit's (or any other write's) target: 403 naming where the key may write.
 pub(crate) fn check_write(p: &Principal, image: &str) -> ApiResult<ImageRef> {

@@ -5,17 +5,17 @@
 //! `X-Dsec-Port-Tls: 1` the server in the sandbox is spoken to over TLS, its certificate
 //! not checked (a server of the sandbox's own, self-signed as a rule).
 
+use std::sync::Arc;
+
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Path, Request, State};
 use axum::http::{HeaderValue, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::any;
+use dsec_common::http::{ApiResult, Failure, api_key};
 use dsec_common::{ApiError, ErrorCode};
 use hyper_util::rt::TokioIo;
-use std::sync::Arc;
-
-use dsec_common::http::{ApiResult, Failure, api_key};
 
 use crate::{AppState, route};
 
@@ -107,11 +107,10 @@ where
     Ok(sender)
 }
 
-fn tls_to_sandbox() -> Result<Arc<rustls::ClientConfig>, String> {
+fn tls_to_sandbox() -> Result<Arc<rustls::ClientConfig>, rustls::Error> {
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
     let mut cfg = rustls::ClientConfig::builder_with_provider(provider.clone())
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
+        .with_safe_default_protocol_versions()?
         .dangerous()
         .with_custom_certificate_verifier(Arc::new(AnyCertificate(provider)))
         .with_no_client_auth();

@@ -13,14 +13,14 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use base64::Engine;
 use dsec_common::ApiError;
+use dsec_common::api::StringMap;
 use dsec_common::api::{ExecRequest, SessionCreateRequest, SessionRunRequest};
 use dsec_common::channel::{PtySize, Request};
+use dsec_common::http::{ApiResult, Failure, body, json as json_response, query_pairs};
 use dsec_edge::runtime::{ProcEvent, ProcessStream};
 use dsec_edge::trajectory::{Outcome, StepRef};
 use serde::Deserialize;
 use serde_json::{Value, json};
-
-use dsec_common::http::{ApiResult, Failure, body, json as json_response, query_pairs};
 
 use crate::{AppState, route};
 
@@ -343,7 +343,7 @@ async fn upload(
 const METADATA_HEADER: &str = "x-dsec-metadata-";
 
 /// The metadata an upload gives its file (None: no such header).
-fn metadata_headers(h: &HeaderMap) -> Result<Option<BTreeMap<String, String>>, Failure> {
+fn metadata_headers(h: &HeaderMap) -> Result<Option<StringMap>, Failure> {
     let mut m = BTreeMap::new();
     for (name, value) in h {
         // Header names arrive in lower case.

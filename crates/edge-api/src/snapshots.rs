@@ -10,9 +10,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use dsec_common::ApiError;
 use dsec_common::api::{ForkRequest, ListSnapshotsResponse, SnapshotInfo};
-use dsec_iam::Principal;
-
 use dsec_common::http::{ApiResult, body, json};
+use dsec_iam::Principal;
 
 use crate::{AppState, route};
 

@@ -12,6 +12,7 @@ use axum::extract::{Extension, Path, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use dsec_common::http::{ApiResult, body, json};
 use dsec_common::{ApiError, ErrorCode};
 use dsec_edge::transfer::{
     EXTENT_HEADER, ExtentWriter, ImportRequest, PeerFuture, Peers, data_extents,
@@ -19,8 +20,6 @@ use dsec_edge::transfer::{
 use dsec_mtls::{Identity, Role};
 use http_body_util::BodyExt;
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
-
-use dsec_common::http::{ApiResult, body, json};
 
 use crate::AppState;
 
@@ -453,7 +452,7 @@ impl Peers for MtlsPeers {
                     })?;
                 }
             }
-            w.finish().map_err(local)
+            w.finish().map_err(|e| local(e.to_string()))
         })
     }
 }

@@ -12,15 +12,15 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use dsec_common::ApiError;
+use dsec_common::api::StringMap;
 use dsec_common::api::{CreateVolumeRequest, ListVolumesResponse, VolumeEntryUpdate, VolumeInfo};
+use dsec_common::http::{ApiResult, Failure, body, json};
 use dsec_edge::volumes::fs::Owner;
 use dsec_iam::Principal;
-
-use crate::runtime::{flag, parse_mode, query, required};
-use dsec_common::http::{ApiResult, Failure, body, json};
 use dsec_iam::http::usable_project;
 
 use crate::AppState;
+use crate::runtime::{flag, parse_mode, query, required};
 
 pub(crate) fn routes() -> Router<AppState> {
     Router::new()
@@ -143,7 +143,7 @@ fn target(
     p: &Principal,
     vid: &str,
     q: Option<&str>,
-) -> ApiResult<(BTreeMap<String, String>, String)> {
+) -> ApiResult<(StringMap, String)> {
     visible(st, p, vid)?;
     let q = query(q);
     let path = required(&q, "path")?;

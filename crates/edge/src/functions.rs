@@ -32,10 +32,11 @@ pub(crate) struct Functions {
 
 impl Functions {
     /// The configured functions, each checked (an error names the function).
-    pub(crate) fn new(cfg: &EdgeConfig) -> Result<Functions, String> {
+    pub(crate) fn new(cfg: &EdgeConfig) -> Result<Functions, ApiError> {
         let mut by_name = HashMap::new();
         for f in &cfg.functions {
-            let bad = |m: String| format!("[[edge.functions]] {:?}: {m}", f.name);
+            let bad =
+                |m: String| ApiError::invalid(format!("[[edge.functions]] {:?}: {m}", f.name));
             if !pools::valid_name(&f.name) {
                 return Err(bad("name: use 1-32 of a-z, 0-9 and -".into()));
             }
@@ -260,10 +261,17 @@ mod tests {
         ] {
             cfg.functions = vec![f];
             let e = Functions::new(&cfg).err().unwrap();
-            assert!(e.contains(want), "{e}");
+            assert_eq!(e.code, dsec_common::ErrorCode::InvalidArgument);
+            assert!(e.message.contains(want), "{e:?}");
         }
         cfg.functions = vec![function("a"), function("a")];
-        assert!(Functions::new(&cfg).err().unwrap().contains("twice"));
+        assert!(
+            Functions::new(&cfg)
+                .err()
+                .unwrap()
+                .message
+                .contains("twice")
+        );
     }
 
     #[test]

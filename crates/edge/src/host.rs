@@ -54,32 +54,88 @@ pub struct Reserve {
     pub max_load_per_core: f64,
 }
 
+/// Why a node takes no more sandboxes, by the resource it lacks.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Refusal {
+    #[error(
+        "node {node} is full: it runs {running} sandboxes (max_sandboxes = {max}); stop some or add nodes"
+    )]
+    Sandboxes {
+        node: String,
+        running: u64,
+        max: u64,
+    },
+    #[error(
+        "node {node} has only {available_mb} MiB of memory available (reserve {reserve_mb} MiB); stop some sandboxes"
+    )]
+    Memory {
+        node: String,
+        available_mb: u64,
+        reserve_mb: u64,
+    },
+    #[error(
+        "node {node} has only {free_mb} MiB of disk free for sandbox state (reserve {reserve_mb} MiB); free some disk"
+    )]
+    Disk {
+        node: String,
+        free_mb: u64,
+        reserve_mb: u64,
+    },
+    #[error(
+        "node {node} is overloaded: load {load:.1} on {cpus} cores (limit {limit} per core); try again or another node"
+    )]
+    Load {
+        node: String,
+        load: f64,
+        cpus: u32,
+        limit: f64,
+    },
+}
+
+impl Refusal {
+    /// The resource the node lacks: `sandboxes`, `memory`, `disk` or `load`.
+    pub fn resource(&self) -> &'static str {
+        match self {
+            Refusal::Sandboxes { .. } => "sandboxes",
+            Refusal::Memory { .. } => "memory",
+            Refusal::Disk { .. } => "disk",
+            Refusal::Load { .. } => "load",
+        }
+    }
+}
+
 /// Whether a node in state `s` takes one more sandbox; `Err` says why not.
-pub fn admit(node: &str, s: &Snapshot, r: &Reserve) -> Result<(), String> {
+pub fn admit(node: &str, s: &Snapshot, r: &Reserve) -> Result<(), Refusal> {
+    let node = node.to_string();
     if s.sandboxes >= r.max_sandboxes {
-        return Err(format!(
-            "node {node} is full: it runs {} sandboxes (max_sandboxes = {}); stop some or add nodes",
-            s.sandboxes, r.max_sandboxes
-        ));
+        return Err(Refusal::Sandboxes {
+            node,
+            running: s.sandboxes,
+            max: r.max_sandboxes,
+        });
     }
     if s.memory_available_mb < r.memory_mb + 32 {
-        return Err(format!(
-            "node {node} has only {} MiB of memory available (reserve {} MiB); stop some sandboxes",
-            s.memory_available_mb, r.memory_mb
-        ));
+        return Err(Refusal::Memory {
+            node,
+            available_mb: s.memory_available_mb,
+            reserve_mb: r.memory_mb,
+        });
     }
     if s.disk_free_mb < r.disk_mb {
-        return Err(format!(
-            "node {node} has only {} MiB of disk free for sandbox state (reserve {} MiB); free some disk",
-            s.disk_free_mb, r.disk_mb
-        ));
+        return Err(Refusal::Disk {
+            node,
+            free_mb: s.disk_free_mb,
+            reserve_mb: r.disk_mb,
+        });
     }
     let per_core = s.load1 / s.cpus.max(1) as f64;
     if r.max_load_per_core > 0.0 && per_core > r.max_load_per_core {
-        return Err(format!(
-            "node {node} is overloaded: load {:.1} on {} cores (limit {} per core); try again or another node",
-            s.load1, s.cpus, r.max_load_per_core
-        ));
+        return Err(Refusal::Load {
+            node,
+            load: s.load1,
+            cpus: s.cpus,
+            limit: r.max_load_per_core,
+        });
     }
     Ok(())
 }
@@ -130,7 +186,7 @@ mod tests {
         ];
         for (s, why) in cases {
             let e = admit("n", &s, &r).unwrap_err();
-            assert!(e.contains(why), "{e}");
+            assert!(e.to_string().contains(why), "{e}");
         }
         let off = Reserve {
             max_load_per_core: 0.0,

@@ -10,6 +10,7 @@ mod commit;
 pub use commit::layers_in_use;
 pub mod config;
 mod deaths;
+pub mod error;
 pub mod functions;
 pub mod host;
 pub mod mountns;
@@ -32,10 +33,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dsec_common::ApiError;
-use dsec_common::api::Capability;
 use dsec_common::api::{
-    CreateSandboxRequest, ExecRequest, ExecResult, ForkRequest, ForkResponse, NodeStatus,
-    SandboxInfo, SandboxState,
+    Capability, CreateSandboxRequest, ExecRequest, ExecResult, ForkRequest, ForkResponse,
+    NodeStatus, SandboxInfo, SandboxState,
 };
 use dsec_common::channel::{ExecSpec, Request, Response, StartSpec};
 use dsec_common::id::SandboxId;
@@ -375,7 +375,7 @@ impl Edge {
             &cfg.state_dir.join("sandboxes"),
         ));
         let vm: Arc<dyn Backend> = Arc::new(backend::vm::VmBackend::new(
-            backend::container::find_aether(cfg.aether_binary.as_deref()),
+            backend::find_aether(cfg.aether_binary.as_deref()),
             images.clone(),
             &cfg.state_dir.join("sandboxes"),
             &cfg.vm_ram_dir,
@@ -388,7 +388,7 @@ impl Edge {
                 diff_snapshots: cfg.firecracker_diff_snapshots,
                 run_as: cfg.firecracker_run_as.clone(),
             },
-            backend::container::find_aether(cfg.aether_binary.as_deref()),
+            backend::find_aether(cfg.aether_binary.as_deref()),
             images.clone(),
             &cfg.state_dir.join("sandboxes"),
             &cfg.vm_ram_dir,
@@ -399,14 +399,10 @@ impl Edge {
         backends.insert(vm.name(), vm);
         backends.insert(microvm.name(), microvm);
         let (net_cfg, state_dir) = (cfg.network.clone(), cfg.state_dir.clone());
-        let network = blocking(move || net::Network::start(&net_cfg, &state_dir))
-            .await?
-            .map_err(ApiError::internal)?;
+        let network = blocking(move || net::Network::start(&net_cfg, &state_dir)).await??;
         let network = Arc::new(network);
         let (net, mut dns, headers) = if network.enabled() {
-            let dns = net::dns::spawn(network.clone())
-                .await
-                .map_err(ApiError::internal)?;
+            let dns = net::dns::spawn(network.clone()).await?;
             let proxy = net::headers::HeaderProxy::new(
                 &cfg.state_dir.join("egress-ca"),
                 &cfg.name,
@@ -425,10 +421,10 @@ impl Edge {
         }
         // Late in the start, so that a start that fails (the network's ports taken) leaves
         // no holder behind.
-        let pools = pools::Pools::new(&cfg).map_err(ApiError::invalid)?;
+        let pools = pools::Pools::new(&cfg)?;
         let turns = create_parallelism(cfg.create_parallelism);
-        let functions = functions::Functions::new(&cfg).map_err(ApiError::invalid)?;
-        let ns = mountns::init(&cfg.state_dir).map_err(ApiError::internal)?;
+        let functions = functions::Functions::new(&cfg)?;
+        let ns = mountns::init(&cfg.state_dir)?;
         if let Err(e) = ns.own_mount(&images.root().join("layers")) {
             tracing::warn!("{e}; creates will slow down as sandboxes accumulate");
         }
@@ -959,7 +955,8 @@ impl Edge {
             disk_mb: self.cfg.reserved_disk_mb,
             max_load_per_core: self.cfg.max_load_per_core,
         };
-        host::admit(&self.cfg.name, &snapshot, &reserve).map_err(ApiError::node_full)
+        host::admit(&self.cfg.name, &snapshot, &reserve)
+            .map_err(|r| ApiError::node_full(r.to_string()))
     }
 
     /// Starts `rec` on `backend`: the shared path of create and fork.

@@ -17,6 +17,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 
+use dsec_common::{ErrorCode, IoContext, IoFailure};
+
+use crate::error::Coded;
+
 /// The holder's `argv[0]`, which tells it apart from other processes at adoption.
 pub const HOLDER_NAME: &str = "dsec-mountns";
 const PID_FILE: &str = "mountns.pid";
@@ -26,6 +30,28 @@ pub struct MountNs {
     ns: File,
     pid_file: PathBuf,
     holder: Mutex<Holder>,
+}
+
+/// What goes wrong with the sandboxes' mount namespace.
+#[derive(Debug, thiserror::Error)]
+pub enum MountNsError {
+    #[error("the sandboxes' mount namespace was not started")]
+    NotStarted,
+    #[error("a thread in the sandboxes' mount namespace panicked")]
+    Panicked,
+    #[error("{0} has a NUL byte")]
+    NulInPath(PathBuf),
+    #[error(transparent)]
+    Io(#[from] IoFailure),
+}
+
+impl Coded for MountNsError {
+    fn code(&self) -> ErrorCode {
+        match self {
+            MountNsError::NulInPath(_) => ErrorCode::InvalidArgument,
+            _ => ErrorCode::Internal,
+        }
+    }
 }
 
 struct Holder {
@@ -38,7 +64,7 @@ static NS: OnceLock<MountNs> = OnceLock::new();
 
 /// Starts the namespace, or adopts the one a previous edge on `state_dir` left with its
 /// sandboxes. Once per process; later calls return the first.
-pub fn init(state_dir: &Path) -> Result<&'static MountNs, String> {
+pub fn init(state_dir: &Path) -> Result<&'static MountNs, MountNsError> {
     if let Some(ns) = NS.get() {
         return Ok(ns);
     }
@@ -47,9 +73,16 @@ pub fn init(state_dir: &Path) -> Result<&'static MountNs, String> {
 }
 
 /// The namespace [`init`] made.
-pub fn get() -> Result<&'static MountNs, String> {
-    NS.get()
-        .ok_or_else(|| "the sandboxes' mount namespace was not started".to_string())
+pub fn get() -> Result<&'static MountNs, MountNsError> {
+    NS.get().ok_or(MountNsError::NotStarted)
+}
+
+/// Runs `f` on a thread in the namespace [`init`] made; a failure to get there is one of
+/// `f`'s errors.
+pub fn within<T: Send, E: From<MountNsError> + Send>(
+    f: impl FnOnce() -> Result<T, E> + Send,
+) -> Result<T, E> {
+    get()?.run(f)?
 }
 
 pub(crate) use dsec_common::mountinfo::escaped as mountinfo_path;
@@ -100,7 +133,7 @@ pub fn unshare_private() -> std::io::Result<()> {
 /// Starts a holder: in a new mount namespace copied from this one with every mount made
 /// private (nothing mounted there reaches the host, nor the reverse), or, with `join`, in
 /// that namespace.
-fn spawn_holder(join: Option<RawFd>) -> Result<Child, String> {
+fn spawn_holder(join: Option<RawFd>) -> Result<Child, IoFailure> {
     let mut cmd = Command::new("sleep");
     cmd.arg0(HOLDER_NAME)
         .arg("infinity")
@@ -121,11 +154,11 @@ fn spawn_holder(join: Option<RawFd>) -> Result<Child, String> {
         });
     }
     cmd.spawn()
-        .map_err(|e| format!("starting the sandboxes' mount namespace (sleep): {e}"))
+        .ctx(|| "starting the sandboxes' mount namespace (sleep)".into())
 }
 
 impl MountNs {
-    fn start_or_adopt(pid_file: &Path) -> Result<MountNs, String> {
+    fn start_or_adopt(pid_file: &Path) -> Result<MountNs, MountNsError> {
         let old = std::fs::read_to_string(pid_file)
             .ok()
             .and_then(|s| s.trim().parse::<i32>().ok())
@@ -141,9 +174,9 @@ impl MountNs {
             }
         };
         let ns_path = format!("/proc/{pid}/ns/mnt");
-        let ns = File::open(&ns_path).map_err(|e| format!("opening {ns_path}: {e}"))?;
+        let ns = File::open(&ns_path).ctx(|| format!("opening {ns_path}"))?;
         std::fs::write(pid_file, format!("{pid}\n"))
-            .map_err(|e| format!("writing {}: {e}", pid_file.display()))?;
+            .ctx(|| format!("writing {}", pid_file.display()))?;
         Ok(MountNs {
             ns,
             pid_file: pid_file.to_path_buf(),
@@ -188,7 +221,7 @@ impl MountNs {
 
     /// Runs `f` on a thread in the namespace (it ends with `f`); processes `f` starts are
     /// in the namespace too.
-    pub fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> Result<T, String> {
+    pub fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> Result<T, MountNsError> {
         let fd = self.ns.as_raw_fd();
         std::thread::scope(|s| {
             std::thread::Builder::new()
@@ -200,17 +233,17 @@ impl MountNs {
                         if libc::unshare(libc::CLONE_FS) != 0
                             || libc::setns(fd, libc::CLONE_NEWNS) != 0
                         {
-                            return Err(format!(
-                                "joining the sandboxes' mount namespace: {}",
-                                std::io::Error::last_os_error()
-                            ));
+                            return Err(IoFailure::last_os(
+                                "joining the sandboxes' mount namespace",
+                            )
+                            .into());
                         }
                     }
                     Ok(f())
                 })
-                .map_err(|e| format!("starting a thread: {e}"))?
+                .ctx(|| "starting a thread in the sandboxes' mount namespace".into())?
                 .join()
-                .map_err(|_| "a thread in the mount namespace panicked".to_string())?
+                .map_err(|_| MountNsError::Panicked)?
         })
     }
 
@@ -220,13 +253,13 @@ impl MountNs {
     /// and the namespace's root mount has one for each sandbox's disk and network pin, so
     /// on a mount of their own (with nothing below it) a create costs no more at the
     /// 3,000th sandbox than at the first. Files added to `dir` later are seen there too.
-    pub fn own_mount(&self, dir: &Path) -> Result<(), String> {
-        std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    pub fn own_mount(&self, dir: &Path) -> Result<(), MountNsError> {
+        std::fs::create_dir_all(dir).ctx(|| format!("creating {}", dir.display()))?;
         let dir = dir
             .canonicalize()
-            .map_err(|e| format!("resolving {}: {e}", dir.display()))?;
+            .ctx(|| format!("resolving {}", dir.display()))?;
         let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())
-            .map_err(|_| format!("{} has a NUL byte", dir.display()))?;
+            .map_err(|_| MountNsError::NulInPath(dir.clone()))?;
         self.run(|| {
             let table = std::fs::read_to_string("/proc/thread-self/mountinfo").unwrap_or_default();
             let target = mountinfo_path(&dir);
@@ -247,11 +280,11 @@ impl MountNs {
                 )
             };
             if rc != 0 {
-                return Err(format!(
-                    "bind-mounting {} on itself: {}",
-                    dir.display(),
-                    std::io::Error::last_os_error()
-                ));
+                return Err(IoFailure::last_os(format!(
+                    "bind-mounting {} on itself",
+                    dir.display()
+                ))
+                .into());
             }
             Ok(())
         })?

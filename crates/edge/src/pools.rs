@@ -93,23 +93,24 @@ pub(crate) fn valid_name(n: &str) -> bool {
 
 impl Pools {
     /// The configured pools, each checked as a create would be (an error names the pool).
-    pub(crate) fn new(cfg: &EdgeConfig) -> Result<Pools, String> {
+    pub(crate) fn new(cfg: &EdgeConfig) -> Result<Pools, ApiError> {
         let mut pools = HashMap::new();
         for p in &cfg.pools {
             if !valid_name(&p.name) {
-                return Err(format!(
+                return Err(ApiError::invalid(format!(
                     "[[edge.pools]] name {:?}: use 1-32 of a-z, 0-9 and -",
                     p.name
-                ));
+                )));
             }
             if !(p.refill_per_second.is_finite() && p.refill_per_second > 0.0) {
-                return Err(format!(
+                return Err(ApiError::invalid(format!(
                     "[[edge.pools]] {}: refill_per_second must be above 0",
                     p.name
-                ));
+                )));
             }
-            let v = validate::create(cfg, &request(p, cfg))
-                .map_err(|e| format!("[[edge.pools]] {}: {}", p.name, e.message))?;
+            let v = validate::create(cfg, &request(p, cfg)).map_err(|e| {
+                ApiError::invalid(format!("[[edge.pools]] {}: {}", p.name, e.message))
+            })?;
             let pool = Pool {
                 cfg: p.clone(),
                 limits: v.limits,
@@ -118,7 +119,10 @@ impl Pools {
                 seed: None,
             };
             if pools.insert(p.name.clone(), pool).is_some() {
-                return Err(format!("[[edge.pools]] {} is named twice", p.name));
+                return Err(ApiError::invalid(format!(
+                    "[[edge.pools]] {} is named twice",
+                    p.name
+                )));
             }
         }
         Ok(Pools {

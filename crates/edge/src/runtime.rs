@@ -450,7 +450,7 @@ impl Edge {
             check_user(u)?;
         }
         if let Some(m) = &metadata {
-            dsec_common::api::check_metadata(m).map_err(ApiError::invalid)?;
+            dsec_common::api::check_metadata(m)?;
         }
         if mode.is_some_and(|m| m > 0o7777) {
             return Err(ApiError::invalid(

@@ -12,8 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dsec_common::ApiError;
-use dsec_common::api::Capability;
-use dsec_common::api::{ForkRequest, SandboxInfo, SandboxState};
+use dsec_common::api::{Capability, ForkRequest, SandboxInfo, SandboxState};
 use dsec_common::id::SandboxId;
 use serde::{Deserialize, Serialize};
 
@@ -109,6 +108,19 @@ pub fn data_extents(f: &std::fs::File, len: u64) -> Vec<(u64, u64)> {
     out
 }
 
+/// Why a received file could not be written.
+#[derive(Debug, thiserror::Error)]
+pub enum ExtentError {
+    #[error(
+        "an extent at {offset} of {len} bytes is out of order or outside the file's {size} bytes"
+    )]
+    OutOfPlace { offset: u64, len: u64, size: u64 },
+    #[error("the file stopped in the middle of an extent")]
+    Cut,
+    #[error("writing the received file: {0}")]
+    Io(#[from] std::io::Error),
+}
+
 /// Writes a file received as extents (each a [`EXTENT_HEADER`] and its bytes, in order,
 /// inside the file's size), leaving what no extent covers as holes.
 pub struct ExtentWriter {
@@ -132,7 +144,7 @@ impl ExtentWriter {
         }
     }
 
-    pub fn feed(&mut self, mut data: &[u8]) -> Result<(), String> {
+    pub fn feed(&mut self, mut data: &[u8]) -> Result<(), ExtentError> {
         use std::io::{Seek, SeekFrom, Write};
         while !data.is_empty() {
             if self.left == 0 {
@@ -149,19 +161,18 @@ impl ExtentWriter {
                 let len = u64::from_be_bytes(b);
                 self.header.clear();
                 if off < self.end || off.checked_add(len).is_none_or(|e| e > self.size) {
-                    return Err(format!(
-                        "an extent at {off} of {len} bytes is out of order or outside the file's {} bytes",
-                        self.size
-                    ));
+                    return Err(ExtentError::OutOfPlace {
+                        offset: off,
+                        len,
+                        size: self.size,
+                    });
                 }
-                self.f
-                    .seek(SeekFrom::Start(off))
-                    .map_err(|e| e.to_string())?;
+                self.f.seek(SeekFrom::Start(off))?;
                 self.left = len;
                 self.end = off + len;
             } else {
                 let take = (self.left.min(data.len() as u64)) as usize;
-                self.f.write_all(&data[..take]).map_err(|e| e.to_string())?;
+                self.f.write_all(&data[..take])?;
                 self.left -= take as u64;
                 data = &data[take..];
             }
@@ -170,11 +181,11 @@ impl ExtentWriter {
     }
 
     /// The file, `size` bytes long; an error if the stream stopped inside an extent.
-    pub fn finish(self) -> Result<u64, String> {
+    pub fn finish(self) -> Result<u64, ExtentError> {
         if self.left != 0 || !self.header.is_empty() {
-            return Err("the file stopped in the middle of an extent".into());
+            return Err(ExtentError::Cut);
         }
-        self.f.set_len(self.size).map_err(|e| e.to_string())?;
+        self.f.set_len(self.size)?;
         Ok(self.size)
     }
 }
@@ -392,10 +403,10 @@ impl Edge {
         id: &str,
         target: &str,
     ) -> Result<SandboxInfo, ApiError> {
-        let peers = self.peers()?;
         let e = self.entry(id)?;
         let backend = self.backend(&e.snapshot().backend)?;
         crate::backend::require(backend.as_ref(), Capability::Move, "resume it where it is")?;
+        let peers = self.peers()?;
         if !e.snapshot().paused_to_disk {
             self.pause_now(id, true).await?;
         }

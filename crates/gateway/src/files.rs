@@ -7,7 +7,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::{RawQuery, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use dsec_common::api::FileStat;
+use dsec_common::api::{FileStat, StringMap};
 use http_body_util::BodyExt;
 use hyper::Method;
 use serde_json::{Value, json};
@@ -161,7 +161,7 @@ const METADATA_HEADER: &str = "x-metadata-";
 
 /// The metadata an upload gives each of its files (checked as the API checks it, so a
 /// bad key is refused before the body is read).
-fn metadata(h: &HeaderMap) -> Result<BTreeMap<String, String>, UpErr> {
+fn metadata(h: &HeaderMap) -> Result<StringMap, UpErr> {
     let mut m = BTreeMap::new();
     for (name, value) in h {
         if let Some(key) = name.as_str().strip_prefix(METADATA_HEADER) {
@@ -175,7 +175,8 @@ fn metadata(h: &HeaderMap) -> Result<BTreeMap<String, String>, UpErr> {
             m.insert(key.to_string(), v.to_string());
         }
     }
-    dsec_common::api::check_metadata(&m).map_err(|e| UpErr::new(400, "invalid_argument", e))?;
+    dsec_common::api::check_metadata(&m)
+        .map_err(|e| UpErr::new(400, "invalid_argument", e.message))?;
     Ok(m)
 }
 

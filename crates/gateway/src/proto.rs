@@ -266,20 +266,50 @@ pub fn rpc_types(service: &str, method: &str) -> Option<(&'static str, &'static 
     })
 }
 
+/// Why a message could not be transcoded (the client is told, as `invalid_argument`).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ProtoError {
+    /// The binary message is malformed: how.
+    #[error("{0}")]
+    Malformed(&'static str),
+    #[error("wire type {0} is not supported")]
+    WireType(u64),
+    #[error("unknown message {0}")]
+    UnknownMessage(String),
+    /// A field holds what its type does not allow: the field, and what was wrong.
+    #[error("{field}: {why}")]
+    Field { field: String, why: String },
+    #[error("message too large")]
+    TooLarge,
+    #[error("gzip message: {0}")]
+    Gzip(String),
+    #[error("not JSON: {0}")]
+    Json(String),
+}
+
+fn field_err(field: impl Into<String>, why: impl Into<String>) -> ProtoError {
+    ProtoError::Field {
+        field: field.into(),
+        why: why.into(),
+    }
+}
+
 /// Nesting deeper than any of these messages goes: a hostile message cannot recurse.
 const MAX_DEPTH: usize = 16;
 
-fn varint(b: &mut &[u8]) -> Result<u64, String> {
+fn varint(b: &mut &[u8]) -> Result<u64, ProtoError> {
     let mut v = 0u64;
     for i in 0..10 {
-        let (&x, rest) = b.split_first().ok_or("truncated varint")?;
+        let (&x, rest) = b
+            .split_first()
+            .ok_or(ProtoError::Malformed("truncated varint"))?;
         *b = rest;
         v |= u64::from(x & 0x7f) << (7 * i);
         if x & 0x80 == 0 {
             return Ok(v);
         }
     }
-    Err("varint longer than 10 bytes".into())
+    Err(ProtoError::Malformed("varint longer than 10 bytes"))
 }
 
 fn put_varint(out: &mut Vec<u8>, mut v: u64) {
@@ -290,10 +320,10 @@ fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     out.push(v as u8);
 }
 
-fn take<'a>(b: &mut &'a [u8], n: u64) -> Result<&'a [u8], String> {
-    let n = usize::try_from(n).map_err(|_| "length too large")?;
+fn take<'a>(b: &mut &'a [u8], n: u64) -> Result<&'a [u8], ProtoError> {
+    let n = usize::try_from(n).map_err(|_| ProtoError::Malformed("length too large"))?;
     if b.len() < n {
-        return Err("truncated field".into());
+        return Err(ProtoError::Malformed("truncated field"));
     }
     let (x, rest) = b.split_at(n);
     *b = rest;
@@ -301,20 +331,20 @@ fn take<'a>(b: &mut &'a [u8], n: u64) -> Result<&'a [u8], String> {
 }
 
 /// A binary message as proto3 JSON.
-pub fn decode(bytes: &[u8], msg: &str) -> Result<Value, String> {
+pub fn decode(bytes: &[u8], msg: &str) -> Result<Value, ProtoError> {
     decode_at(bytes, msg, 0)
 }
 
-fn decode_at(mut b: &[u8], msg: &str, depth: usize) -> Result<Value, String> {
+fn decode_at(mut b: &[u8], msg: &str, depth: usize) -> Result<Value, ProtoError> {
     if depth > MAX_DEPTH {
-        return Err("message nested too deeply".into());
+        return Err(ProtoError::Malformed("message nested too deeply"));
     }
-    let fs = fields(msg).ok_or_else(|| format!("unknown message {msg}"))?;
+    let fs = fields(msg).ok_or_else(|| ProtoError::UnknownMessage(msg.to_string()))?;
     let mut out = Map::new();
     while !b.is_empty() {
         let key = varint(&mut b)?;
         let (num, wire) = ((key >> 3) as u32, key & 7);
-        let raw: Result<(Option<u64>, Option<&[u8]>), String> = match wire {
+        let raw: Result<(Option<u64>, Option<&[u8]>), ProtoError> = match wire {
             0 => Ok((Some(varint(&mut b)?), None)),
             1 => take(&mut b, 8).map(|x| {
                 (
@@ -334,7 +364,7 @@ fn decode_at(mut b: &[u8], msg: &str, depth: usize) -> Result<Value, String> {
                     None,
                 )
             }),
-            w => Err(format!("wire type {w} is not supported")),
+            w => Err(ProtoError::WireType(w)),
         };
         let (num_v, bytes_v) = raw?;
         let Some(f) = fs.iter().find(|f| f.0 == num) else {
@@ -342,7 +372,7 @@ fn decode_at(mut b: &[u8], msg: &str, depth: usize) -> Result<Value, String> {
         };
         let v = match (f.2, num_v, bytes_v) {
             (Str, _, Some(x)) => Value::String(
-                String::from_utf8(x.to_vec()).map_err(|_| format!("{}: not UTF-8", f.1))?,
+                String::from_utf8(x.to_vec()).map_err(|_| field_err(f.1, "not UTF-8"))?,
             ),
             (Bytes, _, Some(x)) => json!(base64::engine::general_purpose::STANDARD.encode(x)),
             (Bool, Some(v), _) => json!(v != 0),
@@ -366,12 +396,12 @@ fn decode_at(mut b: &[u8], msg: &str, depth: usize) -> Result<Value, String> {
                 }
                 continue;
             }
-            _ => return Err(format!("{}: wrong wire type {wire}", f.1)),
+            _ => return Err(field_err(f.1, format!("wrong wire type {wire}"))),
         };
         if f.3 {
             match out.entry(f.1).or_insert_with(|| json!([])) {
                 Value::Array(a) => a.push(v),
-                _ => return Err(format!("{}: repeated field", f.1)),
+                _ => return Err(field_err(f.1, "repeated field")),
             }
         } else {
             out.insert(f.1.to_string(), v);
@@ -381,15 +411,16 @@ fn decode_at(mut b: &[u8], msg: &str, depth: usize) -> Result<Value, String> {
 }
 
 /// A `map<string, string>` entry: key = 1, value = 2.
-fn map_entry(mut b: &[u8]) -> Result<Value, String> {
+fn map_entry(mut b: &[u8]) -> Result<Value, ProtoError> {
     let (mut k, mut v) = (String::new(), String::new());
     while !b.is_empty() {
         let key = varint(&mut b)?;
         if key & 7 != 2 {
-            return Err("map entry: wrong wire type".into());
+            return Err(field_err("map entry", "wrong wire type"));
         }
         let n = varint(&mut b)?;
-        let s = String::from_utf8(take(&mut b, n)?.to_vec()).map_err(|_| "map entry: not UTF-8")?;
+        let s = String::from_utf8(take(&mut b, n)?.to_vec())
+            .map_err(|_| field_err("map entry", "not UTF-8"))?;
         match key >> 3 {
             1 => k = s,
             2 => v = s,
@@ -399,7 +430,7 @@ fn map_entry(mut b: &[u8]) -> Result<Value, String> {
     Ok(json!({"key": k, "value": v}))
 }
 
-fn decode_ts(mut b: &[u8]) -> Result<String, String> {
+fn decode_ts(mut b: &[u8]) -> Result<String, ProtoError> {
     let (mut secs, mut nanos) = (0i64, 0i64);
     while !b.is_empty() {
         let key = varint(&mut b)?;
@@ -415,19 +446,19 @@ fn decode_ts(mut b: &[u8]) -> Result<String, String> {
 }
 
 /// Proto3 JSON as a binary message.
-pub fn encode(v: &Value, msg: &str) -> Result<Vec<u8>, String> {
+pub fn encode(v: &Value, msg: &str) -> Result<Vec<u8>, ProtoError> {
     let mut out = Vec::new();
     encode_into(&mut out, v, msg, 0)?;
     Ok(out)
 }
 
-fn encode_into(out: &mut Vec<u8>, v: &Value, msg: &str, depth: usize) -> Result<(), String> {
+fn encode_into(out: &mut Vec<u8>, v: &Value, msg: &str, depth: usize) -> Result<(), ProtoError> {
     if depth > MAX_DEPTH {
-        return Err("message nested too deeply".into());
+        return Err(ProtoError::Malformed("message nested too deeply"));
     }
-    let fs = fields(msg).ok_or_else(|| format!("unknown message {msg}"))?;
+    let fs = fields(msg).ok_or_else(|| ProtoError::UnknownMessage(msg.to_string()))?;
     let Some(obj) = v.as_object() else {
-        return Err(format!("{msg}: expected an object"));
+        return Err(field_err(msg, "expected an object"));
     };
     for f in fs {
         let Some(x) = obj.get(f.1).filter(|x| !x.is_null()) else {
@@ -435,7 +466,7 @@ fn encode_into(out: &mut Vec<u8>, v: &Value, msg: &str, depth: usize) -> Result<
         };
         let items: Vec<&Value> = match (f.3, x) {
             (true, Value::Array(a)) => a.iter().collect(),
-            (true, _) => return Err(format!("{}: expected a list", f.1)),
+            (true, _) => return Err(field_err(f.1, "expected a list")),
             (false, x) => vec![x],
         };
         for x in items {
@@ -455,20 +486,20 @@ fn len_field(out: &mut Vec<u8>, num: u32, b: &[u8]) {
     out.extend_from_slice(b);
 }
 
-fn int_of(x: &Value, name: &str) -> Result<i64, String> {
+fn int_of(x: &Value, name: &str) -> Result<i64, ProtoError> {
     x.as_i64()
         .or_else(|| x.as_u64().map(|u| u as i64))
         .or_else(|| x.as_str().and_then(|s| s.parse().ok()))
-        .ok_or_else(|| format!("{name}: expected an integer"))
+        .ok_or_else(|| field_err(name, "expected an integer"))
 }
 
-fn field(out: &mut Vec<u8>, f: &F, x: &Value, depth: usize) -> Result<(), String> {
+fn field(out: &mut Vec<u8>, f: &F, x: &Value, depth: usize) -> Result<(), ProtoError> {
     let (num, name, opt) = (f.0, f.1, f.4);
     match f.2 {
         Str => {
             let s = x
                 .as_str()
-                .ok_or_else(|| format!("{name}: expected a string"))?;
+                .ok_or_else(|| field_err(name, "expected a string"))?;
             if opt || !s.is_empty() {
                 len_field(out, num, s.as_bytes());
             }
@@ -476,10 +507,10 @@ fn field(out: &mut Vec<u8>, f: &F, x: &Value, depth: usize) -> Result<(), String
         Bytes => {
             let s = x
                 .as_str()
-                .ok_or_else(|| format!("{name}: expected base64"))?;
+                .ok_or_else(|| field_err(name, "expected base64"))?;
             let b = base64::engine::general_purpose::STANDARD
                 .decode(s)
-                .map_err(|e| format!("{name}: {e}"))?;
+                .map_err(|e| field_err(name, e.to_string()))?;
             if opt || !b.is_empty() {
                 len_field(out, num, &b);
             }
@@ -487,7 +518,7 @@ fn field(out: &mut Vec<u8>, f: &F, x: &Value, depth: usize) -> Result<(), String
         Bool => {
             let b = x
                 .as_bool()
-                .ok_or_else(|| format!("{name}: expected a bool"))?;
+                .ok_or_else(|| field_err(name, "expected a bool"))?;
             if opt || b {
                 key(out, num, 0);
                 put_varint(out, u64::from(b));
@@ -499,7 +530,7 @@ fn field(out: &mut Vec<u8>, f: &F, x: &Value, depth: usize) -> Result<(), String
                     .iter()
                     .find(|(_, n)| *n == s)
                     .map(|(n, _)| *n)
-                    .ok_or_else(|| format!("{name}: unknown value {s:?}"))?,
+                    .ok_or_else(|| field_err(name, format!("unknown value {s:?}")))?,
                 _ => int_of(x, name)?,
             };
             if opt || n != 0 {
@@ -522,8 +553,9 @@ fn field(out: &mut Vec<u8>, f: &F, x: &Value, depth: usize) -> Result<(), String
         Ts => {
             let s = x
                 .as_str()
-                .ok_or_else(|| format!("{name}: expected a time"))?;
-            let ms = parse_rfc3339(s).ok_or_else(|| format!("{name}: {s:?} is not RFC 3339"))?;
+                .ok_or_else(|| field_err(name, "expected a time"))?;
+            let ms = parse_rfc3339(s)
+                .ok_or_else(|| field_err(name, format!("{s:?} is not RFC 3339")))?;
             let mut inner = Vec::new();
             key(&mut inner, 1, 0);
             put_varint(&mut inner, (ms / 1000) as u64);
@@ -536,11 +568,11 @@ fn field(out: &mut Vec<u8>, f: &F, x: &Value, depth: usize) -> Result<(), String
         Map => {
             let o = x
                 .as_object()
-                .ok_or_else(|| format!("{name}: expected an object"))?;
+                .ok_or_else(|| field_err(name, "expected an object"))?;
             for (k, v) in o {
                 let v = v
                     .as_str()
-                    .ok_or_else(|| format!("{name}.{k}: expected a string"))?;
+                    .ok_or_else(|| field_err(format!("{name}.{k}"), "expected a string"))?;
                 let mut e = Vec::new();
                 len_field(&mut e, 1, k.as_bytes());
                 len_field(&mut e, 2, v.as_bytes());
@@ -681,16 +713,16 @@ pub enum Dir {
 }
 
 /// A compressed message, unpacked (at most [`MAX_MESSAGE`](crate::connect::MAX_MESSAGE)).
-fn gunzip_message(payload: &[u8]) -> Result<Vec<u8>, String> {
+fn gunzip_message(payload: &[u8]) -> Result<Vec<u8>, ProtoError> {
     crate::gunzip(payload, crate::connect::MAX_MESSAGE).map_err(|e| match e {
-        crate::GunzipError::TooLarge => "message too large".to_string(),
-        crate::GunzipError::Bad(e) => format!("gzip message: {e}"),
+        crate::GunzipError::TooLarge => ProtoError::TooLarge,
+        crate::GunzipError::Bad(e) => ProtoError::Gzip(e.to_string()),
     })
 }
 
 /// One message frame transcoded; end-of-stream frames (flag 2) are JSON in either codec
 /// and pass as they are. Compressed request frames (flag 1, gzip) are unpacked.
-fn reframe_one(flags: u8, payload: &[u8], msg: &str, dir: Dir) -> Result<Vec<u8>, String> {
+fn reframe_one(flags: u8, payload: &[u8], msg: &str, dir: Dir) -> Result<Vec<u8>, ProtoError> {
     if flags & 2 != 0 {
         return Ok(crate::connect::encode(flags, payload));
     }
@@ -702,12 +734,13 @@ fn reframe_one(flags: u8, payload: &[u8], msg: &str, dir: Dir) -> Result<Vec<u8>
         payload
     };
     if payload.len() > crate::connect::MAX_MESSAGE {
-        return Err("message too large".into());
+        return Err(ProtoError::TooLarge);
     }
     let v = match dir {
         Dir::ToJson => decode(payload, msg)?,
         Dir::ToProto => {
-            let v: Value = serde_json::from_slice(payload).map_err(|e| e.to_string())?;
+            let v: Value =
+                serde_json::from_slice(payload).map_err(|e| ProtoError::Json(e.to_string()))?;
             return Ok(crate::connect::encode(0, &encode(&v, msg)?));
         }
     };
@@ -799,7 +832,7 @@ where
         let unpacked = if gz {
             match gunzip_message(&bytes) {
                 Ok(b) => bytes::Bytes::from(b),
-                Err(e) => return crate::envd::unary_error("invalid_argument", &e),
+                Err(e) => return crate::envd::unary_error("invalid_argument", &e.to_string()),
             }
         } else {
             bytes
@@ -839,9 +872,9 @@ where
     }
     let encoded = match axum::body::to_bytes(rbody, 64 << 20).await {
         Ok(b) => serde_json::from_slice::<Value>(&b)
-            .map_err(|e| e.to_string())
+            .map_err(|e| ProtoError::Json(e.to_string()))
             .and_then(|v| encode(&v, resp_t)),
-        Err(e) => Err(e.to_string()),
+        Err(e) => Err(ProtoError::Json(e.to_string())),
     };
     match encoded {
         Ok(b) => (

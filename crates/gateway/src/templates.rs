@@ -35,7 +35,7 @@ pub trait Builder: Send + Sync {
         spec: &BuildSpec,
         project: &str,
         progress: &mut dyn FnMut(&str),
-    ) -> Result<String, String>;
+    ) -> Result<String, dsec_common::ApiError>;
     /// A directory on the same machine for uploaded files (`COPY`) while they wait for
     /// their build.
     fn scratch(&self) -> std::path::PathBuf;
@@ -418,10 +418,25 @@ fn inside(p: &str) -> Option<std::path::PathBuf> {
     Some(path.to_path_buf())
 }
 
+/// Why a template build failed.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error("unpacking the upload: {0}")]
+    Upload(#[from] crate::untar::UntarError),
+    /// A `COPY` step names something the upload cannot give: why.
+    #[error("{0}")]
+    Copy(String),
+    #[error("{}", .0.message)]
+    Build(dsec_common::ApiError),
+    #[error(transparent)]
+    Io(#[from] dsec_common::IoFailure),
+}
+
 /// Unpacks an upload (tar, gzip'd or not) into `dir` and nowhere else ([`crate::untar`]).
-fn unpack(archive: &std::path::Path, dir: &std::path::Path) -> Result<(), String> {
+fn unpack(archive: &std::path::Path, dir: &std::path::Path) -> Result<(), BuildError> {
+    use dsec_common::IoContext;
     use std::io::Read;
-    let open = || std::fs::File::open(archive).map_err(|e| format!("opening the upload: {e}"));
+    let open = || std::fs::File::open(archive).ctx(|| "opening the upload".into());
     let mut magic = [0u8; 2];
     let gz = open()?.read_exact(&mut magic).is_ok() && magic == [0x1f, 0x8b];
     let reader: Box<dyn Read> = if gz {
@@ -429,7 +444,7 @@ fn unpack(archive: &std::path::Path, dir: &std::path::Path) -> Result<(), String
     } else {
         Box::new(open()?)
     };
-    crate::untar::unpack(reader, dir).map_err(|e| format!("unpacking the upload: {e}"))
+    Ok(crate::untar::unpack(reader, dir)?)
 }
 
 /// Gives each `COPY` its files: unpacks the uploads under `staging` and points the steps
@@ -439,8 +454,9 @@ fn stage_copies(
     staging: &std::path::Path,
     steps: &mut [Step],
     copies: &[Copy],
-) -> Result<(), String> {
-    let io = |e: std::io::Error| e.to_string();
+) -> Result<(), BuildError> {
+    let io =
+        |e: std::io::Error| BuildError::from(dsec_common::IoFailure::new("staging the upload", e));
     for (k, c) in copies.iter().enumerate() {
         let dir = staging.join(k.to_string());
         unpack(&scratch.join(format!("{}.tar", c.hash)), &dir.join("ctx"))?;
@@ -460,25 +476,27 @@ fn stage_copies(
             }
             flat
         } else {
-            let rel = inside(&c.src)
-                .ok_or_else(|| format!("COPY source {:?} leaves the context", c.src))?;
+            let rel = inside(&c.src).ok_or_else(|| {
+                BuildError::Copy(format!("COPY source {:?} leaves the context", c.src))
+            })?;
             // The path as the copy will resolve it (every link but the last followed)
             // must stay in the context.
             if let Err(e) = dsec_common::beneath::open_beneath(&dir.join("ctx"), &rel, false)
                 && e.raw_os_error() != Some(libc::ENOENT)
             {
-                return Err(format!(
+                return Err(BuildError::Copy(format!(
                     "COPY source {:?} leads outside the context ({e})",
                     c.src
-                ));
+                )));
             }
             dir.join("ctx").join(rel)
         };
-        let meta = std::fs::symlink_metadata(&from)
-            .map_err(|_| format!("COPY source {:?} is not in the upload", c.src))?;
+        let meta = std::fs::symlink_metadata(&from).map_err(|_| {
+            BuildError::Copy(format!("COPY source {:?} is not in the upload", c.src))
+        })?;
         let step = steps
             .get_mut(c.index)
-            .ok_or_else(|| "COPY step out of range".to_string())?;
+            .ok_or_else(|| BuildError::Copy("COPY step out of range".into()))?;
         if !meta.is_dir() && c.into_dir {
             let name = from
                 .file_name()
@@ -550,8 +568,11 @@ async fn start_build(
         log(&b2, &format!("building {}", spec.name));
         let scratch = builder.scratch().join(uploads_of(&project));
         let staging = builder.scratch().join(format!("build-{bid}"));
-        let r = stage_copies(&scratch, &staging, &mut spec.steps, &copies)
-            .and_then(|()| builder.build(&spec, &project, &mut |line| log(&b2, line)));
+        let r = stage_copies(&scratch, &staging, &mut spec.steps, &copies).and_then(|()| {
+            builder
+                .build(&spec, &project, &mut |line| log(&b2, line))
+                .map_err(BuildError::Build)
+        });
         let _ = std::fs::remove_dir_all(&staging);
         for c in &copies {
             let _ = std::fs::remove_file(scratch.join(format!("{}.tar", c.hash)));
@@ -565,7 +586,7 @@ async fn start_build(
             }
             Err(e) => {
                 bl.logs.push((now_ms(), format!("build failed: {e}")));
-                bl.reason = Some(e);
+                bl.reason = Some(e.to_string());
                 bl.state = State_::Error;
             }
         }
@@ -798,7 +819,11 @@ mod tests {
         .unwrap();
         let (mut s1, _, c1) = spec_steps(&req).unwrap();
         let e = stage_copies(&scratch, &d.path().join("s1"), &mut s1, &c1).unwrap_err();
-        assert!(e.contains("leaves the archive"), "{e}");
+        assert!(
+            matches!(e, BuildError::Upload(crate::untar::UntarError::Refused(_))),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("leaves the archive"), "{e}");
         for p in [
             d.path().join("evil"),
             d.path().join("s1/evil"),
@@ -812,7 +837,8 @@ mod tests {
         .unwrap();
         let (mut s2, _, c2) = spec_steps(&bad).unwrap();
         let e = stage_copies(&scratch, &d.path().join("s2"), &mut s2, &c2).unwrap_err();
-        assert!(e.contains("leaves the context"), "{e}");
+        assert!(matches!(e, BuildError::Copy(_)), "{e:?}");
+        assert!(e.to_string().contains("leaves the context"), "{e}");
         assert!(inside("/etc").is_none() && inside("a/../../b").is_none());
         assert_eq!(inside("./a/b").unwrap(), std::path::PathBuf::from("a/b"));
     }

@@ -19,6 +19,8 @@ use std::io::Read;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Component, Path, PathBuf};
 
+use dsec_common::{IoContext, IoFailure};
+
 /// Most entries and bytes one archive may unpack to.
 pub const MAX_ENTRIES: usize = 200_000;
 pub const MAX_BYTES: u64 = 4 << 30;
@@ -58,57 +60,62 @@ fn link_stays_inside(parent: &Path, target: &Path) -> bool {
     true
 }
 
+/// Why an archive was not unpacked.
+#[derive(Debug, thiserror::Error)]
+pub enum UntarError {
+    /// The archive breaks a rule of the module (an entry leaving the directory, too
+    /// many entries or bytes, a kind of entry not taken): which.
+    #[error("{0}")]
+    Refused(String),
+    #[error(transparent)]
+    Io(#[from] IoFailure),
+}
+
 /// Makes the directories of `rel` under `root`, refusing to pass through a symlink or a
 /// non-directory.
-fn real_dirs(root: &Path, rel: &Path) -> Result<(), String> {
+fn real_dirs(root: &Path, rel: &Path) -> Result<(), UntarError> {
     let mut p = root.to_path_buf();
     for c in rel.components() {
         p.push(c);
         match std::fs::symlink_metadata(&p) {
             Ok(m) if m.file_type().is_dir() => {}
             Ok(_) => {
-                return Err(format!(
+                return Err(UntarError::Refused(format!(
                     "{} goes through {}, which is not a directory (a symlink?)",
                     rel.display(),
                     p.strip_prefix(root).unwrap_or(&p).display()
-                ));
+                )));
             }
-            Err(_) => {
-                std::fs::create_dir(&p).map_err(|e| format!("creating {}: {e}", p.display()))?
-            }
+            Err(_) => std::fs::create_dir(&p).ctx(|| format!("creating {}", p.display()))?,
         }
     }
     Ok(())
 }
 
 /// Unpacks the tar stream `r` into `dir` (made if missing), as the module says.
-pub fn unpack(r: impl Read, dir: &Path) -> Result<(), String> {
-    std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+pub fn unpack(r: impl Read, dir: &Path) -> Result<(), UntarError> {
+    std::fs::create_dir_all(dir).ctx(|| format!("creating {}", dir.display()))?;
     let mut a = tar::Archive::new(r);
     let mut links: Vec<PathBuf> = Vec::new();
     let mut entries = 0usize;
     let mut bytes = 0u64;
-    for e in a
-        .entries()
-        .map_err(|e| format!("reading the archive: {e}"))?
-    {
-        let mut e = e.map_err(|e| format!("reading the archive: {e}"))?;
+    for e in a.entries().ctx(|| "reading the archive".into())? {
+        let mut e = e.ctx(|| "reading the archive".into())?;
         entries += 1;
         if entries > MAX_ENTRIES {
-            return Err(format!("the archive has more than {MAX_ENTRIES} entries"));
+            return Err(UntarError::Refused(format!(
+                "the archive has more than {MAX_ENTRIES} entries"
+            )));
         }
-        let raw = e
-            .path()
-            .map_err(|e| format!("an entry's path: {e}"))?
-            .into_owned();
+        let raw = e.path().ctx(|| "an entry's path".into())?.into_owned();
         let Some(rel) = plain(&raw) else {
             if raw.components().all(|c| matches!(c, Component::CurDir)) {
                 continue; // "./" itself
             }
-            return Err(format!(
+            return Err(UntarError::Refused(format!(
                 "entry {} leaves the archive's directory (absolute or '..')",
                 raw.display()
-            ));
+            )));
         };
         let parent = rel.parent().unwrap_or(Path::new(""));
         real_dirs(dir, parent)?;
@@ -124,73 +131,78 @@ pub fn unpack(r: impl Read, dir: &Path) -> Result<(), String> {
             } else {
                 std::fs::remove_file(&dest)
             }
-            .map_err(|err| format!("replacing {}: {err}", rel.display()))?;
+            .ctx(|| format!("replacing {}", rel.display()))?;
         }
         if kind.is_dir() {
             real_dirs(dir, &rel)?;
             std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(mode | 0o700))
-                .map_err(|err| format!("chmod {}: {err}", rel.display()))?;
+                .ctx(|| format!("chmod {}", rel.display()))?;
         } else if kind.is_file() {
             bytes += e.size();
             if bytes > MAX_BYTES {
-                return Err(format!(
+                return Err(UntarError::Refused(format!(
                     "the archive unpacks to more than {MAX_BYTES} bytes"
-                ));
+                )));
             }
             let mut f = std::fs::OpenOptions::new()
                 .write(true)
                 .create_new(true)
                 .open(&dest)
-                .map_err(|err| format!("writing {}: {err}", rel.display()))?;
+                .ctx(|| format!("writing {}", rel.display()))?;
             std::io::copy(&mut (&mut e).take(MAX_BYTES), &mut f)
-                .map_err(|err| format!("writing {}: {err}", rel.display()))?;
+                .ctx(|| format!("writing {}", rel.display()))?;
             f.set_permissions(std::fs::Permissions::from_mode(mode))
-                .map_err(|err| format!("chmod {}: {err}", rel.display()))?;
+                .ctx(|| format!("chmod {}", rel.display()))?;
         } else if kind.is_symlink() {
             let target = e
                 .link_name()
-                .map_err(|err| format!("{}: {err}", rel.display()))?
-                .ok_or_else(|| format!("symlink {} has no target", rel.display()))?
+                .ctx(|| format!("{}", rel.display()))?
+                .ok_or_else(|| {
+                    UntarError::Refused(format!("symlink {} has no target", rel.display()))
+                })?
                 .into_owned();
             if !link_stays_inside(parent, &target) {
-                return Err(format!(
+                return Err(UntarError::Refused(format!(
                     "symlink {} -> {} points outside the archive's directory",
                     rel.display(),
                     target.display()
-                ));
+                )));
             }
             std::os::unix::fs::symlink(&target, &dest)
-                .map_err(|err| format!("linking {}: {err}", rel.display()))?;
+                .ctx(|| format!("linking {}", rel.display()))?;
             links.push(rel.clone());
         } else if kind.is_hard_link() {
             let target = e
                 .link_name()
-                .map_err(|err| format!("{}: {err}", rel.display()))?
+                .ctx(|| format!("{}", rel.display()))?
                 .and_then(|t| plain(&t))
                 .ok_or_else(|| {
-                    format!("hard link {} leaves the archive's directory", rel.display())
+                    UntarError::Refused(format!(
+                        "hard link {} leaves the archive's directory",
+                        rel.display()
+                    ))
                 })?;
             let t = dir.join(&target);
             let ok = target.parent().is_none_or(|p| real_dirs(dir, p).is_ok())
                 && std::fs::symlink_metadata(&t).is_ok_and(|m| m.file_type().is_file());
             if !ok {
-                return Err(format!(
+                return Err(UntarError::Refused(format!(
                     "hard link {} -> {} names no file unpacked before it",
                     rel.display(),
                     target.display()
-                ));
+                )));
             }
-            std::fs::copy(&t, &dest).map_err(|err| format!("copying {}: {err}", rel.display()))?;
+            std::fs::copy(&t, &dest).ctx(|| format!("copying {}", rel.display()))?;
         } else if matches!(
             kind,
             tar::EntryType::XGlobalHeader | tar::EntryType::XHeader | tar::EntryType::GNULongName
         ) {
             continue;
         } else {
-            return Err(format!(
+            return Err(UntarError::Refused(format!(
                 "entry {} is a {kind:?}; an archive holds files, directories and links only",
                 rel.display()
-            ));
+            )));
         }
     }
     // Every link now resolves against everything unpacked: none may lead out.
@@ -198,12 +210,14 @@ pub fn unpack(r: impl Read, dir: &Path) -> Result<(), String> {
         match dsec_common::beneath::stays_beneath(dir, l) {
             Ok(true) => {}
             Ok(false) => {
-                return Err(format!(
+                return Err(UntarError::Refused(format!(
                     "symlink {} leads outside the archive's directory (through other links)",
                     l.display()
-                ));
+                )));
             }
-            Err(e) => return Err(format!("checking symlink {}: {e}", l.display())),
+            Err(e) => {
+                return Err(IoFailure::new(format!("checking symlink {}", l.display()), e).into());
+            }
         }
     }
     Ok(())
@@ -311,7 +325,7 @@ mod tests {
         b.into_inner().unwrap()
     }
 
-    fn try_unpack(entries: &[E]) -> (tempfile::TempDir, Result<(), String>) {
+    fn try_unpack(entries: &[E]) -> (tempfile::TempDir, Result<(), UntarError>) {
         let t = tempfile::tempdir().unwrap();
         std::fs::create_dir(t.path().join("outside")).unwrap();
         let r = unpack(&archive(entries)[..], &t.path().join("ctx"));
@@ -387,7 +401,7 @@ mod tests {
         ] {
             let (t, r) = try_unpack(&entries);
             let e = r.expect_err(what);
-            assert!(!e.is_empty(), "{what}");
+            assert!(!e.to_string().is_empty(), "{what}");
             assert!(
                 std::fs::read_dir(t.path().join("outside"))
                     .unwrap()

@@ -230,7 +230,7 @@ fn node_of(p: &Path, m: &std::fs::Metadata, parent: usize) -> Result<Node, Image
     } else {
         (Kind::Special(encode_dev(m.rdev())), 0)
     };
-    let map = dsec_common::tree::read_xattrs(p).map_err(bad)?;
+    let map = dsec_common::tree::read_xattrs(p).map_err(|e| bad(e.to_string()))?;
     Ok(Node {
         mode: m.mode(),
         uid: m.uid(),

@@ -738,36 +738,11 @@ exec switch_root /newroot "$init" "$@"
     )
 }
 
-/// Offset of PT_INTERP in a 64-bit little-endian ELF file, i.e. whether it needs a dynamic
-/// loader. `Err` when it is not such a file.
-fn elf_has_interpreter(bytes: &[u8]) -> Result<bool, String> {
-    if bytes.len() < 64 || &bytes[..4] != b"\x7fELF" {
-        return Err("not an ELF executable".into());
-    }
-    if bytes[4] != 2 || bytes[5] != 1 {
-        return Err("not a 64-bit little-endian ELF executable".into());
-    }
-    let u16_at = |o: usize| u16::from_le_bytes([bytes[o], bytes[o + 1]]) as usize;
-    let phoff = u64::from_le_bytes(bytes[0x20..0x28].try_into().expect("8 bytes")) as usize;
-    let (phentsize, phnum) = (u16_at(0x36), u16_at(0x38));
-    for i in 0..phnum {
-        let o = phoff + i * phentsize;
-        if o + 4 > bytes.len() {
-            return Err("truncated ELF program headers".into());
-        }
-        let p_type = u32::from_le_bytes(bytes[o..o + 4].try_into().expect("4 bytes"));
-        if p_type == 3 {
-            return Ok(true);
-        }
-    }
-    Ok(false)
-}
-
 fn read_static_busybox() -> Result<Vec<u8>, ImageError> {
     let fix = "install Debian's busybox-static package (`apt-get install busybox-static`), which provides a statically linked /bin/busybox";
     let bytes = std::fs::read(HOST_BUSYBOX)
         .map_err(|e| build_err(format!("cannot read {HOST_BUSYBOX} ({e}); {fix}")))?;
-    match elf_has_interpreter(&bytes) {
+    match dsec_common::elf::has_interpreter(&bytes) {
         Ok(false) => Ok(bytes),
         Ok(true) => Err(build_err(format!(
             "{HOST_BUSYBOX} is dynamically linked and cannot run in the guest's initramfs; {fix}"
@@ -1423,7 +1398,11 @@ mod tests {
     #[test]
     fn elf_check_tells_static_from_dynamic() {
         let sh = std::fs::read("/bin/sh").unwrap();
-        assert_eq!(elf_has_interpreter(&sh), Ok(true), "/bin/sh is dynamic");
+        assert_eq!(
+            dsec_common::elf::has_interpreter(&sh),
+            Ok(true),
+            "/bin/sh is dynamic"
+        );
         if let Ok(bb) = std::fs::read(HOST_BUSYBOX) {
             // Debian's busybox-static; the dynamic `busybox` package also installs here.
             let dynamic = Command::new("file")
@@ -1432,9 +1411,9 @@ mod tests {
                 .output()
                 .map(|o| String::from_utf8_lossy(&o.stdout).contains("dynamically"))
                 .unwrap_or(false);
-            assert_eq!(elf_has_interpreter(&bb), Ok(dynamic));
+            assert_eq!(dsec_common::elf::has_interpreter(&bb), Ok(dynamic));
         }
-        assert!(elf_has_interpreter(b"#!/bin/sh\n").is_err());
+        assert!(dsec_common::elf::has_interpreter(b"#!/bin/sh\n").is_err());
     }
 
     #[test]

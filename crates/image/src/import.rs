@@ -209,7 +209,7 @@ impl TreeImport {
                 self.limits.max_entries
             )));
         }
-        let rel = checked_path(&e.path).map_err(bad)?;
+        let rel = checked_path(&e.path).map_err(|m| bad(m.to_string()))?;
         let parent = rel.parent().unwrap_or(Path::new("")).to_path_buf();
         if !self.dirs.contains(&parent) {
             return Err(bad(format!(

@@ -37,13 +37,13 @@ pub const MAX_BLOB: u64 = 1 << 40;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LazyError {
-    #[error("fetching bytes {start}-{end} of {digest} from {registry}: {message}")]
+    #[error("fetching bytes {start}-{end} of {digest} from {registry}: {source}")]
     Fetch {
         registry: String,
         digest: String,
         start: u64,
         end: u64,
-        message: String,
+        source: FetchError,
     },
     #[error("chunk {index} of {digest} does not match its digest (the registry sent other bytes)")]
     Mismatch { digest: String, index: u64 },
@@ -56,6 +56,34 @@ pub enum LazyError {
     },
     #[error("{0}")]
     Image(#[from] ImageError),
+}
+
+/// What is wrong with a chunk table (one from a registry is untrusted).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TableError {
+    #[error("chunk size {0} is not a power of two from 4 KiB to 64 MiB")]
+    ChunkSize(u64),
+    #[error("blob size {0} is over {MAX_BLOB}")]
+    TooLarge(u64),
+    #[error("{digests} chunk digests for {size} bytes in chunks of {chunk_size}")]
+    Count {
+        digests: usize,
+        size: u64,
+        chunk_size: u64,
+    },
+    #[error("chunk digest {0:?} is not SHA-256 hex")]
+    Digest(String),
+}
+
+/// Why a range of a blob did not come.
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    #[error(transparent)]
+    Registry(#[from] oci_client::errors::OciDistributionError),
+    #[error("the registry sent {got} of {want} bytes")]
+    Short { got: u64, want: u64 },
+    #[error("bytes {start}-{end} are past the blob's end")]
+    OutOfRange { start: u64, end: u64 },
 }
 
 /// The SHA-256 of every `chunk_size` bytes of a blob (the last chunk may be short).
@@ -106,23 +134,19 @@ impl ChunkTable {
 
     /// Whether the table is one a node may act on: sizes in bounds, one well-formed
     /// digest per chunk.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), TableError> {
         if !(4096..=64 << 20).contains(&self.chunk_size) || !self.chunk_size.is_power_of_two() {
-            return Err(format!(
-                "chunk size {} is not a power of two from 4 KiB to 64 MiB",
-                self.chunk_size
-            ));
+            return Err(TableError::ChunkSize(self.chunk_size));
         }
         if self.size > MAX_BLOB {
-            return Err(format!("blob size {} is over {MAX_BLOB}", self.size));
+            return Err(TableError::TooLarge(self.size));
         }
         if self.chunks.len() as u64 != self.size.div_ceil(self.chunk_size) {
-            return Err(format!(
-                "{} chunk digests for {} bytes in chunks of {}",
-                self.chunks.len(),
-                self.size,
-                self.chunk_size
-            ));
+            return Err(TableError::Count {
+                digests: self.chunks.len(),
+                size: self.size,
+                chunk_size: self.chunk_size,
+            });
         }
         if let Some(c) = self.chunks.iter().find(|c| {
             c.len() != 64
@@ -130,7 +154,7 @@ impl ChunkTable {
                     .bytes()
                     .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
         }) {
-            return Err(format!("chunk digest {c:?} is not SHA-256 hex"));
+            return Err(TableError::Digest(c.clone()));
         }
         Ok(())
     }
@@ -162,7 +186,8 @@ impl LazySource {
     }
 }
 
-type Fetched = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<u8>, String>> + Send>>;
+type Fetched =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<u8>, FetchError>> + Send>>;
 
 /// Fetches a byte range of a blob.
 pub trait Fetch: Send + Sync {
@@ -215,8 +240,7 @@ impl Fetch for RegistryFetch {
             };
             let resp = client
                 .pull_blob_stream_partial(&reference, &desc, start, Some(len))
-                .await
-                .map_err(|e| e.to_string())?;
+                .await?;
             // A registry that ignores Range sends the whole blob: skip to the range.
             let (mut stream, mut skip) = match resp {
                 BlobResponse::Partial(s) => (s.stream, 0u64),
@@ -224,7 +248,9 @@ impl Fetch for RegistryFetch {
             };
             let mut out = Vec::with_capacity(len as usize);
             while let Some(piece) = stream.next().await {
-                let piece = piece.map_err(|e| e.to_string())?;
+                let piece = piece.map_err(|e| {
+                    FetchError::Registry(oci_client::errors::OciDistributionError::IoError(e))
+                })?;
                 let mut b = &piece[..];
                 if skip > 0 {
                     let n = skip.min(b.len() as u64) as usize;
@@ -238,7 +264,10 @@ impl Fetch for RegistryFetch {
                 }
             }
             if out.len() as u64 != len {
-                return Err(format!("the registry sent {} of {len} bytes", out.len()));
+                return Err(FetchError::Short {
+                    got: out.len() as u64,
+                    want: len,
+                });
             }
             Ok(out)
         })
@@ -396,7 +425,9 @@ pub fn blob_dir(store: &Path, hex: &str) -> PathBuf {
 /// Records a lazy blob in the store (its source and empty cache files); a blob already
 /// there is left as it is.
 pub fn register(store: &Path, src: &LazySource) -> Result<PathBuf, ImageError> {
-    src.table.check().map_err(ImageError::Corrupt)?;
+    src.table
+        .check()
+        .map_err(|e| ImageError::Corrupt(e.to_string()))?;
     if !crate::digest::valid_digest(src.hex()) {
         return Err(ImageError::Corrupt(format!(
             "{} is not a digest",
@@ -454,7 +485,9 @@ pub fn source(store: &Path, hex: &str) -> Result<LazySource, ImageError> {
     let bytes = std::fs::read(&p).ctx(|| format!("reading {}", p.display()))?;
     let src: LazySource = serde_json::from_slice(&bytes)
         .map_err(|e| ImageError::Corrupt(format!("{}: {e}", p.display())))?;
-    src.table.check().map_err(ImageError::Corrupt)?;
+    src.table
+        .check()
+        .map_err(|e| ImageError::Corrupt(e.to_string()))?;
     Ok(src)
 }
 
@@ -568,12 +601,12 @@ impl LazyBlob {
                 .fetch
                 .fetch(start, len)
                 .await
-                .map_err(|message| LazyError::Fetch {
+                .map_err(|source| LazyError::Fetch {
                     registry: self.src.registry.clone(),
                     digest: self.src.digest.clone(),
                     start,
                     end: start + len - 1,
-                    message,
+                    source,
                 })?;
             self.fetches.fetch_add(1, Ordering::Relaxed);
             self.fetched_bytes
@@ -1437,7 +1470,12 @@ mod tests {
                 .0
                 .get(start as usize..(start + len) as usize)
                 .map(<[u8]>::to_vec);
-            Box::pin(async move { b.ok_or_else(|| "out of range".to_string()) })
+            Box::pin(async move {
+                b.ok_or(FetchError::OutOfRange {
+                    start,
+                    end: start + len,
+                })
+            })
         }
     }
 
@@ -1470,13 +1508,13 @@ mod tests {
         assert!(good.check().is_ok());
         let mut t = good.clone();
         t.chunk_size = 5000;
-        assert!(t.check().unwrap_err().contains("power of two"));
+        assert!(t.check().unwrap_err().to_string().contains("power of two"));
         let mut t = good.clone();
         t.chunks.pop();
-        assert!(t.check().unwrap_err().contains("chunk digests"));
+        assert!(t.check().unwrap_err().to_string().contains("chunk digests"));
         let mut t = good.clone();
         t.chunks[1] = "Z".repeat(64);
-        assert!(t.check().unwrap_err().contains("SHA-256"));
+        assert!(t.check().unwrap_err().to_string().contains("SHA-256"));
         let mut t = good.clone();
         t.size = MAX_BLOB + 1;
         assert!(t.check().is_err());

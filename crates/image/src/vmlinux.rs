@@ -17,17 +17,42 @@ const LZ4_LEGACY_MAGIC: [u8; 4] = [0x02, 0x21, 0x4c, 0x18];
 /// Largest uncompressed block of a legacy frame.
 const LZ4_LEGACY_BLOCK: usize = 8 << 20;
 
-fn u32_at(b: &[u8], o: usize) -> Result<u32, String> {
+/// Why a vmlinux could not be taken out of a bzImage.
+#[derive(Debug, thiserror::Error)]
+pub enum VmlinuxError {
+    /// The image is not what its headers say: how.
+    #[error("{0}")]
+    Malformed(&'static str),
+    #[error("the bzImage payload has an unknown compression (starts {0:02x?})")]
+    UnknownCompression(Vec<u8>),
+    #[error("running {tool} ({source}); install it with `apt-get install {package}`")]
+    NoTool {
+        tool: &'static str,
+        package: &'static str,
+        source: std::io::Error,
+    },
+    #[error("waiting for {tool}: {source}")]
+    Wait {
+        tool: &'static str,
+        source: std::io::Error,
+    },
+    #[error("{tool} could not decompress the kernel: {said}")]
+    Decompress { tool: &'static str, said: String },
+}
+
+fn u32_at(b: &[u8], o: usize) -> Result<u32, VmlinuxError> {
     b.get(o..o + 4)
         .map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
-        .ok_or_else(|| "the bzImage is truncated".to_string())
+        .ok_or(VmlinuxError::Malformed("the bzImage is truncated"))
 }
 
 /// The compressed payload of a bzImage (the kernel build appends the uncompressed size
 /// as 4 bytes; they are left off).
-pub fn payload(bz: &[u8]) -> Result<&[u8], String> {
+pub fn payload(bz: &[u8]) -> Result<&[u8], VmlinuxError> {
     if bz.get(HEADER_MAGIC..HEADER_MAGIC + 4) != Some(b"HdrS") {
-        return Err("not an x86 bzImage (no HdrS setup header)".into());
+        return Err(VmlinuxError::Malformed(
+            "not an x86 bzImage (no HdrS setup header)",
+        ));
     }
     let sects = match bz[SETUP_SECTS] {
         0 => 4,
@@ -37,18 +62,20 @@ pub fn payload(bz: &[u8]) -> Result<&[u8], String> {
     let len = u32_at(bz, PAYLOAD_LENGTH)? as usize;
     let p = bz
         .get(start..start.saturating_add(len))
-        .ok_or("the bzImage payload lies outside the file (truncated?)")?;
+        .ok_or(VmlinuxError::Malformed(
+            "the bzImage payload lies outside the file (truncated?)",
+        ))?;
     if p.len() < 8 {
-        return Err("the bzImage payload is empty".into());
+        return Err(VmlinuxError::Malformed("the bzImage payload is empty"));
     }
     Ok(&p[..p.len() - 4])
 }
 
 /// Decodes one LZ4 block into `out`.
-fn lz4_block(mut src: &[u8], out: &mut Vec<u8>, limit: usize) -> Result<(), String> {
-    let bad = || "corrupt LZ4 block".to_string();
+fn lz4_block(mut src: &[u8], out: &mut Vec<u8>, limit: usize) -> Result<(), VmlinuxError> {
+    let bad = || VmlinuxError::Malformed("corrupt LZ4 block");
     let start = out.len();
-    let read_len = |src: &mut &[u8], mut n: usize| -> Result<usize, String> {
+    let read_len = |src: &mut &[u8], mut n: usize| -> Result<usize, VmlinuxError> {
         if n == 15 {
             loop {
                 let (&b, rest) = src.split_first().ok_or_else(bad)?;
@@ -90,10 +117,10 @@ fn lz4_block(mut src: &[u8], out: &mut Vec<u8>, limit: usize) -> Result<(), Stri
 }
 
 /// Decodes an LZ4 legacy frame: the magic, then blocks of `[compressed len u32 LE][data]`.
-pub fn lz4_legacy(src: &[u8]) -> Result<Vec<u8>, String> {
+pub fn lz4_legacy(src: &[u8]) -> Result<Vec<u8>, VmlinuxError> {
     let mut rest = src
         .strip_prefix(&LZ4_LEGACY_MAGIC[..])
-        .ok_or("not an LZ4 legacy frame")?;
+        .ok_or(VmlinuxError::Malformed("not an LZ4 legacy frame"))?;
     let mut out = Vec::with_capacity(src.len() * 3);
     while rest.len() >= 4 {
         let n = u32_at(rest, 0)? as usize;
@@ -101,9 +128,9 @@ pub fn lz4_legacy(src: &[u8]) -> Result<Vec<u8>, String> {
         if n == u32::from_le_bytes(LZ4_LEGACY_MAGIC) as usize {
             break;
         }
-        let block = rest
-            .get(4..4 + n)
-            .ok_or("truncated LZ4 block in the kernel payload")?;
+        let block = rest.get(4..4 + n).ok_or(VmlinuxError::Malformed(
+            "truncated LZ4 block in the kernel payload",
+        ))?;
         lz4_block(block, &mut out, LZ4_LEGACY_BLOCK)?;
         rest = &rest[4 + n..];
     }
@@ -111,36 +138,45 @@ pub fn lz4_legacy(src: &[u8]) -> Result<Vec<u8>, String> {
 }
 
 /// Runs `tool -dc` over `data`; what it writes is the result.
-fn through(tool: &str, package: &str, data: &[u8]) -> Result<Vec<u8>, String> {
+fn through(
+    tool: &'static str,
+    package: &'static str,
+    data: &[u8],
+) -> Result<Vec<u8>, VmlinuxError> {
     let mut child = Command::new(tool)
         .arg("-dc")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| {
-            format!("running {tool} ({e}); install it with `apt-get install {package}`")
+        .map_err(|source| VmlinuxError::NoTool {
+            tool,
+            package,
+            source,
         })?;
-    let mut stdin = child.stdin.take().ok_or("no stdin for the decompressor")?;
+    let mut stdin = child
+        .stdin
+        .take()
+        .ok_or(VmlinuxError::Malformed("no stdin for the decompressor"))?;
     let data = data.to_vec();
     let feeder = std::thread::spawn(move || stdin.write_all(&data));
     let out = child
         .wait_with_output()
-        .map_err(|e| format!("waiting for {tool}: {e}"))?;
+        .map_err(|source| VmlinuxError::Wait { tool, source })?;
     let _ = feeder.join();
     // Trailing bytes after the stream make some tools exit non-zero with the data intact;
     // the ELF check below is what decides.
     if out.stdout.is_empty() {
-        return Err(format!(
-            "{tool} could not decompress the kernel: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
+        return Err(VmlinuxError::Decompress {
+            tool,
+            said: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
     }
     Ok(out.stdout)
 }
 
 /// The ELF vmlinux of a bzImage.
-pub fn extract(bz: &[u8]) -> Result<Vec<u8>, String> {
+pub fn extract(bz: &[u8]) -> Result<Vec<u8>, VmlinuxError> {
     let p = payload(bz)?;
     let elf = if p.starts_with(&LZ4_LEGACY_MAGIC) {
         lz4_legacy(p)?
@@ -155,13 +191,12 @@ pub fn extract(bz: &[u8]) -> Result<Vec<u8>, String> {
     } else if p.starts_with(&[0x5d, 0, 0]) {
         through("lzma", "xz-utils", p)?
     } else {
-        return Err(format!(
-            "the bzImage payload has an unknown compression (starts {:02x?})",
-            &p[..4]
-        ));
+        return Err(VmlinuxError::UnknownCompression(p[..4].to_vec()));
     };
     if !elf.starts_with(b"\x7fELF") {
-        return Err("the decompressed kernel is not an ELF file".into());
+        return Err(VmlinuxError::Malformed(
+            "the decompressed kernel is not an ELF file",
+        ));
     }
     Ok(elf)
 }

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use dsec_common::api::{ClusterStatus, NodeStatus};
 
 pub use placement::{Demand, PlacementError, Placer};
-pub use poll::{EdgeEndpoint, Poller, SharedView};
+pub use poll::{CallError, EdgeEndpoint, Poller, SharedView};
 
 /// Where the watcher serves its view (a [`ClusterStatus`]) to apiservers.
 pub const PATH_VIEW: &str = "/watcher/view";

@@ -12,6 +12,37 @@ use http_body_util::BodyExt;
 
 use crate::ClusterView;
 
+/// Why a call to another component got no usable answer.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    /// The connection failed: the client's error and its cause.
+    #[error("{}", chain(.0.as_ref()))]
+    Transport(Box<dyn std::error::Error + Send + Sync>),
+    #[error("reading the answer: {}", chain(.0.as_ref()))]
+    Body(Box<dyn std::error::Error + Send + Sync>),
+    #[error("HTTP {0}")]
+    Status(u16),
+    #[error("a malformed answer: {0}")]
+    Malformed(#[from] serde_json::Error),
+    #[error("the edge at {url} is not named {name}")]
+    Misnamed { url: String, name: String },
+    #[error("the request: {0}")]
+    Request(#[from] hyper::http::Error),
+    /// The component is not one this caller knows.
+    #[error("{0}")]
+    Unknown(String),
+}
+
+/// An error and the first cause under it, as one line.
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    match e.source() {
+        Some(s) => format!("{e}: {s}"),
+        None => e.to_string(),
+    }
+}
+
 /// One edge to poll.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EdgeEndpoint {
@@ -48,31 +79,32 @@ impl Poller {
         self.view.clone()
     }
 
-    async fn fetch(&self, e: &EdgeEndpoint) -> Result<NodeStatus, String> {
+    async fn fetch(&self, e: &EdgeEndpoint) -> Result<NodeStatus, CallError> {
         let mut req = hyper::Request::get(format!("{}/v1/status", e.url.trim_end_matches('/')));
         if let Some((k, v)) = &e.auth {
             req = req.header(k.as_str(), v.as_str());
         }
-        let req = req
-            .body(dsec_mtls::client::Body::empty())
-            .map_err(|err| err.to_string())?;
+        let req = req.body(dsec_mtls::client::Body::empty())?;
         let resp = tokio::time::timeout(self.timeout, self.http.request(req))
             .await
-            .map_err(|_| "timed out".to_string())?
-            .map_err(|err| err.to_string())?;
+            .map_err(|_| CallError::Timeout(self.timeout))?
+            .map_err(|err| CallError::Transport(err.into()))?;
         if !resp.status().is_success() {
-            return Err(format!("HTTP {}", resp.status()));
+            return Err(CallError::Status(resp.status().as_u16()));
         }
         let body = tokio::time::timeout(self.timeout, resp.into_body().collect())
             .await
-            .map_err(|_| "timed out".to_string())?
-            .map_err(|err| err.to_string())?
+            .map_err(|_| CallError::Timeout(self.timeout))?
+            .map_err(|err| CallError::Body(err.into()))?
             .to_bytes();
-        let s: ClusterStatus = serde_json::from_slice(&body).map_err(|err| err.to_string())?;
+        let s: ClusterStatus = serde_json::from_slice(&body)?;
         s.nodes
             .into_iter()
             .find(|n| n.name == e.name)
-            .ok_or_else(|| format!("the edge at {} is not named {}", e.url, e.name))
+            .ok_or_else(|| CallError::Misnamed {
+                url: e.url.clone(),
+                name: e.name.clone(),
+            })
     }
 
     /// Asks every edge once, concurrently, and updates the view.

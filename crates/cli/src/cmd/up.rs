@@ -485,12 +485,10 @@ impl dsec_gateway::Builder for NodeBuilder {
         spec: &dsec_image::build::BuildSpec,
         project: &str,
         progress: &mut dyn FnMut(&str),
-    ) -> Result<String, String> {
-        let edge = self
-            .edge
-            .get()
-            .cloned()
-            .ok_or("the node is still starting; try again")?;
+    ) -> Result<String, dsec_common::ApiError> {
+        let edge = self.edge.get().cloned().ok_or_else(|| {
+            dsec_common::ApiError::unavailable("the node is still starting; try again")
+        })?;
         let rt = tokio::runtime::Handle::current();
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let spec = spec.clone();
@@ -500,8 +498,7 @@ impl dsec_gateway::Builder for NodeBuilder {
             progress(&line);
         }
         rt.block_on(task)
-            .map_err(|e| format!("build worker failed: {e}"))?
-            .map_err(|e| e.message)
+            .map_err(|e| dsec_common::ApiError::internal(format!("build worker failed: {e}")))?
     }
 
     fn scratch(&self) -> PathBuf {

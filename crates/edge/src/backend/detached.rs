@@ -7,6 +7,10 @@ use std::path::Path;
 use std::process::{Child, Command};
 use std::time::Duration;
 
+use dsec_common::{IoContext, IoFailure};
+
+use super::StateError;
+
 /// Makes `cmd` start a session of its own, so that the edge's exit does not take it along.
 pub fn new_session(cmd: &mut Command) {
     // SAFETY: setsid(2) between fork and exec, an async-signal-safe call.
@@ -20,11 +24,11 @@ pub fn new_session(cmd: &mut Command) {
 
 /// Starts `cmd` detached ([`new_session`]) and records its pid in `pid_file`; `what`
 /// names it in errors.
-pub fn spawn_detached(cmd: &mut Command, what: &str, pid_file: &Path) -> Result<Child, String> {
+pub fn spawn_detached(cmd: &mut Command, what: &str, pid_file: &Path) -> Result<Child, IoFailure> {
     new_session(cmd);
-    let child = cmd.spawn().map_err(|e| format!("starting {what}: {e}"))?;
+    let child = cmd.spawn().ctx(|| format!("starting {what}"))?;
     std::fs::write(pid_file, child.id().to_string())
-        .map_err(|e| format!("writing {}: {e}", pid_file.display()))?;
+        .ctx(|| format!("writing {}", pid_file.display()))?;
     Ok(child)
 }
 
@@ -65,14 +69,20 @@ pub fn kill(pid_file: &Path) {
     }
 }
 
-pub fn read_json<T: serde::de::DeserializeOwned>(p: &Path) -> Result<T, String> {
-    let b = std::fs::read(p).map_err(|e| format!("reading {}: {e}", p.display()))?;
-    serde_json::from_slice(&b).map_err(|e| format!("{}: {e}", p.display()))
+pub fn read_json<T: serde::de::DeserializeOwned>(p: &Path) -> Result<T, StateError> {
+    let b = std::fs::read(p).ctx(|| format!("reading {}", p.display()))?;
+    serde_json::from_slice(&b).map_err(|source| StateError::Json {
+        path: p.to_path_buf(),
+        source,
+    })
 }
 
 /// Writes `v` as JSON to `p` whole or not at all (a reader never sees half of it).
-pub fn write_json<T: serde::Serialize>(p: &Path, v: &T) -> Result<(), String> {
-    let b = serde_json::to_vec_pretty(v).map_err(|e| e.to_string())?;
+pub fn write_json<T: serde::Serialize>(p: &Path, v: &T) -> Result<(), StateError> {
+    let b = serde_json::to_vec_pretty(v).map_err(|source| StateError::Json {
+        path: p.to_path_buf(),
+        source,
+    })?;
     let mut tmp = p.as_os_str().to_owned();
     tmp.push(format!(".{}.tmp", crate::random_hex(6)));
     let tmp = std::path::PathBuf::from(tmp);
@@ -80,19 +90,18 @@ pub fn write_json<T: serde::Serialize>(p: &Path, v: &T) -> Result<(), String> {
         .and_then(|()| std::fs::rename(&tmp, p))
         .map_err(|e| {
             let _ = std::fs::remove_file(&tmp);
-            format!("writing {}: {e}", p.display())
+            IoFailure::new(format!("writing {}", p.display()), e).into()
         })
 }
 
 /// Copies `from` to `to` keeping its holes (memory files are mostly holes): each data
 /// extent (`SEEK_DATA`/`SEEK_HOLE`) goes by `copy_file_range`, inside the kernel. A VM
 /// stays paused while its memory is copied, so this is its stall.
-pub fn copy_sparse(from: &Path, to: &Path) -> Result<(), String> {
+pub fn copy_sparse(from: &Path, to: &Path) -> Result<(), IoFailure> {
     let ctx = |what: &str, e: std::io::Error| {
-        format!(
-            "copying {} to {}: {what}: {e}",
-            from.display(),
-            to.display()
+        IoFailure::new(
+            format!("copying {} to {}: {what}", from.display(), to.display()),
+            e,
         )
     };
     let src = std::fs::File::open(from).map_err(|e| ctx("opening", e))?;

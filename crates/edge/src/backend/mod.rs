@@ -10,8 +10,8 @@ pub mod vm;
 
 use std::path::{Path, PathBuf};
 
-use dsec_common::ApiError;
 use dsec_common::api::{BackendStatus, Capability};
+use dsec_common::{ApiError, ErrorCode, IoContext, IoFailure};
 
 use crate::registry::SandboxRecord;
 
@@ -40,9 +40,9 @@ pub struct SavedFile {
 
 impl SavedFile {
     /// A file of a saved state that travels whole (no local copy is looked for).
-    pub fn at(name: &str, path: PathBuf) -> Result<SavedFile, String> {
+    pub fn at(name: &str, path: PathBuf) -> Result<SavedFile, StateError> {
         let size = std::fs::metadata(&path)
-            .map_err(|e| format!("{}: {e}", path.display()))?
+            .ctx(|| format!("{}", path.display()))?
             .len();
         Ok(SavedFile {
             name: name.into(),
@@ -51,6 +51,78 @@ impl SavedFile {
             hint: None,
             path,
         })
+    }
+}
+
+/// No agent binary to put in sandboxes: every backend needs one.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error(
+    "no statically linked dsec-aether found (looked at {looked}); build it with `make aether` or set aether_binary"
+)]
+pub struct NoAether {
+    pub looked: String,
+}
+
+/// Finds the static `dsec-aether`: the configured path, `$DSEC_AETHER`, next to the running
+/// binary, or the static build output of this workspace.
+pub fn find_aether(configured: Option<&Path>) -> Result<PathBuf, NoAether> {
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Some(p) = configured {
+        candidates.push(p.to_path_buf());
+    } else {
+        if let Some(p) = std::env::var_os("DSEC_AETHER") {
+            candidates.push(p.into());
+        }
+        if let Ok(exe) = std::env::current_exe()
+            && let Some(dir) = exe.parent()
+        {
+            candidates.push(dir.join("dsec-aether"));
+            candidates.push(dir.join("../x86_64-unknown-linux-gnu/release/dsec-aether"));
+            candidates.push(dir.join("../../x86_64-unknown-linux-gnu/release/dsec-aether"));
+        }
+        candidates.push("/usr/local/lib/dsec/dsec-aether".into());
+    }
+    for c in &candidates {
+        if c.is_file()
+            && container::is_static_elf(c)
+            && let Ok(p) = c.canonicalize()
+        {
+            return Ok(p);
+        }
+    }
+    Err(NoAether {
+        looked: candidates
+            .iter()
+            .map(|c| c.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+    })
+}
+
+/// What goes wrong with a saved state's files (written, read, sent to or received from
+/// another edge) and with the daemons the VM backends start detached.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("{}: {source}", path.display())]
+    Json {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+    /// A saved or received state that this edge cannot restore: what is wrong with it.
+    #[error("{0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Image(#[from] dsec_image::ImageError),
+    #[error(transparent)]
+    Io(#[from] IoFailure),
+}
+
+impl crate::error::Coded for StateError {
+    fn code(&self) -> ErrorCode {
+        match self {
+            StateError::Invalid(_) => ErrorCode::InvalidArgument,
+            _ => ErrorCode::Internal,
+        }
     }
 }
 

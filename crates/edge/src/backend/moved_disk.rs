@@ -7,9 +7,10 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use dsec_common::IoContext;
 use dsec_image::{ImageStore, guest};
 
-use super::SavedFile;
+use super::{SavedFile, StateError};
 
 /// The top disk's name in a transfer manifest; the disks below it are `disk.1`, `disk.2`…
 pub const NAME: &str = "disk";
@@ -39,18 +40,21 @@ pub fn is_name(name: &str) -> bool {
 
 /// A root's disks (`top`, then `lowers`, as saved states record them) as files of a
 /// saved state.
-pub fn saved_files(top: &Path, lowers: &[PathBuf]) -> Result<Vec<SavedFile>, String> {
+pub fn saved_files(top: &Path, lowers: &[PathBuf]) -> Result<Vec<SavedFile>, StateError> {
     if 1 + lowers.len() > guest::MAX_ROOT_DISKS {
-        return Err(format!("{} root disks is too many", 1 + lowers.len()));
+        return Err(StateError::Invalid(format!(
+            "{} root disks is too many",
+            1 + lowers.len()
+        )));
     }
     std::iter::once(top)
         .chain(lowers.iter().map(PathBuf::as_path))
         .enumerate()
         .map(|(i, disk)| {
             let size = std::fs::metadata(disk)
-                .map_err(|e| format!("{}: {e}", disk.display()))?
+                .ctx(|| format!("{}", disk.display()))?
                 .len();
-            let sha = guest::disk_sha256(disk).map_err(|e| e.to_string())?;
+            let sha = guest::disk_sha256(disk)?;
             // A lazy layer's file: its name, and what its chunk table says it holds.
             let hint = match lazy_table(disk) {
                 Some(t) => Some(format!("{sha}@{t}")),
@@ -126,7 +130,7 @@ pub fn place(
     staged: &Path,
     files: &[SavedFile],
     have: &BTreeMap<String, PathBuf>,
-) -> Result<(PathBuf, Vec<PathBuf>), String> {
+) -> Result<(PathBuf, Vec<PathBuf>), StateError> {
     let mut disks: BTreeMap<usize, &SavedFile> = BTreeMap::new();
     for f in files {
         if let Some(i) = index_of(&f.name) {
@@ -134,7 +138,9 @@ pub fn place(
         }
     }
     if disks.keys().copied().ne(0..disks.len()) {
-        return Err("its disks are not numbered from 0 without gaps".into());
+        return Err(StateError::Invalid(
+            "its disks are not numbered from 0 without gaps".into(),
+        ));
     }
     let mut placed = disks.values().map(|f| {
         if let Some(p) = have.get(&f.name) {
@@ -143,11 +149,13 @@ pub fn place(
         let sha = f
             .sha256
             .as_deref()
-            .ok_or_else(|| format!("{} has no sha256", f.name))?;
-        guest::adopt_disk(store_root, &staged.join(&f.name), sha).map_err(|e| e.to_string())
+            .ok_or_else(|| StateError::Invalid(format!("{} has no sha256", f.name)))?;
+        Ok(guest::adopt_disk(store_root, &staged.join(&f.name), sha)?)
     });
-    let top = placed.next().ok_or("it has no disk")??;
-    Ok((top, placed.collect::<Result<_, String>>()?))
+    let top = placed
+        .next()
+        .ok_or_else(|| StateError::Invalid("it has no disk".into()))??;
+    Ok((top, placed.collect::<Result<_, StateError>>()?))
 }
 
 #[cfg(test)]

@@ -12,6 +12,8 @@ pub use own::{LeafLimits, create_leaf};
 
 use std::path::Path;
 
+use dsec_common::{IoContext, IoFailure};
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CgroupMode {
     V1,
@@ -251,12 +253,12 @@ const FSCONFIG_CMD_RECONFIGURE: libc::c_uint = 7;
 /// The flag is the kernel's, for the whole host (any hierarchy sets it); it is set here on
 /// the superblock with `fspick`/`fsconfig`, keeping its other options and leaving the
 /// mount's own flags as they are.
-pub fn favor_dynmods(mode: CgroupMode, on: bool) -> Result<bool, String> {
+pub fn favor_dynmods(mode: CgroupMode, on: bool) -> Result<bool, IoFailure> {
     let Some(target) = cgroup2_mount(mode) else {
         return Ok(false);
     };
-    let table = std::fs::read_to_string("/proc/self/mountinfo")
-        .map_err(|e| format!("reading the mount table: {e}"))?;
+    let table =
+        std::fs::read_to_string("/proc/self/mountinfo").ctx(|| "reading the mount table".into())?;
     let Some(mut opts) = cgroup2_options(&table, target) else {
         return Ok(false);
     };
@@ -268,7 +270,14 @@ pub fn favor_dynmods(mode: CgroupMode, on: bool) -> Result<bool, String> {
     if on {
         opts.push("favordynmods".into());
     }
-    let c = |s: &str| std::ffi::CString::new(s).map_err(|_| format!("option {s:?} has a NUL byte"));
+    let c = |s: &str| {
+        std::ffi::CString::new(s).map_err(|_| {
+            IoFailure::new(
+                format!("option {s:?}"),
+                std::io::Error::from(std::io::ErrorKind::InvalidInput),
+            )
+        })
+    };
     let path = c(target)?;
     // SAFETY: fspick(2) with a NUL-terminated path; the descriptor is owned below.
     let fd = unsafe {
@@ -280,10 +289,9 @@ pub fn favor_dynmods(mode: CgroupMode, on: bool) -> Result<bool, String> {
         )
     };
     if fd < 0 {
-        return Err(format!(
-            "opening {target} to reconfigure: {}",
-            std::io::Error::last_os_error()
-        ));
+        return Err(IoFailure::last_os(format!(
+            "opening {target} to reconfigure"
+        )));
     }
     // SAFETY: a descriptor fspick just returned, owned by nobody else.
     let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
@@ -315,10 +323,7 @@ pub fn favor_dynmods(mode: CgroupMode, on: bool) -> Result<bool, String> {
             }
         };
         if rc < 0 {
-            return Err(format!(
-                "setting {o} on {target}: {}",
-                std::io::Error::last_os_error()
-            ));
+            return Err(IoFailure::last_os(format!("setting {o} on {target}")));
         }
     }
     // SAFETY: fsconfig(2) on the descriptor above, with no key or value.
@@ -333,10 +338,7 @@ pub fn favor_dynmods(mode: CgroupMode, on: bool) -> Result<bool, String> {
         )
     };
     if rc < 0 {
-        return Err(format!(
-            "reconfiguring {target}: {}",
-            std::io::Error::last_os_error()
-        ));
+        return Err(IoFailure::last_os(format!("reconfiguring {target}")));
     }
     Ok(true)
 }

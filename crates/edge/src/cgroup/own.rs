@@ -6,6 +6,8 @@ use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::process::Command;
 
+use dsec_common::{IoContext, IoFailure};
+
 use super::CgroupMode;
 
 /// Limits for a cgroup the edge makes itself (for a process no OCI runtime starts, such
@@ -28,7 +30,7 @@ pub fn create_leaf(
     mode: CgroupMode,
     rel: &str,
     limits: LeafLimits,
-) -> Result<Vec<std::path::PathBuf>, String> {
+) -> Result<Vec<std::path::PathBuf>, IoFailure> {
     let root = Path::new("/sys/fs/cgroup");
     let rel = rel.trim_start_matches('/');
     let mut files: Vec<(std::path::PathBuf, Vec<(&str, String)>)> = Vec::new();
@@ -83,11 +85,11 @@ pub fn create_leaf(
     let mut procs = Vec::new();
     for (dir, settings) in &files {
         let made = std::fs::create_dir_all(dir)
-            .map_err(|e| format!("creating cgroup {}: {e}", dir.display()))
+            .ctx(|| format!("creating cgroup {}", dir.display()))
             .and_then(|()| {
                 for (k, v) in settings {
                     std::fs::write(dir.join(k), v)
-                        .map_err(|e| format!("setting {}/{k} to {v}: {e}", dir.display()))?;
+                        .ctx(|| format!("setting {}/{k} to {v}", dir.display()))?;
                 }
                 Ok(())
             });
@@ -114,14 +116,14 @@ pub fn quota_us(cores: f64) -> u64 {
 
 /// Makes the process `cmd` starts join the cgroups whose `cgroup.procs` files are `procs`
 /// before it runs anything, so all of its memory is counted from the start.
-pub fn join_before_exec(cmd: &mut Command, procs: &[std::path::PathBuf]) -> Result<(), String> {
+pub fn join_before_exec(cmd: &mut Command, procs: &[std::path::PathBuf]) -> Result<(), IoFailure> {
     let files: Vec<File> = procs
         .iter()
         .map(|p| {
             std::fs::OpenOptions::new()
                 .write(true)
                 .open(p)
-                .map_err(|e| format!("opening {}: {e}", p.display()))
+                .ctx(|| format!("opening {}", p.display()))
         })
         .collect::<Result<_, _>>()?;
     // SAFETY: between fork and exec only write(2) on fds opened above; writing "0" moves
@@ -166,17 +168,25 @@ fn memory_dir(mode: CgroupMode, rel: &str) -> std::path::PathBuf {
 }
 
 /// Moves `pid` (all its threads) from `rel`'s memory cgroup into `<rel>.save`.
-pub fn charge_apart(mode: CgroupMode, rel: &str, pid: i32) -> Result<ChargedApart, String> {
+pub fn charge_apart(mode: CgroupMode, rel: &str, pid: i32) -> Result<ChargedApart, IoFailure> {
     let home = memory_dir(mode, rel);
     let aside = memory_dir(mode, &format!("{rel}.save"));
     match std::fs::create_dir(&aside) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(format!("creating cgroup {}: {e}", aside.display())),
+        Err(e) => {
+            return Err(IoFailure::new(
+                format!("creating cgroup {}", aside.display()),
+                e,
+            ));
+        }
     }
     if let Err(e) = std::fs::write(aside.join("cgroup.procs"), pid.to_string()) {
         let _ = std::fs::remove_dir(&aside);
-        return Err(format!("moving the VMM into {}: {e}", aside.display()));
+        return Err(IoFailure::new(
+            format!("moving the VMM into {}", aside.display()),
+            e,
+        ));
     }
     Ok(ChargedApart { pid, home, aside })
 }
@@ -226,7 +236,7 @@ mod tests {
         };
         match create_leaf(mode, &rel, limits) {
             Ok(p) => Some((mode, rel, p)),
-            Err(e) if e.contains("Read-only") || e.contains("Permission denied") => {
+            Err(e) if matches!(e.errno(), Some(libc::EROFS | libc::EACCES | libc::EPERM)) => {
                 eprintln!("skipped: cgroups are not writable here: {e}");
                 None
             }

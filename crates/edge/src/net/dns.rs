@@ -9,11 +9,13 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use dsec_common::IoFailure;
+
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
 
-use super::Network;
 use super::rules::Policy;
+use super::{NetError, Network};
 
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(3);
 /// Queries one sandbox may send per second, and at once: past them its queries are dropped
@@ -161,11 +163,28 @@ pub fn judge(answer: &[u8], policy: &Policy) -> Option<Verdict> {
     Some(Verdict::Open(addrs))
 }
 
-async fn ask_udp(upstream: SocketAddr, query: &[u8]) -> Result<Vec<u8>, String> {
-    let sock = UdpSocket::bind("0.0.0.0:0")
-        .await
-        .map_err(|e| e.to_string())?;
-    sock.connect(upstream).await.map_err(|e| e.to_string())?;
+/// Why an upstream resolver gave no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    #[error("{upstream}: {source}")]
+    Io {
+        upstream: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("{0} did not answer")]
+    Silent(SocketAddr),
+    #[error("the query is malformed: {0}")]
+    BadQuery(&'static str),
+    #[error("no randomness for a DNS query id")]
+    NoRandomness,
+    #[error("no upstream resolver configured")]
+    NoUpstream,
+}
+
+async fn ask_udp(upstream: SocketAddr, query: &[u8]) -> Result<Vec<u8>, UpstreamError> {
+    let io = |source| UpstreamError::Io { upstream, source };
+    let sock = UdpSocket::bind("0.0.0.0:0").await.map_err(io)?;
+    sock.connect(upstream).await.map_err(io)?;
     // An id of the node's own, not the sandbox's: an answer forged from off the path must
     // guess it as well as the port (and the question must be the one asked).
     let mut sent = query.to_vec();
@@ -174,24 +193,24 @@ async fn ask_udp(upstream: SocketAddr, query: &[u8]) -> Result<Vec<u8>, String> 
         // SAFETY: a 2-byte buffer for the kernel to fill.
         let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), 2, 0) };
         if n != 2 {
-            return Err("no randomness for a DNS query id".into());
+            return Err(UpstreamError::NoRandomness);
         }
         b
     };
     if sent.len() < 12 {
-        return Err("query too short".into());
+        return Err(UpstreamError::BadQuery("shorter than a header"));
     }
     sent[..2].copy_from_slice(&id);
     let qend = question(query)
         .map(|q| q.2)
-        .ok_or("query without a question")?;
-    sock.send(&sent).await.map_err(|e| e.to_string())?;
+        .ok_or(UpstreamError::BadQuery("no question"))?;
+    sock.send(&sent).await.map_err(io)?;
     let mut buf = vec![0u8; MAX_MESSAGE];
     loop {
         let n = tokio::time::timeout(UPSTREAM_TIMEOUT, sock.recv(&mut buf))
             .await
-            .map_err(|_| format!("{upstream} did not answer"))?
-            .map_err(|e| e.to_string())?;
+            .map_err(|_| UpstreamError::Silent(upstream))?
+            .map_err(io)?;
         if matches_query(&buf[..n], &sent, qend) {
             buf.truncate(n);
             buf[..2].copy_from_slice(&query[..2]);
@@ -209,24 +228,21 @@ fn matches_query(answer: &[u8], sent: &[u8], qend: usize) -> bool {
         && answer[12..qend].eq_ignore_ascii_case(&sent[12..qend])
 }
 
-async fn ask_tcp(upstream: SocketAddr, query: &[u8]) -> Result<Vec<u8>, String> {
+async fn ask_tcp(upstream: SocketAddr, query: &[u8]) -> Result<Vec<u8>, UpstreamError> {
+    let io = |source| UpstreamError::Io { upstream, source };
     let call = async {
-        let mut s = TcpStream::connect(upstream)
-            .await
-            .map_err(|e| e.to_string())?;
-        let len = u16::try_from(query.len()).map_err(|_| "query too long".to_string())?;
-        s.write_all(&len.to_be_bytes())
-            .await
-            .map_err(|e| e.to_string())?;
-        s.write_all(query).await.map_err(|e| e.to_string())?;
-        let n = s.read_u16().await.map_err(|e| e.to_string())? as usize;
+        let mut s = TcpStream::connect(upstream).await.map_err(io)?;
+        let len = u16::try_from(query.len()).map_err(|_| UpstreamError::BadQuery("too long"))?;
+        s.write_all(&len.to_be_bytes()).await.map_err(io)?;
+        s.write_all(query).await.map_err(io)?;
+        let n = s.read_u16().await.map_err(io)? as usize;
         let mut buf = vec![0u8; n];
-        s.read_exact(&mut buf).await.map_err(|e| e.to_string())?;
+        s.read_exact(&mut buf).await.map_err(io)?;
         Ok(buf)
     };
     tokio::time::timeout(UPSTREAM_TIMEOUT, call)
         .await
-        .map_err(|_| format!("{upstream} did not answer over TCP"))?
+        .map_err(|_| UpstreamError::Silent(upstream))?
 }
 
 /// The answer to `query` from the sandbox at `src`.
@@ -247,7 +263,7 @@ async fn answer(net: &Arc<Network>, src: Ipv4Addr, query: &[u8], tcp: bool) -> O
     if qtype == TYPE_AAAA {
         return Some(reply(query, 0));
     }
-    let mut last = String::new();
+    let mut last = UpstreamError::NoUpstream;
     for up in &net.upstream {
         let got = if tcp {
             ask_tcp(*up, query).await
@@ -320,17 +336,17 @@ impl Limiter {
 }
 
 /// Serves DNS on UDP and TCP `0.0.0.0:<dns_port>` until the tasks are dropped.
-pub async fn spawn(net: Arc<Network>) -> Result<Vec<tokio::task::JoinHandle<()>>, String> {
+pub async fn spawn(net: Arc<Network>) -> Result<Vec<tokio::task::JoinHandle<()>>, NetError> {
     let addr = SocketAddr::from(([0, 0, 0, 0], net.cfg.dns_port));
     let hint = "(is another dsec edge running in this network namespace? one node per namespace, or give this one [edge.network] enabled = false)";
     let udp = Arc::new(
         UdpSocket::bind(addr)
             .await
-            .map_err(|e| format!("DNS proxy on udp {addr}: {e} {hint}"))?,
+            .map_err(|e| IoFailure::new(format!("DNS proxy on udp {addr} {hint}"), e))?,
     );
     let tcp = TcpListener::bind(addr)
         .await
-        .map_err(|e| format!("DNS proxy on tcp {addr}: {e} {hint}"))?;
+        .map_err(|e| IoFailure::new(format!("DNS proxy on tcp {addr} {hint}"), e))?;
     let n1 = net.clone();
     let limiter = Arc::new(Limiter::default());
     let l1 = limiter.clone();

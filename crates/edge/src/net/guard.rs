@@ -86,12 +86,11 @@ fn batch() -> (Vec<u8>, u32) {
 }
 
 /// Writes the guard table into the calling thread's network namespace.
-pub fn install_here() -> Result<(), String> {
+pub fn install_here() -> Result<(), super::NetlinkError> {
     let (batch, n) = batch();
     nfnl::transact(&batch, 1, n, |i| {
         format!("message {} of the guard table", i + 1)
     })
-    .map_err(|e| format!("guarding the sandbox's namespace: nftables over netlink: {e}"))
 }
 
 #[cfg(test)]
@@ -178,10 +177,7 @@ mod tests {
         let path = Path::new("/run/netns").join(&ns.0);
         assert_eq!(delivered(&path, 53, 3000), 3000, "before the guard");
         let ns = File::open(&path).unwrap();
-        crate::net::rtnl::in_netns(&ns, || {
-            install_here().map_err(crate::net::netlink::NetlinkError::Other)
-        })
-        .unwrap();
+        crate::net::rtnl::in_netns(&ns, install_here).unwrap();
         let dns = delivered(&path, 53, 3000);
         assert!(
             dns >= DNS_PACKETS_BURST as usize && dns < 1500,

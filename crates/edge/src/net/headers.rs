@@ -80,6 +80,48 @@ pub enum HeaderError {
     Roots { path: String, why: String },
 }
 
+/// Why one connection through the proxy failed (logged at debug; the sandbox sees the
+/// connection close).
+#[derive(Debug, thiserror::Error)]
+pub enum ConnError {
+    #[error("not IPv4")]
+    NotIpv4,
+    #[error("not from a sandbox")]
+    NotFromSandbox,
+    #[error("no original destination")]
+    NoDestination,
+    #[error("refused: {0} is never reachable")]
+    Unreachable(SocketAddrV4),
+    #[error("the proxy is at its connection limit")]
+    ProxyFull,
+    #[error("too many connections from the sandbox")]
+    SandboxFull,
+    #[error("its sandbox is gone")]
+    SandboxGone,
+    #[error("connecting to {dst}: {source}")]
+    Connect {
+        dst: SocketAddrV4,
+        source: std::io::Error,
+    },
+    #[error("{what}: timed out")]
+    Timeout { what: String },
+    #[error("TLS with {peer}: {source}")]
+    Handshake {
+        peer: String,
+        source: std::io::Error,
+    },
+    #[error("a certificate for {host}: {why}")]
+    Certificate { host: String, why: String },
+    #[error("{0:?} is not a server name")]
+    BadName(String),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Http(#[from] hyper::Error),
+    #[error(transparent)]
+    Tls(#[from] rustls::Error),
+}
+
 /// The node's CA for the certificates the proxy answers with.
 struct Ca {
     pem: String,
@@ -120,21 +162,27 @@ impl Ca {
     }
 
     /// A certificate for `host` (a name or an address), signed by the CA.
-    fn issue(&self, host: &str) -> Result<CertifiedKey, String> {
-        let key = KeyPair::generate().map_err(|e| e.to_string())?;
+    fn issue(&self, host: &str) -> Result<CertifiedKey, ConnError> {
+        let err = |why: String| ConnError::Certificate {
+            host: host.to_string(),
+            why,
+        };
+        let key = KeyPair::generate().map_err(|e| err(e.to_string()))?;
         let mut params = CertificateParams::default();
         params.distinguished_name.push(DnType::CommonName, host);
         params.subject_alt_names = vec![match host.parse::<Ipv4Addr>() {
             Ok(ip) => SanType::IpAddress(ip.into()),
-            Err(_) => SanType::DnsName(host.try_into().map_err(|e: rcgen::Error| e.to_string())?),
+            Err(_) => SanType::DnsName(
+                host.try_into()
+                    .map_err(|e: rcgen::Error| err(e.to_string()))?,
+            ),
         }];
         dsec_mtls::pki::validity(&mut params, 1);
         let cert = params
             .signed_by(&key, &self.issuer)
-            .map_err(|e| e.to_string())?;
-        let der = PrivateKeyDer::try_from(key.serialize_der()).map_err(|e| e.to_string())?;
-        let signer =
-            rustls::crypto::aws_lc_rs::sign::any_supported_type(&der).map_err(|e| e.to_string())?;
+            .map_err(|e| err(e.to_string()))?;
+        let der = PrivateKeyDer::try_from(key.serialize_der()).map_err(|e| err(e.to_string()))?;
+        let signer = rustls::crypto::aws_lc_rs::sign::any_supported_type(&der)?;
         Ok(CertifiedKey::new(vec![cert.der().clone()], signer))
     }
 }
@@ -204,7 +252,7 @@ impl HeaderProxy {
         &self.ca.pem
     }
 
-    fn cert_for(&self, host: &str) -> Result<Arc<CertifiedKey>, String> {
+    fn cert_for(&self, host: &str) -> Result<Arc<CertifiedKey>, ConnError> {
         if let Some(c) = lock(&self.certs).get(host) {
             return Ok(c.clone());
         }
@@ -217,11 +265,10 @@ impl HeaderProxy {
         Ok(c)
     }
 
-    fn server_config(&self, host: &str) -> Result<Arc<rustls::ServerConfig>, String> {
+    fn server_config(&self, host: &str) -> Result<Arc<rustls::ServerConfig>, ConnError> {
         let key = self.cert_for(host)?;
         let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
-            .map_err(|e| e.to_string())?
+            .with_safe_default_protocol_versions()?
             .with_no_client_auth()
             .with_cert_resolver(Arc::new(rustls::sign::SingleCertAndKey::from(key)));
         cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
@@ -320,27 +367,27 @@ async fn serve(
     proxy: &HeaderProxy,
     client: TcpStream,
     from: SocketAddr,
-) -> Result<(), String> {
+) -> Result<(), ConnError> {
     let SocketAddr::V4(from) = from else {
-        return Err("not IPv4".into());
+        return Err(ConnError::NotIpv4);
     };
     let src = *from.ip();
-    let owner = net.sandbox_id_at(src).ok_or("not from a sandbox")?;
-    let dst = original_dst(&client).ok_or("no original destination")?;
-    let local = client.local_addr().map_err(|e| e.to_string())?;
+    let owner = net.sandbox_id_at(src).ok_or(ConnError::NotFromSandbox)?;
+    let dst = original_dst(&client).ok_or(ConnError::NoDestination)?;
+    let local = client.local_addr()?;
     // Only translated connections to what a rule opened get here (the table sends no
     // address of the node's own, nor the pool); never back to the node or a sandbox.
     if SocketAddr::V4(dst) == local
         || never_range_of_ip(*dst.ip()).is_some()
         || net.in_pool(*dst.ip())
     {
-        return Err(format!("refused: {dst} is never reachable"));
+        return Err(ConnError::Unreachable(dst));
     }
     let _all = proxy
         .total
         .try_acquire()
-        .map_err(|_| "the proxy is at its connection limit")?;
-    let _slot = Slot::take(proxy, src).ok_or("too many connections from the sandbox")?;
+        .map_err(|_| ConnError::ProxyFull)?;
+    let _slot = Slot::take(proxy, src).ok_or(ConnError::SandboxFull)?;
     keepalive(&client);
     let work = async {
         let first = tokio::time::timeout(SNIFF_TIMEOUT, peek_first(&client)).await;
@@ -372,7 +419,7 @@ async fn serve(
     };
     tokio::select! {
         r = work => r,
-        () = gone => Err("its sandbox is gone".into()),
+        () = gone => Err(ConnError::SandboxGone),
     }
 }
 
@@ -433,24 +480,24 @@ async fn server_name(s: &TcpStream) -> Option<String> {
     }
 }
 
-async fn connect(dst: SocketAddrV4) -> Result<TcpStream, String> {
+async fn connect(dst: SocketAddrV4) -> Result<TcpStream, ConnError> {
     match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(dst)).await {
         Ok(Ok(s)) => {
             keepalive(&s);
             Ok(s)
         }
-        Ok(Err(e)) => Err(format!("connecting to {dst}: {e}")),
-        Err(_) => Err(format!("connecting to {dst}: timed out")),
+        Ok(Err(source)) => Err(ConnError::Connect { dst, source }),
+        Err(_) => Err(ConnError::Timeout {
+            what: format!("connecting to {dst}"),
+        }),
     }
 }
 
 /// Bytes both ways, unchanged.
-async fn relay(mut client: TcpStream, dst: SocketAddrV4) -> Result<(), String> {
+async fn relay(mut client: TcpStream, dst: SocketAddrV4) -> Result<(), ConnError> {
     let mut server = connect(dst).await?;
-    tokio::io::copy_bidirectional(&mut client, &mut server)
-        .await
-        .map(|_| ())
-        .map_err(|e| e.to_string())
+    tokio::io::copy_bidirectional(&mut client, &mut server).await?;
+    Ok(())
 }
 
 async fn rewrite_tls(
@@ -460,20 +507,15 @@ async fn rewrite_tls(
     client: TcpStream,
     dst: SocketAddrV4,
     host: &str,
-) -> Result<(), String> {
+) -> Result<(), ConnError> {
     let cfg = proxy.server_config(host)?;
-    let name = ServerName::try_from(host.to_string()).map_err(|e| e.to_string())?;
+    let name =
+        ServerName::try_from(host.to_string()).map_err(|_| ConnError::BadName(host.into()))?;
     let accept = tokio_rustls::TlsAcceptor::from(cfg).accept(client);
-    let client = tokio::time::timeout(HANDSHAKE_TIMEOUT, accept)
-        .await
-        .map_err(|_| format!("TLS with the sandbox for {host}: timed out"))?
-        .map_err(|e| format!("TLS with the sandbox for {host}: {e}"))?;
+    let client = handshake(format!("the sandbox for {host}"), accept).await?;
     let tcp = connect(dst).await?;
     let connect = tokio_rustls::TlsConnector::from(proxy.upstream.clone()).connect(name, tcp);
-    let server = tokio::time::timeout(HANDSHAKE_TIMEOUT, connect)
-        .await
-        .map_err(|_| format!("TLS with {host} at {dst}: timed out"))?
-        .map_err(|e| format!("TLS with {host} at {dst}: {e}"))?;
+    let server = handshake(format!("{host} at {dst}"), connect).await?;
     // The server proved it is `host`; a request on this connection that names another
     // host (which a front serving many would route by) gets nothing. Looked up per
     // request, so changed headers hold on connections already open.
@@ -484,6 +526,20 @@ async fn rewrite_tls(
             .map(Arc::new)
     })
     .await
+}
+
+/// A TLS handshake with `peer`, within [`HANDSHAKE_TIMEOUT`].
+async fn handshake<T>(
+    peer: String,
+    h: impl std::future::Future<Output = std::io::Result<T>>,
+) -> Result<T, ConnError> {
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, h).await {
+        Ok(Ok(s)) => Ok(s),
+        Ok(Err(source)) => Err(ConnError::Handshake { peer, source }),
+        Err(_) => Err(ConnError::Timeout {
+            what: format!("TLS with {peer}"),
+        }),
+    }
 }
 
 /// Whether two host names are the same name.
@@ -497,7 +553,7 @@ async fn rewrite_http(
     src: Ipv4Addr,
     client: TcpStream,
     dst: SocketAddrV4,
-) -> Result<(), String> {
+) -> Result<(), ConnError> {
     let server = connect(dst).await?;
     proxy_http(client, server, |host| {
         net.headers_for(src, *dst.ip(), host, false).map(Arc::new)
@@ -544,15 +600,14 @@ fn host_of<B>(req: &Request<B>) -> Option<String> {
 
 /// Relays HTTP/1.1 requests from `client` to `server`, setting on each the headers
 /// `headers_for` gives for its host.
-async fn proxy_http<C, S, F>(client: C, server: S, headers_for: F) -> Result<(), String>
+async fn proxy_http<C, S, F>(client: C, server: S, headers_for: F) -> Result<(), ConnError>
 where
     C: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     F: Fn(&str) -> Option<Arc<Vec<(String, String)>>>,
 {
-    let (sender, conn) = hyper::client::conn::http1::handshake::<_, Incoming>(TokioIo::new(server))
-        .await
-        .map_err(|e| e.to_string())?;
+    let (sender, conn) =
+        hyper::client::conn::http1::handshake::<_, Incoming>(TokioIo::new(server)).await?;
     let upstream = tokio::spawn(conn);
     let sender = Arc::new(tokio::sync::Mutex::new(sender));
     let headers_for = &headers_for;
@@ -585,7 +640,7 @@ where
         .serve_connection(TokioIo::new(client), service)
         .await;
     upstream.abort();
-    served.map_err(|e| e.to_string())
+    Ok(served?)
 }
 
 /// Puts the node's CA into the sandbox behind `sock`: its own file, and appended to the

@@ -9,6 +9,7 @@ use std::net::Ipv4Addr;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use super::netlink::NetlinkError;
 use super::nfnl::SetMsg;
 use super::nft;
 
@@ -18,11 +19,24 @@ const MAX_BATCH: usize = 512;
 /// transaction runs, and deleting it would then fail).
 const MARGIN: Duration = Duration::from_millis(200);
 
+/// Why addresses were not opened. Clone: one transaction answers every sandbox in it.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum LearnError {
+    #[error("the DNS learner has stopped")]
+    Stopped,
+    #[error("not applied")]
+    NotApplied,
+    /// The kernel refused the sandbox's set update (the netlink error, as text: it is
+    /// shared by every waiter of the batch).
+    #[error("opening the answer's addresses: {0}")]
+    Refused(String),
+}
+
 enum Job {
     Learn {
         key: String,
         add: Vec<(Ipv4Addr, u32)>,
-        done: tokio::sync::oneshot::Sender<Result<(), String>>,
+        done: tokio::sync::oneshot::Sender<Result<(), LearnError>>,
     },
     /// The sandbox's set was rewritten (its rules changed; these elements are in it now,
     /// with these TTLs) or removed (none).
@@ -36,7 +50,7 @@ pub struct Learner {
     tx: mpsc::Sender<Job>,
 }
 
-type Apply = dyn Fn(&[SetMsg]) -> Result<(), String> + Send + 'static;
+type Apply = dyn Fn(&[SetMsg]) -> Result<(), NetlinkError> + Send + 'static;
 
 /// What the learner has put in each sandbox's set, and until when: only it writes the
 /// sets between rule changes, so only it knows which elements to delete (to restart
@@ -76,13 +90,12 @@ impl Learner {
 
     /// Opens `add` (address, TTL) in the set of sandbox `key` (an address already there
     /// gets its timeout started again); returns once the rule is in.
-    pub async fn learn(&self, key: String, add: Vec<(Ipv4Addr, u32)>) -> Result<(), String> {
+    pub async fn learn(&self, key: String, add: Vec<(Ipv4Addr, u32)>) -> Result<(), LearnError> {
         let (done, wait) = tokio::sync::oneshot::channel();
         self.tx
             .send(Job::Learn { key, add, done })
-            .map_err(|_| "the DNS learner has stopped".to_string())?;
-        wait.await
-            .map_err(|_| "the DNS learner has stopped".to_string())?
+            .map_err(|_| LearnError::Stopped)?;
+        wait.await.map_err(|_| LearnError::Stopped)?
     }
 
     /// Tells the learner what sandbox `key`'s set holds after it was rewritten (or, with
@@ -101,7 +114,8 @@ impl Learner {
 fn run(apply: &Apply, sets: &mut Sets, jobs: Vec<Job>) {
     let now = Instant::now();
     let mut wanted: BTreeMap<String, BTreeMap<Ipv4Addr, u32>> = BTreeMap::new();
-    let mut waiting: Vec<(String, tokio::sync::oneshot::Sender<Result<(), String>>)> = Vec::new();
+    let mut waiting: Vec<(String, tokio::sync::oneshot::Sender<Result<(), LearnError>>)> =
+        Vec::new();
     for j in jobs {
         match j {
             Job::Learn { key, add, done } => {
@@ -146,7 +160,7 @@ fn flush(
     apply: &Apply,
     sets: &mut Sets,
     wanted: BTreeMap<String, BTreeMap<Ipv4Addr, u32>>,
-    waiting: Vec<(String, tokio::sync::oneshot::Sender<Result<(), String>>)>,
+    waiting: Vec<(String, tokio::sync::oneshot::Sender<Result<(), LearnError>>)>,
     now: Instant,
 ) {
     if wanted.is_empty() {
@@ -169,7 +183,7 @@ fn flush(
         .iter()
         .flat_map(|(k, (add, present))| nft::learn(k, add, present))
         .collect();
-    let mut results: HashMap<String, Result<(), String>> = HashMap::new();
+    let mut results: HashMap<String, Result<(), LearnError>> = HashMap::new();
     if apply(&batch).is_ok() {
         for k in plans.keys() {
             results.insert((*k).clone(), Ok(()));
@@ -180,7 +194,10 @@ fn flush(
             if r.is_err() && !present.is_empty() {
                 r = apply(&nft::learn(k, add, &[]));
             }
-            results.insert((*k).clone(), r);
+            results.insert(
+                (*k).clone(),
+                r.map_err(|e| LearnError::Refused(e.to_string())),
+            );
         }
     }
     for (k, (add, _)) in plans {
@@ -195,7 +212,7 @@ fn flush(
         let r = results
             .get(&k)
             .cloned()
-            .unwrap_or_else(|| Err("not applied".into()));
+            .unwrap_or(Err(LearnError::NotApplied));
         let _ = done.send(r);
     }
 }
@@ -281,7 +298,10 @@ mod tests {
     async fn a_failed_batch_falls_back_to_each_set_without_its_deletes() {
         let l = Learner::start_with(Box::new(|m: &[SetMsg]| {
             if m.iter().any(|m| m.op != ElemOp::Add) {
-                Err("No such file or directory".into())
+                Err(NetlinkError::Refused {
+                    what: "a delete".into(),
+                    source: std::io::Error::from_raw_os_error(libc::ENOENT),
+                })
             } else {
                 Ok(())
             }

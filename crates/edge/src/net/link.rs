@@ -63,14 +63,12 @@ pub fn gateway(pool: &Cidr) -> Ipv4Addr {
 }
 
 /// Puts the sandboxes' gateway on the node's loopback (it may be there already).
-pub fn install_gateway(pool: &Cidr) -> Result<(), String> {
+pub fn install_gateway(pool: &Cidr) -> Result<(), NetlinkError> {
     let gw = gateway(pool);
-    let mut r = Rtnl::open().map_err(|e| e.to_string())?;
-    let lo = rtnl::index("lo").map_err(|e| e.to_string())?;
+    let mut r = Rtnl::open()?;
+    let lo = rtnl::index("lo")?;
     match r.add_address(lo, gw, 32) {
-        Err(e) if e.errno() != Some(libc::EEXIST) => {
-            Err(format!("putting the sandboxes' gateway {gw} on lo: {e}"))
-        }
+        Err(e) if e.errno() != Some(libc::EEXIST) => Err(e),
         _ => Ok(()),
     }
 }
@@ -89,8 +87,8 @@ pub fn netns_name(id: &str) -> String {
 }
 
 /// Where the host opens sandbox `id`'s network namespace.
-pub fn netns_path(id: &str) -> Result<PathBuf, String> {
-    rtnl::netns_path(&netns_name(id)).map_err(|e| e.to_string())
+pub fn netns_path(id: &str) -> Result<PathBuf, NetlinkError> {
+    rtnl::netns_path(&netns_name(id))
 }
 
 pub fn host_iface(k: &str) -> String {
@@ -98,7 +96,7 @@ pub fn host_iface(k: &str) -> String {
 }
 
 /// Makes the namespace and the veth pair; on failure removes what it made.
-pub fn create(id: &str, k: &str, slot: &Slot) -> Result<(), String> {
+pub fn create(id: &str, k: &str, slot: &Slot) -> Result<(), super::NetError> {
     let made = (|| -> Result<(), NetlinkError> {
         let ns = rtnl::create_netns(&netns_name(id))?;
         let host = host_iface(k);
@@ -126,12 +124,12 @@ pub fn create(id: &str, k: &str, slot: &Slot) -> Result<(), String> {
             r.set_up(eth0)?;
             r.add_neighbour(eth0, gw, GATEWAY_MAC)?;
             r.add_default_route(eth0, gw)?;
-            super::guard::install_here().map_err(NetlinkError::Other)
+            super::guard::install_here()
         })
     })();
     if let Err(e) = made {
         remove(id, k);
-        return Err(format!("setting up the sandbox's network: {e}"));
+        return Err(super::NetError::Setup(e));
     }
     Ok(())
 }

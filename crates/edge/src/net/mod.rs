@@ -21,11 +21,54 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use dsec_common::ApiError;
+use dsec_common::{ApiError, ErrorCode, IoContext, IoFailure};
 
 use crate::config::NetworkConfig;
 use link::Slot;
+pub use netlink::NetlinkError;
 use rules::{Cidr, Policy};
+
+/// What goes wrong with the sandboxes' network.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    /// The node's `[edge.network]` settings: the message names the setting.
+    #[error("{0}")]
+    Config(String),
+    /// `nft -f` refused the node's base ruleset: its output.
+    #[error("nft refused the ruleset: {0}")]
+    Ruleset(String),
+    #[error("the sandbox is gone")]
+    SandboxGone,
+    #[error("sandbox {id} holds {held} addresses open from DNS answers, the most a sandbox may")]
+    TooManyLearned { id: String, held: usize },
+    #[error(transparent)]
+    Learn(#[from] learner::LearnError),
+    #[error("setting up the sandbox's network: {0}")]
+    Setup(#[source] NetlinkError),
+    #[error("the VM's network in namespace {ns}: {source}")]
+    VmNetwork { ns: String, source: NetlinkError },
+    #[error(transparent)]
+    Netlink(#[from] NetlinkError),
+    #[error(transparent)]
+    Io(#[from] IoFailure),
+}
+
+impl crate::error::Coded for NetlinkError {
+    fn code(&self) -> ErrorCode {
+        ErrorCode::Internal
+    }
+}
+
+impl crate::error::Coded for NetError {
+    fn code(&self) -> ErrorCode {
+        match self {
+            NetError::Config(_) => ErrorCode::FailedPrecondition,
+            NetError::TooManyLearned { .. } => ErrorCode::ResourceExhausted,
+            NetError::SandboxGone => ErrorCode::NotFound,
+            _ => ErrorCode::Internal,
+        }
+    }
+}
 
 /// Shortest time a DNS answer opens an address for (answers with TTL 0 or 1 still need
 /// the connection that follows them to get through).
@@ -102,14 +145,14 @@ fn resolv_conf_servers() -> Vec<SocketAddr> {
 impl Network {
     /// Checks the configuration and, when networking is enabled, installs the node's
     /// table and turns on IPv4 forwarding.
-    pub fn start(cfg: &NetworkConfig, state_dir: &std::path::Path) -> Result<Network, String> {
+    pub fn start(cfg: &NetworkConfig, state_dir: &std::path::Path) -> Result<Network, NetError> {
         let pool = Cidr::parse(&cfg.pool)
             .filter(|p| p.prefix <= 30)
             .ok_or_else(|| {
-                format!(
+                NetError::Config(format!(
                     "[edge.network] pool {:?} is not an IPv4 network of /30 or larger",
                     cfg.pool
-                )
+                ))
             })?;
         let catalog = rules::Catalog::new(&cfg.services, &cfg.private_services, &pool)?;
         let mut upstream = Vec::new();
@@ -117,7 +160,11 @@ impl Network {
             let a = u
                 .parse::<SocketAddr>()
                 .or_else(|_| u.parse::<Ipv4Addr>().map(|ip| SocketAddr::from((ip, 53))))
-                .map_err(|_| format!("[edge.network] dns_upstream {u:?} is not ip or ip:port"))?;
+                .map_err(|_| {
+                    NetError::Config(format!(
+                        "[edge.network] dns_upstream {u:?} is not ip or ip:port"
+                    ))
+                })?;
             upstream.push(a);
         }
         if upstream.is_empty() {
@@ -135,9 +182,9 @@ impl Network {
         if cfg.enabled {
             link::install_gateway(&pool)?;
             nft::apply_script(&nft::base(&pool, cfg.dns_port, cfg.header_port)).map_err(|e| {
-                format!(
+                NetError::Ruleset(format!(
                     "{e} (sandbox networking needs nftables; or set [edge.network] enabled = false)"
-                )
+                ))
             })?;
             if !nft::probe_destroy() {
                 tracing::info!(
@@ -148,10 +195,10 @@ impl Network {
             if was.trim() != "1" {
                 if !net.forwarding_file.exists() {
                     std::fs::write(&net.forwarding_file, was.trim())
-                        .map_err(|e| format!("{}: {e}", net.forwarding_file.display()))?;
+                        .ctx(|| format!("{}", net.forwarding_file.display()))?;
                 }
                 std::fs::write(IP_FORWARD, "1")
-                    .map_err(|e| format!("turning on IPv4 forwarding for sandbox egress: {e}"))?;
+                    .ctx(|| "turning on IPv4 forwarding for sandbox egress".into())?;
                 tracing::info!("turned on IPv4 forwarding (sandbox egress goes through the node)");
             }
         }
@@ -269,7 +316,7 @@ impl Network {
     pub fn attach(&self, id: &str, index: u32, policy: Policy) -> Result<Slot, ApiError> {
         let slot = self.slot(index)?;
         let k = key_of(id);
-        link::create(id, k, &slot).map_err(ApiError::internal)?;
+        link::create(id, k, &slot)?;
         if let Err(e) = nft::apply(&nft::add_rules(k, &policy)) {
             link::remove(id, k);
             return Err(ApiError::internal(format!(
@@ -356,7 +403,7 @@ impl Network {
             nfnl::ElemOp::Add,
             after.difference(&before).cloned().collect(),
         ));
-        nft::apply_removing(&msgs).map_err(ApiError::internal)?;
+        nft::apply_removing(&msgs).map_err(NetError::from)?;
         self.learner.reset(&k, keep);
         let mut st = self.lock();
         if let Some(ip) = st.by_key.get(&k).copied()
@@ -389,24 +436,23 @@ impl Network {
         &self,
         ip: Ipv4Addr,
         addrs: &[(Ipv4Addr, u32, String)],
-    ) -> Result<Vec<u32>, String> {
+    ) -> Result<Vec<u32>, NetError> {
         if addrs.is_empty() {
             return Ok(Vec::new()); // nothing to open (NXDOMAIN, a TXT answer): no work at all
         }
         let (k, add, ttls) = {
             let mut st = self.lock();
             let Some(a) = st.by_ip.get_mut(&ip) else {
-                return Err("the sandbox is gone".into());
+                return Err(NetError::SandboxGone);
             };
             let now = Instant::now();
             // What has expired in the set has expired here too.
             a.learned.retain(|_, l| l.until > now);
             if a.learned.len() + addrs.len() > MAX_LEARNED {
-                return Err(format!(
-                    "sandbox {} holds {} addresses open from DNS answers, the most a sandbox may",
-                    a.id,
-                    a.learned.len()
-                ));
+                return Err(NetError::TooManyLearned {
+                    id: a.id.clone(),
+                    held: a.learned.len(),
+                });
             }
             let mut add: Vec<(Ipv4Addr, u32)> = Vec::new();
             let mut ttls = Vec::with_capacity(addrs.len());
@@ -516,7 +562,7 @@ pub(crate) fn run_with_input(
     mut cmd: std::process::Command,
     input: &str,
     what: &str,
-) -> Result<(), String> {
+) -> Result<(), NetError> {
     use std::io::Write;
     use std::process::Stdio;
     let mut child = cmd
@@ -524,19 +570,21 @@ pub(crate) fn run_with_input(
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| format!("running {what}: {e}"))?;
+        .ctx(|| format!("running {what}"))?;
     if let Some(mut stdin) = child.stdin.take() {
         stdin
             .write_all(input.as_bytes())
-            .map_err(|e| format!("writing to {what}: {e}"))?;
+            .ctx(|| format!("writing to {what}"))?;
     }
     let out = child
         .wait_with_output()
-        .map_err(|e| format!("waiting for {what}: {e}"))?;
+        .ctx(|| format!("waiting for {what}"))?;
     if out.status.success() {
         Ok(())
     } else {
-        Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
+        Err(NetError::Ruleset(
+            String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        ))
     }
 }
 

@@ -12,6 +12,12 @@ pub enum NetlinkError {
     Refused { what: String, source: io::Error },
     #[error("no answer from the kernel to {what}")]
     Timeout { what: String },
+    #[error(transparent)]
+    MountNs(#[from] crate::mountns::MountNsError),
+    #[error(transparent)]
+    Os(#[from] dsec_common::IoFailure),
+    /// An argument the kernel was never asked about (a name with a NUL byte, a
+    /// malformed answer), or a helper thread that died.
     #[error("{0}")]
     Other(String),
 }

@@ -24,6 +24,7 @@ use std::net::Ipv4Addr;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use super::netlink::NetlinkError;
 use super::nfnl::{self, Elem, ElemOp, SetMsg};
 use super::rules::{Cidr, Policy, never};
 
@@ -82,32 +83,31 @@ fn one_of(set: &'static str) -> &'static str {
 static DESTROY: AtomicBool = AtomicBool::new(false);
 
 /// Runs an `nft -f -` script as one transaction (the base ruleset, at start).
-pub fn apply_script(script: &str) -> Result<(), String> {
+pub fn apply_script(script: &str) -> Result<(), super::NetError> {
     let mut cmd = Command::new("nft");
     cmd.args(["-f", "-"]);
     super::run_with_input(cmd, script, "nft (install the nftables package)")
-        .map_err(|e| format!("nft refused the ruleset: {e}"))
 }
 
 /// Applies element changes as one transaction, in-process.
-pub fn apply(msgs: &[SetMsg]) -> Result<(), String> {
-    nfnl::apply(msgs).map_err(|e| e.to_string())
+pub fn apply(msgs: &[SetMsg]) -> Result<(), NetlinkError> {
+    nfnl::apply(msgs)
 }
 
 /// Applies `msgs`, where an element to delete that is already gone (expired, or the
 /// sandbox was half made) is no error: with the kernel's idempotent delete in one
 /// transaction, else one deletion at a time. What is to be added must go in.
-pub fn apply_removing(msgs: &[SetMsg]) -> Result<(), String> {
+pub fn apply_removing(msgs: &[SetMsg]) -> Result<(), NetlinkError> {
     let first = match nfnl::apply(msgs) {
         Ok(()) => return Ok(()),
         Err(e) => e,
     };
     if first.errno() != Some(libc::ENOENT) {
-        return Err(first.to_string());
+        return Err(first);
     }
     for m in msgs {
         if m.op == ElemOp::Add || m.elems.is_empty() {
-            nfnl::apply(std::slice::from_ref(m)).map_err(|e| e.to_string())?;
+            nfnl::apply(std::slice::from_ref(m))?;
             continue;
         }
         for e in &m.elems {
@@ -118,7 +118,7 @@ pub fn apply_removing(msgs: &[SetMsg]) -> Result<(), String> {
             match nfnl::apply(&[one]) {
                 Ok(()) => {}
                 Err(err) if err.errno() == Some(libc::ENOENT) => {}
-                Err(err) => return Err(err.to_string()),
+                Err(err) => return Err(err),
             }
         }
     }
@@ -678,7 +678,8 @@ mod tests {
                 set: "no-such-set".into(),
                 elems: vec![],
             }])
-            .unwrap_err();
+            .unwrap_err()
+            .to_string();
             assert!(e.contains("no-such-set"), "{e}");
         });
     }
@@ -726,7 +727,7 @@ mod tests {
                 set: "no-such-set".into(),
                 elems: vec![],
             });
-            let e = apply(&bad).unwrap_err();
+            let e = apply(&bad).unwrap_err().to_string();
             assert!(e.contains("no-such-set"), "{e}");
         });
     }

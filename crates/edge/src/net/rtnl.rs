@@ -358,7 +358,7 @@ fn mount(
 }
 
 fn sandboxes_ns() -> Result<&'static crate::mountns::MountNs, NetlinkError> {
-    crate::mountns::get().map_err(NetlinkError::Other)
+    Ok(crate::mountns::get()?)
 }
 
 /// Where the host opens the named namespace `name`.
@@ -400,7 +400,7 @@ pub fn create_netns(name: &str) -> Result<File, NetlinkError> {
             })?;
             File::open(&path).map_err(NetlinkError::Io)
         })
-        .map_err(NetlinkError::Other)
+        .map_err(NetlinkError::from)
         .and_then(|r| r);
     if made.is_err() {
         let _ = std::fs::remove_file(&path);
@@ -500,12 +500,10 @@ pub fn write_sysctl(knob: &str, value: &str) -> io::Result<()> {
 pub fn delete_netns(name: &str) -> Result<(), NetlinkError> {
     let path = Path::new(NETNS_DIR).join(name);
     let c = cpath(&path)?;
-    sandboxes_ns()?
-        .run(|| {
-            // SAFETY: umount2 with a NUL-terminated path that outlives the call.
-            let _ = unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
-        })
-        .map_err(NetlinkError::Other)?;
+    sandboxes_ns()?.run(|| {
+        // SAFETY: umount2 with a NUL-terminated path that outlives the call.
+        let _ = unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+    })?;
     std::fs::remove_file(&path).map_err(NetlinkError::Io)
 }
 

@@ -308,7 +308,8 @@ impl Catalog {
         services: &BTreeMap<String, Vec<String>>,
         private: &BTreeMap<String, Vec<String>>,
         pool: &Cidr,
-    ) -> Result<Catalog, String> {
+    ) -> Result<Catalog, super::NetError> {
+        let bad = super::NetError::Config;
         let mut c = Catalog {
             services: default_services(),
             private: BTreeMap::new(),
@@ -316,28 +317,30 @@ impl Catalog {
         for (name, domains) in services {
             for d in domains {
                 if DomainPattern::parse(d).is_none() {
-                    return Err(format!(
+                    return Err(bad(format!(
                         "[edge.network.services] {name}: {d:?} is not a domain"
-                    ));
+                    )));
                 }
             }
             c.services.insert(name.clone(), domains.clone());
         }
         for (name, addrs) in private {
             if c.services.contains_key(name) {
-                return Err(format!(
+                return Err(bad(format!(
                     "[edge.network.private_services] {name} is also a service name; give it another name"
-                ));
+                )));
             }
             let mut v = Vec::new();
             for a in addrs {
                 let (cidr, port) = parse_cidr_port(a).map_err(|why| {
-                    format!("[edge.network.private_services] {name}: {a:?} {why}")
+                    bad(format!(
+                        "[edge.network.private_services] {name}: {a:?} {why}"
+                    ))
                 })?;
                 if cidr.within(pool) || pool.within(&cidr) {
-                    return Err(format!(
+                    return Err(bad(format!(
                         "[edge.network.private_services] {name}: {a:?} overlaps the sandbox pool {pool}; sandboxes never reach each other"
-                    ));
+                    )));
                 }
                 v.push((cidr, port));
             }

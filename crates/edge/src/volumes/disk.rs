@@ -11,6 +11,10 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
+use dsec_common::{IoContext, IoFailure};
+
+use super::VolumeError;
+
 const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
 const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
 const LO_FLAGS_AUTOCLEAR: u32 = 4;
@@ -47,13 +51,13 @@ pub const MOUNT: &str = "mnt";
 
 /// Makes the volume's file system in `dir` (a new, empty directory): a sparse file of
 /// `size_mb` and `mkfs.ext4` on it (not on a hot path: once per volume).
-pub fn make(dir: &Path, size_mb: u64) -> Result<(), String> {
+pub fn make(dir: &Path, size_mb: u64) -> Result<(), VolumeError> {
     let image = dir.join(IMAGE);
-    let f = File::create(&image).map_err(|e| format!("creating {}: {e}", image.display()))?;
+    let f = File::create(&image).ctx(|| format!("creating {}", image.display()))?;
     f.set_len(size_mb * 1024 * 1024)
-        .map_err(|e| format!("sizing {}: {e}", image.display()))?;
+        .ctx(|| format!("sizing {}", image.display()))?;
     drop(f);
-    std::fs::create_dir(dir.join(MOUNT)).map_err(|e| format!("creating the mount point: {e}"))?;
+    std::fs::create_dir(dir.join(MOUNT)).ctx(|| "creating the mount point".into())?;
     let out = std::process::Command::new("mkfs.ext4")
         .args([
             "-q",
@@ -66,13 +70,12 @@ pub fn make(dir: &Path, size_mb: u64) -> Result<(), String> {
         .arg(&image)
         .stdin(std::process::Stdio::null())
         .output()
-        .map_err(|e| format!("running mkfs.ext4 (is e2fsprogs installed?): {e}"))?;
+        .ctx(|| "running mkfs.ext4 (is e2fsprogs installed?)".into())?;
     if !out.status.success() {
-        return Err(format!(
-            "mkfs.ext4 failed ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
+        return Err(VolumeError::Mkfs {
+            status: out.status.to_string(),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
     }
     Ok(())
 }
@@ -88,30 +91,26 @@ pub fn mounted(target: &Path) -> bool {
 }
 
 /// A free loop device, backed by `image` (it clears itself once unmounted).
-fn attach_loop(image: &Path) -> Result<(File, String), String> {
-    let ctl =
-        File::open("/dev/loop-control").map_err(|e| format!("opening /dev/loop-control: {e}"))?;
+fn attach_loop(image: &Path) -> Result<(File, String), VolumeError> {
+    let ctl = File::open("/dev/loop-control").ctx(|| "opening /dev/loop-control".into())?;
     let backing = OpenOptions::new()
         .read(true)
         .write(true)
         .open(image)
-        .map_err(|e| format!("opening {}: {e}", image.display()))?;
+        .ctx(|| format!("opening {}", image.display()))?;
     // Another process may take the device between the two calls: try again.
     for _ in 0..16 {
         // SAFETY: an ioctl without an argument on an open descriptor.
         let n = unsafe { libc::ioctl(ctl.as_raw_fd(), LOOP_CTL_GET_FREE) };
         if n < 0 {
-            return Err(format!(
-                "finding a free loop device: {}",
-                std::io::Error::last_os_error()
-            ));
+            return Err(IoFailure::last_os("finding a free loop device").into());
         }
         let dev = format!("/dev/loop{n}");
         let lo = OpenOptions::new()
             .read(true)
             .write(true)
             .open(&dev)
-            .map_err(|e| format!("opening {dev}: {e}"))?;
+            .ctx(|| format!("opening {dev}"))?;
         // SAFETY: zeroed is a valid loop_config; the fields set are plain integers.
         let mut cfg: LoopConfig = unsafe { std::mem::zeroed() };
         cfg.fd = backing.as_raw_fd() as u32;
@@ -123,16 +122,18 @@ fn attach_loop(image: &Path) -> Result<(File, String), String> {
         }
         let e = std::io::Error::last_os_error();
         if e.raw_os_error() != Some(libc::EBUSY) {
-            return Err(format!("setting up {dev} for {}: {e}", image.display()));
+            return Err(
+                IoFailure::new(format!("setting up {dev} for {}", image.display()), e).into(),
+            );
         }
     }
-    Err("no free loop device after 16 tries".into())
+    Err(VolumeError::NoFreeLoop)
 }
 
 /// Mounts the volume in `dir` at `dir/mnt` unless it is mounted already; `fresh`: its
 /// file system was just made (the root is opened to every user of the sandboxes, and
 /// mkfs's `lost+found` goes). Runs in the sandboxes' mount namespace.
-pub fn mount(dir: &Path, fresh: bool) -> Result<(), String> {
+pub fn mount(dir: &Path, fresh: bool) -> Result<(), VolumeError> {
     // One mount at a time: two first uses at once must not mount one file system twice.
     static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one = ONE.lock().unwrap_or_else(|p| p.into_inner());
@@ -141,9 +142,10 @@ pub fn mount(dir: &Path, fresh: bool) -> Result<(), String> {
         return Ok(());
     }
     let (lo, dev) = attach_loop(&dir.join(IMAGE))?;
-    let src = CString::new(dev.as_bytes()).map_err(|_| "device path".to_string())?;
+    let src =
+        CString::new(dev.as_bytes()).map_err(|_| VolumeError::NulInPath(dev.clone().into()))?;
     let tgt = CString::new(target.as_os_str().as_bytes())
-        .map_err(|_| format!("{} has a NUL byte", target.display()))?;
+        .map_err(|_| VolumeError::NulInPath(target.clone()))?;
     // SAFETY: mount(2) with NUL-terminated strings.
     let rc = unsafe {
         libc::mount(
@@ -157,35 +159,27 @@ pub fn mount(dir: &Path, fresh: bool) -> Result<(), String> {
     // The mount holds the device now; with autoclear it goes with the last mount.
     drop(lo);
     if rc != 0 {
-        return Err(format!(
-            "mounting {dev} at {}: {}",
-            target.display(),
-            std::io::Error::last_os_error()
-        ));
+        return Err(IoFailure::last_os(format!("mounting {dev} at {}", target.display())).into());
     }
     if fresh {
         let _ = std::fs::remove_dir(target.join("lost+found"));
         std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o777))
-            .map_err(|e| format!("opening the volume's root: {e}"))?;
+            .ctx(|| "opening the volume's root".into())?;
     }
     Ok(())
 }
 
 /// Unmounts the volume in `dir` (in the sandboxes' mount namespace), if mounted.
-pub fn unmount(dir: &Path) -> Result<(), String> {
+pub fn unmount(dir: &Path) -> Result<(), VolumeError> {
     let target = dir.join(MOUNT);
     if !mounted(&target) {
         return Ok(());
     }
     let tgt = CString::new(target.as_os_str().as_bytes())
-        .map_err(|_| format!("{} has a NUL byte", target.display()))?;
+        .map_err(|_| VolumeError::NulInPath(target.clone()))?;
     // SAFETY: umount2(2) with a NUL-terminated path.
     if unsafe { libc::umount2(tgt.as_ptr(), libc::MNT_DETACH) } != 0 {
-        return Err(format!(
-            "unmounting {}: {}",
-            target.display(),
-            std::io::Error::last_os_error()
-        ));
+        return Err(IoFailure::last_os(format!("unmounting {}", target.display())).into());
     }
     Ok(())
 }

@@ -12,13 +12,41 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use dsec_common::api::Capability;
-use dsec_common::api::{CreateVolumeRequest, VolumeInfo, VolumeMount};
+use dsec_common::api::{Capability, CreateVolumeRequest, VolumeInfo, VolumeMount};
 use dsec_common::id::SandboxId;
-use dsec_common::{ApiError, ErrorCode};
+use dsec_common::{ApiError, ErrorCode, IoContext, IoFailure};
 
 use crate::registry::now_ms;
 use crate::{Edge, blocking};
+
+/// What goes wrong with a volume's disk and its mounts.
+#[derive(Debug, thiserror::Error)]
+pub enum VolumeError {
+    #[error("mkfs.ext4 failed ({status}): {stderr}")]
+    Mkfs { status: String, stderr: String },
+    #[error("no free loop device after 16 tries")]
+    NoFreeLoop,
+    #[error("{} has a NUL byte", .0.display())]
+    NulInPath(PathBuf),
+    #[error("volume {0} does not exist (it was deleted)")]
+    Gone(String),
+    #[error(transparent)]
+    MountNs(#[from] crate::mountns::MountNsError),
+    #[error(transparent)]
+    Io(#[from] IoFailure),
+}
+
+impl crate::error::Coded for VolumeError {
+    fn code(&self) -> ErrorCode {
+        match self {
+            VolumeError::Gone(_) => ErrorCode::NotFound,
+            VolumeError::NulInPath(_) => ErrorCode::InvalidArgument,
+            VolumeError::NoFreeLoop => ErrorCode::Unavailable,
+            VolumeError::MountNs(e) => crate::error::Coded::code(e),
+            VolumeError::Mkfs { .. } | VolumeError::Io(_) => ErrorCode::Internal,
+        }
+    }
+}
 
 const META: &str = "volume.json";
 const DEFAULT_SIZE_MB: u64 = 1024;
@@ -289,16 +317,14 @@ impl Edge {
         let made = blocking(move || -> Result<(), ApiError> {
             std::fs::create_dir_all(&p2)
                 .map_err(|e| ApiError::internal(format!("creating {}: {e}", p2.display())))?;
-            disk::make(&p2, i2.size_mb).map_err(ApiError::internal)?;
+            disk::make(&p2, i2.size_mb)?;
             let bytes =
                 serde_json::to_vec_pretty(&i2).map_err(|e| ApiError::internal(e.to_string()))?;
             dsec_common::private::write(&p2.join(META), &bytes)
                 .map_err(|e| ApiError::internal(format!("writing {META}: {e}")))?;
             std::fs::rename(&p2, &d2)
                 .map_err(|e| ApiError::internal(format!("keeping the volume: {e}")))?;
-            crate::mountns::get()
-                .and_then(|ns| ns.run(|| disk::mount(&d2, true))?)
-                .map_err(ApiError::internal)
+            Ok(crate::mountns::within(|| disk::mount(&d2, true))?)
         })
         .await
         .and_then(|r| r);
@@ -472,16 +498,16 @@ impl Edge {
         };
         let dir = self.volume_dir(id);
         let gone = self.volumes_dir().join(format!(".{id}.gone"));
-        let removed = blocking(move || -> Result<(), String> {
-            crate::mountns::get().and_then(|ns| ns.run(|| disk::unmount(&dir))?)?;
-            std::fs::rename(&dir, &gone).map_err(|e| format!("removing the volume: {e}"))?;
+        let removed = blocking(move || -> Result<(), VolumeError> {
+            crate::mountns::within(|| disk::unmount(&dir))?;
+            std::fs::rename(&dir, &gone).ctx(|| "removing the volume".into())?;
             let _ = std::fs::remove_dir_all(&gone);
             Ok(())
         })
         .await?;
         if let Err(e) = removed {
             self.volumes.lock().insert(id.to_string(), kept);
-            return Err(ApiError::internal(e));
+            return Err(e.into());
         }
         self.release_quota(id).await;
         tracing::info!(volume = %id, "volume deleted");
@@ -497,10 +523,8 @@ impl Edge {
         self.volume_info(id)?;
         let dir = self.volume_dir(id);
         blocking(move || -> Result<_, ApiError> {
-            let ns = crate::mountns::get().map_err(ApiError::internal)?;
-            ns.run(|| disk::mount(&dir, false))
-                .and_then(|r| r)
-                .map_err(ApiError::internal)?;
+            let ns = crate::mountns::get()?;
+            ns.run(|| disk::mount(&dir, false))??;
             fs::open_root(&ns.view(&dir.join(disk::MOUNT)))
                 .map_err(|e| ApiError::internal(format!("opening the volume: {e}")))
         })
@@ -567,16 +591,13 @@ impl Edge {
 pub(crate) fn mount_points(
     state_dir: &Path,
     mounts: &[VolumeMount],
-) -> Result<Vec<PathBuf>, String> {
+) -> Result<Vec<PathBuf>, VolumeError> {
     mounts
         .iter()
         .map(|m| {
             let dir = state_dir.join("volumes").join(&m.volume);
             if !dir.join(META).is_file() {
-                return Err(format!(
-                    "volume {} does not exist (it was deleted)",
-                    m.volume
-                ));
+                return Err(VolumeError::Gone(m.volume.clone()));
             }
             disk::mount(&dir, false)?;
             Ok(dir.join(disk::MOUNT))
@@ -610,7 +631,7 @@ pub(crate) fn bind_shares(
     state_dir: &Path,
     mounts: &[VolumeMount],
     shares: &Path,
-) -> Result<Vec<PathBuf>, String> {
+) -> Result<Vec<PathBuf>, VolumeError> {
     let sources = mount_points(state_dir, mounts)?;
     let table = std::fs::read_to_string("/proc/thread-self/mountinfo").unwrap_or_default();
     let mut out = Vec::with_capacity(mounts.len());
@@ -624,10 +645,10 @@ pub(crate) fn bind_shares(
         {
             continue;
         }
-        std::fs::create_dir_all(&dst).map_err(|e| format!("creating {}: {e}", dst.display()))?;
+        std::fs::create_dir_all(&dst).ctx(|| format!("creating {}", dst.display()))?;
         let c = |p: &Path| {
             std::ffi::CString::new(p.as_os_str().as_encoded_bytes())
-                .map_err(|_| format!("{} has a NUL byte", p.display()))
+                .map_err(|_| VolumeError::NulInPath(p.to_path_buf()))
         };
         let (s, d) = (c(&src)?, c(&dst)?);
         let bind = |flags: libc::c_ulong| {
@@ -642,12 +663,11 @@ pub(crate) fn bind_shares(
                 )
             };
             if rc != 0 {
-                return Err(format!(
-                    "binding volume {} at {}: {}",
+                return Err(VolumeError::from(IoFailure::last_os(format!(
+                    "binding volume {} at {}",
                     m.volume,
-                    dst.display(),
-                    std::io::Error::last_os_error()
-                ));
+                    dst.display()
+                ))));
             }
             Ok(())
         };

@@ -17,6 +17,13 @@ use serde::{Deserialize, Serialize};
 
 use super::types::{NodeId, Snapshot, SnapshotMeta, TypeConfig, Vote};
 
+/// A replica's refusal of a snapshot, as it said it (its openraft error's text: the
+/// error itself does not cross the wire). On the wire the string alone, as before.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, thiserror::Error)]
+#[serde(transparent)]
+#[error("{0}")]
+pub struct SnapshotRefused(pub String);
+
 pub const PATH_APPEND: &str = "/raft/append";
 pub const PATH_VOTE: &str = "/raft/vote";
 pub const PATH_PRE_VOTE: &str = "/raft/pre-vote";
@@ -230,7 +237,7 @@ impl RaftNetworkV2<TypeConfig> for Connection {
         };
         let send = self
             .http
-            .post::<_, Result<SnapshotResponse<TypeConfig>, String>>(
+            .post::<_, Result<SnapshotResponse<TypeConfig>, SnapshotRefused>>(
                 &self.addr,
                 PATH_SNAPSHOT,
                 &req,

@@ -494,7 +494,7 @@ async fn pre_vote(
 async fn snapshot(
     State(node): State<RaftIam>,
     Json(req): Json<SnapshotRequest>,
-) -> Json<Result<SnapshotResponse<TypeConfig>, String>> {
+) -> Json<Result<SnapshotResponse<TypeConfig>, super::network::SnapshotRefused>> {
     let snap = Snapshot {
         meta: req.meta,
         snapshot: req.data.into_bytes(),
@@ -504,7 +504,7 @@ async fn snapshot(
             .raft
             .install_full_snapshot(req.vote, snap)
             .await
-            .map_err(|e| e.to_string()),
+            .map_err(|e| super::network::SnapshotRefused(e.to_string())),
     )
 }
 

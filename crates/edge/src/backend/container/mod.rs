@@ -8,15 +8,14 @@ mod runtime;
 mod seccomp;
 
 use base64::Engine as _;
-use dsec_common::api::Capability;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use dsec_common::ApiError;
-use dsec_common::api::{BackendStatus, SandboxState};
+use dsec_common::api::{BackendStatus, Capability, SandboxState};
+use dsec_common::{ApiError, ErrorCode, IoContext, IoFailure};
 use dsec_image::ImageStore;
 
 pub use oci::{ALLOWED_SYSCALLS, CAPABILITIES};
@@ -27,12 +26,86 @@ use super::{Backend, SandboxPaths};
 use crate::cgroup::{self, CgroupMode};
 use crate::registry::SandboxRecord;
 
+/// What goes wrong running a container sandbox.
+#[derive(Debug, thiserror::Error)]
+pub enum ContainerError {
+    /// No OCI runtime, or not the one configured; the message says what to install.
+    #[error("{0}")]
+    NoRuntime(String),
+    #[error(transparent)]
+    NoAether(#[from] super::NoAether),
+    /// The backend could not start (the cause found at start, repeated on each use).
+    #[error("container backend unavailable: {0}")]
+    Unavailable(String),
+    /// The OCI runtime refused a call: its last output lines.
+    #[error("{runtime} {call} failed ({status}): {output}")]
+    Runtime {
+        runtime: String,
+        call: String,
+        status: String,
+        output: String,
+    },
+    #[error("path {} has a NUL byte", .0.display())]
+    NulInPath(PathBuf),
+    #[error("layer path {0} contains ',' or ':', which overlayfs cannot take")]
+    BadLayerPath(String),
+    #[error("image has too many layers ({0}) for one overlay mount; build it with fewer steps")]
+    TooManyLayers(usize),
+    #[error("copying the fork source's files (disk_limit_mb too small?): {0}")]
+    CopyFiles(String),
+    #[error(transparent)]
+    Image(#[from] dsec_image::ImageError),
+    #[error(transparent)]
+    Net(#[from] crate::net::NetError),
+    #[error(transparent)]
+    Netlink(#[from] crate::net::NetlinkError),
+    #[error(transparent)]
+    Volume(#[from] crate::volumes::VolumeError),
+    #[error(transparent)]
+    MountNs(#[from] crate::mountns::MountNsError),
+    #[error(transparent)]
+    Io(#[from] IoFailure),
+}
+
+impl ContainerError {
+    /// Whether the kernel (or the runtime, in its output) said a resource was busy: the
+    /// writable layer of a container that just ended is let go of a moment later.
+    fn is_busy(&self) -> bool {
+        match self {
+            ContainerError::Io(e) => e.errno() == Some(libc::EBUSY),
+            ContainerError::Runtime { output, .. } => output.contains("busy"),
+            _ => false,
+        }
+    }
+}
+
+impl crate::error::Coded for ContainerError {
+    fn code(&self) -> ErrorCode {
+        match self {
+            ContainerError::NoRuntime(_)
+            | ContainerError::NoAether(_)
+            | ContainerError::Unavailable(_) => ErrorCode::Unavailable,
+            ContainerError::TooManyLayers(_) => ErrorCode::FailedPrecondition,
+            ContainerError::CopyFiles(_) => ErrorCode::ResourceExhausted,
+            ContainerError::Volume(e) => e.code(),
+            ContainerError::Net(e) => e.code(),
+            ContainerError::Netlink(_) => ErrorCode::Internal,
+            ContainerError::MountNs(e) => e.code(),
+            ContainerError::Image(_) => ErrorCode::Internal,
+            ContainerError::Runtime { .. }
+            | ContainerError::NulInPath(_)
+            | ContainerError::BadLayerPath(_)
+            | ContainerError::Io(_) => ErrorCode::Internal,
+        }
+    }
+}
+
 /// See [`crate::backend::Backend::capabilities`].
 pub const BACKEND_CAPABILITIES: &[Capability] = &[Capability::PauseToDisk, Capability::Volumes];
 
 pub struct ContainerBackend {
-    runtime: Result<OciRuntime, String>,
-    aether: Result<PathBuf, String>,
+    runtime: Result<OciRuntime, ContainerError>,
+    aether: Result<PathBuf, super::NoAether>,
     images: ImageStore,
     mode: CgroupMode,
     /// Where each sandbox's directory is (`<sandboxes>/<id>`).
@@ -71,58 +144,7 @@ fn init_in_cgroup(pid: i32, id: &str) -> bool {
 
 /// Whether an ELF file has no program interpreter, i.e. runs without a dynamic loader.
 pub fn is_static_elf(p: &Path) -> bool {
-    let Ok(bytes) = std::fs::read(p) else {
-        return false;
-    };
-    if bytes.len() < 64 || &bytes[..4] != b"\x7fELF" || bytes[4] != 2 {
-        return false;
-    }
-    let u16_at = |o: usize| u16::from_le_bytes([bytes[o], bytes[o + 1]]) as usize;
-    let u64_at = |o: usize| {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(&bytes[o..o + 8]);
-        u64::from_le_bytes(b) as usize
-    };
-    let (phoff, phentsize, phnum) = (u64_at(32), u16_at(54), u16_at(56));
-    (0..phnum).all(|i| {
-        let o = phoff + i * phentsize;
-        o + 4 <= bytes.len()
-            && u32::from_le_bytes([bytes[o], bytes[o + 1], bytes[o + 2], bytes[o + 3]]) != 3
-    })
-}
-
-/// Finds the static `dsec-aether`: the configured path, `$DSEC_AETHER`, next to the running
-/// binary, or the static build output of this workspace.
-pub fn find_aether(configured: Option<&Path>) -> Result<PathBuf, String> {
-    let mut candidates: Vec<PathBuf> = Vec::new();
-    if let Some(p) = configured {
-        candidates.push(p.to_path_buf());
-    } else {
-        if let Some(p) = std::env::var_os("DSEC_AETHER") {
-            candidates.push(p.into());
-        }
-        if let Ok(exe) = std::env::current_exe()
-            && let Some(dir) = exe.parent()
-        {
-            candidates.push(dir.join("dsec-aether"));
-            candidates.push(dir.join("../x86_64-unknown-linux-gnu/release/dsec-aether"));
-            candidates.push(dir.join("../../x86_64-unknown-linux-gnu/release/dsec-aether"));
-        }
-        candidates.push("/usr/local/lib/dsec/dsec-aether".into());
-    }
-    for c in &candidates {
-        if c.is_file() && is_static_elf(c) {
-            return c.canonicalize().map_err(|e| e.to_string());
-        }
-    }
-    Err(format!(
-        "no statically linked dsec-aether found (looked at {}); build it with `make aether` or set aether_binary",
-        candidates
-            .iter()
-            .map(|c| c.display().to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
-    ))
+    std::fs::read(p).is_ok_and(|b| dsec_common::elf::has_interpreter(&b) == Ok(false))
 }
 
 /// The empty, read-only directory bound over the masked directories of every sandbox
@@ -161,7 +183,7 @@ fn empty_dir(sandboxes: &Path) -> Option<PathBuf> {
 /// `None` (each sandbox mounts its own) if it cannot be made.
 fn sysfs_view(sandboxes: &Path) -> Option<PathBuf> {
     let dir = sandboxes.parent()?.join("sysfs-view");
-    let made = crate::mountns::get().and_then(|ns| ns.run(|| rootfs::mount_sysfs_view(&dir))?);
+    let made = crate::mountns::within(|| rootfs::mount_sysfs_view(&dir));
     match made {
         Ok(()) => Some(dir),
         Err(e) => {
@@ -186,18 +208,20 @@ const BIND_MOUNT_FILES: [&str; 2] = ["etc/hosts", "etc/resolv.conf"];
 
 /// Copies the contents of `src` into `dest`, keeping owners, modes, links, xattrs and
 /// overlay whiteouts (`cp -a`; reflinks where the filesystem has them).
-fn copy_tree(src: &Path, dest: &Path) -> Result<(), String> {
+fn copy_tree(src: &Path, dest: &Path) -> Result<(), ContainerError> {
     let out = Command::new("cp")
         .arg("-a")
         .arg("--reflink=auto")
         .arg(format!("{}/.", src.display()))
         .arg(dest)
         .output()
-        .map_err(|e| format!("cannot run cp: {e}"))?;
+        .ctx(|| "cannot run cp".into())?;
     if out.status.success() {
         Ok(())
     } else {
-        Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
+        Err(ContainerError::CopyFiles(
+            String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        ))
     }
 }
 
@@ -235,7 +259,7 @@ impl ContainerBackend {
         };
         ContainerBackend {
             runtime,
-            aether: find_aether(aether),
+            aether: super::find_aether(aether),
             images,
             mode,
             sandboxes: sandboxes.to_path_buf(),
@@ -243,6 +267,12 @@ impl ContainerBackend {
             empty_dir,
             sysfs_view: std::sync::OnceLock::new(),
         }
+    }
+
+    fn runtime_or_why(&self) -> Result<&OciRuntime, ContainerError> {
+        self.runtime
+            .as_ref()
+            .map_err(|e| ContainerError::Unavailable(e.to_string()))
     }
 
     fn rt(&self) -> Result<&OciRuntime, ApiError> {
@@ -256,31 +286,32 @@ impl ContainerBackend {
         rec: &SandboxRecord,
         paths: &SandboxPaths,
         seed: Option<&Path>,
-    ) -> Result<(), String> {
-        let rt = self.runtime.as_ref().map_err(Clone::clone)?;
-        let aether = self.aether.as_ref().map_err(Clone::clone)?;
+    ) -> Result<(), ContainerError> {
+        let rt = self.runtime_or_why()?;
+        let aether = self
+            .aether
+            .as_ref()
+            .map_err(|e| ContainerError::Unavailable(e.to_string()))?;
         let dir = &paths.dir;
         let disk = dir.join("disk");
         let rootfs = dir.join("rootfs");
         let disk_mb = rec.limits.disk_mb;
         // The disk is made in the sandboxes' mount namespace, where it stays while the
         // sandbox lives (also while it is paused without its processes).
-        crate::mountns::get()?.run(|| -> Result<_, String> {
+        crate::mountns::within(|| -> Result<_, ContainerError> {
             rootfs::mount_disk(&disk, disk_mb)?;
             if let Some(seed) = seed {
-                copy_tree(seed, &disk.join("upper")).map_err(|e| {
-                    format!("copying the fork source's files (disk_limit_mb too small?): {e}")
-                })?;
+                copy_tree(seed, &disk.join("upper"))?;
             }
             Ok(())
-        })??;
+        })?;
         let view = self.sysfs_view(rt);
         let hosts = dir.join("hosts");
         std::fs::write(
             &hosts,
             "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost\n127.0.1.1\tsandbox\n",
         )
-        .map_err(|e| format!("writing hosts: {e}"))?;
+        .ctx(|| "writing hosts".into())?;
         // The edge made the sandbox's network namespace; /etc/resolv.conf names the DNS
         // proxy's address (DNS to anything else on port 53 is redirected there anyway).
         let netns = rec
@@ -295,7 +326,7 @@ impl ContainerBackend {
                 &resolv,
                 format!("nameserver {gw}\noptions timeout:2 attempts:2\n"),
             )
-            .map_err(|e| format!("writing resolv.conf: {e}"))?;
+            .ctx(|| "writing resolv.conf".into())?;
         }
         let cgroup_path = cgroup::sandbox_cgroup_path(&rec.id);
         let limit_swap = match self.mode {
@@ -324,7 +355,7 @@ impl ContainerBackend {
             &dir.join("config.json"),
             &serde_json::to_vec_pretty(&config).unwrap_or_default(),
         )
-        .map_err(|e| format!("writing config.json: {e}"))?;
+        .ctx(|| "writing config.json".into())?;
         self.start_container(rec, paths)
     }
 
@@ -362,8 +393,12 @@ impl ContainerBackend {
     /// starts its container from the bundle: at create, and when a sandbox paused without
     /// its processes resumes. The overlay is made in the sandboxes' mount namespace and
     /// left detached there, for the runtime's call to attach (see `rootfs.rs`).
-    fn start_container(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), String> {
-        let rt = self.runtime.as_ref().map_err(Clone::clone)?;
+    fn start_container(
+        &self,
+        rec: &SandboxRecord,
+        paths: &SandboxPaths,
+    ) -> Result<(), ContainerError> {
+        let rt = self.runtime_or_why()?;
         let dir = &paths.dir;
         let (disk, rootfs) = (dir.join("disk"), dir.join("rootfs"));
         let lowers: Vec<PathBuf> = rec
@@ -375,15 +410,12 @@ impl ContainerBackend {
         let view = self.sysfs_view(rt);
         let state_dir = self.sandboxes.parent().unwrap_or(&self.sandboxes);
         // Lazy layers: mounted here, then in the sandboxes' namespace too.
-        let lazy = self
-            .images
-            .ready_layers(&rec.layers)
-            .map_err(|e| e.to_string())?;
+        let lazy = self.images.ready_layers(&rec.layers)?;
         let (root_fd, sys_fd, vol_fds) =
-            crate::mountns::get()?.run(|| -> Result<_, String> {
+            crate::mountns::within(|| -> Result<_, ContainerError> {
                 if let Some(m) = self.images.lazy() {
                     for l in &lazy {
-                        m.mount_here(l).map_err(|e| format!("layer {l}: {e}"))?;
+                        m.mount_here(l)?;
                     }
                 }
                 // Copies of the volumes' mounts, attached in the runtime's namespace below.
@@ -394,10 +426,10 @@ impl ContainerBackend {
                 rootfs::mount_overlay(&lowers, &disk, &rootfs)?;
                 let sys: Option<OwnedFd> = view.map(rootfs::clone_mount).transpose()?;
                 Ok((rootfs::detach(&rootfs)?, sys, vols))
-            })??;
+            })?;
         let _ = std::fs::remove_file(&paths.channel);
         let listener = UnixListener::bind(&paths.channel)
-            .map_err(|e| format!("creating channel socket {}: {e}", paths.channel.display()))?;
+            .ctx(|| format!("creating channel socket {}", paths.channel.display()))?;
         rt.run_detached(
             &cid(rec),
             dir,
@@ -423,7 +455,8 @@ impl Backend for ContainerBackend {
                 true,
                 format!("{}, cgroup {}", rt.describe(), self.mode.as_str()),
             ),
-            (Err(e), _) | (_, Err(e)) => (false, e.clone()),
+            (Err(e), _) => (false, e.to_string()),
+            (_, Err(e)) => (false, e.to_string()),
         };
         BackendStatus {
             name: "container".into(),
@@ -522,7 +555,7 @@ impl Backend for ContainerBackend {
         loop {
             match self.start_container(rec, paths) {
                 Ok(()) => return Ok(()),
-                Err(e) if tries < 40 && e.contains("busy") => {
+                Err(e) if tries < 40 && e.is_busy() => {
                     tries += 1;
                     std::thread::sleep(Duration::from_millis(50));
                 }
@@ -559,11 +592,11 @@ impl Backend for ContainerBackend {
                 .collect::<Vec<_>>()
         };
         match crate::mountns::get().and_then(|ns| ns.run(unmount_both)) {
-            Ok(p) => problems.extend(p),
-            Err(e) => problems.push(e),
+            Ok(p) => problems.extend(p.iter().map(ToString::to_string)),
+            Err(e) => problems.push(e.to_string()),
         }
         // A sandbox of an edge that mounted in the host's namespace.
-        problems.extend(unmount_both());
+        problems.extend(unmount_both().iter().map(ToString::to_string));
         // Removed in-process (no `rm` per stop) once nothing is mounted inside it here:
         // this namespace's table is the host's, a few entries, so the check is cheap, and
         // the removal never reaches into another file system (`remove_dir_all` follows no

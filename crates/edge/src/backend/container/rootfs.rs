@@ -8,19 +8,22 @@ use std::ffi::CString;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
 
+use dsec_common::{IoContext, IoFailure};
+
+use super::ContainerError;
+
 // From <linux/mount.h>.
 const OPEN_TREE_CLONE: libc::c_uint = 1;
 const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 4;
 
-fn cstr(p: &Path) -> Result<CString, String> {
+fn cstr(p: &Path) -> Result<CString, ContainerError> {
     CString::new(p.as_os_str().as_encoded_bytes())
-        .map_err(|_| format!("path {} has a NUL byte", p.display()))
+        .map_err(|_| ContainerError::NulInPath(p.to_path_buf()))
 }
 
-fn mount(src: &str, target: &Path, fstype: &str, data: &str) -> Result<(), String> {
-    let src_c = CString::new(src).map_err(|e| e.to_string())?;
-    let fs_c = CString::new(fstype).map_err(|e| e.to_string())?;
-    let data_c = CString::new(data).map_err(|e| e.to_string())?;
+fn mount(src: &str, target: &Path, fstype: &str, data: &str) -> Result<(), ContainerError> {
+    let c = |s: &str| CString::new(s).map_err(|_| ContainerError::NulInPath(s.into()));
+    let (src_c, fs_c, data_c) = (c(src)?, c(fstype)?, c(data)?);
     let t = cstr(target)?;
     // SAFETY: all pointers are NUL-terminated strings that outlive the call.
     let rc = unsafe {
@@ -33,18 +36,16 @@ fn mount(src: &str, target: &Path, fstype: &str, data: &str) -> Result<(), Strin
         )
     };
     if rc != 0 {
-        return Err(format!(
-            "mounting {fstype} on {}: {}",
-            target.display(),
-            std::io::Error::last_os_error()
-        ));
+        return Err(
+            IoFailure::last_os(format!("mounting {fstype} on {}", target.display())).into(),
+        );
     }
     Ok(())
 }
 
 /// tmpfs of `size_mb` at `disk`, with `upper/` and `work/` inside.
-pub fn mount_disk(disk: &Path, size_mb: u64) -> Result<(), String> {
-    std::fs::create_dir_all(disk).map_err(|e| format!("creating {}: {e}", disk.display()))?;
+pub fn mount_disk(disk: &Path, size_mb: u64) -> Result<(), ContainerError> {
+    std::fs::create_dir_all(disk).ctx(|| format!("creating {}", disk.display()))?;
     mount(
         "dsec-disk",
         disk,
@@ -52,7 +53,7 @@ pub fn mount_disk(disk: &Path, size_mb: u64) -> Result<(), String> {
         &format!("size={size_mb}m,mode=0755"),
     )?;
     for sub in ["upper", "work"] {
-        std::fs::create_dir_all(disk.join(sub)).map_err(|e| format!("creating {sub}: {e}"))?;
+        std::fs::create_dir_all(disk.join(sub)).ctx(|| format!("creating {sub}"))?;
     }
     Ok(())
 }
@@ -62,15 +63,13 @@ pub fn mount_overlay(
     lowers: &[std::path::PathBuf],
     disk: &Path,
     target: &Path,
-) -> Result<(), String> {
-    std::fs::create_dir_all(target).map_err(|e| format!("creating {}: {e}", target.display()))?;
+) -> Result<(), ContainerError> {
+    std::fs::create_dir_all(target).ctx(|| format!("creating {}", target.display()))?;
     let mut parts = Vec::new();
     for l in lowers {
         let s = l.display().to_string();
         if s.contains([',', ':']) {
-            return Err(format!(
-                "layer path {s} contains ',' or ':', which overlayfs cannot take"
-            ));
+            return Err(ContainerError::BadLayerPath(s));
         }
         parts.push(s);
     }
@@ -81,10 +80,7 @@ pub fn mount_overlay(
         disk.join("work").display()
     );
     if data.len() >= 4000 {
-        return Err(format!(
-            "image has too many layers ({}) for one overlay mount; build it with fewer steps",
-            lowers.len()
-        ));
+        return Err(ContainerError::TooManyLayers(lowers.len()));
     }
     mount("overlay", target, "overlay", &data)
 }
@@ -93,9 +89,9 @@ pub fn mount_overlay(
 /// namespace of its own (which the mount keeps: it holds only `lo`); a sysfs already
 /// there, from an earlier edge, is kept. Run on a thread that ends after it: the
 /// thread is left in that namespace.
-pub fn mount_sysfs_view(target: &Path) -> Result<(), String> {
+pub fn mount_sysfs_view(target: &Path) -> Result<(), ContainerError> {
     const SYSFS_MAGIC: libc::c_long = 0x6265_6572;
-    std::fs::create_dir_all(target).map_err(|e| format!("creating {}: {e}", target.display()))?;
+    std::fs::create_dir_all(target).ctx(|| format!("creating {}", target.display()))?;
     let t = cstr(target)?;
     // SAFETY: statfs into a zeroed struct with a NUL-terminated path.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
@@ -107,10 +103,7 @@ pub fn mount_sysfs_view(target: &Path) -> Result<(), String> {
     // NUL-terminated strings and the path above.
     unsafe {
         if libc::unshare(libc::CLONE_NEWNET) != 0 {
-            return Err(format!(
-                "a network namespace for the sandboxes' sysfs: {}",
-                std::io::Error::last_os_error()
-            ));
+            return Err(IoFailure::last_os("a network namespace for the sandboxes' sysfs").into());
         }
         if libc::mount(
             c"sysfs".as_ptr(),
@@ -120,11 +113,9 @@ pub fn mount_sysfs_view(target: &Path) -> Result<(), String> {
             std::ptr::null(),
         ) != 0
         {
-            return Err(format!(
-                "mounting sysfs on {}: {}",
-                target.display(),
-                std::io::Error::last_os_error()
-            ));
+            return Err(
+                IoFailure::last_os(format!("mounting sysfs on {}", target.display())).into(),
+            );
         }
     }
     Ok(())
@@ -133,7 +124,7 @@ pub fn mount_sysfs_view(target: &Path) -> Result<(), String> {
 /// A copy of the mount at `target` that is attached nowhere, open; the mount at `target`
 /// is then taken away. The copy lives as long as the descriptor, or as the tree it is
 /// attached to by [`attach`].
-pub fn detach(target: &Path) -> Result<OwnedFd, String> {
+pub fn detach(target: &Path) -> Result<OwnedFd, ContainerError> {
     let fd = clone_mount(target)?;
     unmount(target)?;
     Ok(fd)
@@ -141,7 +132,7 @@ pub fn detach(target: &Path) -> Result<OwnedFd, String> {
 
 /// A copy of the mount at `target` alone (none of the mounts below it), attached nowhere:
 /// what the file system holds under those mounts is reached through it.
-pub fn clone_mount(target: &Path) -> Result<OwnedFd, String> {
+pub fn clone_mount(target: &Path) -> Result<OwnedFd, ContainerError> {
     let t = cstr(target)?;
     // SAFETY: open_tree(2) with a NUL-terminated path; it returns a new descriptor.
     let fd = unsafe {
@@ -153,11 +144,9 @@ pub fn clone_mount(target: &Path) -> Result<OwnedFd, String> {
         )
     };
     if fd < 0 {
-        return Err(format!(
-            "copying the mount at {}: {}",
-            target.display(),
-            std::io::Error::last_os_error()
-        ));
+        return Err(
+            IoFailure::last_os(format!("copying the mount at {}", target.display())).into(),
+        );
     }
     // SAFETY: a descriptor open_tree just returned, owned by nobody else.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
@@ -186,7 +175,7 @@ pub fn attach(fd: RawFd, target: &std::ffi::CStr) -> std::io::Result<()> {
 /// Unmounts `p` if mounted; lazily if it is busy. Tried directly, not looked up in
 /// `/proc/self/mountinfo` first: the mount table grows with every sandbox on the node, and
 /// reading it on each stop made stopping N sandboxes cost O(N^2).
-pub fn unmount(p: &Path) -> Result<(), String> {
+pub fn unmount(p: &Path) -> Result<(), ContainerError> {
     let c = cstr(p)?;
     // SAFETY: NUL-terminated path.
     if unsafe { libc::umount2(c.as_ptr(), 0) } == 0 {
@@ -200,9 +189,5 @@ pub fn unmount(p: &Path) -> Result<(), String> {
     if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0 {
         return Ok(());
     }
-    Err(format!(
-        "unmounting {}: {}",
-        p.display(),
-        std::io::Error::last_os_error()
-    ))
+    Err(IoFailure::last_os(format!("unmounting {}", p.display())).into())
 }

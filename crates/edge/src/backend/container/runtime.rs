@@ -16,6 +16,9 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use dsec_common::{IoContext, IoFailure};
+
+use super::ContainerError;
 use crate::cgroup::CgroupMode;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,17 +55,26 @@ impl OciRuntime {
         choice: &str,
         state_root: &Path,
         mode: CgroupMode,
-    ) -> Result<OciRuntime, String> {
+    ) -> Result<OciRuntime, ContainerError> {
         let path = match choice {
             "auto" => which("crun").or_else(|| which("runc")).ok_or_else(|| {
-                "no OCI runtime found: install crun or runc (apt-get install crun runc), or set oci_runtime in the edge config".to_string()
+                ContainerError::NoRuntime(
+                    "no OCI runtime found: install crun or runc (apt-get install crun runc), or set oci_runtime in the edge config".into(),
+                )
             })?,
             "crun" | "runc" | "youki" | "runsc" => which(choice)
-                .ok_or_else(|| format!("OCI runtime {choice} is not installed or not on PATH"))?,
+                .ok_or_else(|| {
+                    ContainerError::NoRuntime(format!(
+                        "OCI runtime {choice} is not installed or not on PATH"
+                    ))
+                })?,
             p => {
                 let p = PathBuf::from(p);
                 if !p.is_file() {
-                    return Err(format!("OCI runtime {} does not exist", p.display()));
+                    return Err(ContainerError::NoRuntime(format!(
+                        "OCI runtime {} does not exist",
+                        p.display()
+                    )));
                 }
                 p
             }
@@ -70,7 +82,7 @@ impl OciRuntime {
         let out = Command::new(&path)
             .arg("--version")
             .output()
-            .map_err(|e| format!("cannot run {} --version: {e}", path.display()))?;
+            .ctx(|| format!("cannot run {} --version", path.display()))?;
         let first = String::from_utf8_lossy(&out.stdout)
             .lines()
             .next()
@@ -89,7 +101,7 @@ impl OciRuntime {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
         let root = state_root.join(name);
-        std::fs::create_dir_all(&root).map_err(|e| format!("creating {}: {e}", root.display()))?;
+        std::fs::create_dir_all(&root).ctx(|| format!("creating {}", root.display()))?;
         let program = match kind {
             Kind::Crun | Kind::Runc => crate::spawn::Program::sealed(&path).unwrap_or_else(|e| {
                 tracing::warn!(
@@ -213,7 +225,7 @@ impl OciRuntime {
         v
     }
 
-    fn run_quiet(&self, args: &[&str]) -> Result<String, String> {
+    fn run_quiet(&self, args: &[&str]) -> Result<String, ContainerError> {
         let args: Vec<&OsStr> = args.iter().map(OsStr::new).collect();
         let out = crate::spawn::output(
             &self.program,
@@ -221,19 +233,20 @@ impl OciRuntime {
             &[],
             &mut self.step(None, Vec::new(), None),
         )
-        .map_err(|e| format!("cannot run {}: {e}", self.program.path.display()))?;
+        .ctx(|| format!("cannot run {}", self.program.path.display()))?;
         if out.status.success() {
             Ok(String::from_utf8_lossy(&out.stdout).into_owned())
         } else {
-            Err(format!(
-                "{} {} failed: {}",
-                self.version,
-                args.iter()
+            Err(ContainerError::Runtime {
+                runtime: self.version.clone(),
+                call: args
+                    .iter()
                     .map(|a| a.to_string_lossy())
                     .collect::<Vec<_>>()
                     .join(" "),
-                String::from_utf8_lossy(&out.stderr).trim()
-            ))
+                status: out.status.to_string(),
+                output: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+            })
         }
     }
 
@@ -252,22 +265,22 @@ impl OciRuntime {
         listen_fd: RawFd,
         log: &Path,
         pid_file: &Path,
-    ) -> Result<(), String> {
+    ) -> Result<(), ContainerError> {
         let logf = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(log)
-            .map_err(|e| format!("opening {}: {e}", log.display()))?;
+            .ctx(|| format!("opening {}", log.display()))?;
         let in_bundle = |name: &str| {
             CString::new(bundle.join(name).as_os_str().as_encoded_bytes())
-                .map_err(|_| format!("bundle path {} has a NUL byte", bundle.display()))
+                .map_err(|_| ContainerError::NulInPath(bundle.to_path_buf()))
         };
         let mut attach = vec![(rootfs, in_bundle("rootfs")?)];
         if let Some(fd) = sysfs {
             let dir = bundle.join("sysfs");
             match std::fs::create_dir(&dir) {
                 Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
-                    return Err(format!("creating {}: {e}", dir.display()));
+                    return Err(IoFailure::new(format!("creating {}", dir.display()), e).into());
                 }
                 _ => {}
             }
@@ -278,26 +291,25 @@ impl OciRuntime {
             let dir = bundle.join(&rel);
             match std::fs::create_dir_all(&dir) {
                 Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
-                    return Err(format!("creating {}: {e}", dir.display()));
+                    return Err(IoFailure::new(format!("creating {}", dir.display()), e).into());
                 }
                 _ => {}
             }
             attach.push((*fd, in_bundle(&rel)?));
         }
         let uses: Vec<RawFd> = attach.iter().map(|a| a.0).chain([listen_fd]).collect();
-        let null =
-            std::fs::File::open("/dev/null").map_err(|e| format!("opening /dev/null: {e}"))?;
+        let null = std::fs::File::open("/dev/null").ctx(|| "opening /dev/null".into())?;
         let scratch = if self.hide_unified {
             let dir = bundle.join("cgroup-unified");
             match std::fs::create_dir(&dir) {
                 Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
-                    return Err(format!("creating {}: {e}", dir.display()));
+                    return Err(IoFailure::new(format!("creating {}", dir.display()), e).into());
                 }
                 _ => {}
             }
             Some(
                 CString::new(dir.as_os_str().as_encoded_bytes())
-                    .map_err(|_| format!("bundle path {} has a NUL byte", bundle.display()))?,
+                    .map_err(|_| ContainerError::NulInPath(bundle.to_path_buf()))?,
             )
         } else {
             None
@@ -322,17 +334,18 @@ impl OciRuntime {
             &mut self.step(Some(listen_fd), attach, scratch),
         )
         .and_then(crate::spawn::wait)
-        .map_err(|e| format!("cannot run {}: {e}", self.program.path.display()))?;
+        .ctx(|| format!("cannot run {}", self.program.path.display()))?;
         if status.success() {
             return Ok(());
         }
         let text = std::fs::read_to_string(log).unwrap_or_default();
         let tail: Vec<&str> = text.lines().rev().take(5).collect();
-        Err(format!(
-            "{} run failed ({status}): {}",
-            self.version,
-            tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
-        ))
+        Err(ContainerError::Runtime {
+            runtime: self.version.clone(),
+            call: "run".into(),
+            status: status.to_string(),
+            output: tail.into_iter().rev().collect::<Vec<_>>().join(" | "),
+        })
     }
 
     /// No session keyring of the container's own: the kernel finds a named keyring by
@@ -353,15 +366,15 @@ impl OciRuntime {
         v.get("status").and_then(|s| s.as_str()).map(str::to_string)
     }
 
-    pub fn delete_force(&self, cid: &str) -> Result<(), String> {
+    pub fn delete_force(&self, cid: &str) -> Result<(), ContainerError> {
         self.run_quiet(&["delete", "--force", cid]).map(|_| ())
     }
 
-    pub fn pause(&self, cid: &str) -> Result<(), String> {
+    pub fn pause(&self, cid: &str) -> Result<(), ContainerError> {
         self.run_quiet(&["pause", cid]).map(|_| ())
     }
 
-    pub fn resume(&self, cid: &str) -> Result<(), String> {
+    pub fn resume(&self, cid: &str) -> Result<(), ContainerError> {
         self.run_quiet(&["resume", cid]).map(|_| ())
     }
 }

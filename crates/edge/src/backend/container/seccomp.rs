@@ -9,7 +9,27 @@
 use std::ffi::{CStr, CString, c_int, c_uint, c_void};
 use std::os::fd::AsRawFd;
 
+use dsec_common::{IoContext, IoFailure};
 use serde_json::Value;
+
+/// Why the seccomp policy could not be compiled (crun then compiles it itself).
+#[derive(Debug, thiserror::Error)]
+pub enum SeccompError {
+    #[error("libseccomp.so.2 is not installed")]
+    NoLibrary,
+    #[error("libseccomp has no {0}")]
+    NoSymbol(String),
+    /// The policy names something this compiler does not translate.
+    #[error("seccomp {kind} {name} is not compiled here")]
+    Unsupported { kind: &'static str, name: String },
+    /// libseccomp refused a step, with its (negative errno) return code.
+    #[error("libseccomp: {step}: error {rc}")]
+    Refused { step: String, rc: i32 },
+    #[error("libseccomp wrote {0} bytes, not a program")]
+    NotAProgram(usize),
+    #[error(transparent)]
+    Io(#[from] IoFailure),
+}
 
 /// `struct scmp_arg_cmp` of <seccomp.h>.
 #[repr(C)]
@@ -36,7 +56,7 @@ struct Lib {
     export: Export,
 }
 
-fn lib() -> Result<Lib, String> {
+fn lib() -> Result<Lib, SeccompError> {
     // SAFETY: dlopen/dlsym with NUL-terminated names; each symbol is cast to the type
     // <seccomp.h> declares for it. The library stays loaded (never dlclose'd).
     unsafe {
@@ -45,12 +65,12 @@ fn lib() -> Result<Lib, String> {
             libc::RTLD_NOW | libc::RTLD_LOCAL,
         );
         if h.is_null() {
-            return Err("libseccomp.so.2 is not installed".into());
+            return Err(SeccompError::NoLibrary);
         }
-        let sym = |name: &CStr| -> Result<*mut c_void, String> {
+        let sym = |name: &CStr| -> Result<*mut c_void, SeccompError> {
             let p = libc::dlsym(h, name.as_ptr());
             if p.is_null() {
-                Err(format!("libseccomp has no {}", name.to_string_lossy()))
+                Err(SeccompError::NoSymbol(name.to_string_lossy().into_owned()))
             } else {
                 Ok(p)
             }
@@ -71,27 +91,33 @@ fn lib() -> Result<Lib, String> {
 const ACT_ALLOW: u32 = 0x7fff_0000;
 const ACT_ERRNO: u32 = 0x0005_0000;
 
-fn action(name: &str, errno: Option<u64>) -> Result<u32, String> {
+fn action(name: &str, errno: Option<u64>) -> Result<u32, SeccompError> {
     match name {
         "SCMP_ACT_ALLOW" => Ok(ACT_ALLOW),
         "SCMP_ACT_ERRNO" => Ok(ACT_ERRNO | (errno.unwrap_or(libc::EPERM as u64) as u32 & 0xffff)),
-        other => Err(format!("seccomp action {other} is not compiled here")),
+        other => Err(SeccompError::Unsupported {
+            kind: "action",
+            name: other.to_string(),
+        }),
     }
 }
 
 /// The audit architecture of an `SCMP_ARCH_*` name.
-fn arch(name: &str) -> Result<u32, String> {
+fn arch(name: &str) -> Result<u32, SeccompError> {
     match name {
         "SCMP_ARCH_X86_64" => Ok(0xC000_003E),
         "SCMP_ARCH_X86" => Ok(0x4000_0003),
         "SCMP_ARCH_X32" => Ok(0x4000_003E),
         "SCMP_ARCH_AARCH64" => Ok(0xC000_00B7),
         "SCMP_ARCH_ARM" => Ok(0x4000_0028),
-        other => Err(format!("seccomp architecture {other} is not compiled here")),
+        other => Err(SeccompError::Unsupported {
+            kind: "architecture",
+            name: other.to_string(),
+        }),
     }
 }
 
-fn op(name: &str) -> Result<c_uint, String> {
+fn op(name: &str) -> Result<c_uint, SeccompError> {
     Ok(match name {
         "SCMP_CMP_NE" => 1,
         "SCMP_CMP_LT" => 2,
@@ -100,7 +126,12 @@ fn op(name: &str) -> Result<c_uint, String> {
         "SCMP_CMP_GE" => 5,
         "SCMP_CMP_GT" => 6,
         "SCMP_CMP_MASKED_EQ" => 7,
-        other => return Err(format!("seccomp comparison {other} is not compiled here")),
+        other => {
+            return Err(SeccompError::Unsupported {
+                kind: "comparison",
+                name: other.to_string(),
+            });
+        }
     })
 }
 
@@ -120,7 +151,7 @@ impl Drop for Ctx<'_> {
 /// Compiles the OCI seccomp section `policy` (the subset `oci.rs` writes: a default action,
 /// architectures, and rules of names, an action, an errno and argument comparisons) as
 /// crun would, into the raw `struct sock_filter` array that `seccomp(2)` loads.
-pub fn compile(policy: &Value) -> Result<Vec<u8>, String> {
+pub fn compile(policy: &Value) -> Result<Vec<u8>, SeccompError> {
     let lib = lib()?;
     let u = |v: &Value| v.as_u64();
     let default = action(
@@ -130,7 +161,10 @@ pub fn compile(policy: &Value) -> Result<Vec<u8>, String> {
     // SAFETY: seccomp_init with an action constant; the context is owned by `ctx`.
     let ctx = unsafe { (lib.init)(default) };
     if ctx.is_null() {
-        return Err("seccomp_init failed".into());
+        return Err(SeccompError::Refused {
+            step: "seccomp_init".into(),
+            rc: -1,
+        });
     }
     let ctx = Ctx { lib: &lib, ctx };
     for a in policy["architectures"].as_array().into_iter().flatten() {
@@ -139,7 +173,10 @@ pub fn compile(policy: &Value) -> Result<Vec<u8>, String> {
         let rc = unsafe { (lib.arch_add)(ctx.ctx, token) };
         // The native one is there from the start.
         if rc != 0 && rc != -libc::EEXIST {
-            return Err(format!("adding architecture {a}: error {rc}"));
+            return Err(SeccompError::Refused {
+                step: format!("adding architecture {a}"),
+                rc,
+            });
         }
     }
     for rule in policy["syscalls"].as_array().into_iter().flatten() {
@@ -155,7 +192,10 @@ pub fn compile(policy: &Value) -> Result<Vec<u8>, String> {
         }
         for name in rule["names"].as_array().into_iter().flatten() {
             let name = name.as_str().unwrap_or("");
-            let c = CString::new(name).map_err(|_| format!("syscall name {name:?}"))?;
+            let c = CString::new(name).map_err(|_| SeccompError::Unsupported {
+                kind: "syscall name",
+                name: format!("{name:?}"),
+            })?;
             // SAFETY: a NUL-terminated name.
             let nr = unsafe { (lib.resolve)(c.as_ptr()) };
             if nr == -1 {
@@ -165,23 +205,26 @@ pub fn compile(policy: &Value) -> Result<Vec<u8>, String> {
             let rc =
                 unsafe { (lib.rule_add)(ctx.ctx, act, nr, args.len() as c_uint, args.as_ptr()) };
             if rc != 0 {
-                return Err(format!("adding the rule for {name}: error {rc}"));
+                return Err(SeccompError::Refused {
+                    step: format!("adding the rule for {name}"),
+                    rc,
+                });
             }
         }
     }
-    let mut f = crate::spawn::memfd(c"seccomp-bpf", libc::MFD_CLOEXEC)
-        .map_err(|e| format!("memfd_create: {e}"))?;
+    let mut f =
+        crate::spawn::memfd(c"seccomp-bpf", libc::MFD_CLOEXEC).ctx(|| "memfd_create".into())?;
     // SAFETY: a live context and an open descriptor.
     let rc = unsafe { (lib.export)(ctx.ctx, f.as_raw_fd()) };
     if rc != 0 {
-        return Err(format!("seccomp_export_bpf: error {rc}"));
+        return Err(SeccompError::Refused {
+            step: "seccomp_export_bpf".into(),
+            rc,
+        });
     }
-    let bpf = crate::spawn::written(&mut f).map_err(|e| format!("reading the program: {e}"))?;
+    let bpf = crate::spawn::written(&mut f).ctx(|| "reading the program".into())?;
     if bpf.is_empty() || bpf.len() % 8 != 0 {
-        return Err(format!(
-            "libseccomp wrote {} bytes, not a program",
-            bpf.len()
-        ));
+        return Err(SeccompError::NotAProgram(bpf.len()));
     }
     Ok(bpf)
 }
@@ -241,7 +284,7 @@ mod tests {
         let bpf = match compile(&policy) {
             Ok(b) => b,
             // A host without libseccomp: crun compiles the OCI section instead.
-            Err(e) if e.contains("not installed") => return,
+            Err(SeccompError::NoLibrary) => return,
             Err(e) => panic!("{e}"),
         };
         // An allowed call works.
@@ -296,10 +339,11 @@ mod tests {
             "defaultAction": "SCMP_ACT_NOTIFY", "architectures": [], "syscalls": []
         });
         match compile(&bad) {
-            Err(e) => assert!(
-                e.contains("not installed") || e.contains("SCMP_ACT_NOTIFY"),
-                "{e}"
-            ),
+            Err(SeccompError::NoLibrary) => {}
+            Err(SeccompError::Unsupported { kind, name }) => {
+                assert_eq!((kind, name.as_str()), ("action", "SCMP_ACT_NOTIFY"))
+            }
+            Err(e) => panic!("{e}"),
             Ok(_) => panic!("compiled an action it does not know"),
         }
     }

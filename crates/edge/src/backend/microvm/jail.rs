@@ -19,6 +19,10 @@ use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 
+use dsec_common::IoContext;
+
+use super::MicrovmError;
+
 /// Host directories of shared libraries, bound read-only when present.
 const LIB_DIRS: &[&str] = &["/lib", "/lib64", "/usr/lib", "/usr/lib64"];
 
@@ -34,18 +38,18 @@ pub struct RunAs {
 
 impl RunAs {
     /// The user named `name` (its uid and primary group); `None` when empty (stay root).
-    pub fn lookup(name: &str) -> Result<Option<RunAs>, String> {
+    pub fn lookup(name: &str) -> Result<Option<RunAs>, MicrovmError> {
         if name.is_empty() {
             return Ok(None);
         }
-        let c = CString::new(name).map_err(|_| format!("user name {name:?} has a NUL byte"))?;
+        let c = CString::new(name).map_err(|_| MicrovmError::NulInPath(name.into()))?;
         // SAFETY: a NUL-terminated name; the entry is copied out at once (this runs while
         // the backend is made, before any other thread looks users up).
         let pw = unsafe { libc::getpwnam(c.as_ptr()) };
         if pw.is_null() {
-            return Err(format!(
+            return Err(MicrovmError::Unavailable(format!(
                 "[edge] firecracker_run_as = {name:?} is not a user of this host (Firecracker drops to it; create it, or give \"nobody\")"
-            ));
+            )));
         }
         // SAFETY: non-null result of getpwnam.
         let (uid, gid) = unsafe { ((*pw).pw_uid, (*pw).pw_gid) };
@@ -97,24 +101,27 @@ pub struct Jail {
     dot: CString,
 }
 
-fn cstr(p: &Path) -> Result<CString, String> {
-    CString::new(p.as_os_str().as_bytes()).map_err(|_| format!("{} has a NUL byte", p.display()))
+fn cstr(p: &Path) -> Result<CString, MicrovmError> {
+    CString::new(p.as_os_str().as_bytes()).map_err(|_| MicrovmError::NulInPath(p.to_path_buf()))
 }
 
 /// `p` inside the jail's root.
-fn inside(root: &Path, p: &Path) -> Result<PathBuf, String> {
+fn inside(root: &Path, p: &Path) -> Result<PathBuf, MicrovmError> {
     if !p.is_absolute() || p.components().any(|c| matches!(c, Component::ParentDir)) {
-        return Err(format!("{} is not an absolute, plain path", p.display()));
+        return Err(MicrovmError::Refused(format!(
+            "{} is not an absolute, plain path",
+            p.display()
+        )));
     }
     Ok(root.join(p.strip_prefix("/").unwrap_or(p)))
 }
 
 impl Jail {
     /// Prepares the steps (every path resolved and encoded now, before the fork).
-    pub fn new(plan: &Plan) -> Result<Jail, String> {
+    pub fn new(plan: &Plan) -> Result<Jail, MicrovmError> {
         let mut steps = Vec::new();
         let mut made: Vec<PathBuf> = Vec::new();
-        let mut mkdirs = |steps: &mut Vec<Step>, dir: &Path| -> Result<(), String> {
+        let mut mkdirs = |steps: &mut Vec<Step>, dir: &Path| -> Result<(), MicrovmError> {
             let mut cur = PathBuf::from("/");
             for c in dir.components().skip(1) {
                 cur.push(c);
@@ -138,7 +145,7 @@ impl Jail {
             )
             .chain(plan.read_write.iter().map(|p| (p.clone(), false)));
         for (src, read_only) in binds {
-            let meta = std::fs::metadata(&src).map_err(|e| format!("{}: {e}", src.display()))?;
+            let meta = std::fs::metadata(&src).ctx(|| format!("{}", src.display()))?;
             let dst = inside(&plan.root, &src)?;
             if meta.is_dir() {
                 mkdirs(&mut steps, &src)?;
@@ -155,7 +162,7 @@ impl Jail {
             });
         }
         for l in LIB_DIRS.iter().map(Path::new).filter(|p| p.is_symlink()) {
-            let target = std::fs::read_link(l).map_err(|e| format!("{}: {e}", l.display()))?;
+            let target = std::fs::read_link(l).ctx(|| format!("{}", l.display()))?;
             steps.push(Step::Symlink {
                 target: cstr(&target)?,
                 path: cstr(&inside(&plan.root, l)?)?,

@@ -20,15 +20,14 @@ pub mod netns;
 pub mod probe;
 pub mod snapshot;
 
-use dsec_common::api::Capability;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use dsec_common::ApiError;
-use dsec_common::api::BackendStatus;
+use dsec_common::api::{BackendStatus, Capability};
+use dsec_common::{ApiError, ErrorCode, IoContext, IoFailure};
 use dsec_image::{ImageStore, guest};
 
 use super::detached::{
@@ -71,6 +70,48 @@ const API_READY: Duration = Duration::from_secs(10);
 const VMM_EXIT: Duration = Duration::from_secs(30);
 /// Memory a VMM needs beyond its guest's, in its cgroup.
 const VMM_OVERHEAD_MB: u64 = 128;
+
+/// What goes wrong running a Firecracker microVM.
+#[derive(Debug, thiserror::Error)]
+pub enum MicrovmError {
+    /// The backend cannot run here (no hardware KVM, no Firecracker, an unsupported
+    /// version, a missing user): what to install or set.
+    #[error("{0}")]
+    Unavailable(String),
+    /// What the VM or its saved state is cannot be done as asked.
+    #[error("{0}")]
+    Refused(String),
+    #[error("{what} took over {secs} s")]
+    Timeout { what: String, secs: u64 },
+    #[error("{} has a NUL byte", .0.display())]
+    NulInPath(PathBuf),
+    #[error(transparent)]
+    Api(#[from] api::ApiCallError),
+    #[error(transparent)]
+    State(#[from] crate::backend::StateError),
+    #[error(transparent)]
+    Net(#[from] crate::net::NetError),
+    #[error(transparent)]
+    Netlink(#[from] crate::net::NetlinkError),
+    #[error(transparent)]
+    Image(#[from] dsec_image::ImageError),
+    #[error(transparent)]
+    Io(#[from] IoFailure),
+}
+
+impl crate::error::Coded for MicrovmError {
+    fn code(&self) -> ErrorCode {
+        match self {
+            MicrovmError::Unavailable(_) => ErrorCode::Unavailable,
+            MicrovmError::Refused(_) => ErrorCode::FailedPrecondition,
+            MicrovmError::Timeout { .. } => ErrorCode::Unavailable,
+            MicrovmError::Api(api::ApiCallError::Connect { .. }) => ErrorCode::Unavailable,
+            MicrovmError::State(e) => e.code(),
+            MicrovmError::Net(e) => e.code(),
+            _ => ErrorCode::Internal,
+        }
+    }
+}
 
 /// Where the backend's settings come from (`[edge]` keys).
 #[derive(Debug, Clone, Default)]
@@ -234,13 +275,10 @@ const STOP_WITHIN: Duration = Duration::from_secs(10);
 
 /// Sends `sig` (SIGSTOP or SIGCONT) to the process `pid`; for SIGSTOP, waits until every
 /// one of its threads is stopped, so that the guest no longer runs when this returns.
-fn signal_threads(pid: i32, sig: i32, within: Duration) -> Result<(), String> {
+fn signal_threads(pid: i32, sig: i32, within: Duration) -> Result<(), MicrovmError> {
     // SAFETY: a signal to the VMM whose pid the sandbox directory records.
     if unsafe { libc::kill(pid, sig) } != 0 {
-        return Err(format!(
-            "signalling the microVM's process {pid}: {}",
-            std::io::Error::last_os_error()
-        ));
+        return Err(IoFailure::last_os(format!("signalling the microVM's process {pid}")).into());
     }
     if sig != libc::SIGSTOP {
         return Ok(());
@@ -248,7 +286,7 @@ fn signal_threads(pid: i32, sig: i32, within: Duration) -> Result<(), String> {
     let t0 = std::time::Instant::now();
     loop {
         let running = std::fs::read_dir(format!("/proc/{pid}/task"))
-            .map_err(|e| format!("reading the threads of {pid}: {e}"))?
+            .ctx(|| format!("reading the threads of {pid}"))?
             .flatten()
             .filter(|t| proc_state(&t.path().join("stat")).is_some_and(|s| s != 'T' && s != 't'))
             .count();
@@ -256,10 +294,10 @@ fn signal_threads(pid: i32, sig: i32, within: Duration) -> Result<(), String> {
             return Ok(());
         }
         if t0.elapsed() > within {
-            return Err(format!(
-                "{running} threads of the microVM's process {pid} did not stop within {} s",
-                within.as_secs()
-            ));
+            return Err(MicrovmError::Timeout {
+                what: format!("stopping {running} threads of the microVM's process {pid}"),
+                secs: within.as_secs(),
+            });
         }
         std::thread::sleep(Duration::from_millis(2));
     }
@@ -285,7 +323,7 @@ pub fn snapshot_call(
 
 /// Moves a file the VMM wrote to where it belongs: a rename, or a sparse copy across
 /// filesystems.
-fn move_file(from: &Path, to: &Path) -> Result<(), String> {
+fn move_file(from: &Path, to: &Path) -> Result<(), MicrovmError> {
     match std::fs::rename(from, to) {
         Ok(()) => Ok(()),
         Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
@@ -293,11 +331,9 @@ fn move_file(from: &Path, to: &Path) -> Result<(), String> {
             let _ = std::fs::remove_file(from);
             Ok(())
         }
-        Err(e) => Err(format!(
-            "moving {} to {}: {e}",
-            from.display(),
-            to.display()
-        )),
+        Err(e) => {
+            Err(IoFailure::new(format!("moving {} to {}", from.display(), to.display()), e).into())
+        }
     }
 }
 
@@ -308,25 +344,25 @@ fn vcpus(cores: f64) -> u64 {
 }
 
 /// What the host lacks for this backend, if anything.
-fn kvm_check() -> Result<(), String> {
+fn kvm_check() -> Result<(), MicrovmError> {
     match Accel::detect() {
         Accel::Kvm => Ok(()),
-        Accel::Tcg => Err(
+        Accel::Tcg => Err(MicrovmError::Unavailable(
             "no hardware KVM on this host: Firecracker needs /dev/kvm backed by kvm_intel or kvm_amd on a CPU with vmx/svm (a paravirtual or emulating KVM module cannot run its guests); use backend \"vm\" (QEMU, with TCG emulation here) or \"container\"".into(),
-        ),
+        )),
     }
 }
 
 pub struct MicrovmBackend {
-    fc: Result<Firecracker, String>,
-    kvm: Result<(), String>,
-    aether: Result<PathBuf, String>,
+    fc: Result<Firecracker, MicrovmError>,
+    kvm: Result<(), MicrovmError>,
+    aether: Result<PathBuf, crate::backend::NoAether>,
     images: ImageStore,
     sandboxes: PathBuf,
     ram_dir: PathBuf,
     mode: CgroupMode,
     diff_snapshots: bool,
-    run_as: Result<Option<jail::RunAs>, String>,
+    run_as: Result<Option<jail::RunAs>, MicrovmError>,
     /// The guest vmlinux and initramfs, found (or built) on the first create.
     boot: Mutex<Option<(PathBuf, PathBuf)>>,
 }
@@ -334,7 +370,7 @@ pub struct MicrovmBackend {
 impl MicrovmBackend {
     pub fn new(
         cfg: &MicrovmConfig,
-        aether: Result<PathBuf, String>,
+        aether: Result<PathBuf, crate::backend::NoAether>,
         images: ImageStore,
         sandboxes: &Path,
         ram_dir: &Path,
@@ -365,37 +401,43 @@ impl MicrovmBackend {
     }
 
     /// Firecracker, when every part this backend needs is there; else what is missing.
-    fn ready(&self) -> Result<&Firecracker, String> {
+    fn ready(&self) -> Result<&Firecracker, MicrovmError> {
         let mut missing = Vec::new();
         if let Err(e) = &self.kvm {
-            missing.push(e.clone());
+            missing.push(e.to_string());
         }
         if let Err(e) = &self.fc {
-            missing.push(e.clone());
+            missing.push(e.to_string());
         }
         if let Err(e) = &self.aether {
-            missing.push(e.clone());
+            missing.push(e.to_string());
         }
         if let Err(e) = &self.run_as {
-            missing.push(e.clone());
+            missing.push(e.to_string());
         }
         match (&self.fc, missing.is_empty()) {
             (Ok(fc), true) => Ok(fc),
-            _ => Err(missing.join("; ")),
+            _ => Err(MicrovmError::Unavailable(missing.join("; "))),
         }
     }
 
-    fn boot_files(&self) -> Result<(PathBuf, PathBuf), String> {
+    fn boot_files(&self) -> Result<(PathBuf, PathBuf), MicrovmError> {
         let mut b = self.boot.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(k) = b.as_ref() {
             return Ok(k.clone());
         }
         let root = self.images.root();
-        let kernel = guest::ensure_kernel(root).map_err(|e| e.to_string())?;
-        let initrd = guest::ensure_initramfs(root, &kernel).map_err(|e| e.to_string())?;
-        let vmlinux = guest::ensure_vmlinux(&kernel).map_err(|e| e.to_string())?;
+        let kernel = guest::ensure_kernel(root)?;
+        let initrd = guest::ensure_initramfs(root, &kernel)?;
+        let vmlinux = guest::ensure_vmlinux(&kernel)?;
         *b = Some((vmlinux.clone(), initrd.clone()));
         Ok((vmlinux, initrd))
+    }
+
+    fn aether(&self) -> Result<&Path, MicrovmError> {
+        self.aether
+            .as_deref()
+            .map_err(|e| MicrovmError::Unavailable(e.to_string()))
     }
 
     fn dir(&self, id: &str) -> PathBuf {
@@ -413,22 +455,22 @@ impl MicrovmBackend {
 
     /// Gives files the jailed VMM must open (a snapshot's state and memory, which may have
     /// been written by the edge or copied in from another edge) to its user.
-    fn give_to_vmm(&self, files: &[&Path]) -> Result<(), String> {
+    fn give_to_vmm(&self, files: &[&Path]) -> Result<(), MicrovmError> {
         if let Ok(Some(r)) = &self.run_as {
             for f in files {
                 std::os::unix::fs::chown(f, Some(r.uid), Some(r.gid))
-                    .map_err(|e| format!("giving {} to the VMM's user: {e}", f.display()))?;
+                    .ctx(|| format!("giving {} to the VMM's user", f.display()))?;
             }
         }
         Ok(())
     }
 
     /// Makes a directory the jailed VMM owns (mode 0700).
-    fn vmm_owned_dir(&self, p: &Path) -> Result<(), String> {
+    fn vmm_owned_dir(&self, p: &Path) -> Result<(), MicrovmError> {
         use std::os::unix::fs::PermissionsExt;
-        std::fs::create_dir_all(p).map_err(|e| format!("creating {}: {e}", p.display()))?;
+        std::fs::create_dir_all(p).ctx(|| format!("creating {}", p.display()))?;
         std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o700))
-            .map_err(|e| format!("{}: {e}", p.display()))?;
+            .ctx(|| format!("{}", p.display()))?;
         self.give_to_vmm(&[p])
     }
 
@@ -443,10 +485,13 @@ impl MicrovmBackend {
         paths: &SandboxPaths,
         mem_mb: u64,
         read_only: &[PathBuf],
-    ) -> Result<Client, String> {
+    ) -> Result<Client, MicrovmError> {
         let dir = &paths.dir;
         let api_sock = dir.join(API_SOCK);
-        let run_as = self.run_as.clone()?;
+        let run_as = *self
+            .run_as
+            .as_ref()
+            .map_err(|e| MicrovmError::Unavailable(e.to_string()))?;
         self.vmm_owned_dir(&dir.join(VMM_DIR))?;
         self.vmm_owned_dir(&self.ram_vmm_dir(&rec.id))?;
         // A stale vsock socket makes a snapshot load fail with EADDRINUSE.
@@ -454,7 +499,7 @@ impl MicrovmBackend {
             let _ = std::fs::remove_file(dir.join(f));
         }
         let root = dir.join(JAIL_ROOT);
-        std::fs::create_dir_all(&root).map_err(|e| format!("creating {}: {e}", root.display()))?;
+        std::fs::create_dir_all(&root).ctx(|| format!("creating {}", root.display()))?;
         let mut visible = vec![fc.path.clone()];
         visible.extend(read_only.iter().cloned());
         let jail = jail::Jail::new(&jail::Plan {
@@ -477,7 +522,7 @@ impl MicrovmBackend {
                     run_as.map(|o| (o.uid, o.gid)),
                 )?;
                 std::fs::File::open(crate::net::link::netns_path(&rec.id)?)
-                    .map_err(|e| format!("opening the sandbox's network namespace {ns}: {e}"))?
+                    .ctx(|| format!("opening the sandbox's network namespace {ns}"))?
             }
             None => {
                 let ns = netns::name(&rec.id);
@@ -495,8 +540,8 @@ impl MicrovmBackend {
             .create(true)
             .append(true)
             .open(dir.join(CONSOLE))
-            .map_err(|e| format!("creating {CONSOLE}: {e}"))?;
-        let console2 = console.try_clone().map_err(|e| e.to_string())?;
+            .ctx(|| format!("creating {CONSOLE}"))?;
+        let console2 = console.try_clone().ctx(|| CONSOLE.to_string())?;
         let mut cmd = Command::new(&fc.path);
         cmd.arg("--api-sock")
             .arg(&api_sock)
@@ -527,23 +572,23 @@ impl MicrovmBackend {
         }
         let child = cmd
             .spawn()
-            .map_err(|e| format!("starting {} in its jail: {e}", fc.path.display()))?;
+            .ctx(|| format!("starting {} in its jail", fc.path.display()))?;
         std::fs::write(dir.join(FC_PID), child.id().to_string())
-            .map_err(|e| format!("writing {FC_PID}: {e}"))?;
+            .ctx(|| format!("writing {FC_PID}"))?;
         drop(ns_file);
         let c = Client::new(&api_sock, SNAPSHOT_TIMEOUT);
-        c.wait_ready(API_READY)
-            .map_err(|e| format!("Firecracker did not come up: {e}"))?;
+        c.wait_ready(API_READY)?;
         Ok(c)
     }
 
     /// The channel's host end, detached like Firecracker (it exits when Firecracker does).
-    fn spawn_proxy(&self, paths: &SandboxPaths) -> Result<(), String> {
-        let aether = self.aether.as_ref().map_err(Clone::clone)?;
+    fn spawn_proxy(&self, paths: &SandboxPaths) -> Result<(), MicrovmError> {
+        let aether = self.aether()?;
         let dir = &paths.dir;
-        let fc_pid = read_pid(&dir.join(FC_PID)).ok_or("Firecracker's pid is not recorded")?;
+        let fc_pid = read_pid(&dir.join(FC_PID))
+            .ok_or_else(|| MicrovmError::Refused("Firecracker's pid is not recorded".into()))?;
         let log = std::fs::File::create(dir.join("vsockproxy.log"))
-            .map_err(|e| format!("creating vsockproxy.log: {e}"))?;
+            .ctx(|| "creating vsockproxy.log".into())?;
         let mut cmd = Command::new(aether);
         cmd.arg("vsockproxy")
             .arg(&paths.channel)
@@ -553,7 +598,8 @@ impl MicrovmBackend {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log);
-        spawn_detached(&mut cmd, "dsec-aether vsockproxy", &dir.join(PROXY_PID)).map(drop)
+        spawn_detached(&mut cmd, "dsec-aether vsockproxy", &dir.join(PROXY_PID))?;
+        Ok(())
     }
 
     fn boot(
@@ -561,14 +607,16 @@ impl MicrovmBackend {
         fc: &Firecracker,
         rec: &SandboxRecord,
         paths: &SandboxPaths,
-    ) -> Result<(), String> {
-        let aether = self.aether.as_ref().map_err(Clone::clone)?;
+    ) -> Result<(), MicrovmError> {
+        let aether = self.aether()?;
         let disks =
-            guest::ensure_root_disks(&self.images, guest::DiskSource::Layers(&rec.layers), aether)
-                .map_err(|e| e.to_string())?;
+            guest::ensure_root_disks(&self.images, guest::DiskSource::Layers(&rec.layers), aether)?;
         let (kernel, initrd) = self.boot_files()?;
         let info = VmInfo {
-            disk: disks.first().cloned().ok_or("the VM has no root disk")?,
+            disk: disks
+                .first()
+                .cloned()
+                .ok_or_else(|| MicrovmError::Refused("the VM has no root disk".into()))?,
             lowers: disks[1..].to_vec(),
             // The guest's writable layer is a tmpfs inside it: its disk limit is memory.
             mem_mb: rec.limits.memory_mb.max(128) + rec.limits.disk_mb / 4,
@@ -601,7 +649,7 @@ impl MicrovmBackend {
             .chain(plan.disks.iter().cloned())
             .collect();
         let c = self.spawn_vmm(fc, rec, paths, info.mem_mb, &visible)?;
-        boot_calls(&c, &fc.caps, &plan).map_err(|e| e.to_string())?;
+        boot_calls(&c, &fc.caps, &plan)?;
         self.spawn_proxy(paths)
     }
 
@@ -612,7 +660,7 @@ impl MicrovmBackend {
         rec: &SandboxRecord,
         paths: &SandboxPaths,
         saved_dir: &Path,
-    ) -> Result<SavedVm, String> {
+    ) -> Result<SavedVm, MicrovmError> {
         let saved = snapshot::validate(saved_dir, fc)?;
         let info = VmInfo {
             disk: saved.disk.clone(),
@@ -639,8 +687,7 @@ impl MicrovmBackend {
             &saved.mem,
             &paths.dir.join(VSOCK_UDS),
             info.track_dirty_pages,
-        )
-        .map_err(|e| e.to_string())?;
+        )?;
         self.spawn_proxy(paths)?;
         Ok(saved)
     }
@@ -662,17 +709,17 @@ impl MicrovmBackend {
         rec: &SandboxRecord,
         dest: &Path,
         mem: &Path,
-    ) -> Result<SavedVm, String> {
+    ) -> Result<SavedVm, MicrovmError> {
         let info: VmInfo = read_json(&self.dir(&rec.id).join(INFO))?;
-        std::fs::create_dir_all(dest).map_err(|e| format!("creating {}: {e}", dest.display()))?;
+        std::fs::create_dir_all(dest).ctx(|| format!("creating {}", dest.display()))?;
         let c = self.client(&rec.id);
         let fc_pid = read_pid(&self.dir(&rec.id).join(FC_PID));
         // Paused by `pause` (stopped threads): Firecracker saves only a VM its API paused.
         if let Some(pid) = fc_pid {
             signal_threads(pid, libc::SIGCONT, STOP_WITHIN)?;
         }
-        if !api_paused(&c).map_err(|e| e.to_string())? {
-            pause_call(&c).map_err(|e| e.to_string())?;
+        if !api_paused(&c)? {
+            pause_call(&c)?;
         }
         let base = snapshot::base_mem(&self.ram_dir, &rec.id);
         let vmstate = dest.join(snapshot::VMSTATE);
@@ -702,12 +749,12 @@ impl MicrovmBackend {
         let saved = if diff {
             let out = mem_out_dir.join("out.diff");
             snapshot_call(&c, api::SnapshotType::Diff, &out_state, &out)
-                .map_err(|e| e.to_string())
+                .map_err(MicrovmError::from)
                 .and_then(|()| move_file(&out, &snapshot::pending_diff(mem)))
         } else {
             let out_mem = mem_out_dir.join("out.mem");
             snapshot_call(&c, api::SnapshotType::Full, &out_state, &out_mem)
-                .map_err(|e| e.to_string())
+                .map_err(MicrovmError::from)
                 .and_then(|()| move_file(&out_mem, mem))
         }
         .and_then(|()| move_file(&out_state, &vmstate));
@@ -796,7 +843,7 @@ impl Backend for MicrovmBackend {
                     fc.snapshot_version
                 ),
             ),
-            Err(why) => (false, why),
+            Err(why) => (false, why.to_string()),
         };
         BackendStatus {
             name: "microvm".into(),
@@ -835,7 +882,7 @@ impl Backend for MicrovmBackend {
         };
         started.map_err(|e| {
             let _ = self.destroy(rec, paths);
-            ApiError::internal(format!("starting the microVM: {e}"))
+            crate::error::during("starting the microVM", &e)
         })
     }
 
@@ -859,13 +906,13 @@ impl Backend for MicrovmBackend {
     fn pause(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
         let pid = read_pid(&self.dir(&rec.id).join(FC_PID))
             .ok_or_else(|| ApiError::unavailable("the microVM's process is not recorded"))?;
-        signal_threads(pid, libc::SIGSTOP, STOP_WITHIN).map_err(ApiError::internal)
+        Ok(signal_threads(pid, libc::SIGSTOP, STOP_WITHIN)?)
     }
 
     /// Continues a stopped VMM and resumes a VM a save left paused.
     fn resume(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
         if let Some(pid) = read_pid(&self.dir(&rec.id).join(FC_PID)) {
-            signal_threads(pid, libc::SIGCONT, STOP_WITHIN).map_err(ApiError::internal)?;
+            signal_threads(pid, libc::SIGCONT, STOP_WITHIN)?;
         }
         self.vmm_call(rec, |c| {
             if api_paused(c)? {
@@ -887,7 +934,7 @@ impl Backend for MicrovmBackend {
         let mem = snapshot::seed_mem(&self.ram_dir, dest);
         self.save(fc, rec, dest, &mem).map(drop).map_err(|e| {
             let _ = std::fs::remove_file(&mem);
-            ApiError::internal(format!("snapshotting the microVM: {e}"))
+            crate::error::during("snapshotting the microVM", &e)
         })
     }
 
@@ -896,16 +943,17 @@ impl Backend for MicrovmBackend {
     /// the next Diff is then taken against.
     fn finish_snapshot(&self, rec: &SandboxRecord, dest: &Path) -> Result<(), ApiError> {
         let fail = |e: String| ApiError::internal(format!("snapshotting the microVM: {e}"));
-        let saved = snapshot::read_meta(dest).map_err(fail)?;
+        let saved = snapshot::read_meta(dest).map_err(|e| fail(e.to_string()))?;
         let diff = snapshot::pending_diff(&saved.mem);
         if !diff.is_file() {
             return Ok(());
         }
         let base = snapshot::base_mem(&self.ram_dir, &rec.id);
-        let merged =
-            copy_sparse(&base, &saved.mem).and_then(|()| snapshot::merge_diff(&diff, &saved.mem));
+        let merged = copy_sparse(&base, &saved.mem)
+            .map_err(crate::backend::StateError::from)
+            .and_then(|()| snapshot::merge_diff(&diff, &saved.mem));
         let _ = std::fs::remove_file(&diff);
-        let dirty = merged.map_err(fail)?;
+        let dirty = merged.map_err(|e| fail(e.to_string()))?;
         tracing::info!(sandbox = %rec.id, dirty_bytes = dirty, "microvm: Diff snapshot laid over its base");
         self.set_base(&rec.id, &saved.mem);
         Ok(())
@@ -915,13 +963,13 @@ impl Backend for MicrovmBackend {
     /// (copies that mapped it keep their pages); what is restored later maps it from there.
     fn keep_snapshot(&self, dest: &Path) -> Result<(), ApiError> {
         let fail = |e: String| ApiError::internal(format!("keeping the microVM snapshot: {e}"));
-        let mut saved = snapshot::read_meta(dest).map_err(fail)?;
+        let mut saved = snapshot::read_meta(dest).map_err(|e| fail(e.to_string()))?;
         if !saved.mem.starts_with(dest) {
-            copy_sparse(&saved.mem, &dest.join(snapshot::MEM)).map_err(fail)?;
+            copy_sparse(&saved.mem, &dest.join(snapshot::MEM)).map_err(|e| fail(e.to_string()))?;
             let _ = std::fs::remove_file(&saved.mem);
             // Relative: the directory is moved into place after this.
             saved.mem = PathBuf::from(snapshot::MEM);
-            snapshot::write_meta(dest, &saved).map_err(fail)?;
+            snapshot::write_meta(dest, &saved).map_err(|e| fail(e.to_string()))?;
         }
         Ok(())
     }
@@ -932,13 +980,17 @@ impl Backend for MicrovmBackend {
 
     fn saved_files(&self, saved: &Path) -> Result<Vec<SavedFile>, ApiError> {
         let bad = |e: String| ApiError::internal(format!("reading the saved microVM: {e}"));
-        let meta = snapshot::read_meta(saved).map_err(bad)?;
+        let meta = snapshot::read_meta(saved).map_err(|e| bad(e.to_string()))?;
         let mut out = vec![
-            SavedFile::at(snapshot::META, saved.join(snapshot::META)).map_err(bad)?,
-            SavedFile::at(snapshot::VMSTATE, saved.join(snapshot::VMSTATE)).map_err(bad)?,
-            SavedFile::at(snapshot::MEM, meta.mem).map_err(bad)?,
+            SavedFile::at(snapshot::META, saved.join(snapshot::META))
+                .map_err(|e| bad(e.to_string()))?,
+            SavedFile::at(snapshot::VMSTATE, saved.join(snapshot::VMSTATE))
+                .map_err(|e| bad(e.to_string()))?,
+            SavedFile::at(snapshot::MEM, meta.mem).map_err(|e| bad(e.to_string()))?,
         ];
-        out.extend(moved_disk::saved_files(&meta.disk, &meta.lowers).map_err(bad)?);
+        out.extend(
+            moved_disk::saved_files(&meta.disk, &meta.lowers).map_err(|e| bad(e.to_string()))?,
+        );
         Ok(out)
     }
 
@@ -971,7 +1023,7 @@ impl Backend for MicrovmBackend {
                 return Err(bad(format!("{n} is missing")));
             }
         }
-        let mut saved = snapshot::read_meta(staged).map_err(bad)?;
+        let mut saved = snapshot::read_meta(staged).map_err(|e| bad(e.to_string()))?;
         if saved.format != snapshot::FORMAT {
             return Err(bad(format!("unknown format {:?}", saved.format)));
         }
@@ -998,9 +1050,9 @@ impl Backend for MicrovmBackend {
         }
         // Next to `fc.json` wherever `staged` goes (`home`, for a resume).
         saved.mem = PathBuf::from(snapshot::MEM);
-        (saved.disk, saved.lowers) =
-            moved_disk::place(self.images.root(), staged, files, have).map_err(bad)?;
-        snapshot::write_meta(staged, &saved).map_err(ApiError::internal)
+        (saved.disk, saved.lowers) = moved_disk::place(self.images.root(), staged, files, have)
+            .map_err(|e| bad(e.to_string()))?;
+        Ok(snapshot::write_meta(staged, &saved)?)
     }
 
     fn suspend(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError> {
@@ -1014,13 +1066,11 @@ impl Backend for MicrovmBackend {
                 // The memory now names its place inside `suspended/`.
                 saved.mem = dest.join(snapshot::MEM);
                 snapshot::write_meta(&part, &saved)?;
-                std::fs::rename(&part, &dest).map_err(|e| format!("moving the saved VM: {e}"))
+                Ok(std::fs::rename(&part, &dest).ctx(|| "moving the saved VM".into())?)
             });
         if let Err(e) = r {
             let _ = std::fs::remove_dir_all(&part);
-            return Err(ApiError::internal(format!(
-                "saving the microVM to disk: {e}"
-            )));
+            return Err(crate::error::during("saving the microVM to disk", &e));
         }
         self.stop_processes(&paths.dir);
         let _ = std::fs::remove_file(snapshot::base_mem(&self.ram_dir, &rec.id));
@@ -1039,9 +1089,7 @@ impl Backend for MicrovmBackend {
             Err(e) => {
                 // Still suspended: the saved state stays for another try.
                 self.stop_processes(&paths.dir);
-                Err(ApiError::internal(format!(
-                    "resuming the microVM from disk: {e}"
-                )))
+                Err(crate::error::during("resuming the microVM from disk", &e))
             }
         }
     }

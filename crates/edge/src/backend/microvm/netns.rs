@@ -13,7 +13,10 @@ use std::fs::File;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
+use dsec_common::{IoContext, IoFailure};
+
 use super::jail::RunAs;
+use crate::net::NetError;
 
 /// The tap inside every microVM's namespace.
 pub const TAP: &str = "fctap0";
@@ -39,19 +42,19 @@ pub fn exists(ns: &str) -> bool {
     path(ns).exists()
 }
 
-fn ip_batch(ns: Option<&str>, lines: &str) -> Result<(), String> {
+fn ip_batch(ns: Option<&str>, lines: &str) -> Result<(), NetError> {
     let mut cmd = Command::new("ip");
     if let Some(ns) = ns {
         cmd.args(["-n", ns]);
     }
     cmd.args(["-batch", "-"]);
-    crate::net::run_with_input(cmd, lines, "ip (install iproute2)").map_err(|e| format!("ip: {e}"))
+    crate::net::run_with_input(cmd, lines, "ip (install iproute2)")
 }
 
 /// Makes the namespace with loopback up and the tap at [`HOST_CIDR`]; on failure removes
 /// what it made. An existing namespace of that name is reused (a wake after a pause to
 /// disk, whose Firecracker process ended but whose namespace stayed).
-pub fn create(ns: &str, owner: Option<RunAs>) -> Result<(), String> {
+pub fn create(ns: &str, owner: Option<RunAs>) -> Result<(), NetError> {
     if exists(ns) && has_tap(ns) {
         return Ok(());
     }
@@ -72,9 +75,9 @@ pub fn create(ns: &str, owner: Option<RunAs>) -> Result<(), String> {
     });
     if let Err(e) = made {
         remove(ns);
-        return Err(format!(
+        return Err(NetError::Config(format!(
             "setting up the microVM's network namespace {ns}: {e}"
-        ));
+        )));
     }
     Ok(())
 }
@@ -100,8 +103,8 @@ pub fn remove(ns: &str) {
 }
 
 /// The namespace's file, for `setns(2)` in the Firecracker process before it execs.
-pub fn open(ns: &str) -> Result<File, String> {
-    File::open(path(ns)).map_err(|e| format!("opening network namespace {ns}: {e}"))
+pub fn open(ns: &str) -> Result<File, IoFailure> {
+    File::open(path(ns)).ctx(|| format!("opening network namespace {ns}"))
 }
 
 #[cfg(test)]

@@ -7,6 +7,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use dsec_common::{IoContext, IoFailure};
+
+use super::MicrovmError;
+
 /// The oldest release the backend drives: the first with `vsock_override` on snapshot
 /// load, the kvm-clock restore fix and the VMGenID HID fix.
 pub const MIN_VERSION: Version = Version {
@@ -75,12 +79,12 @@ pub fn parse_snapshot_version(out: &str) -> Option<String> {
 
 /// Whether the backend drives this version: v1.16 or a later minor within v1 (a new
 /// major may change the API).
-pub fn check_supported(v: Version) -> Result<(), String> {
+pub fn check_supported(v: Version) -> Result<(), MicrovmError> {
     if v.major != MIN_VERSION.major || v < MIN_VERSION {
-        return Err(format!(
+        return Err(MicrovmError::Unavailable(format!(
             "Firecracker {v} is not supported: the microvm backend needs {MIN_VERSION} or a later v{}.x release",
             MIN_VERSION.major
-        ));
+        )));
     }
     Ok(())
 }
@@ -128,15 +132,15 @@ pub struct Firecracker {
 }
 
 /// The configured binary, else `firecracker` on PATH, in /usr/local/bin or /usr/bin.
-pub fn find(configured: Option<&Path>) -> Result<PathBuf, String> {
+pub fn find(configured: Option<&Path>) -> Result<PathBuf, MicrovmError> {
     if let Some(p) = configured {
         return if p.is_file() {
             Ok(p.to_path_buf())
         } else {
-            Err(format!(
+            Err(MicrovmError::Unavailable(format!(
                 "firecracker_binary {} does not exist (set [edge] firecracker_binary to the Firecracker v1.16 binary)",
                 p.display()
-            ))
+            )))
         };
     }
     let path = std::env::var_os("PATH").unwrap_or_default();
@@ -145,12 +149,12 @@ pub fn find(configured: Option<&Path>) -> Result<PathBuf, String> {
         .map(|d| d.join("firecracker"))
         .find(|p| p.is_file())
         .ok_or_else(|| {
-            "no firecracker binary (install Firecracker v1.16 in /usr/local/bin or set [edge] firecracker_binary)".into()
+            MicrovmError::Unavailable("no firecracker binary (install Firecracker v1.16 in /usr/local/bin or set [edge] firecracker_binary)".into())
         })
 }
 
 /// Runs `bin arg` and returns its stdout, killing it after `within`.
-fn run_for_output(bin: &Path, arg: &str, within: Duration) -> Result<String, String> {
+fn run_for_output(bin: &Path, arg: &str, within: Duration) -> Result<String, MicrovmError> {
     let t0 = Instant::now();
     let mut child = loop {
         match Command::new(bin)
@@ -165,7 +169,9 @@ fn run_for_output(bin: &Path, arg: &str, within: Duration) -> Result<String, Str
             Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) && t0.elapsed() < within => {
                 std::thread::sleep(Duration::from_millis(10));
             }
-            Err(e) => return Err(format!("running {} {arg}: {e}", bin.display())),
+            Err(e) => {
+                return Err(IoFailure::new(format!("running {} {arg}", bin.display()), e).into());
+            }
         }
     };
     loop {
@@ -174,34 +180,37 @@ fn run_for_output(bin: &Path, arg: &str, within: Duration) -> Result<String, Str
             Ok(None) if t0.elapsed() > within => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(format!(
-                    "{} {arg} did not finish within {} s",
-                    bin.display(),
-                    within.as_secs()
-                ));
+                return Err(MicrovmError::Timeout {
+                    what: format!("{} {arg}", bin.display()),
+                    secs: within.as_secs(),
+                });
             }
             Ok(None) => std::thread::sleep(Duration::from_millis(5)),
-            Err(e) => return Err(format!("waiting for {} {arg}: {e}", bin.display())),
+            Err(e) => {
+                return Err(
+                    IoFailure::new(format!("waiting for {} {arg}", bin.display()), e).into(),
+                );
+            }
         }
     }
     let mut out = String::new();
     if let Some(mut o) = child.stdout.take() {
         o.read_to_string(&mut out)
-            .map_err(|e| format!("reading the output of {} {arg}: {e}", bin.display()))?;
+            .ctx(|| format!("reading the output of {} {arg}", bin.display()))?;
     }
     Ok(out)
 }
 
 /// Probes `bin`: its version (refused unless supported) and snapshot format.
-pub fn probe(bin: &Path) -> Result<Firecracker, String> {
+pub fn probe(bin: &Path) -> Result<Firecracker, MicrovmError> {
     let within = Duration::from_secs(10);
     let out = run_for_output(bin, "--version", within)?;
     let version = parse_version_output(&out).ok_or_else(|| {
-        format!(
+        MicrovmError::Unavailable(format!(
             "{} --version printed {:?}, not `Firecracker vX.Y.Z`; is it Firecracker?",
             bin.display(),
             out.lines().next().unwrap_or("")
-        )
+        ))
     })?;
     check_supported(version)?;
     let snapshot_version = run_for_output(bin, "--snapshot-version", within)
@@ -255,6 +264,8 @@ mod tests {
         assert!(check_supported(Version::new(1, 16, 1)).is_ok());
         assert!(check_supported(Version::new(1, 17, 0)).is_ok());
         let e = check_supported(Version::new(1, 15, 2)).unwrap_err();
+        assert!(matches!(e, MicrovmError::Unavailable(_)), "{e:?}");
+        let e = e.to_string();
         assert!(
             e.contains("v1.15.2 is not supported") && e.contains("v1.16.0"),
             "{e}"
@@ -298,15 +309,16 @@ mod tests {
 
         let d2 = tempfile::tempdir().unwrap();
         let old = fake(d2.path(), "Firecracker v1.15.1");
-        let e = probe(&old).unwrap_err();
+        let e = probe(&old).unwrap_err().to_string();
         assert!(e.contains("v1.15.1 is not supported"), "{e}");
 
         let d3 = tempfile::tempdir().unwrap();
         let other = fake(d3.path(), "something else 1.16.1");
-        let e = probe(&other).unwrap_err();
+        let e = probe(&other).unwrap_err().to_string();
         assert!(e.contains("is it Firecracker?"), "{e}");
 
         let e = find(Some(&d3.path().join("missing"))).unwrap_err();
-        assert!(e.contains("does not exist"), "{e}");
+        assert!(matches!(e, MicrovmError::Unavailable(_)), "{e:?}");
+        assert!(e.to_string().contains("does not exist"), "{e}");
     }
 }

@@ -18,7 +18,10 @@
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
+use dsec_common::IoContext;
+
 use super::probe::{Firecracker, Version};
+use crate::backend::StateError;
 
 /// Bumped when the layout or `fc.json` changes.
 pub const FORMAT: &str = "dsec-fc-snapshot-v1";
@@ -76,59 +79,66 @@ pub fn suspended_dir(sandbox_dir: &Path) -> PathBuf {
     sandbox_dir.join(SUSPENDED)
 }
 
-pub fn write_meta(dir: &Path, saved: &SavedVm) -> Result<(), String> {
-    let b = serde_json::to_vec_pretty(saved).map_err(|e| e.to_string())?;
-    std::fs::write(dir.join(META), b)
-        .map_err(|e| format!("writing {}: {e}", dir.join(META).display()))
+pub fn write_meta(dir: &Path, saved: &SavedVm) -> Result<(), StateError> {
+    let b = serde_json::to_vec_pretty(saved).map_err(|source| StateError::Json {
+        path: dir.join(META),
+        source,
+    })?;
+    Ok(
+        std::fs::write(dir.join(META), b)
+            .ctx(|| format!("writing {}", dir.join(META).display()))?,
+    )
 }
 
-pub fn read_meta(dir: &Path) -> Result<SavedVm, String> {
+pub fn read_meta(dir: &Path) -> Result<SavedVm, StateError> {
     let p = dir.join(META);
-    let b = std::fs::read(&p).map_err(|e| format!("reading {}: {e}", p.display()))?;
-    let mut saved: SavedVm =
-        serde_json::from_slice(&b).map_err(|e| format!("{}: {e}", p.display()))?;
+    let b = std::fs::read(&p).ctx(|| format!("reading {}", p.display()))?;
+    let mut saved: SavedVm = serde_json::from_slice(&b).map_err(|source| StateError::Json {
+        path: p.clone(),
+        source,
+    })?;
     saved.mem = dir.join(&saved.mem);
     Ok(saved)
 }
 
 /// Checks that `dir` holds a snapshot `fc` can load: the same format and Firecracker, its
 /// files present, the memory file the size of the guest's memory.
-pub fn validate(dir: &Path, fc: &Firecracker) -> Result<SavedVm, String> {
+pub fn validate(dir: &Path, fc: &Firecracker) -> Result<SavedVm, StateError> {
     let saved = read_meta(dir)?;
     if saved.format != FORMAT {
-        return Err(format!(
+        return Err(StateError::Invalid(format!(
             "{} is a {:?} snapshot; this edge reads {FORMAT:?}",
             dir.display(),
             saved.format
-        ));
+        )));
     }
     if saved.firecracker != fc.version || saved.snapshot_version != fc.snapshot_version {
-        return Err(format!(
+        return Err(StateError::Invalid(format!(
             "the snapshot in {} was written by Firecracker {} (snapshot format {}), and this node runs {} (format {}); snapshots load only into the same version",
             dir.display(),
             saved.firecracker,
             saved.snapshot_version,
             fc.version,
             fc.snapshot_version
-        ));
+        )));
     }
     for f in [dir.join(VMSTATE), saved.disk.clone()]
         .into_iter()
         .chain(saved.lowers.iter().cloned())
     {
         if !f.is_file() {
-            return Err(format!("{} is missing", f.display()));
+            return Err(StateError::Invalid(format!("{} is missing", f.display())));
         }
     }
     let len = std::fs::metadata(&saved.mem)
-        .map_err(|e| format!("the snapshot's memory {}: {e}", saved.mem.display()))?
+        .ctx(|| format!("the snapshot's memory {}", saved.mem.display()))?
         .len();
     if len != saved.mem_mb << 20 {
-        return Err(format!(
+        return Err(StateError::Invalid(format!(
             "the snapshot's memory {} has {len} bytes, not the guest's {} MiB",
             saved.mem.display(),
             saved.mem_mb
-        ));
+        )));
     }
     Ok(saved)
 }
@@ -146,15 +156,14 @@ pub fn discard(seed: &Path) {
 
 /// Writes every data region of the sparse file `diff` (a Diff snapshot's memory: only
 /// the pages dirtied since the base) over the same offsets of `into` (a copy of the base).
-pub fn merge_diff(diff: &Path, into: &Path) -> Result<u64, String> {
+pub fn merge_diff(diff: &Path, into: &Path) -> Result<u64, StateError> {
     use std::io::{Read, Seek, SeekFrom, Write};
-    let mut src =
-        std::fs::File::open(diff).map_err(|e| format!("opening {}: {e}", diff.display()))?;
+    let mut src = std::fs::File::open(diff).ctx(|| format!("opening {}", diff.display()))?;
     let mut dst = std::fs::OpenOptions::new()
         .write(true)
         .open(into)
-        .map_err(|e| format!("opening {}: {e}", into.display()))?;
-    let len = src.metadata().map_err(|e| e.to_string())?.len() as i64;
+        .ctx(|| format!("opening {}", into.display()))?;
+    let len = src.metadata().ctx(|| format!("{}", diff.display()))?.len() as i64;
     let mut at: i64 = 0;
     let mut copied = 0u64;
     let mut buf = vec![0u8; 1 << 20];
@@ -169,19 +178,19 @@ pub fn merge_diff(diff: &Path, into: &Path) -> Result<u64, String> {
         let end = if hole < 0 { len } else { hole };
         src.seek(SeekFrom::Start(data as u64))
             .and_then(|_| dst.seek(SeekFrom::Start(data as u64)))
-            .map_err(|e| format!("merging {}: {e}", diff.display()))?;
+            .ctx(|| format!("merging {}", diff.display()))?;
         let mut left = (end - data) as usize;
         while left > 0 {
             let n = left.min(buf.len());
             src.read_exact(&mut buf[..n])
                 .and_then(|()| dst.write_all(&buf[..n]))
-                .map_err(|e| format!("merging {} into {}: {e}", diff.display(), into.display()))?;
+                .ctx(|| format!("merging {} into {}", diff.display(), into.display()))?;
             left -= n;
             copied += n as u64;
         }
         at = end;
     }
-    dst.sync_all().map_err(|e| e.to_string())?;
+    dst.sync_all().ctx(|| format!("{}", into.display()))?;
     Ok(copied)
 }
 
@@ -254,7 +263,9 @@ mod tests {
         let (seed, _, _, saved) = fixture(d.path(), "seed");
         assert_eq!(validate(&seed, &fc(Version::new(1, 16, 1))).unwrap(), saved);
 
-        let e = validate(&seed, &fc(Version::new(1, 17, 0))).unwrap_err();
+        let e = validate(&seed, &fc(Version::new(1, 17, 0)))
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("written by Firecracker v1.16.1") && e.contains("runs v1.17.0"),
             "{e}"
@@ -267,17 +278,23 @@ mod tests {
             .unwrap()
             .set_len(4096)
             .unwrap();
-        let e = validate(&seed, &fc(Version::new(1, 16, 1))).unwrap_err();
+        let e = validate(&seed, &fc(Version::new(1, 16, 1)))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("has 4096 bytes, not the guest's 2 MiB"), "{e}");
 
         std::fs::remove_file(seed.join(VMSTATE)).unwrap();
-        let e = validate(&seed, &fc(Version::new(1, 16, 1))).unwrap_err();
+        let e = validate(&seed, &fc(Version::new(1, 16, 1)))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("vmstate is missing"), "{e}");
 
         let mut other = saved.clone();
         other.format = "dsec-fc-snapshot-v0".into();
         write_meta(&seed, &other).unwrap();
-        let e = validate(&seed, &fc(Version::new(1, 16, 1))).unwrap_err();
+        let e = validate(&seed, &fc(Version::new(1, 16, 1)))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("this edge reads"), "{e}");
 
         std::fs::write(seed.join(META), b"{").unwrap();

@@ -19,6 +19,10 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 
+use dsec_common::IoContext;
+
+use crate::backend::StateError;
+
 /// Where the header of the guest's memory block is looked for (it follows the stream's
 /// header and configuration section: about 100 bytes in practice).
 const HEAD: usize = 64 << 10;
@@ -39,12 +43,14 @@ pub struct MemBlock {
 
 /// Finds the guest memory block (`mem`, `mem_bytes` long) in the first bytes of a
 /// mapped-ram file, checking that its header is self-consistent.
-pub fn find_mem(head: &[u8], mem_bytes: u64) -> Result<MemBlock, String> {
+pub fn find_mem(head: &[u8], mem_bytes: u64) -> Result<MemBlock, StateError> {
     if !head.starts_with(b"QEVM") {
-        return Err("not a QEMU migration stream".into());
+        return Err(StateError::Invalid("not a QEMU migration stream".into()));
     }
     if mem_bytes == 0 || !mem_bytes.is_multiple_of(PAGE) {
-        return Err(format!("{mem_bytes} bytes is not a guest memory size"));
+        return Err(StateError::Invalid(format!(
+            "{mem_bytes} bytes is not a guest memory size"
+        )));
     }
     let mut needle = vec![MEM_ID.len() as u8];
     needle.extend_from_slice(MEM_ID);
@@ -79,10 +85,10 @@ pub fn find_mem(head: &[u8], mem_bytes: u64) -> Result<MemBlock, String> {
             });
         }
     }
-    Err(format!(
+    Err(StateError::Invalid(format!(
         "no mapped-ram header for a {} MiB guest memory block",
         mem_bytes >> 20
-    ))
+    )))
 }
 
 /// Where the pages of a guest memory of `mem_bytes` will be in a save not yet written:
@@ -99,26 +105,23 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 
 /// Reads the guest memory block of the mapped-ram file `f`, checking that the file
 /// holds all of its pages.
-pub fn read_mem(f: &File, mem_bytes: u64) -> Result<MemBlock, String> {
+pub fn read_mem(f: &File, mem_bytes: u64) -> Result<MemBlock, StateError> {
     let mut head = vec![0u8; HEAD];
-    let n = read_fully(f, &mut head, 0).map_err(|e| format!("reading the saved VM: {e}"))?;
+    let n = read_fully(f, &mut head, 0).ctx(|| "reading the saved VM".into())?;
     let b = find_mem(&head[..n], mem_bytes)?;
-    let len = f
-        .metadata()
-        .map_err(|e| format!("the saved VM: {e}"))?
-        .len();
+    let len = f.metadata().ctx(|| "the saved VM".into())?.len();
     if b.pages_offset + mem_bytes > len {
-        return Err(format!(
+        return Err(StateError::Invalid(format!(
             "the saved VM is {len} bytes, short of its memory's pages ({} bytes from {})",
             mem_bytes, b.pages_offset
-        ));
+        )));
     }
     Ok(b)
 }
 
 /// [`read_mem`] of the file at `path`.
-pub fn read_mem_of(path: &std::path::Path, mem_bytes: u64) -> Result<MemBlock, String> {
-    let f = File::open(path).map_err(|e| format!("opening {}: {e}", path.display()))?;
+pub fn read_mem_of(path: &std::path::Path, mem_bytes: u64) -> Result<MemBlock, StateError> {
+    let f = File::open(path).ctx(|| format!("opening {}", path.display()))?;
     read_mem(&f, mem_bytes)
 }
 
@@ -136,20 +139,20 @@ fn read_fully(f: &File, buf: &mut [u8], at: u64) -> std::io::Result<usize> {
 /// Makes a just-written live save of a VM with `mem_bytes` of memory ready to be mapped:
 /// every page whose bit is clear is punched out of the file (it may hold bytes of an
 /// earlier pass), then the memory's bitmap is cleared. Returns the block.
-pub fn seal(f: &File, mem_bytes: u64) -> Result<MemBlock, String> {
+pub fn seal(f: &File, mem_bytes: u64) -> Result<MemBlock, StateError> {
     let b = read_mem(f, mem_bytes)?;
     let mut bitmap = vec![0u8; b.bitmap_len as usize];
-    if read_fully(f, &mut bitmap, b.bitmap_offset).map_err(|e| format!("the bitmap: {e}"))?
-        != bitmap.len()
-    {
-        return Err("the saved VM ends inside its page bitmap".into());
+    if read_fully(f, &mut bitmap, b.bitmap_offset).ctx(|| "the bitmap".into())? != bitmap.len() {
+        return Err(StateError::Invalid(
+            "the saved VM ends inside its page bitmap".into(),
+        ));
     }
     for (first, n) in clear_runs(&bitmap, b.pages) {
         punch(f, b.pages_offset + first * PAGE, n * PAGE)
-            .map_err(|e| format!("giving back unused pages: {e}"))?;
+            .ctx(|| "giving back unused pages".into())?;
     }
     f.write_all_at(&vec![0u8; bitmap.len()], b.bitmap_offset)
-        .map_err(|e| format!("clearing the bitmap: {e}"))?;
+        .ctx(|| "clearing the bitmap".into())?;
     Ok(b)
 }
 
@@ -250,7 +253,7 @@ mod tests {
     #[test]
     fn the_memory_block_is_found_and_checked() {
         let (h, want) = head(768 << 20);
-        assert_eq!(find_mem(&h, 768 << 20), Ok(want));
+        assert_eq!(find_mem(&h, 768 << 20).unwrap(), want);
         // Another size, a broken header, another stream: refused.
         assert!(find_mem(&h, 512 << 20).is_err());
         let mut bad = h.clone();
@@ -306,7 +309,7 @@ mod tests {
             bm[(i / 8) as usize] |= 1 << (i % 8);
         }
         f.write_all_at(&bm, b.bitmap_offset).unwrap();
-        assert_eq!(seal(&f, mem), Ok(b));
+        assert_eq!(seal(&f, mem).unwrap(), b);
         let mut page = vec![0u8; 4096];
         for i in [0u64, 1, 2, 3, 1022, 1023] {
             f.read_exact_at(&mut page, b.pages_offset + i * 4096)

@@ -9,20 +9,21 @@
 //! QEMU and vmux run detached from the edge (their pids in the sandbox directory), so a
 //! restarted edge re-adopts running VMs.
 
-use dsec_common::api::Capability;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dsec_common::ApiError;
-use dsec_common::api::BackendStatus;
+use dsec_common::api::{BackendStatus, Capability};
+use dsec_common::{ApiError, ErrorCode, IoContext, IoFailure};
 use dsec_image::ImageStore;
 use dsec_image::guest;
 
 mod mapped;
 pub(crate) mod net;
 mod qmp;
+
+pub use qmp::QmpError;
 mod shares;
 
 use qmp::Qmp;
@@ -80,10 +81,10 @@ impl Accel {
 }
 
 pub struct VmBackend {
-    qemu: Result<PathBuf, String>,
+    qemu: Result<PathBuf, VmError>,
     /// QEMU's `(major, minor)` version: what its command line and captures can use.
     qemu_version: (u32, u32),
-    aether: Result<PathBuf, String>,
+    aether: Result<PathBuf, crate::backend::NoAether>,
     accel: Accel,
     images: ImageStore,
     /// The edge's sandbox directories (`<dir>/<id>/qemu.pid`, …).
@@ -95,7 +96,7 @@ pub struct VmBackend {
     /// QEMU runs in the sandbox's cgroup (CPU quota, memory, pids).
     cgroups: CgroupMode,
     /// The machine type and extra devices (`[edge.vm]`); `machine` checked in `new`.
-    options: Result<crate::config::VmOptions, String>,
+    options: Result<crate::config::VmOptions, VmError>,
 }
 
 /// Machine types the backend knows how to wire: the `-M` value and the virtio transport
@@ -108,27 +109,27 @@ fn machine(name: &str) -> Option<(&'static str, &'static str)> {
     }
 }
 
-fn check_options(o: crate::config::VmOptions) -> Result<crate::config::VmOptions, String> {
+fn check_options(o: crate::config::VmOptions) -> Result<crate::config::VmOptions, VmError> {
     if machine(&o.machine).is_none() {
-        return Err(format!(
+        return Err(VmError::Config(format!(
             "[edge.vm] machine = {:?} is not supported: use \"microvm\" or \"q35\"",
             o.machine
-        ));
+        )));
     }
     if let Some(d) = o
         .devices
         .iter()
         .find(|d| d.is_empty() || d.chars().any(|c| c.is_whitespace() || c.is_control()))
     {
-        return Err(format!(
+        return Err(VmError::Config(format!(
             "[edge.vm] devices entry {d:?} is not a QEMU -device argument"
-        ));
+        )));
     }
     if !o.run_as.is_empty() && !user_exists(&o.run_as) {
-        return Err(format!(
+        return Err(VmError::Config(format!(
             "[edge.vm] run_as = {:?} is not a user of this host (QEMU drops to it after start-up; create it, or give \"nobody\")",
             o.run_as
-        ));
+        )));
     }
     Ok(o)
 }
@@ -168,14 +169,16 @@ fn parse_version(said: &str) -> Option<(u32, u32)> {
     Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
 }
 
-fn find_qemu() -> Result<PathBuf, String> {
+fn find_qemu() -> Result<PathBuf, VmError> {
     for dir in ["/usr/bin", "/usr/local/bin", "/usr/libexec"] {
         let p = Path::new(dir).join("qemu-system-x86_64");
         if p.exists() {
             return Ok(p);
         }
     }
-    Err("qemu-system-x86_64 is not installed (apt-get install qemu-system-x86)".into())
+    Err(VmError::Unavailable(
+        "qemu-system-x86_64 is not installed (apt-get install qemu-system-x86)".into(),
+    ))
 }
 
 /// The host's TSC rate in kHz: the guest is told it, so its boot does not stall trying to
@@ -213,9 +216,68 @@ enum Incoming<'a> {
     Mapped(&'a Path),
 }
 
-/// A fork copy started early ([`VmBackend::restore_early`]) found its snapshot made
-/// another way than planned.
-const REPLANNED: &str = "the snapshot was made otherwise than planned";
+/// What goes wrong running a QEMU VM.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    /// The backend cannot run VMs here (QEMU, the agent or a setting is missing): the
+    /// cause found at start, which says what to install or set.
+    #[error("{0}")]
+    Unavailable(String),
+    /// `[edge.vm]` holds a value the backend cannot use.
+    #[error("{0}")]
+    Config(String),
+    /// What the VM or its saved state is cannot be done (a VM with volumes restored, a
+    /// machine type not known, a network device without a network).
+    #[error("{0}")]
+    Refused(String),
+    #[error("QEMU did not start ({status}): {said}")]
+    NotStarted { status: String, said: String },
+    #[error("{what} took over {secs} s")]
+    Timeout { what: String, secs: u64 },
+    /// A fork copy started early ([`VmBackend::restore_early`]) found its snapshot made
+    /// another way than planned; it starts over from the snapshot as made.
+    #[error("the snapshot was made otherwise than planned")]
+    Replanned,
+    #[error("the fork's snapshot failed")]
+    SnapshotFailed,
+    /// The template QEMU of a live capture failed: what it printed.
+    #[error("the template QEMU: {why} ({said})")]
+    Template { why: String, said: String },
+    #[error("virtiofsd for volume {volume} did not start: {said}")]
+    Virtiofsd { volume: String, said: String },
+    #[error(transparent)]
+    Qmp(#[from] qmp::QmpError),
+    #[error(transparent)]
+    State(#[from] crate::backend::StateError),
+    #[error(transparent)]
+    Net(#[from] crate::net::NetError),
+    #[error(transparent)]
+    Netlink(#[from] crate::net::NetlinkError),
+    #[error(transparent)]
+    MountNs(#[from] crate::mountns::MountNsError),
+    #[error(transparent)]
+    Volume(#[from] crate::volumes::VolumeError),
+    #[error(transparent)]
+    Image(#[from] dsec_image::ImageError),
+    #[error(transparent)]
+    Io(#[from] IoFailure),
+}
+
+impl crate::error::Coded for VmError {
+    fn code(&self) -> ErrorCode {
+        match self {
+            VmError::Unavailable(_) => ErrorCode::Unavailable,
+            VmError::Config(_) => ErrorCode::FailedPrecondition,
+            VmError::Refused(_) => ErrorCode::FailedPrecondition,
+            VmError::Timeout { .. } => ErrorCode::Unavailable,
+            VmError::State(e) => e.code(),
+            VmError::Net(e) => e.code(),
+            VmError::MountNs(e) => e.code(),
+            VmError::Volume(e) => e.code(),
+            _ => ErrorCode::Internal,
+        }
+    }
+}
 
 /// What a saved VM is, written next to its state as `vm.json`.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -375,7 +437,7 @@ fn template_args(
     dir: &Path,
     tdir: &Path,
     ram: &Path,
-) -> Result<Vec<String>, String> {
+) -> Result<Vec<String>, VmError> {
     let (from, to) = (dir.to_string_lossy(), tdir.to_string_lossy());
     let mut out = Vec::with_capacity(own.len() + 4);
     let mut it = own.iter();
@@ -415,7 +477,7 @@ fn template_args(
         out.push(a);
     }
     if !mem {
-        return Err("the VM's memory is not a file".into());
+        return Err(VmError::Refused("the VM's memory is not a file".into()));
     }
     out.extend(["-incoming".into(), "defer".into(), "-S".into()]);
     Ok(out)
@@ -423,21 +485,27 @@ fn template_args(
 
 /// The QMP connection of the QEMU just started as `child`: once its socket `qmp` is there
 /// (QEMU makes it during start-up), or its log `log` as the error if it exited first.
-fn qmp_of_child(child: &mut std::process::Child, qmp: &Path, log: &Path) -> Result<Qmp, String> {
+fn qmp_of_child(child: &mut std::process::Child, qmp: &Path, log: &Path) -> Result<Qmp, VmError> {
     let t0 = Instant::now();
     while !qmp.exists() {
         if let Ok(Some(status)) = child.try_wait() {
             let said = std::fs::read_to_string(log).unwrap_or_default();
-            return Err(format!("QEMU did not start ({status}): {}", said.trim()));
+            return Err(VmError::NotStarted {
+                status: status.to_string(),
+                said: said.trim().to_string(),
+            });
         }
         if t0.elapsed() > Duration::from_secs(30) {
             let _ = child.kill();
             let _ = child.wait();
-            return Err("QEMU made no QMP socket within 30 s".into());
+            return Err(VmError::Timeout {
+                what: "QEMU's QMP socket".into(),
+                secs: 30,
+            });
         }
         std::thread::sleep(Duration::from_millis(2));
     }
-    Qmp::connect(qmp, Duration::from_secs(10))
+    Ok(Qmp::connect(qmp, Duration::from_secs(10))?)
 }
 
 /// The kernel and initramfs every VM boots, found (or built) once per edge.
@@ -445,14 +513,14 @@ fn qmp_of_child(child: &mut std::process::Child, qmp: &Path, log: &Path) -> Resu
 struct BootFiles(std::sync::Mutex<Option<(guest::Kernel, PathBuf)>>);
 
 impl BootFiles {
-    fn get(&self, images: &ImageStore) -> Result<(guest::Kernel, PathBuf), String> {
+    fn get(&self, images: &ImageStore) -> Result<(guest::Kernel, PathBuf), VmError> {
         let mut b = self.0.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(k) = b.as_ref() {
             return Ok(k.clone());
         }
         let root = images.root();
-        let kernel = guest::ensure_kernel(root).map_err(|e| e.to_string())?;
-        let initrd = guest::ensure_initramfs(root, &kernel).map_err(|e| e.to_string())?;
+        let kernel = guest::ensure_kernel(root)?;
+        let initrd = guest::ensure_initramfs(root, &kernel)?;
         *b = Some((kernel.clone(), initrd.clone()));
         Ok((kernel, initrd))
     }
@@ -460,7 +528,7 @@ impl BootFiles {
 
 impl VmBackend {
     pub fn new(
-        aether: Result<PathBuf, String>,
+        aether: Result<PathBuf, crate::backend::NoAether>,
         images: ImageStore,
         sandboxes: &Path,
         ram_dir: &Path,
@@ -498,7 +566,7 @@ impl VmBackend {
 
     /// The kernel and initramfs; building them the first time downloads the kernel
     /// package (tens of MiB) and can take a minute.
-    fn boot_files(&self) -> Result<(guest::Kernel, PathBuf), String> {
+    fn boot_files(&self) -> Result<(guest::Kernel, PathBuf), VmError> {
         self.boot.get(&self.images)
     }
 
@@ -526,11 +594,29 @@ impl VmBackend {
         self.ram_dir.join(format!("{id}.ram"))
     }
 
-    fn qmp_of(&self, id: &str) -> Result<Qmp, String> {
-        Qmp::connect(
+    fn qmp_of(&self, id: &str) -> Result<Qmp, VmError> {
+        Ok(Qmp::connect(
             &self.sandboxes.join(id).join("vm.qmp"),
             Duration::from_secs(5),
-        )
+        )?)
+    }
+
+    fn qemu(&self) -> Result<&Path, VmError> {
+        self.qemu
+            .as_deref()
+            .map_err(|e| VmError::Unavailable(e.to_string()))
+    }
+
+    fn aether(&self) -> Result<&Path, VmError> {
+        self.aether
+            .as_deref()
+            .map_err(|e| VmError::Unavailable(e.to_string()))
+    }
+
+    fn options(&self) -> Result<&crate::config::VmOptions, VmError> {
+        self.options
+            .as_ref()
+            .map_err(|e| VmError::Unavailable(e.to_string()))
     }
 
     /// Starts QEMU (and the channel's host end) for a sandbox: booting, or, with
@@ -542,10 +628,10 @@ impl VmBackend {
         info: &VmInfo,
         mem: Mem<'_>,
         incoming: Option<Incoming<'_>>,
-        ready: Option<&dyn Fn() -> Result<(), String>>,
-    ) -> Result<(), String> {
-        let qemu = self.qemu.as_ref().map_err(Clone::clone)?;
-        let aether = self.aether.as_ref().map_err(Clone::clone)?;
+        ready: Option<&dyn Fn() -> Result<(), VmError>>,
+    ) -> Result<(), VmError> {
+        let qemu = self.qemu()?;
+        let aether = self.aether()?;
         let (kernel, initrd) = self.boot_files()?;
         let dir = &paths.dir;
         let chardev = dir.join("vm.chardev");
@@ -553,14 +639,16 @@ impl VmBackend {
         let qmp = dir.join("vm.qmp");
         let qemu_pid = dir.join("qemu.pid");
         std::fs::create_dir_all(&self.ram_dir)
-            .map_err(|e| format!("creating {}: {e}", self.ram_dir.display()))?;
+            .ctx(|| format!("creating {}", self.ram_dir.display()))?;
         // The guest's memory: a file, so that a snapshot can leave it out (the file is the
         // memory) and fork copies map it copy-on-write; or anonymous, where copies map a
         // `mapped-ram` save instead. No prealloc or mlock, which would touch every page
         // and end the sharing.
         let size = info.mem_mb;
         if info.shares > 0 && (incoming.is_some() || !matches!(mem, Mem::Own { fill: None })) {
-            return Err("a VM that mounts volumes is never restored from a save".into());
+            return Err(VmError::Refused(
+                "a VM that mounts volumes is never restored from a save".into(),
+            ));
         }
         let memory = match mem {
             // A virtio-fs daemon maps the guest's memory: it must be shareable.
@@ -603,9 +691,10 @@ impl VmBackend {
             append.push(' ');
             append.push_str(&net::cmdline());
         }
-        let opts = self.options.as_ref().map_err(Clone::clone)?;
-        let (machine_type, bus) = machine(&info.machine)
-            .ok_or_else(|| format!("machine type {:?} is not supported", info.machine))?;
+        let opts = self.options()?;
+        let (machine_type, bus) = machine(&info.machine).ok_or_else(|| {
+            VmError::Refused(format!("machine type {:?} is not supported", info.machine))
+        })?;
         let mut cmd = Command::new(qemu);
         let accel = match self.accel {
             Accel::Kvm => "kvm".to_string(),
@@ -734,10 +823,10 @@ impl VmBackend {
                 .network
                 .as_ref()
                 .and_then(|n| n.gateway.clone())
-                .ok_or("the VM has a network device, so it needs a network (it was saved with one; not network \"none\")")?;
+                .ok_or_else(|| VmError::Refused("the VM has a network device, so it needs a network (it was saved with one; not network \"none\")".into()))?;
             net::setup(&crate::net::link::netns_name(&rec.id), &node_side)?;
             let f = std::fs::File::open(crate::net::link::netns_path(&rec.id)?)
-                .map_err(|e| format!("opening the sandbox's network namespace: {e}"))?;
+                .ctx(|| "opening the sandbox's network namespace".into())?;
             let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
             // SAFETY: setns(2) between fork and exec on a descriptor that stays open
             // until the command has run.
@@ -763,18 +852,16 @@ impl VmBackend {
         };
         let _ = std::fs::remove_file(&qmp); // a socket a killed QEMU left
         let qemu_log = dir.join("qemu.log");
-        let log = std::fs::File::create(&qemu_log)
-            .map_err(|e| format!("creating {}: {e}", qemu_log.display()))?;
-        let log2 = log.try_clone().map_err(|e| e.to_string())?;
+        let log =
+            std::fs::File::create(&qemu_log).ctx(|| format!("creating {}", qemu_log.display()))?;
+        let log2 = log.try_clone().ctx(|| "the QEMU log".into())?;
         cmd.stdin(Stdio::null()).stdout(log).stderr(log2);
         new_session(&mut cmd);
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| format!("starting {}: {e}", qemu.display()))?;
+        let mut child = cmd.spawn().ctx(|| format!("starting {}", qemu.display()))?;
         let mut q = qmp_of_child(&mut child, &qmp, &qemu_log)?;
         // The channel's host end, detached like QEMU (it exits when the VM does).
-        let vmux_log = std::fs::File::create(dir.join("vmux.log"))
-            .map_err(|e| format!("creating vmux.log: {e}"))?;
+        let vmux_log =
+            std::fs::File::create(dir.join("vmux.log")).ctx(|| "creating vmux.log".into())?;
         let mut vmux = Command::new(aether);
         vmux.arg("vmux")
             .arg(&paths.channel)
@@ -804,21 +891,22 @@ impl VmBackend {
         Ok(())
     }
 
-    fn boot(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), String> {
-        let aether = self.aether.as_ref().map_err(Clone::clone)?;
+    fn boot(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), VmError> {
+        let aether = self.aether()?;
         let mut disks =
-            guest::ensure_root_disks(&self.images, guest::DiskSource::Layers(&rec.layers), aether)
-                .map_err(|e| e.to_string())?
+            guest::ensure_root_disks(&self.images, guest::DiskSource::Layers(&rec.layers), aether)?
                 .into_iter();
         let info = VmInfo {
-            disk: disks.next().ok_or("the VM has no root disk")?,
+            disk: disks
+                .next()
+                .ok_or_else(|| VmError::Refused("the VM has no root disk".into()))?,
             lowers: disks.collect(),
             // The guest's writable layer is a tmpfs inside it, so its disk limit is
             // guest memory.
             mem_mb: rec.limits.memory_mb.max(128) + rec.limits.disk_mb / 4,
             cpus: rec.limits.cpu_cores.ceil().max(1.0) as u64,
             shared_ram: !self.anon_ram(),
-            machine: self.options.as_ref().map_err(Clone::clone)?.machine.clone(),
+            machine: self.options()?.machine.clone(),
             net: rec.network.as_ref().is_some_and(|n| n.gateway.is_some()),
             shares: rec.volumes.len(),
         };
@@ -831,11 +919,11 @@ impl VmBackend {
         rec: &SandboxRecord,
         paths: &SandboxPaths,
         seed: &Path,
-    ) -> Result<(), String> {
+    ) -> Result<(), VmError> {
         let mut saved: SavedVm = read_json(&seed.join("vm.json"))?;
         if saved.pending {
             match self.restore_early(rec, paths, seed, &saved) {
-                Err(e) if e == REPLANNED => {
+                Err(VmError::Replanned) => {
                     // The snapshot came out otherwise: this copy starts over from it.
                     self.stop_processes(&paths.dir);
                     saved = read_json(&seed.join("vm.json"))?;
@@ -890,41 +978,44 @@ impl VmBackend {
 
     /// A fork copy started while its snapshot is taken (`saved`, the plan): QEMU starts on
     /// the planned file at the offset its pages will have, then waits for the snapshot
-    /// before it loads it. [`REPLANNED`] when the snapshot came out otherwise.
+    /// before it loads it. [`VmError::Replanned`] when the snapshot came out otherwise.
     fn restore_early(
         &self,
         rec: &SandboxRecord,
         paths: &SandboxPaths,
         seed: &Path,
         saved: &SavedVm,
-    ) -> Result<(), String> {
+    ) -> Result<(), VmError> {
         let ram = saved
             .ram
             .clone()
-            .ok_or("the planned snapshot names no file")?;
+            .ok_or_else(|| VmError::Refused("the planned snapshot names no file".into()))?;
         let offset = mapped::planned_pages_offset(saved.mem_mb << 20);
         let info = saved.info(false);
         let wait = || {
             let t0 = Instant::now();
             loop {
                 if !seed.is_dir() {
-                    return Err("the fork's snapshot failed".to_string());
+                    return Err(VmError::SnapshotFailed);
                 }
                 // Absent or still the plan while it is taken (or retaken after a pause).
                 if let Ok(now) = read_json::<SavedVm>(&seed.join("vm.json"))
                     && !now.pending
                 {
                     if now.kind != "mapped" || now.ram.as_deref() != Some(ram.as_path()) {
-                        return Err(REPLANNED.to_string());
+                        return Err(VmError::Replanned);
                     }
                     return match mapped::read_mem_of(&ram, saved.mem_mb << 20) {
                         Ok(b) if b.pages_offset == offset => Ok(()),
-                        Ok(_) => Err(REPLANNED.to_string()),
-                        Err(e) => Err(e),
+                        Ok(_) => Err(VmError::Replanned),
+                        Err(e) => Err(e.into()),
                     };
                 }
                 if t0.elapsed() > SAVE_TIMEOUT {
-                    return Err("the fork's snapshot took too long".into());
+                    return Err(VmError::Timeout {
+                        what: "the fork's snapshot".into(),
+                        secs: SAVE_TIMEOUT.as_secs(),
+                    });
                 }
                 std::thread::sleep(Duration::from_millis(2));
             }
@@ -943,10 +1034,10 @@ impl VmBackend {
     /// (`ram_to`, sparse) when its memory is its own shared file, or one stream with
     /// the memory in it when its pages are private. The VM stays stopped, and may go on
     /// (`cont`) afterwards: its own file is never mapped by anything restored from this.
-    fn save(&self, rec: &SandboxRecord, dest: &Path, ram_to: &Path) -> Result<(), String> {
+    fn save(&self, rec: &SandboxRecord, dest: &Path, ram_to: &Path) -> Result<(), VmError> {
         let dir = self.sandboxes.join(&rec.id);
         let info: VmInfo = read_json(&dir.join("vm.json"))?;
-        std::fs::create_dir_all(dest).map_err(|e| format!("creating {}: {e}", dest.display()))?;
+        std::fs::create_dir_all(dest).ctx(|| format!("creating {}", dest.display()))?;
         let kernel = Some(self.boot_files()?.0.version);
         let mut q = self.qmp_of(&rec.id)?;
         if self.qemu_version >= (9, 0) {
@@ -962,7 +1053,7 @@ impl VmBackend {
             q.save(&dest.join("full"), SAVE_TIMEOUT)?;
             SavedVm::of(info, None, kernel)
         };
-        write_json(&dest.join("vm.json"), &saved)
+        Ok(write_json(&dest.join("vm.json"), &saved)?)
     }
 
     /// [`VmBackend::save`] of a running VM (`info`, its `vm.json`) without stopping it
@@ -976,11 +1067,12 @@ impl VmBackend {
         info: VmInfo,
         dest: &Path,
         ram_to: &Path,
-    ) -> Result<u64, String> {
+    ) -> Result<u64, VmError> {
         let dir = self.sandboxes.join(&rec.id);
-        let pid = read_pid(&dir.join("qemu.pid")).ok_or("the VM has no pid file")?;
+        let pid = read_pid(&dir.join("qemu.pid"))
+            .ok_or_else(|| VmError::Refused("the VM has no pid file".into()))?;
         let own = std::fs::read(format!("/proc/{pid}/cmdline"))
-            .map_err(|e| format!("reading the VM's command line: {e}"))?;
+            .ctx(|| "reading the VM's command line".into())?;
         let own: Vec<String> = own
             .split(|&b| b == 0)
             .filter(|a| !a.is_empty())
@@ -990,12 +1082,14 @@ impl VmBackend {
         // One left by an edge that died mid-capture, still waiting for its migration.
         kill(&tdir.join("qemu.pid"));
         let _ = std::fs::remove_dir_all(&tdir);
-        std::fs::create_dir_all(&tdir).map_err(|e| format!("creating {}: {e}", tdir.display()))?;
+        std::fs::create_dir_all(&tdir).ctx(|| format!("creating {}", tdir.display()))?;
         let args = template_args(&own, &dir, &tdir, ram_to)?;
-        let (qemu, rest) = args.split_first().ok_or("the VM's command line is empty")?;
+        let (qemu, rest) = args
+            .split_first()
+            .ok_or_else(|| VmError::Refused("the VM's command line is empty".into()))?;
         let log = std::fs::File::create(tdir.join("qemu.log"))
-            .map_err(|e| format!("creating the template's log: {e}"))?;
-        let log2 = log.try_clone().map_err(|e| e.to_string())?;
+            .ctx(|| "creating the template's log".into())?;
+        let log2 = log.try_clone().ctx(|| "the template's log".into())?;
         let mut cmd = Command::new(qemu);
         cmd.args(rest).stdin(Stdio::null()).stdout(log).stderr(log2);
         // Its NIC's backend: a tap like the VM's (the migrated device wants one with
@@ -1018,20 +1112,17 @@ impl VmBackend {
                 });
             }
         }
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| format!("starting the template QEMU: {e}"))?;
+        let mut child = cmd.spawn().ctx(|| "starting the template QEMU".into())?;
         drop(tap);
         let said = || {
             let log = std::fs::read_to_string(tdir.join("qemu.log")).unwrap_or_default();
-            format!("the template QEMU: {}", log.trim())
+            log.trim().to_string()
         };
         let r = (|| {
             let t0 = Instant::now();
-            let mut t = qmp_of_child(&mut child, &tdir.join("vm.qmp"), &tdir.join("qemu.log"))
-                .map_err(|e| format!("the template: {e}"))?;
+            let mut t = qmp_of_child(&mut child, &tdir.join("vm.qmp"), &tdir.join("qemu.log"))?;
             let (a, b) = std::os::unix::net::UnixStream::pair()
-                .map_err(|e| format!("a socket pair for the migration: {e}"))?;
+                .ctx(|| "a socket pair for the migration".into())?;
             t.give_fd("dsec-live", &b)?;
             t.execute(
                 "migrate-incoming",
@@ -1043,11 +1134,15 @@ impl VmBackend {
             let stalled = q.migrate_live(&a, crate::config::LIVE_FORK_WITHIN)?;
             drop((a, b));
             let migrated = t0.elapsed();
-            let state = t
-                .wait_loaded(SAVE_TIMEOUT)
-                .map_err(|e| format!("{e} ({})", said()))?;
+            let state = t.wait_loaded(SAVE_TIMEOUT).map_err(|e| VmError::Template {
+                why: e.to_string(),
+                said: said(),
+            })?;
             if state == "running" {
-                return Err("the template ran the migrated VM instead of holding it".into());
+                return Err(VmError::Template {
+                    why: "it ran the migrated VM instead of holding it".into(),
+                    said: said(),
+                });
             }
             t.set_ignore_shared(true)?;
             t.save(&dest.join("dev"), SAVE_TIMEOUT)?;
@@ -1060,7 +1155,7 @@ impl VmBackend {
                 stalled_ms = stalled,
                 "captured live"
             );
-            Ok::<u64, String>(stalled)
+            Ok::<u64, VmError>(stalled)
         })();
         let _ = child.kill();
         let _ = child.wait();
@@ -1078,7 +1173,7 @@ impl VmBackend {
     /// directory), while the VM runs: it stands still only for its last dirty pages and
     /// its device state (a few ms), then goes on; the file is then sealed
     /// ([`mapped::seal`]) for copies to map. Returns the ms the VM stood still.
-    fn mapped_save(&self, rec: &SandboxRecord, dest: &Path, file: &Path) -> Result<u64, String> {
+    fn mapped_save(&self, rec: &SandboxRecord, dest: &Path, file: &Path) -> Result<u64, VmError> {
         let info: VmInfo = read_json(&self.sandboxes.join(&rec.id).join("vm.json"))?;
         let kernel = Some(self.boot_files()?.0.version);
         let out = new_mapped_file(file, info.mem_mb << 20)?;
@@ -1091,7 +1186,7 @@ impl VmBackend {
             .read(true)
             .write(true)
             .open(file)
-            .map_err(|e| format!("opening {}: {e}", file.display()))?;
+            .ctx(|| format!("opening {}", file.display()))?;
         mapped::seal(&f, info.mem_mb << 20)?;
         tracing::info!(
             sandbox = %rec.id,
@@ -1108,10 +1203,10 @@ impl VmBackend {
 
     /// See [`Backend::plan_snapshot`]: with `mapped` capture, the snapshot's file is made
     /// now (copies starting early open it) and `dest/vm.json` says it is pending.
-    fn plan(&self, rec: &SandboxRecord, dest: &Path) -> Result<(), String> {
+    fn plan(&self, rec: &SandboxRecord, dest: &Path) -> Result<(), VmError> {
         let info: VmInfo = read_json(&self.sandboxes.join(&rec.id).join("vm.json"))?;
         let kernel = Some(self.boot_files()?.0.version);
-        std::fs::create_dir_all(dest).map_err(|e| format!("creating {}: {e}", dest.display()))?;
+        std::fs::create_dir_all(dest).ctx(|| format!("creating {}", dest.display()))?;
         let ram = self
             .ram_dir
             .join(format!("seed-{}-{}.mr", rec.id, crate::random_hex(8)));
@@ -1119,9 +1214,9 @@ impl VmBackend {
         let mut saved = SavedVm::of(info, Some(&ram), kernel);
         saved.kind = "mapped".into();
         saved.pending = true;
-        write_json(&dest.join("vm.json"), &saved).inspect_err(|_| {
+        Ok(write_json(&dest.join("vm.json"), &saved).inspect_err(|_| {
             let _ = std::fs::remove_file(&ram);
-        })
+        })?)
     }
 
     fn suspended_dir(&self, id: &str) -> PathBuf {
@@ -1148,9 +1243,8 @@ impl VmBackend {
         let mut q = self
             .qmp_of(&rec.id)
             .map_err(|e| ApiError::unavailable(format!("the VM's control socket: {e}")))?;
-        q.execute(command, serde_json::Value::Null)
-            .map(drop)
-            .map_err(ApiError::internal)
+        q.execute(command, serde_json::Value::Null)?;
+        Ok(())
     }
 }
 
@@ -1173,7 +1267,8 @@ impl Backend for VmBackend {
                     }
                 ),
             ),
-            (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => (false, e.clone()),
+            (Err(e), _, _) | (_, _, Err(e)) => (false, e.to_string()),
+            (_, Err(e), _) => (false, e.to_string()),
         };
         BackendStatus {
             name: "vm".into(),
@@ -1207,7 +1302,7 @@ impl Backend for VmBackend {
         };
         started.map_err(|e| {
             let _ = self.destroy(rec, paths);
-            ApiError::internal(format!("starting the VM: {e}"))
+            crate::error::during("starting the VM", &e)
         })
     }
 
@@ -1332,14 +1427,15 @@ impl Backend for VmBackend {
     /// directory's tmpfs); copies map it from there.
     fn keep_snapshot(&self, dest: &Path) -> Result<(), ApiError> {
         let fail = |e: String| ApiError::internal(format!("keeping the VM snapshot: {e}"));
-        let mut saved: SavedVm = read_json(&dest.join("vm.json")).map_err(fail)?;
+        let mut saved: SavedVm =
+            read_json(&dest.join("vm.json")).map_err(|e| fail(e.to_string()))?;
         if let Some(ram) = saved.ram.clone()
             && !ram.starts_with(dest)
         {
-            copy_sparse(&ram, &dest.join("ram")).map_err(fail)?;
+            copy_sparse(&ram, &dest.join("ram")).map_err(|e| fail(e.to_string()))?;
             // `ram` next to the state, wherever the directory is moved to.
             saved.ram = None;
-            write_json(&dest.join("vm.json"), &saved).map_err(fail)?;
+            write_json(&dest.join("vm.json"), &saved).map_err(|e| fail(e.to_string()))?;
             let _ = std::fs::remove_file(&ram);
         }
         Ok(())
@@ -1356,8 +1452,9 @@ impl Backend for VmBackend {
 
     fn saved_files(&self, saved: &Path) -> Result<Vec<SavedFile>, ApiError> {
         let bad = |e: String| ApiError::internal(format!("reading the saved VM: {e}"));
-        let vm: SavedVm = read_json(&saved.join("vm.json")).map_err(bad)?;
-        let mut out = vec![SavedFile::at("vm.json", saved.join("vm.json")).map_err(bad)?];
+        let vm: SavedVm = read_json(&saved.join("vm.json")).map_err(|e| bad(e.to_string()))?;
+        let mut out =
+            vec![SavedFile::at("vm.json", saved.join("vm.json")).map_err(|e| bad(e.to_string()))?];
         // A mapped-ram save is one file, `ram`.
         let state = match vm.kind.as_str() {
             "shared" => Some("dev"),
@@ -1365,16 +1462,16 @@ impl Backend for VmBackend {
             _ => Some("full"),
         };
         if let Some(state) = state {
-            out.push(SavedFile::at(state, saved.join(state)).map_err(bad)?);
+            out.push(SavedFile::at(state, saved.join(state)).map_err(|e| bad(e.to_string()))?);
         }
         let ram = vm
             .ram
             .clone()
             .or_else(|| (vm.kind != "full").then(|| saved.join("ram")));
         if let Some(ram) = ram {
-            out.push(SavedFile::at("ram", ram).map_err(bad)?);
+            out.push(SavedFile::at("ram", ram).map_err(|e| bad(e.to_string()))?);
         }
-        out.extend(moved_disk::saved_files(&vm.disk, &vm.lowers).map_err(bad)?);
+        out.extend(moved_disk::saved_files(&vm.disk, &vm.lowers).map_err(|e| bad(e.to_string()))?);
         Ok(out)
     }
 
@@ -1397,7 +1494,7 @@ impl Backend for VmBackend {
         {
             return Err(bad(format!("unknown file {:?}", f.name)));
         }
-        let mut vm: SavedVm = read_json(&staged.join("vm.json")).map_err(bad)?;
+        let mut vm: SavedVm = read_json(&staged.join("vm.json")).map_err(|e| bad(e.to_string()))?;
         let state = match vm.kind.as_str() {
             "shared" => "dev",
             "full" => "full",
@@ -1432,16 +1529,17 @@ impl Backend for VmBackend {
             "mapped" => {
                 // Copies map its pages at the offset its header gives: a header that does
                 // not fit the memory size, or a file short of the pages, goes no further.
-                mapped::read_mem_of(&staged.join("ram"), vm.mem_mb << 20).map_err(bad)?;
+                mapped::read_mem_of(&staged.join("ram"), vm.mem_mb << 20)
+                    .map_err(|e| bad(e.to_string()))?;
                 Some(home.join("ram"))
             }
             "shared" if staged.join("ram").is_file() => Some(home.join("ram")),
             "shared" => return Err(bad("ram is missing".into())),
             _ => None,
         };
-        (vm.disk, vm.lowers) =
-            moved_disk::place(self.images.root(), staged, files, have).map_err(bad)?;
-        write_json(&staged.join("vm.json"), &vm).map_err(ApiError::internal)
+        (vm.disk, vm.lowers) = moved_disk::place(self.images.root(), staged, files, have)
+            .map_err(|e| bad(e.to_string()))?;
+        Ok(write_json(&staged.join("vm.json"), &vm)?)
     }
 
     fn suspend(&self, rec: &SandboxRecord, paths: &SandboxPaths) -> Result<(), ApiError> {
@@ -1456,11 +1554,11 @@ impl Backend for VmBackend {
                 saved.ram = Some(dest.join("ram"));
             }
             write_json(&part.join("vm.json"), &saved)?;
-            std::fs::rename(&part, &dest).map_err(|e| format!("moving the saved VM: {e}"))
+            Ok(std::fs::rename(&part, &dest).ctx(|| "moving the saved VM".into())?)
         });
         if let Err(e) = r {
             let _ = std::fs::remove_dir_all(&part);
-            return Err(ApiError::internal(format!("saving the VM to disk: {e}")));
+            return Err(crate::error::during("saving the VM to disk", &e));
         }
         self.stop_processes(&paths.dir);
         let _ = std::fs::remove_file(self.ram_file(&rec.id));
@@ -1506,9 +1604,7 @@ impl Backend for VmBackend {
                 // Still suspended: the saved state stays for another try.
                 self.stop_processes(&paths.dir);
                 let _ = std::fs::remove_file(self.ram_file(&rec.id));
-                Err(ApiError::internal(format!(
-                    "resuming the VM from disk: {e}"
-                )))
+                Err(crate::error::during("resuming the VM from disk", &e))
             }
         }
     }
@@ -1553,7 +1649,7 @@ impl Backend for VmBackend {
 /// its user, and is handed descriptors for the rest), and as long as a copy maps: a copy
 /// that starts before the save is written would otherwise extend it itself, racing the
 /// save's own writes.
-fn new_mapped_file(path: &Path, mem_bytes: u64) -> Result<std::fs::File, String> {
+fn new_mapped_file(path: &Path, mem_bytes: u64) -> Result<std::fs::File, VmError> {
     use std::os::unix::fs::OpenOptionsExt;
     let f = std::fs::OpenOptions::new()
         .write(true)
@@ -1561,11 +1657,11 @@ fn new_mapped_file(path: &Path, mem_bytes: u64) -> Result<std::fs::File, String>
         .truncate(false)
         .mode(0o600)
         .open(path)
-        .map_err(|e| format!("creating {}: {e}", path.display()))?;
+        .ctx(|| format!("creating {}", path.display()))?;
     let len = mapped::planned_pages_offset(mem_bytes) + mem_bytes;
     if f.metadata().map(|m| m.len()).unwrap_or(0) < len {
         f.set_len(len)
-            .map_err(|e| format!("sizing {}: {e}", path.display()))?;
+            .ctx(|| format!("sizing {}", path.display()))?;
     }
     Ok(f)
 }
@@ -1685,6 +1781,8 @@ mod tests {
         assert!(ok("microvm", &[]).is_ok());
         assert!(ok("q35", &["vfio-pci,host=0000:65:00.0"]).is_ok());
         let e = ok("pc-i440fx", &[]).unwrap_err();
+        assert!(matches!(e, VmError::Config(_)), "{e:?}");
+        let e = e.to_string();
         assert!(e.contains("microvm") && e.contains("q35"), "{e}");
         assert!(ok("q35", &["vfio-pci,host=1 -monitor stdio"]).is_err());
         assert!(ok("q35", &[""]).is_err());
@@ -1694,6 +1792,6 @@ mod tests {
             run_as: "dsec-no-such-user".into(),
             ..VmOptions::default()
         });
-        assert!(no_such.unwrap_err().contains("run_as"));
+        assert!(no_such.unwrap_err().to_string().contains("run_as"));
     }
 }

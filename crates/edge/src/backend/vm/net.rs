@@ -7,6 +7,10 @@
 
 use std::net::Ipv4Addr;
 
+use dsec_common::{IoContext, IoFailure};
+
+use crate::net::{NetError, NetlinkError};
+
 /// The guest's side and the namespace's side of the tap.
 pub const GUEST_CIDR: &str = "172.16.0.2/30";
 pub const TAP_ADDR: &str = "172.16.0.1";
@@ -45,16 +49,13 @@ const IFF_NO_PI: libc::c_short = 0x1000;
 
 /// A persistent tap `name` in the calling thread's namespace (as `ip tuntap add`), which
 /// `owner` may attach to.
-fn add_tap(name: &str, owner: Option<(u32, u32)>) -> Result<(), String> {
+fn add_tap(name: &str, owner: Option<(u32, u32)>) -> Result<(), IoFailure> {
     use std::os::fd::AsRawFd;
     let tun = open_tap(name, IFF_TAP | IFF_NO_PI)?;
     let fd = tun.as_raw_fd();
     let check = |r: libc::c_int, what: &str| {
         if r < 0 {
-            Err(format!(
-                "tap {name}: {what}: {}",
-                std::io::Error::last_os_error()
-            ))
+            Err(IoFailure::last_os(format!("tap {name}: {what}")))
         } else {
             Ok(())
         }
@@ -78,38 +79,43 @@ fn add_tap(name: &str, owner: Option<(u32, u32)>) -> Result<(), String> {
 /// descriptor closes (the tap is not persistent). For a template QEMU taking a live
 /// migration, whose NIC needs a backend like the VM's (a tap with headers) but must not
 /// touch the VM's own tap.
-pub fn detached_tap() -> Result<std::fs::File, String> {
+pub fn detached_tap() -> Result<std::fs::File, IoFailure> {
     const IFF_VNET_HDR: libc::c_short = 0x4000;
     std::thread::Builder::new()
         .name("dsec-scratch-tap".into())
         .spawn(|| {
             // SAFETY: unshare on this thread only, which ends right after.
             if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
-                return Err(format!(
-                    "a network namespace for a scratch tap: {}",
-                    std::io::Error::last_os_error()
-                ));
+                return Err(IoFailure::last_os("a network namespace for a scratch tap"));
             }
             open_tap(TAP, IFF_TAP | IFF_NO_PI | IFF_VNET_HDR)
         })
-        .map_err(|e| format!("a thread for a scratch tap: {e}"))?
+        .ctx(|| "a thread for a scratch tap".into())?
         .join()
-        .map_err(|_| "the scratch tap's thread panicked".to_string())?
+        .map_err(|_| {
+            IoFailure::new(
+                "a scratch tap",
+                std::io::Error::other("its thread panicked"),
+            )
+        })?
 }
 
 /// Opens (creating it if needed) tap `name` with `flags` in the calling thread's
 /// namespace.
-fn open_tap(name: &str, flags: libc::c_short) -> Result<std::fs::File, String> {
+fn open_tap(name: &str, flags: libc::c_short) -> Result<std::fs::File, IoFailure> {
     use std::os::fd::AsRawFd;
     let tun = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open("/dev/net/tun")
-        .map_err(|e| format!("opening /dev/net/tun: {e}"))?;
+        .ctx(|| "opening /dev/net/tun".into())?;
     // SAFETY: an all-zero ifreq is valid; the name is copied in below, NUL-terminated.
     let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
     if name.len() >= ifr.ifr_name.len() {
-        return Err(format!("tap name {name:?} is too long"));
+        return Err(IoFailure::new(
+            format!("tap name {name:?}"),
+            std::io::Error::from(std::io::ErrorKind::InvalidFilename),
+        ));
     }
     for (d, s) in ifr.ifr_name.iter_mut().zip(name.bytes()) {
         *d = s as libc::c_char;
@@ -117,10 +123,7 @@ fn open_tap(name: &str, flags: libc::c_short) -> Result<std::fs::File, String> {
     ifr.ifr_ifru.ifru_flags = flags;
     // SAFETY: TUNSETIFF on a descriptor we own, with an ifreq.
     if unsafe { libc::ioctl(tun.as_raw_fd(), TUNSETIFF, &mut ifr) } < 0 {
-        return Err(format!(
-            "tap {name}: creating: {}",
-            std::io::Error::last_os_error()
-        ));
+        return Err(IoFailure::last_os(format!("tap {name}: creating")));
     }
     Ok(tun)
 }
@@ -130,7 +133,7 @@ fn open_tap(name: &str, flags: libc::c_short) -> Result<std::fs::File, String> {
 /// copies does this for each. Idempotent: a VM resumed from disk finds the tap there, and
 /// the table is replaced as one transaction. `node_side` is the gateway address of the
 /// sandbox's veth.
-pub fn setup(ns: &str, node_side: &str) -> Result<(), String> {
+pub fn setup(ns: &str, node_side: &str) -> Result<(), NetError> {
     setup_tap(ns, node_side, TAP, None)
 }
 
@@ -141,13 +144,14 @@ pub fn setup_tap(
     node_side: &str,
     tap: &str,
     owner: Option<(u32, u32)>,
-) -> Result<(), String> {
+) -> Result<(), NetError> {
     use crate::net::rtnl;
-    let path = rtnl::netns_path(ns).map_err(|e| e.to_string())?;
-    let f =
-        std::fs::File::open(&path).map_err(|e| format!("opening network namespace {ns}: {e}"))?;
-    setup_in(&f, node_side, tap, owner)
-        .map_err(|e| format!("the VM's network in namespace {ns}: {e}"))
+    let path = rtnl::netns_path(ns)?;
+    let f = std::fs::File::open(&path).ctx(|| format!("opening network namespace {ns}"))?;
+    setup_in(&f, node_side, tap, owner).map_err(|source| NetError::VmNetwork {
+        ns: ns.into(),
+        source,
+    })
 }
 
 /// [`setup_tap`] in the namespace `ns` (an open namespace file).
@@ -156,30 +160,29 @@ fn setup_in(
     node_side: &str,
     tap: &str,
     owner: Option<(u32, u32)>,
-) -> Result<(), String> {
+) -> Result<(), NetlinkError> {
     use crate::net::rtnl;
-    let node_side: Ipv4Addr = node_side
-        .parse()
-        .map_err(|_| format!("the sandbox's gateway {node_side:?} is not an IPv4 address"))?;
+    let node_side: Ipv4Addr = node_side.parse().map_err(|_| {
+        NetlinkError::Other(format!(
+            "the sandbox's gateway {node_side:?} is not an IPv4 address"
+        ))
+    })?;
     let tap = tap.to_string();
     rtnl::in_netns(ns, move || {
-        let other = crate::net::netlink::NetlinkError::Other;
         if rtnl::index(&tap).is_err() {
-            add_tap(&tap, owner).map_err(other)?;
+            add_tap(&tap, owner)?;
             let index = rtnl::index(&tap)?;
             let mut rt = rtnl::Rtnl::open()?;
             rt.set_mac(index, mac_bytes(TAP_MAC))?;
             rt.add_address(index, tap_ip(), 30)?;
             rt.set_up(index)?;
         }
-        rtnl::write_sysctl("net/ipv4/ip_forward", "1")
-            .map_err(|e| other(format!("turning on forwarding: {e}")))?;
+        rtnl::write_sysctl("net/ipv4/ip_forward", "1").ctx(|| "turning on forwarding".into())?;
         let (batch, n) = nat_batch(node_side, &tap);
         crate::net::nfnl::transact(&batch, 1, n, |i| {
             format!("message {} of the VM's NAT table", i + 1)
         })
     })
-    .map_err(|e| e.to_string())
 }
 
 /// The namespace's NAT, as one nf_tables transaction that first drops any earlier copy

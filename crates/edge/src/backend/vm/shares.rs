@@ -13,7 +13,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::VmBackend;
+use dsec_common::IoContext;
+
+use super::{VmBackend, VmError};
 use crate::backend::detached::{alive, spawn_detached};
 use crate::cgroup;
 use crate::registry::SandboxRecord;
@@ -30,7 +32,7 @@ const XATTR_MAP: &str = ":ok:all:user.:::ok:all:security.capability:::bad:all:::
 
 /// The virtiofsd binary: Debian's `virtiofsd` package (Debian 13), QEMU's own before 8.0
 /// (Debian 12's `qemu-system-common`, or the copy `deploy/deps.sh` installs from it).
-pub fn find_virtiofsd() -> Result<PathBuf, String> {
+pub fn find_virtiofsd() -> Result<PathBuf, VmError> {
     let candidates = [
         "/usr/libexec/virtiofsd",
         "/usr/lib/qemu/virtiofsd",
@@ -48,7 +50,7 @@ pub fn find_virtiofsd() -> Result<PathBuf, String> {
             })
         })
         .ok_or_else(|| {
-            "vm sandboxes mount volumes through virtiofsd, which this node lacks: install Debian's virtiofsd package (Debian 13), or run deploy/deps.sh (Debian 12)".to_string()
+            VmError::Unavailable("vm sandboxes mount volumes through virtiofsd, which this node lacks: install Debian's virtiofsd package (Debian 13), or run deploy/deps.sh (Debian 12)".into())
         })
 }
 
@@ -94,12 +96,11 @@ impl VmBackend {
         rec: &SandboxRecord,
         dir: &Path,
         procs: &[PathBuf],
-    ) -> Result<Vec<PathBuf>, String> {
+    ) -> Result<Vec<PathBuf>, VmError> {
         let bin = find_virtiofsd()?;
         let state_dir = self.sandboxes.parent().unwrap_or(&self.sandboxes);
         let shares = dir.join(SHARES_DIR);
-        let ns = crate::mountns::get()?;
-        let started = ns.run(|| -> Result<Vec<u32>, String> {
+        let started = crate::mountns::within(|| -> Result<Vec<u32>, VmError> {
             let sources = crate::volumes::bind_shares(state_dir, &rec.volumes, &shares)?;
             let mut pids = Vec::with_capacity(sources.len());
             for (i, src) in sources.iter().enumerate() {
@@ -111,18 +112,18 @@ impl VmBackend {
                     .create(true)
                     .append(true)
                     .open(log_file(dir, i))
-                    .map_err(|e| format!("creating virtiofsd.{i}.log: {e}"))?;
+                    .ctx(|| format!("creating virtiofsd.{i}.log"))?;
                 let mut cmd = Command::new(&bin);
                 cmd.args(daemon_args(&sock, src))
                     .stdin(Stdio::null())
-                    .stdout(log.try_clone().map_err(|e| e.to_string())?)
+                    .stdout(log.try_clone().ctx(|| "the virtiofsd log".into())?)
                     .stderr(log);
                 cgroup::own::join_before_exec(&mut cmd, procs)?;
                 let what = bin.display().to_string();
                 pids.push(spawn_detached(&mut cmd, &what, &pid_file(dir, i))?.id());
             }
             Ok(pids)
-        })??;
+        })?;
         // Each daemon makes its socket once it is ready for QEMU.
         let t0 = Instant::now();
         let mut out = Vec::with_capacity(started.len());
@@ -131,11 +132,10 @@ impl VmBackend {
             while !sock.exists() {
                 if !alive(*pid as i32) || t0.elapsed() > Duration::from_secs(10) {
                     let said = std::fs::read_to_string(log_file(dir, i)).unwrap_or_default();
-                    return Err(format!(
-                        "virtiofsd for volume {} did not start: {}",
-                        rec.volumes[i].volume,
-                        said.trim()
-                    ));
+                    return Err(VmError::Virtiofsd {
+                        volume: rec.volumes[i].volume.clone(),
+                        said: said.trim().to_string(),
+                    });
                 }
                 std::thread::sleep(Duration::from_millis(5));
             }
