@@ -33,7 +33,7 @@ test-e2e: build
 # The microvm backend (Firecracker) and the vm backend on KVM, run one level down: inside
 # an outer QEMU VM under TCG with -cpu max, where kvm_amd loads (tests/nested/outer.py).
 # It uses the images test-e2e built in $(DSEC_TEST_DIR).
-NESTED_TESTS ?= tests/e2e/test_microvm.py
+NESTED_TESTS ?= tests/e2e/test_microvm.py tests/e2e/test_backends.py -k microvm
 test-nested: build
 	@command -v firecracker >/dev/null || test -x /usr/local/bin/firecracker \
 		|| { echo "test-nested: no Firecracker; run deploy/firecracker.sh first" >&2; exit 1; }

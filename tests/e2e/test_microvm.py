@@ -2,7 +2,8 @@
 """The `microvm` backend: a Firecracker VMM per sandbox, booted from the same guest kernel
 (as vmlinux), initramfs and root disk as the `vm` backend, with aether reached over vsock.
 It needs hardware KVM and a Firecracker v1.16 binary; where the server reports the backend
-unavailable, each test is skipped with the server's reason."""
+unavailable, each test is skipped with the server's reason. What every backend does is in
+test_backends.py (its microvm cases: `-k microvm`); here what is the microvm backend's own."""
 
 import os
 import pwd
@@ -209,57 +210,6 @@ async def test_microvm_diff_snapshots_write_only_the_dirty_pages(client, need_mi
         server_down()
         server_up()
     for m in made:
-        assert wait_for(lambda: not vmm_processes(m.id), timeout=30)
-        assert leftovers(m.id) == []
-
-
-async def test_microvm_pause_resume_snapshot_restore_group_and_commit(client, need_microvm):
-    from opendsec.errors import DSecError
-
-    sb = await client.run_sandbox(DSecRunArgs(backend="microvm", image="root/py:3.11",
-            memory_limit_mb=256, labels={"job": "mvm"}))
-    made = []
-    snap = None
-    try:
-        value = await start_holder(sb)
-        # A bare pause and resume: vCPUs stopped in place, then new vsock connections work.
-        await sb.pause()
-        assert (await client.get_sandbox(sb.id)).info.state == "paused"
-        await sb.resume()
-        assert await ask(sb, "get 2", 2) == value
-        # A snapshot outlives its source; what is restored from it goes on from its moment.
-        snap = await sb.snapshot()
-        assert snap.memory_preserved and snap.backend == "microvm", snap
-        assert await ask(sb, "set 3 7", 3) == 7
-        restored = await client.restore_snapshot(snap.id, count=2)
-        made += restored
-        for i, r in enumerate(restored):
-            assert await ask(r, f"get {10 + i}", 10 + i) == value
-        await client.delete_snapshot(snap.id)
-        snap = None
-        # Group pause to disk: no VMM left; group resume brings back the process.
-        g = await client.pause_group({"job": "mvm"}, to_disk=True)
-        assert sb.id in str(g), g
-        assert wait_for(lambda: not vmm_processes(sb.id), timeout=30)
-        await client.resume_group({"job": "mvm"})
-        assert await ask(sb, "get 20", 20) == 7
-        # Commit: the VM's changes as an image a container runs.
-        await sb.files.write("/root/made-in-a-microvm", b"yes\n")
-        c = await sb.commit("root/mvm-commit:v1", overwrite=True)
-        assert c.image.endswith("mvm-commit:v1"), c
-        ct = await client.run_sandbox(DSecRunArgs(backend="container", image="root/mvm-commit:v1"))
-        made.append(ct)
-        assert await ct.files.read("/root/made-in-a-microvm") == b"yes\n"
-    finally:
-        for m in made:
-            await m.stop()
-        if snap:
-            try:
-                await client.delete_snapshot(snap.id)
-            except DSecError:
-                pass
-        await sb.stop()
-    for m in [sb, *made]:
         assert wait_for(lambda: not vmm_processes(m.id), timeout=30)
         assert leftovers(m.id) == []
 

@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: AGPL-3.0-only
 """The `vm` backend: a QEMU microvm per sandbox (TCG on hosts without hardware
 virtualisation), booted from the guest kernel and root disk the image store builds, with
-aether as the guest's init reached over virtio-serial. Skipped where QEMU is missing."""
+aether as the guest's init reached over virtio-serial. Skipped where QEMU is missing.
+What every backend does (exec, files, pause, snapshot, fork, commit, restarts...) is in
+test_backends.py; here what is the vm backend's own."""
 
 import contextlib
 import os
@@ -75,28 +77,6 @@ async def test_vm_sandbox_runs_the_seed_example_in_its_own_kernel(client, need_q
     assert wait_for(lambda: not qemu_processes(sb.id), timeout=10), "QEMU or vmux outlived the sandbox"
 
 
-async def test_vm_sandbox_survives_an_edge_restart(client, need_qemu):
-    from conftest import server_up, DATA
-    sb = await client.run_sandbox(DSecRunArgs(image="root/base", backend="vm"))
-    try:
-        await sb.exec(["sh", "-c", "echo kept > /root/state"])
-        pid = int((DATA / "dsec.pid").read_text())
-        os.kill(pid, 9)
-        wait_for(lambda: not Path(f"/proc/{pid}").exists(), timeout=10)
-        server_up()
-        async with DSecClient() as c2:
-            again = await c2.get_sandbox(sb.id)
-            assert again.info.state == "running"
-            r = await again.exec(["cat", "/root/state"])
-            assert r.stdout == "kept\n", r
-            await again.stop()
-    finally:
-        async with DSecClient() as c3:
-            for s in await c3.list_sandboxes():
-                await (await c3.get_sandbox(s.id)).stop()
-    assert wait_for(lambda: not qemu_processes(sb.id), timeout=10)
-
-
 # A Python process that holds a random value in memory and answers over a FIFO: "get N"
 # writes "N value" to /tmp/out, "set N V" changes the value first. Nothing but the
 # process's memory holds the value.
@@ -152,49 +132,6 @@ def qemu_pss_kib(sandbox_id: str) -> int:
     qemu = [p for p in qemu_processes(sandbox_id)
             if b"qemu-system" in Path(f"/proc/{p}/cmdline").read_bytes()]
     return smaps_rollup_kib(qemu).get("Pss", 0)
-
-
-async def test_vm_fork_copies_keep_memory_and_then_diverge(client, need_qemu):
-    sb = await client.run_sandbox(DSecRunArgs(image="root/py:3.11", backend="vm", memory_limit_mb=512))
-    copies = []
-    try:
-        value = await start_holder(sb)
-        print(f"\nsource holds {value}", flush=True)
-        t0 = time.monotonic()
-        copies = await sb.fork(count=4)
-        took = time.monotonic() - t0
-        fork = sb.last_fork
-        print(f"fork of 4 under TCG: {took:.2f} s, source paused {fork['source_paused_ms']} ms, "
-              f"memory_preserved={fork['memory_preserved']}", flush=True)
-        assert fork["memory_preserved"] is True
-        assert len({c.id for c in copies}) == 4 and sb.id not in {c.id for c in copies}
-        # Every copy's process is the source's, with the value in its memory.
-        for i, c in enumerate(copies):
-            assert await ask(c, f"get {10 + i}", 10 + i) == value, c.id
-        # Each changes it on its own; the source and the other copies keep theirs.
-        for i, c in enumerate(copies):
-            assert await ask(c, f"set {20 + i} {1000 + i}", 20 + i) == 1000 + i
-        for i, c in enumerate(copies):
-            assert await ask(c, f"get {30 + i}", 30 + i) == 1000 + i
-        assert await ask(sb, "get 40", 40) == value
-        # Their random numbers differ (reseeded after the restore), and each knows its id.
-        rand = set()
-        for c in [sb, *copies]:
-            r = await c.exec(["sh", "-c", "head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; cat /proc/sys/kernel/random/uuid"])
-            rand.add(r.stdout)
-        assert len(rand) == 5, rand
-        for c in copies:
-            r = await c.exec(["sh", "-c", "echo $DSEC_SANDBOX_ID"])
-            assert r.stdout.strip() == c.id
-        # The clock was stepped to the host's.
-        r = await copies[0].exec(["date", "+%s"])
-        assert abs(int(r.stdout) - time.time()) < 5, r
-    finally:
-        for c in copies:
-            await c.stop()
-        await sb.stop()
-    for c in [sb, *copies]:
-        assert wait_for(lambda: not qemu_processes(c.id), timeout=10), f"QEMU of {c.id} outlived it"
 
 
 # A process rewriting 1,024 pages of its memory without end: round v writes every page,
@@ -313,46 +250,6 @@ async def asyncio_sleep(s: float):
     await asyncio.sleep(s)
 
 
-async def test_vm_pause_to_disk_keeps_the_process_and_frees_the_host(client, need_qemu):
-    sb = await client.run_sandbox(DSecRunArgs(image="root/py:3.11", backend="vm", memory_limit_mb=512, labels={"job": "vm-pause"}))
-    try:
-        value = await start_holder(sb)
-        # In place: QEMU stays, the guest stops.
-        info = await sb.pause()
-        assert info.state == "paused" and not info.paused_to_disk
-        assert qemu_processes(sb.id)
-        with pytest.raises(Exception):
-            await sb.exec(["true"])
-        await sb.resume()
-        assert await ask(sb, "get 2", 2) == value
-        # To disk: no QEMU while paused, the same process and value after.
-        t0 = time.monotonic()
-        info = await sb.pause(to_disk=True)
-        paused = time.monotonic() - t0
-        assert info.state == "paused" and info.paused_to_disk
-        assert wait_for(lambda: not qemu_processes(sb.id), timeout=10), "QEMU still runs while paused to disk"
-        assert not list(Path("/dev/shm/dsec-vm").glob(f"{sb.id}*")), "its memory file is still in RAM"
-        t0 = time.monotonic()
-        info = await sb.resume()
-        resumed = time.monotonic() - t0
-        assert info.state == "running"
-        assert qemu_processes(sb.id)
-        assert await ask(sb, "get 3", 3) == value
-        r = await sb.exec(["date", "+%s"])
-        assert abs(int(r.stdout) - time.time()) < 5, r
-        print(f"\npause to disk {paused:.2f} s, resume from disk {resumed:.2f} s (TCG)", flush=True)
-        # A group pause and resume by label.
-        g = await client.pause_group({"job": "vm-pause"}, to_disk=True)
-        assert g["done"] == [sb.id] and not g["failed"], g
-        assert wait_for(lambda: not qemu_processes(sb.id), timeout=10)
-        g = await client.resume_group({"job": "vm-pause"})
-        assert g["done"] == [sb.id], g
-        assert await ask(sb, "get 4", 4) == value
-    finally:
-        await sb.stop()
-    assert wait_for(lambda: not qemu_processes(sb.id), timeout=10)
-
-
 def _cpu_seconds(sandbox_id: str) -> float:
     if cgroup_mode() == "v2":
         stat = cgroup_file("cpu", sandbox_id, "cpu.stat").read_text()
@@ -386,48 +283,6 @@ async def test_vm_limits_hold_for_qemu(client, need_qemu):
         await sb.stop()
     assert wait_for(lambda: not cgroup_file("memory", sb.id, "cgroup.procs").parent.exists(), timeout=10), \
         "the VM's cgroup outlived it"
-
-
-async def test_vm_snapshot_restores_later_until_deleted(client, need_qemu):
-    """A snapshot keeps a VM's memory under an id: sandboxes restored from it, even after
-    the source changed or stopped, go on from the moment it was taken; once deleted it
-    cannot be restored, and what was restored from it keeps running."""
-    from opendsec.errors import DSecError
-
-    sb = await client.run_sandbox(DSecRunArgs(image="root/py:3.11", backend="vm", memory_limit_mb=256))
-    restored = []
-    snap = None
-    try:
-        value = await start_holder(sb)
-        snap = await sb.snapshot()
-        assert snap.memory_preserved and snap.source == sb.id and snap.size_bytes > 0, snap
-        assert snap.id in [s.id for s in await client.list_snapshots()]
-        # The source moves on and goes; the snapshot does not.
-        assert await ask(sb, "set 2 7", 2) == 7
-        await sb.stop()
-        left = [p.name for p in Path("/dev/shm/dsec-vm").glob("*") if sb.id in p.name]
-        assert not left, f"a kept snapshot's memory stayed in the RAM directory: {left}"
-        restored = await client.restore_snapshot(snap.id, count=2, labels={"from": "snapshot"})
-        for i, r in enumerate(restored):
-            assert r.info.labels.get("from") == "snapshot"
-            assert await ask(r, f"get {10 + i}", 10 + i) == value, "a restored sandbox lost the memory"
-        print(f"\nVM snapshot: {snap.size_bytes / 2**20:.0f} MiB on disk, source paused {snap.source_paused_ms} ms",
-              flush=True)
-        await client.delete_snapshot(snap.id)
-        with pytest.raises(DSecError) as e:
-            await client.restore_snapshot(snap.id)
-        assert e.value.code == "not_found", e.value
-        snap = None
-        assert await ask(restored[0], "get 20", 20) == value
-    finally:
-        for r in restored:
-            await r.stop()
-        if snap:
-            await client.delete_snapshot(snap.id)
-        try:
-            await sb.stop()
-        except Exception:
-            pass
 
 
 @contextlib.asynccontextmanager
