@@ -37,12 +37,7 @@ EXPECTED_CAPABILITIES = {
 
 # Known gaps, each reported: the scenario is expected to fail on these backends (strict:
 # it fails the suite once the gap is closed, so the entry goes).
-KNOWN_GAPS = {
-    ("pids", "vm"): "pids_limit is not applied inside a VM guest: the limit holds QEMU's host "
-                    "cgroup only, so a guest makes 100 processes under pids_limit=64",
-    ("pids", "microvm"): "pids_limit is not applied inside a VM guest (the limit holds the "
-                         "VMM's host cgroup only)",
-}
+KNOWN_GAPS: dict[tuple[str, str], str] = {}
 
 
 # Counts processes whose command line has `pattern` (a grep regex; the images have no

@@ -61,6 +61,64 @@ fn prepare_guest() {
     let _ = std::fs::write("/proc/sys/kernel/hostname", "sandbox");
 }
 
+/// The kernel command line's `dsec.pids=N`: the most processes (and threads) the guest's
+/// user space may have, as a container's `pids.max`.
+fn pids_from_cmdline(cmdline: &str) -> Option<u64> {
+    cmdline
+        .split_whitespace()
+        .find_map(|t| t.strip_prefix("dsec.pids="))
+        .and_then(|n| n.parse().ok())
+        .filter(|&n| n > 0)
+}
+
+/// Puts aether, and so everything it starts, in a cgroup of the guest's own whose
+/// `pids.max` is the sandbox's limit: in a VM the node's cgroup holds only QEMU's
+/// threads, so the guest's processes are counted here, as a container's are by its
+/// cgroup. Aether's own threads count too, as in a container.
+fn limit_pids(max: u64) -> Result<(), String> {
+    let root = Path::new("/sys/fs/cgroup");
+    if !root.join("cgroup.controllers").exists() {
+        let c = |s: &str| std::ffi::CString::new(s).unwrap_or_default();
+        let (src, dst, fstype) = (c("cgroup2"), c("/sys/fs/cgroup"), c("cgroup2"));
+        // SAFETY: mount(2) with NUL-terminated strings that outlive the call.
+        let rc = unsafe {
+            libc::mount(
+                src.as_ptr(),
+                dst.as_ptr(),
+                fstype.as_ptr(),
+                libc::MS_NOSUID | libc::MS_NOEXEC | libc::MS_NODEV,
+                std::ptr::null(),
+            )
+        };
+        if rc != 0 {
+            return Err(format!(
+                "mounting cgroup2: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+    }
+    let leaf = root.join("sandbox");
+    let step = |what: &str, r: std::io::Result<()>| r.map_err(|e| format!("{what}: {e}"));
+    step(
+        "enabling the pids controller",
+        std::fs::write(root.join("cgroup.subtree_control"), "+pids"),
+    )?;
+    match std::fs::create_dir(&leaf) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+            return Err(format!("creating {}: {e}", leaf.display()));
+        }
+        _ => {}
+    }
+    step(
+        "setting pids.max",
+        std::fs::write(leaf.join("pids.max"), max.to_string()),
+    )?;
+    step(
+        "moving aether into its cgroup",
+        std::fs::write(leaf.join("cgroup.procs"), "0"),
+    )
+}
+
 /// Mounts a VM's volumes: each virtio-fs device at its path (made if missing), `nosuid`
 /// and `nodev`, read-only where asked (the node serves those read-only too). One already
 /// mounted there is left as it is, so a repeated request changes nothing.
@@ -172,6 +230,12 @@ fn decode_hex(s: &str) -> Result<Vec<u8>, String> {
 pub fn guest_main(serve: impl Fn(UnixStream) + Send + Sync + Clone + 'static) -> ! {
     prepare_guest();
     let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
+    if let Some(max) = pids_from_cmdline(&cmdline)
+        && let Err(e) = limit_pids(max)
+    {
+        // The guest runs on; its processes are then bounded by its memory alone.
+        eprintln!("dsec-aether: limiting processes to {max}: {e}");
+    }
     // The VM keeps running without a network if this fails; its commands see why.
     match crate::guestnet::from_cmdline(&cmdline) {
         Some(Ok(spec)) => {
@@ -336,4 +400,20 @@ pub fn vmux_main(listen: &str, chardev: &str, wake: Option<&str>) -> io::Result<
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pids_limit_comes_from_the_command_line() {
+        assert_eq!(
+            pids_from_cmdline("console=ttyS0 dsec.pids=64 dsec.rw_mb=1"),
+            Some(64)
+        );
+        assert_eq!(pids_from_cmdline("console=ttyS0 dsec.rw_mb=1"), None);
+        assert_eq!(pids_from_cmdline("dsec.pids=0"), None);
+        assert_eq!(pids_from_cmdline("dsec.pids=x"), None);
+    }
 }

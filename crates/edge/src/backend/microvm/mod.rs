@@ -630,9 +630,10 @@ impl MicrovmBackend {
             kernel,
             initrd,
             boot_args: format!(
-                "console=ttyS0 reboot=k panic=1 quiet i8042.noaux i8042.nomux i8042.dumbkbd random.trust_cpu=on {}=vsock dsec.rw_mb={} {}{}",
+                "console=ttyS0 reboot=k panic=1 quiet i8042.noaux i8042.nomux i8042.dumbkbd random.trust_cpu=on {}=vsock dsec.rw_mb={} dsec.pids={} {}{}",
                 dsec_common::vsock::CMDLINE_KEY,
                 rec.limits.disk_mb,
+                rec.limits.pids,
                 guest::root_cmdline(disks.len()),
                 // The guest's address and gateway on the tap (the same in every copy).
                 match rec.network.as_ref().and_then(|n| n.gateway.as_ref()) {

@@ -679,9 +679,10 @@ impl VmBackend {
         };
         write_json(&dir.join("vm.json"), info)?;
         let mut append = format!(
-            "console=ttyS0 quiet panic=-1 tsc_early_khz={} tsc=reliable random.trust_cpu=on dsec.rw_mb={}",
+            "console=ttyS0 quiet panic=-1 tsc_early_khz={} tsc=reliable random.trust_cpu=on dsec.rw_mb={} dsec.pids={}",
             tsc_khz(),
-            rec.limits.disk_mb
+            rec.limits.disk_mb,
+            rec.limits.pids
         );
         if !info.lowers.is_empty() {
             append.push(' ');
