@@ -1,5 +1,6 @@
-//! Public API models (REST/JSON). `proto/dsec/v1/sandbox.proto` describes the same
-//! messages; field names match.
+//! Public API models (REST/JSON). The OpenAPI document's schemas are generated from
+//! these types and their doc comments (feature `openapi`; `crates/edge-api/tests/openapi.rs`),
+//! so a field's comment is what the API's users read.
 
 use std::collections::BTreeMap;
 
@@ -10,26 +11,34 @@ use crate::ApiError;
 /// `POST /v1/sandboxes`. Numbers are JSON numbers; the edge checks each is a whole
 /// number in range and names the field when it is not.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CreateSandboxRequest {
     /// `container` (always), `vm` or `microvm` where the node can run them.
     #[serde(default = "default_backend")]
     pub backend: String,
     /// An image reference from the image store, e.g. `root/py:3.11`.
+    #[cfg_attr(feature = "openapi", schema(example = "root/py:3.11"))]
     pub image: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 0.01))]
     pub cpu_cores_limit: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 16))]
     pub memory_limit_mb: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 16))]
     pub disk_limit_mb: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 16))]
     pub pids_limit: Option<f64>,
     /// Total lifetime from now; extended by `set_timeout`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub ttl_seconds: Option<f64>,
     /// Stop after this long without an API call for the sandbox.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub idle_timeout_seconds: Option<f64>,
     /// What happens when the TTL runs out: `"stop"` (the default), `"pause"` (frozen in
     /// place, as `pause` does; resumed, it has as long again as it was created with) or
@@ -61,6 +70,7 @@ pub struct CreateSandboxRequest {
     /// credential reaches the service without the sandbox seeing it. The host must also
     /// be allowed by `network_rules`.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[cfg_attr(feature = "openapi", schema(value_type = BTreeMap<String, BTreeMap<String, String>>))]
     pub egress_headers: EgressHeaders,
     /// Volumes mounted into the sandbox (container backend).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -70,6 +80,7 @@ pub struct CreateSandboxRequest {
 /// A volume in a sandbox: `volume` (its id, or its name in the sandbox's project or a
 /// parent of it) at `path`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct VolumeMount {
     pub volume: String,
@@ -81,6 +92,7 @@ pub struct VolumeMount {
 
 /// `POST /v1/volumes`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CreateVolumeRequest {
     /// Unique in its project: `[a-z0-9][a-z0-9._-]*`, at most 63 characters.
@@ -96,6 +108,8 @@ pub struct CreateVolumeRequest {
 /// A volume: a file system kept on an edge, apart from any sandbox, that sandboxes of its
 /// project mount (many at once) and the volume file API reads and writes.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "openapi", schema(as = Volume))]
 pub struct VolumeInfo {
     /// `<edge>-<12 characters>`: the edge that keeps it.
     pub id: String,
@@ -110,12 +124,14 @@ pub struct VolumeInfo {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ListVolumesResponse {
     pub volumes: Vec<VolumeInfo>,
 }
 
 /// A file, directory or link in a volume (`GET /v1/volumes/{id}/stat`, listings).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct VolumeEntry {
     pub name: String,
     /// Absolute within the volume, e.g. `/data/a.txt`.
@@ -138,6 +154,7 @@ pub struct VolumeEntry {
 
 /// `PATCH /v1/volumes/{id}/stat?path=`: the owner or permission bits to set.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct VolumeEntryUpdate {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -151,6 +168,7 @@ pub struct VolumeEntryUpdate {
 /// `GET /v1/sandboxes/{id}/metrics`: what a running sandbox uses now. CPU time is a
 /// running total (a rate needs two readings).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SandboxMetrics {
     pub timestamp_ms: u64,
     pub cpu_cores: f64,
@@ -167,6 +185,7 @@ pub struct SandboxMetrics {
 /// One kept reading of a sandbox's resource use (the node takes one every
 /// `metrics_interval_ms` while the sandbox runs). CPU time is a running total.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct MetricsSample {
     pub timestamp_ms: u64,
     pub cpu_used_ns: u64,
@@ -177,6 +196,7 @@ pub struct MetricsSample {
 /// `GET /v1/sandboxes/{id}/metrics/history[?start_ms=&end_ms=]`: the kept readings in
 /// that range, oldest first.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct MetricsHistory {
     /// How far apart readings are taken (0: the node keeps none).
     pub interval_ms: u64,
@@ -187,6 +207,7 @@ pub struct MetricsHistory {
 
 /// A sandbox's network as the API shows it.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct NetworkInfo {
     /// `"rules"` (egress per `rules`) or `"none"` (loopback only).
     pub mode: String,
@@ -197,6 +218,7 @@ pub struct NetworkInfo {
     pub rules: BTreeMap<String, bool>,
     /// Headers set on outbound requests per host (see `CreateSandboxRequest`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[cfg_attr(feature = "openapi", schema(value_type = BTreeMap<String, BTreeMap<String, String>>))]
     pub egress_headers: EgressHeaders,
 }
 
@@ -208,17 +230,20 @@ pub type StringMap = BTreeMap<String, String>;
 
 /// `PUT /v1/sandboxes/{id}/network`: replaces the rules of a running sandbox.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct SetNetworkRequest {
     pub network_rules: BTreeMap<String, bool>,
     /// Replaces the sandbox's egress headers (none: it has none after).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[cfg_attr(feature = "openapi", schema(value_type = BTreeMap<String, BTreeMap<String, String>>))]
     pub egress_headers: EgressHeaders,
 }
 
 /// `POST /v1/sandboxes/{id}/commit`: the sandbox's filesystem changes become one more
 /// layer on top of its image, tagged as `image`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CommitRequest {
     /// The new image's reference, e.g. `root/myenv:v1`.
@@ -229,6 +254,7 @@ pub struct CommitRequest {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct CommitResponse {
     /// The new image's reference, normalised (`root/myenv` → `root/myenv:latest`).
     pub image: String,
@@ -252,6 +278,7 @@ pub fn default_backend() -> String {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum SandboxState {
     Creating,
@@ -262,6 +289,7 @@ pub enum SandboxState {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Limits {
     pub cpu_cores: f64,
     pub memory_mb: u64,
@@ -270,6 +298,8 @@ pub struct Limits {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "openapi", schema(as = Sandbox))]
 pub struct SandboxInfo {
     pub id: String,
     pub edge: String,
@@ -315,6 +345,7 @@ pub struct SandboxInfo {
 
 /// `POST /v1/sandboxes/{id}/pause`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PauseRequest {
     /// End the sandbox's processes, freeing the host's memory until it is resumed: a VM's
@@ -327,6 +358,7 @@ pub struct PauseRequest {
 
 /// `POST /v1/groups/pause` and `/v1/groups/resume`: every sandbox with these labels.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct GroupRequest {
     /// `key: value` pairs a sandbox must all have (at least one).
@@ -337,6 +369,7 @@ pub struct GroupRequest {
 
 /// What a group pause or resume did, sandbox by sandbox.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct GroupResponse {
     /// Sandboxes now in the asked-for state.
     pub done: Vec<String>,
@@ -348,6 +381,7 @@ pub struct GroupResponse {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct GroupFailure {
     pub id: String,
     pub code: crate::ErrorCode,
@@ -355,12 +389,14 @@ pub struct GroupFailure {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ListSandboxesResponse {
     pub sandboxes: Vec<SandboxInfo>,
 }
 
 /// `POST /v1/sandboxes/{id}/exec`. Exactly one of `cmd` (run by `/bin/sh -c`) and `argv`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ExecRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -394,6 +430,7 @@ pub struct ExecRequest {
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ExecResult {
     pub stdout: String,
     pub stderr: String,
@@ -414,6 +451,7 @@ pub struct ExecResult {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ForkRequest {
     #[serde(default = "one")]
@@ -429,6 +467,8 @@ pub struct ForkRequest {
 /// A sandbox's state kept under an id (`POST /v1/sandboxes/{id}/snapshot`), to start new
 /// sandboxes from (`POST /v1/snapshots/{id}/restore`) until it is deleted.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "openapi", schema(as = Snapshot))]
 pub struct SnapshotInfo {
     /// `<edge>-<12 characters>`, like a sandbox id: the edge that keeps it.
     pub id: String,
@@ -450,12 +490,14 @@ pub struct SnapshotInfo {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ListSnapshotsResponse {
     pub snapshots: Vec<SnapshotInfo>,
 }
 
 /// `POST /v1/sandboxes/{id}/resume`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ResumeRequest {
     /// Resume on this edge instead (cluster, VM backends): it pulls the sandbox's saved
@@ -471,6 +513,7 @@ fn one() -> f64 {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ForkResponse {
     pub sandboxes: Vec<SandboxInfo>,
     /// Whether the copies carry the source's process memory (VM backends) or only its
@@ -482,12 +525,14 @@ pub struct ForkResponse {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct SetTimeoutRequest {
     pub ttl_seconds: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct BackendStatus {
     pub name: String,
     pub available: bool,
@@ -502,6 +547,7 @@ pub struct BackendStatus {
 /// A capability some backends have and others lack. A request for one its backend lacks
 /// is refused before anything is done, naming the capability (501).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Capability {
     /// A fork's copies (and a snapshot's restores) keep the processes and their memory,
@@ -530,6 +576,7 @@ impl Capability {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct NodeStatus {
     pub name: String,
     pub healthy: bool,
@@ -557,6 +604,7 @@ pub struct NodeStatus {
 
 /// A warm pool's state in [`NodeStatus`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct PoolStatus {
     pub name: String,
     pub image: String,
@@ -589,6 +637,7 @@ impl NodeStatus {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ClusterStatus {
     pub version: String,
     pub nodes: Vec<NodeStatus>,
@@ -596,6 +645,7 @@ pub struct ClusterStatus {
 
 /// A process aether manages (started with `stream` or `background`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ProcessInfo {
     pub pid: u32,
     pub argv: Vec<String>,
@@ -611,6 +661,7 @@ pub struct ProcessInfo {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct FileStat {
     pub path: String,
     pub name: String,
@@ -674,6 +725,7 @@ pub fn check_metadata(m: &StringMap) -> Result<(), ApiError> {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SessionInfo {
     pub session_id: String,
     pub pid: u32,
@@ -684,6 +736,7 @@ pub struct SessionInfo {
 
 /// A session command's result; `state` is `running` (output so far) or `done`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SessionResult {
     pub command_id: u64,
     pub state: String,
@@ -703,6 +756,7 @@ pub struct SessionResult {
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct SessionCreateRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -712,6 +766,7 @@ pub struct SessionCreateRequest {
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct SessionRunRequest {
     pub cmd: String,
@@ -723,6 +778,7 @@ pub struct SessionRunRequest {
 
 /// `POST /v1/functions/{name}:call`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct FunctionCallRequest {
     /// Given to the function as JSON on its stdin (`null` when left out).
@@ -739,6 +795,7 @@ pub struct FunctionCallRequest {
 /// What a function call returned. A function that exits non-zero still answers 200 with
 /// its exit code and stderr: the call worked, the function failed.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct FunctionCallResult {
     pub function: String,
     /// The function's stdout parsed as JSON; its text as a string when it is not JSON.
@@ -760,6 +817,7 @@ pub struct FunctionCallResult {
 
 /// An entry of `GET /v1/functions`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct FunctionInfo {
     pub name: String,
     pub image: String,

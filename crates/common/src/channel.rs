@@ -227,6 +227,7 @@ pub struct StartSpec {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct PtySize {
     pub cols: u16,
     pub rows: u16,

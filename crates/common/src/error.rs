@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 /// Machine-readable error codes. The HTTP status follows from the code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorCode {
     InvalidArgument,
@@ -56,6 +57,8 @@ impl ErrorCode {
 
 /// The JSON body of every error response: `{"code": "...", "message": "..."}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "openapi", schema(as = Error))]
 #[error("{code:?}: {message}")]
 pub struct ApiError {
     pub code: ErrorCode,

@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 pub use dsec_common::project::ROOT;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Quota {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sandboxes: Option<u64>,
