@@ -182,7 +182,8 @@ async fn create(
 ) -> ApiResult<Response> {
     let mut req = create_request(&bytes, &p)?;
     let project = req.project.clone().unwrap_or_else(|| p.project.clone());
-    volumes::check_mounts(&st, &p, &project, &mut req.volumes)?;
+    let backend = req.backend.clone();
+    volumes::check_mounts(&st, &p, &project, &backend, &mut req.volumes)?;
     let info = st.edge.create(req).await?;
     Ok(json(StatusCode::CREATED, &info))
 }

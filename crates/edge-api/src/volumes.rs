@@ -61,8 +61,12 @@ pub(crate) fn check_mounts(
     st: &AppState,
     p: &Principal,
     project: &str,
+    backend: &str,
     mounts: &mut [dsec_common::api::VolumeMount],
 ) -> ApiResult<()> {
+    if !mounts.is_empty() {
+        dsec_edge::volumes::volumes_allowed(backend)?;
+    }
     for m in mounts {
         let v = st
             .edge

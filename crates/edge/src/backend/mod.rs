@@ -136,7 +136,22 @@ pub struct SandboxPaths {
 /// Refuses (501, naming the capability and what to do instead) a request the backend
 /// cannot serve, before any of it is done.
 pub fn require(b: &dyn Backend, cap: Capability, instead: &str) -> Result<(), ApiError> {
-    if b.capabilities().contains(&cap) {
+    require_of(b.name(), b.capabilities(), cap, instead)
+}
+
+/// [`require`] for the backend named `name` (known by name, as where a request is read
+/// before its backend is looked up).
+pub fn require_named(name: &str, cap: Capability, instead: &str) -> Result<(), ApiError> {
+    require_of(name, capabilities_of(name), cap, instead)
+}
+
+fn require_of(
+    name: &str,
+    has: &[Capability],
+    cap: Capability,
+    instead: &str,
+) -> Result<(), ApiError> {
+    if has.contains(&cap) {
         return Ok(());
     }
     let with: Vec<&str> = ["container", "vm", "microvm"]
@@ -145,7 +160,7 @@ pub fn require(b: &dyn Backend, cap: Capability, instead: &str) -> Result<(), Ap
         .collect();
     Err(ApiError::unimplemented(format!(
         "the {} backend cannot {} (capability {}; backends that can: {}); {instead}",
-        b.name(),
+        name,
         cap.describe(),
         serde_json::to_value(cap)
             .ok()

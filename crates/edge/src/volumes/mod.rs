@@ -542,15 +542,7 @@ impl Edge {
         if asked.is_empty() {
             return Ok(Vec::new());
         }
-        // A create's argument its backend cannot take: 400, as for any other.
-        crate::backend::require(backend, Capability::Volumes, "leave out volumes").map_err(
-            |e| {
-                ApiError::invalid(format!(
-                    "{} (Firecracker has no shared-filesystem device)",
-                    e.message
-                ))
-            },
-        )?;
+        volumes_allowed(backend.name())?;
         if asked.len() > MAX_MOUNTS {
             return Err(ApiError::invalid(format!(
                 "a sandbox mounts at most {MAX_MOUNTS} volumes (asked for {})",
@@ -584,6 +576,17 @@ impl Edge {
         }
         Ok(out)
     }
+}
+
+/// Whether sandboxes of `backend` may mount volumes; a create's argument its backend
+/// cannot take is a 400, as for any other. Checked before the volumes are looked up.
+pub fn volumes_allowed(backend: &str) -> Result<(), ApiError> {
+    crate::backend::require_named(backend, Capability::Volumes, "leave out volumes").map_err(|e| {
+        ApiError::invalid(format!(
+            "{} (Firecracker has no shared-filesystem device)",
+            e.message
+        ))
+    })
 }
 
 /// Where each of a sandbox's volumes is mounted in the sandboxes' mount namespace (each
