@@ -564,6 +564,23 @@ pub enum Capability {
 }
 
 impl Capability {
+    pub const ALL: [Capability; 4] = [
+        Capability::ForkMemory,
+        Capability::PauseToDisk,
+        Capability::Move,
+        Capability::Volumes,
+    ];
+
+    /// Its name in the API (as serialised).
+    pub fn name(self) -> &'static str {
+        match self {
+            Capability::ForkMemory => "fork_memory",
+            Capability::PauseToDisk => "pause_to_disk",
+            Capability::Move => "move",
+            Capability::Volumes => "volumes",
+        }
+    }
+
     /// What the capability lets a caller do, for the refusal's sentence.
     pub fn describe(self) -> &'static str {
         match self {
@@ -831,6 +848,13 @@ pub struct FunctionInfo {
 #[cfg(test)]
 mod metadata_tests {
     use super::*;
+
+    #[test]
+    fn capability_names_are_their_json_names() {
+        for c in Capability::ALL {
+            assert_eq!(serde_json::to_value(c).unwrap(), c.name());
+        }
+    }
 
     fn m(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         pairs

@@ -162,10 +162,7 @@ fn require_of(
         "the {} backend cannot {} (capability {}; backends that can: {}); {instead}",
         name,
         cap.describe(),
-        serde_json::to_value(cap)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_string))
-            .unwrap_or_default(),
+        cap.name(),
         with.join(", ")
     )))
 }
