@@ -58,8 +58,8 @@ if ! command -v cargo >/dev/null; then
   echo "error: Rust (cargo >= 1.90) is needed to build OpenDsec; install it with rustup (https://rustup.rs)" >&2
   exit 1
 fi
-python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore aiohttp httpx pytest pytest-asyncio e2b==2.63.0 e2b-code-interpreter==2.11.5 2>/dev/null \
-  || python3 -m pip install -q --disable-pip-version-check --break-system-packages aiohttp httpx pytest pytest-asyncio e2b==2.63.0 e2b-code-interpreter==2.11.5
+python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore aiohttp httpx pytest pytest-asyncio e2b==2.63.0 e2b-code-interpreter==2.11.5 grpcio==1.76.0 grpcio-tools==1.76.0 2>/dev/null \
+  || python3 -m pip install -q --disable-pip-version-check --break-system-packages aiohttp httpx pytest pytest-asyncio e2b==2.63.0 e2b-code-interpreter==2.11.5 grpcio==1.76.0 grpcio-tools==1.76.0
 # The gateway's JavaScript tests run the e2b npm package, which wants Node >= 20.18.
 if ! command -v npm >/dev/null; then
   echo "==> apt-get install nodejs npm"

@@ -29,6 +29,7 @@ use dsec_iam::http::{
 };
 use dsec_iam::{Iam, Principal};
 
+pub mod grpc;
 mod images;
 mod ports;
 pub mod quotas;

@@ -102,7 +102,15 @@ pub fn usable_project(p: &Principal, project: &str) -> ApiResult<()> {
 }
 
 pub fn create_request(bytes: &Bytes, p: &Principal) -> ApiResult<CreateSandboxRequest> {
-    let mut req: CreateSandboxRequest = body(bytes, "create sandbox")?;
+    check_create(body(bytes, "create sandbox")?, p)
+}
+
+/// A create, however it arrived, in the caller's project (or one inside it; 404 otherwise),
+/// naming an image the caller may read; its `project` filled in.
+pub fn check_create(
+    mut req: CreateSandboxRequest,
+    p: &Principal,
+) -> ApiResult<CreateSandboxRequest> {
     let project = req.project.clone().unwrap_or_else(|| p.project.clone());
     usable_project(p, &project)?;
     check_read(p, &req.image)?;

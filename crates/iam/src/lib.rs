@@ -6,6 +6,7 @@
 pub mod http;
 pub mod raft;
 pub mod remote;
+pub mod rpc;
 pub mod service;
 pub mod state;
 pub mod store;

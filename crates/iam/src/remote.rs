@@ -1,20 +1,18 @@
 //! [`RemoteIam`]: the [`Iam`] of a component that is not an IAM replica (apiserver, edge).
-//! It calls the replicas' service over mutual TLS, moving to the next replica when one does
+//! It calls the replicas' gRPC service (`dsec.v1.Iam`) over mutual TLS, moving to the next replica when one does
 //! not answer, and caches key lookups briefly so that a request costs no IAM round trip.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use http_body_util::{BodyExt, Limited};
-use serde::Serialize;
-use serde::de::DeserializeOwned;
+use dsec_rpc::pb::iam_client::IamClient;
+use dsec_rpc::status::within;
+use dsec_rpc::{CallError, Channels, Transport, pb};
 
-use crate::service::{
-    ActorRequest, ApplyFailure, AuthenticateReply, AuthenticateRequest, PATH_APPLY,
-    PATH_AUTHENTICATE, PATH_KEYS, PATH_PROJECTS,
-};
+use crate::rpc::refusal_from_api;
 use crate::state::{Command, KeyRecord};
 use crate::{Iam, IamError, Principal, ProjectView, hash_key};
 
@@ -26,27 +24,19 @@ const NEGATIVE_TTL: Duration = Duration::from_millis(500);
 const READ_TIMEOUT: Duration = Duration::from_secs(3);
 /// A write may wait for an election (the replica retries for up to 10 s itself).
 const WRITE_TIMEOUT: Duration = Duration::from_secs(15);
-const MAX_ANSWER: usize = 64 << 20;
 
 struct Inner {
     replicas: Vec<String>,
-    client: dsec_mtls::Client,
+    channels: Channels,
     /// The replica that answered last; calls start there.
     preferred: AtomicUsize,
     cache: Mutex<HashMap<String, (Option<Principal>, Instant)>>,
 }
 
-/// A client of the IAM replicas. Cheap to clone.
+/// A client of the IAM replicas (`dsec.v1.Iam` over gRPC). Cheap to clone.
 #[derive(Clone)]
 pub struct RemoteIam {
     inner: Arc<Inner>,
-}
-
-enum CallError {
-    /// The replica did not answer (connect failure, timeout, 5xx): try another.
-    Down(String),
-    /// The replica answered with a refusal.
-    Refused(crate::state::Refusal),
 }
 
 impl RemoteIam {
@@ -55,63 +45,21 @@ impl RemoteIam {
         RemoteIam {
             inner: Arc::new(Inner {
                 replicas,
-                client: dsec_mtls::Client::new(tls),
+                channels: Channels::new(tls),
                 preferred: AtomicUsize::new(0),
                 cache: Mutex::new(HashMap::new()),
             }),
         }
     }
 
-    async fn post_one<Req: Serialize, Resp: DeserializeOwned>(
-        &self,
-        addr: &str,
-        path: &str,
-        req: &Req,
-        timeout: Duration,
-    ) -> Result<Resp, CallError> {
-        let body = serde_json::to_vec(req).map_err(|e| CallError::Down(e.to_string()))?;
-        let url = format!("{}{path}", self.inner.client.base(addr));
-        let request =
-            dsec_mtls::client::post_json(&url, body).map_err(|e| CallError::Down(e.to_string()))?;
-        let call = async {
-            let resp = self
-                .inner
-                .client
-                .request(request)
-                .await
-                .map_err(|e| CallError::Down(format!("{addr}: {e}")))?;
-            let status = resp.status();
-            let bytes = Limited::new(resp.into_body(), MAX_ANSWER)
-                .collect()
-                .await
-                .map_err(|e| CallError::Down(format!("{addr}: reading the answer: {e}")))?
-                .to_bytes();
-            if status.is_success() {
-                return serde_json::from_slice(&bytes)
-                    .map_err(|e| CallError::Down(format!("{addr}: bad answer: {e}")));
-            }
-            match serde_json::from_slice::<ApplyFailure>(&bytes) {
-                Ok(ApplyFailure::Refused(r)) => Err(CallError::Refused(r)),
-                Ok(ApplyFailure::Unavailable(m)) => Err(CallError::Down(format!("{addr}: {m}"))),
-                Err(_) => Err(CallError::Down(format!(
-                    "{addr} answered {status}: {}",
-                    String::from_utf8_lossy(&bytes[..bytes.len().min(200)])
-                ))),
-            }
-        };
-        tokio::time::timeout(timeout, call)
-            .await
-            .map_err(|_| CallError::Down(format!("{addr} did not answer within {timeout:?}")))?
-    }
-
     /// Calls the replicas in turn, starting with the one that answered last, until one
-    /// answers or `timeout` has passed.
-    async fn post<Req: Serialize, Resp: DeserializeOwned>(
-        &self,
-        path: &str,
-        req: &Req,
-        timeout: Duration,
-    ) -> Result<Resp, IamError> {
+    /// answers or `timeout` has passed. A refusal is an answer; anything else (no
+    /// connection, no leader, a timeout) moves on to the next replica.
+    async fn call<T, F, Fut>(&self, timeout: Duration, call: F) -> Result<T, IamError>
+    where
+        F: Fn(IamClient<Transport>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
         let n = self.inner.replicas.len();
         if n == 0 {
             return Err(crate::unavailable("no IAM replicas are configured"));
@@ -122,15 +70,21 @@ impl RemoteIam {
         loop {
             let addr = &self.inner.replicas[i % n];
             let left = deadline.saturating_duration_since(Instant::now());
-            match self.post_one(addr, path, req, left).await {
+            let answer = match self.inner.channels.client(addr, IamClient::with_origin) {
+                Ok(c) => within(left, call(c)).await,
+                Err(e) => Err(e),
+            };
+            match answer {
                 Ok(r) => {
                     self.inner.preferred.store(i % n, Ordering::Relaxed);
                     return Ok(r);
                 }
-                Err(CallError::Refused(r)) => return Err(IamError::Refused(r)),
-                Err(CallError::Down(m)) => {
-                    tracing::debug!(replica = %addr, error = %m, "IAM replica did not answer");
-                    errors.push(m);
+                Err(CallError::Api(e)) if let Some(r) = refusal_from_api(&e) => {
+                    return Err(IamError::Refused(r));
+                }
+                Err(e) => {
+                    tracing::debug!(replica = %addr, error = %e, "IAM replica did not answer");
+                    errors.push(format!("{addr}: {e}"));
                 }
             }
             i += 1;
@@ -157,17 +111,18 @@ impl RemoteIam {
                 return p;
             }
         }
-        let reply: AuthenticateReply = match self
-            .post(
-                PATH_AUTHENTICATE,
-                &AuthenticateRequest {
-                    key: key.to_string(),
-                },
-                READ_TIMEOUT,
-            )
-            .await
-        {
-            Ok(r) => r,
+        let asked = self
+            .call(READ_TIMEOUT, |mut c| {
+                let key = key.to_string();
+                async move { c.authenticate(pb::AuthenticateRequest { key }).await }
+            })
+            .await;
+        let principal = match asked.map(|r| r.principal.map(Principal::try_from).transpose()) {
+            Ok(Ok(p)) => p,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "IAM answered a key lookup with a malformed principal");
+                None
+            }
             Err(e) => {
                 // IAM unreachable: keep honouring a key seen recently rather than fail every
                 // request during an election.
@@ -183,14 +138,18 @@ impl RemoteIam {
         if cache.len() > 100_000 {
             cache.retain(|_, (_, at)| at.elapsed() < AUTH_CACHE_TTL);
         }
-        cache.insert(h, (reply.principal.clone(), Instant::now()));
-        reply.principal
+        cache.insert(h, (principal.clone(), Instant::now()));
+        principal
     }
 
     pub async fn write(&self, cmd: Command) -> Result<(), IamError> {
         let revokes = matches!(cmd, Command::RevokeKey { .. });
-        self.post::<_, serde_json::Value>(PATH_APPLY, &cmd, WRITE_TIMEOUT)
-            .await?;
+        let msg = pb::Command::from(cmd);
+        self.call(WRITE_TIMEOUT, |mut c| {
+            let msg = msg.clone();
+            async move { c.apply(msg).await }
+        })
+        .await?;
         if revokes {
             // This apiserver stops honouring the key at once; others within the cache TTL.
             self.lock_cache().clear();
@@ -227,16 +186,24 @@ impl Iam for RemoteIam {
     }
 
     fn projects(&self, actor: &str) -> Result<Vec<ProjectView>, IamError> {
-        let req = ActorRequest {
-            actor: actor.to_string(),
-        };
-        self.block(self.post(PATH_PROJECTS, &req, READ_TIMEOUT))
+        let actor = actor.to_string();
+        let r = self.block(self.call(READ_TIMEOUT, |mut c| {
+            let actor = actor.clone();
+            async move { c.projects(pb::ActorRequest { actor }).await }
+        }))?;
+        Ok(r.projects.into_iter().map(Into::into).collect())
     }
 
     fn keys(&self, actor: &str) -> Result<Vec<KeyRecord>, IamError> {
-        let req = ActorRequest {
-            actor: actor.to_string(),
-        };
-        self.block(self.post(PATH_KEYS, &req, READ_TIMEOUT))
+        let actor = actor.to_string();
+        let r = self.block(self.call(READ_TIMEOUT, |mut c| {
+            let actor = actor.clone();
+            async move { c.keys(pb::ActorRequest { actor }).await }
+        }))?;
+        r.keys
+            .into_iter()
+            .map(KeyRecord::try_from)
+            .collect::<Result<_, _>>()
+            .map_err(|e| IamError::Storage(format!("IAM answered a malformed key record: {e}")))
     }
 }

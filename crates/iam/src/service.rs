@@ -1,46 +1,23 @@
 //! The IAM service other components call (apiservers authenticate keys and manage
-//! projects; edges reserve and release quota): JSON over HTTP on the replica's mutual-TLS
-//! listener, next to the Raft routes. Any replica answers; writes go through the leader.
+//! projects; edges reserve and release quota): `dsec.v1.Iam` over gRPC
+//! (`proto/dsec/v1/iam.proto`) on the replica's mutual-TLS listener, next to the Raft
+//! routes. Any replica answers; writes go through the leader. `/iam/leader` (HTTP) says
+//! which replica leads, for operators and tests.
 
 use axum::extract::State;
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::get;
 use axum::{Json, Router};
+use dsec_rpc::pb;
+use dsec_rpc::pb::iam_server::{Iam as IamRpc, IamServer};
 use serde::{Deserialize, Serialize};
+use tonic::{Request, Response, Status};
 
 use crate::raft::RaftIam;
-use crate::state::{Command, KeyRecord, Refusal};
-use crate::{Iam, IamError, Principal, ProjectView};
+use crate::rpc::refusal_to_api;
+use crate::state::{Command, Refusal};
+use crate::{Iam, IamError};
 
-pub const PATH_AUTHENTICATE: &str = "/iam/authenticate";
-pub const PATH_APPLY: &str = "/iam/apply";
-pub const PATH_PROJECTS: &str = "/iam/projects";
-pub const PATH_KEYS: &str = "/iam/keys";
 pub const PATH_LEADER: &str = "/iam/leader";
-
-#[derive(Serialize, Deserialize)]
-pub struct AuthenticateRequest {
-    pub key: String,
-}
-
-#[derive(Serialize, Deserialize)]
-pub struct AuthenticateReply {
-    pub principal: Option<Principal>,
-}
-
-#[derive(Serialize, Deserialize)]
-pub struct ActorRequest {
-    pub actor: String,
-}
-
-/// What a failed apply answers: a refusal (the command was applied and said no) or an
-/// outage (`unavailable`, retry).
-#[derive(Debug, Serialize, Deserialize)]
-pub enum ApplyFailure {
-    Refused(Refusal),
-    Unavailable(String),
-}
 
 #[derive(Serialize, Deserialize)]
 pub struct LeaderReply {
@@ -49,23 +26,79 @@ pub struct LeaderReply {
     pub leader: Option<String>,
 }
 
+/// The `dsec.v1.Iam` service and `/iam/leader`.
 pub fn router(node: RaftIam) -> Router {
     Router::new()
-        .route(PATH_AUTHENTICATE, post(authenticate))
-        .route(PATH_APPLY, post(apply))
-        .route(PATH_PROJECTS, post(projects))
-        .route(PATH_KEYS, post(keys))
         .route(PATH_LEADER, get(leader))
-        .with_state(node)
+        .with_state(node.clone())
+        .merge(dsec_rpc::routes(IamServer::new(Service { node })))
 }
 
-async fn authenticate(
-    State(n): State<RaftIam>,
-    Json(r): Json<AuthenticateRequest>,
-) -> Json<AuthenticateReply> {
-    Json(AuthenticateReply {
-        principal: n.authenticate(&r.key),
-    })
+pub struct Service {
+    node: RaftIam,
+}
+
+fn outage(e: IamError) -> Status {
+    match e {
+        IamError::Refused(r) => dsec_rpc::to_status(&refusal_to_api(&r)),
+        IamError::Storage(m) => Status::unavailable(m),
+    }
+}
+
+fn malformed(e: dsec_rpc::Malformed) -> Status {
+    Status::invalid_argument(e.to_string())
+}
+
+#[tonic::async_trait]
+impl IamRpc for Service {
+    async fn authenticate(
+        &self,
+        req: Request<pb::AuthenticateRequest>,
+    ) -> Result<Response<pb::AuthenticateReply>, Status> {
+        let p = self.node.authenticate(&req.into_inner().key);
+        Ok(Response::new(pb::AuthenticateReply {
+            principal: p.map(Into::into),
+        }))
+    }
+
+    async fn apply(&self, req: Request<pb::Command>) -> Result<Response<pb::Applied>, Status> {
+        let peer = req.extensions().get::<dsec_mtls::Identity>().cloned();
+        let cmd = Command::try_from(req.into_inner()).map_err(malformed)?;
+        if let Some(p) = &peer
+            && p.role == dsec_mtls::Role::Edge
+            && !edge_may_apply(&p.name, &cmd)
+        {
+            return Err(outage(IamError::Refused(Refusal::Forbidden(format!(
+                "edge {} may only reserve and release its own sandboxes",
+                p.name
+            )))));
+        }
+        self.node.write(cmd).await.map_err(outage)?;
+        Ok(Response::new(pb::Applied {}))
+    }
+
+    async fn projects(
+        &self,
+        req: Request<pb::ActorRequest>,
+    ) -> Result<Response<pb::ProjectList>, Status> {
+        let v = self
+            .node
+            .projects(&req.into_inner().actor)
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        Ok(Response::new(pb::ProjectList {
+            projects: v.into_iter().map(Into::into).collect(),
+        }))
+    }
+
+    async fn keys(&self, req: Request<pb::ActorRequest>) -> Result<Response<pb::KeyList>, Status> {
+        let v = self
+            .node
+            .keys(&req.into_inner().actor)
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        Ok(Response::new(pb::KeyList {
+            keys: v.into_iter().map(Into::into).collect(),
+        }))
+    }
 }
 
 /// What an edge's certificate may write: its own sandboxes' (and snapshots' and commits')
@@ -84,56 +117,6 @@ pub fn edge_may_apply(edge: &str, cmd: &Command) -> bool {
         Command::Reconcile { edge: e, .. } => e == edge,
         _ => false,
     }
-}
-
-async fn apply(
-    State(n): State<RaftIam>,
-    peer: Option<axum::Extension<dsec_mtls::Identity>>,
-    Json(cmd): Json<Command>,
-) -> Response {
-    if let Some(axum::Extension(p)) = &peer
-        && p.role == dsec_mtls::Role::Edge
-        && !edge_may_apply(&p.name, &cmd)
-    {
-        return (
-            StatusCode::FORBIDDEN,
-            Json(ApplyFailure::Refused(crate::Refusal::Forbidden(format!(
-                "edge {} may only reserve and release its own sandboxes",
-                p.name
-            )))),
-        )
-            .into_response();
-    }
-    match n.write(cmd).await {
-        Ok(()) => Json(serde_json::json!({})).into_response(),
-        Err(IamError::Refused(r)) => {
-            (StatusCode::CONFLICT, Json(ApplyFailure::Refused(r))).into_response()
-        }
-        Err(IamError::Storage(m)) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(ApplyFailure::Unavailable(m)),
-        )
-            .into_response(),
-    }
-}
-
-fn listing<T: Serialize>(r: Result<T, IamError>) -> Response {
-    match r {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(ApplyFailure::Unavailable(e.to_string())),
-        )
-            .into_response(),
-    }
-}
-
-async fn projects(State(n): State<RaftIam>, Json(r): Json<ActorRequest>) -> Response {
-    listing::<Vec<ProjectView>>(n.projects(&r.actor))
-}
-
-async fn keys(State(n): State<RaftIam>, Json(r): Json<ActorRequest>) -> Response {
-    listing::<Vec<KeyRecord>>(n.keys(&r.actor))
 }
 
 async fn leader(State(n): State<RaftIam>) -> Json<LeaderReply> {

@@ -72,10 +72,26 @@ impl hyper::rt::Write for Stream {
     }
 }
 
-/// Opens connections for [`Client`].
+/// Opens connections for [`Client`] (and for gRPC channels).
 #[derive(Clone)]
 pub struct Connector {
     tls: Option<TlsConnector>,
+}
+
+impl Connector {
+    /// `tls` set: `https` URIs go over TLS with it; `None`: plain TCP only.
+    pub fn new(tls: Option<Arc<ClientConfig>>) -> Connector {
+        Connector {
+            tls: tls.map(TlsConnector::from),
+        }
+    }
+}
+
+/// `config` offering HTTP/2 (ALPN `h2`) instead of HTTP/1.1: for gRPC.
+pub fn h2(config: &Arc<ClientConfig>) -> Arc<ClientConfig> {
+    let mut c = ClientConfig::clone(config);
+    c.alpn_protocols = vec![b"h2".to_vec()];
+    Arc::new(c)
 }
 
 fn io_err(msg: String) -> std::io::Error {
@@ -146,9 +162,7 @@ impl Client {
     /// `tls` set: `https` with this component's certificate; `None`: plain HTTP.
     pub fn new(tls: Option<Arc<ClientConfig>>) -> Client {
         let https = tls.is_some();
-        let connector = Connector {
-            tls: tls.map(TlsConnector::from),
-        };
+        let connector = Connector::new(tls);
         Client {
             inner: hyper_util::client::legacy::Client::builder(TokioExecutor::new())
                 .pool_idle_timeout(Duration::from_secs(60))

@@ -207,7 +207,7 @@ impl Tls {
             .with_client_cert_verifier(verifier)
             .with_single_cert(chain.clone(), key.clone_key())
             .map_err(|e| Error::Certificate(format!("{}: {e}", files.cert.display())))?;
-        server.alpn_protocols = vec![b"http/1.1".to_vec()];
+        server.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         let mut client = ClientConfig::builder()
             .with_root_certificates(roots)
             .with_client_auth_cert(chain, key)

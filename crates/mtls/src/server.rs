@@ -1,18 +1,23 @@
 //! Serving an axum router over mutual TLS. A peer without a certificate from the cluster CA
 //! fails the handshake; one whose role is not admitted is dropped right after it. Handlers
-//! find the peer's [`Identity`] in the request extensions.
+//! find the peer's [`Identity`] in the request extensions. Connections speak HTTP/1.1
+//! (REST, upgrades) or HTTP/2 (gRPC), as the client's ALPN asks.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
 use crate::{Identity, Role, Tls};
+
+/// Calls in flight on one HTTP/2 connection (a create may take minutes).
+const MAX_STREAMS: u32 = 16_384;
 
 /// The most a client may take to finish the TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -69,11 +74,22 @@ pub async fn serve(
                 return;
             };
             let svc = app.layer(axum::Extension(identity));
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(Duration::from_secs(30))
-                .serve_connection(TokioIo::new(stream), TowerToHyperService::new(svc))
-                .with_upgrades();
+            let mut builder = auto::Builder::new(TokioExecutor::new());
+            builder
+                .http1()
+                .timer(TokioTimer::new())
+                .header_read_timeout(Duration::from_secs(30));
+            builder
+                .http2()
+                .timer(TokioTimer::new())
+                // An apiserver multiplexes every call to this node over one connection.
+                .max_concurrent_streams(MAX_STREAMS)
+                .keep_alive_interval(Duration::from_secs(20))
+                .keep_alive_timeout(Duration::from_secs(10));
+            let conn = builder.serve_connection_with_upgrades(
+                TokioIo::new(stream),
+                TowerToHyperService::new(svc),
+            );
             if let Err(e) = conn.await {
                 tracing::debug!(peer = %peer_addr, error = %e, "connection ended with an error");
             }

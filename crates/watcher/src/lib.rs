@@ -11,23 +11,29 @@ use std::collections::BTreeMap;
 use dsec_common::api::{ClusterStatus, NodeStatus};
 
 pub use placement::{Demand, PlacementError, Placer};
-pub use poll::{CallError, EdgeEndpoint, Poller, SharedView};
+pub use poll::{CallError, EdgeEndpoint, PollError, Poller, SharedView};
 
-/// Where the watcher serves its view (a [`ClusterStatus`]) to apiservers.
-pub const PATH_VIEW: &str = "/watcher/view";
-
-/// The watcher's routes: its view, read by the apiservers.
+/// The watcher's view as the `dsec.v1.Watcher` gRPC service, read by the apiservers (its
+/// listener admits apiserver certificates only).
 pub fn router(view: SharedView) -> axum::Router {
-    axum::Router::new().route(
-        PATH_VIEW,
-        axum::routing::get(move || {
-            let view = view.clone();
-            async move {
-                let s = view.read().unwrap_or_else(|p| p.into_inner()).status();
-                axum::Json(s)
-            }
-        }),
-    )
+    dsec_rpc::routes(dsec_rpc::pb::watcher_server::WatcherServer::new(
+        ViewService { view },
+    ))
+}
+
+pub struct ViewService {
+    view: SharedView,
+}
+
+#[tonic::async_trait]
+impl dsec_rpc::pb::watcher_server::Watcher for ViewService {
+    async fn view(
+        &self,
+        _: tonic::Request<dsec_rpc::pb::StatusRequest>,
+    ) -> Result<tonic::Response<dsec_rpc::pb::ClusterStatus>, tonic::Status> {
+        let s = self.view.read().unwrap_or_else(|p| p.into_inner()).status();
+        Ok(tonic::Response::new(s.into()))
+    }
 }
 
 /// The aggregated view of every node.

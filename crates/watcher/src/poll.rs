@@ -7,70 +7,56 @@
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use dsec_common::api::{ClusterStatus, NodeStatus};
-use http_body_util::BodyExt;
+use dsec_common::api::NodeStatus;
+use dsec_rpc::pb::edge_client::EdgeClient;
+use dsec_rpc::{Channels, pb, status::within};
 
 use crate::ClusterView;
 
-/// Why a call to another component got no usable answer.
-#[derive(Debug, thiserror::Error)]
-pub enum CallError {
-    #[error("no answer within {0:?}")]
-    Timeout(Duration),
-    /// The connection failed: the client's error and its cause.
-    #[error("{}", chain(.0.as_ref()))]
-    Transport(Box<dyn std::error::Error + Send + Sync>),
-    #[error("reading the answer: {}", chain(.0.as_ref()))]
-    Body(Box<dyn std::error::Error + Send + Sync>),
-    #[error("HTTP {0}")]
-    Status(u16),
-    #[error("a malformed answer: {0}")]
-    Malformed(#[from] serde_json::Error),
-    #[error("the edge at {url} is not named {name}")]
-    Misnamed { url: String, name: String },
-    #[error("the request: {0}")]
-    Request(#[from] hyper::http::Error),
-    /// The component is not one this caller knows.
-    #[error("{0}")]
-    Unknown(String),
-}
-
-/// An error and the first cause under it, as one line.
-fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    match e.source() {
-        Some(s) => format!("{e}: {s}"),
-        None => e.to_string(),
-    }
-}
+pub use dsec_rpc::CallError;
 
 /// One edge to poll.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EdgeEndpoint {
     pub name: String,
-    /// Base URL of the edge's API, e.g. `https://10.0.0.7:7700`.
-    pub url: String,
-    /// A header that authenticates the watcher (an API key, or in a cluster, where the
-    /// certificate authenticates, the forwarded principal).
-    pub auth: Option<(String, String)>,
+    /// `host:port` of the edge's cluster listener.
+    pub addr: String,
 }
 
 /// The view, shared with whoever serves or reads it.
 pub type SharedView = Arc<RwLock<ClusterView>>;
 
+/// Why an edge's answer is not taken.
+#[derive(Debug, thiserror::Error)]
+pub enum PollError {
+    #[error(transparent)]
+    Call(#[from] CallError),
+    #[error("the edge at {addr} is not named {name}")]
+    Misnamed { addr: String, name: String },
+}
+
 pub struct Poller {
     edges: Vec<EdgeEndpoint>,
     timeout: Duration,
-    http: dsec_mtls::Client,
+    channels: Channels,
+    /// The encoded principal the poller asks as (the edges cut per-project counts to it).
+    principal: String,
     view: SharedView,
 }
 
 impl Poller {
-    /// `http` is plain for `http://` edges, or carries the watcher's certificate.
-    pub fn new(edges: Vec<EdgeEndpoint>, timeout: Duration, http: dsec_mtls::Client) -> Poller {
+    /// Asks each edge's `dsec.v1.Edge/Status` over `channels` as `principal`.
+    pub fn new(
+        edges: Vec<EdgeEndpoint>,
+        timeout: Duration,
+        channels: Channels,
+        principal: String,
+    ) -> Poller {
         Poller {
             edges,
             timeout,
-            http,
+            channels,
+            principal,
             view: SharedView::default(),
         }
     }
@@ -79,32 +65,18 @@ impl Poller {
         self.view.clone()
     }
 
-    async fn fetch(&self, e: &EdgeEndpoint) -> Result<NodeStatus, CallError> {
-        let mut req = hyper::Request::get(format!("{}/v1/status", e.url.trim_end_matches('/')));
-        if let Some((k, v)) = &e.auth {
-            req = req.header(k.as_str(), v.as_str());
-        }
-        let req = req.body(dsec_mtls::client::Body::empty())?;
-        let resp = tokio::time::timeout(self.timeout, self.http.request(req))
-            .await
-            .map_err(|_| CallError::Timeout(self.timeout))?
-            .map_err(|err| CallError::Transport(err.into()))?;
-        if !resp.status().is_success() {
-            return Err(CallError::Status(resp.status().as_u16()));
-        }
-        let body = tokio::time::timeout(self.timeout, resp.into_body().collect())
-            .await
-            .map_err(|_| CallError::Timeout(self.timeout))?
-            .map_err(|err| CallError::Body(err.into()))?
-            .to_bytes();
-        let s: ClusterStatus = serde_json::from_slice(&body)?;
-        s.nodes
-            .into_iter()
-            .find(|n| n.name == e.name)
-            .ok_or_else(|| CallError::Misnamed {
-                url: e.url.clone(),
+    async fn fetch(&self, e: &EdgeEndpoint) -> Result<NodeStatus, PollError> {
+        let mut client = self.channels.client(&e.addr, EdgeClient::with_origin)?;
+        let req = dsec_rpc::with_principal(pb::StatusRequest {}, &self.principal)?;
+        let node = within(self.timeout, client.status(req)).await?;
+        let node = NodeStatus::try_from(node).map_err(CallError::from)?;
+        if node.name != e.name {
+            return Err(PollError::Misnamed {
+                addr: e.addr.clone(),
                 name: e.name.clone(),
-            })
+            });
+        }
+        Ok(node)
     }
 
     /// Asks every edge once, concurrently, and updates the view.
@@ -136,55 +108,78 @@ impl Poller {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use axum::Router;
-    use axum::routing::get;
+    use dsec_mtls::{Role, Tls, TlsFiles, pki};
+    use dsec_rpc::pb::edge_server::{Edge, EdgeServer};
+    use tonic::{Request, Response, Status};
 
-    async fn fake_edge(
+    /// An edge that answers its status with `sandboxes`, named `name`, to callers that
+    /// name a principal.
+    struct FakeEdge {
         name: &'static str,
         sandboxes: u64,
-    ) -> (String, tokio::task::JoinHandle<()>) {
-        let app = Router::new().route(
-            "/v1/status",
-            get(move |h: axum::http::HeaderMap| async move {
-                if h.get("authorization").and_then(|v| v.to_str().ok()) != Some("Bearer dsk.k") {
-                    return Err(axum::http::StatusCode::UNAUTHORIZED);
-                }
-                let mut n = NodeStatus::unreachable(name);
-                n.healthy = true;
-                n.sandboxes = sandboxes;
-                Ok(axum::Json(ClusterStatus {
-                    version: "t".into(),
-                    nodes: vec![n],
-                }))
-            }),
-        );
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", l.local_addr().unwrap());
-        (
-            url,
-            tokio::spawn(async move {
-                let _ = axum::serve(l, app).await;
-            }),
-        )
+    }
+
+    #[tonic::async_trait]
+    impl Edge for FakeEdge {
+        async fn status(
+            &self,
+            req: Request<pb::StatusRequest>,
+        ) -> Result<Response<pb::NodeStatus>, Status> {
+            if req.metadata().get(dsec_rpc::PRINCIPAL_METADATA).is_none() {
+                return Err(Status::unauthenticated("no principal"));
+            }
+            let mut n = NodeStatus::unreachable(self.name);
+            n.healthy = true;
+            n.sandboxes = self.sandboxes;
+            Ok(Response::new(n.into()))
+        }
+    }
+
+    fn tls(dir: &std::path::Path, role: Role, name: &str) -> Tls {
+        pki::issue(dir, role, name, &["127.0.0.1".to_string()]).unwrap();
+        Tls::load(&TlsFiles::in_dir(dir, name)).unwrap()
+    }
+
+    /// An edge on a runtime of its own, so that stopping it (dropping the runtime) ends
+    /// its open connections too, as a stopped process does.
+    async fn fake_edge(
+        dir: &std::path::Path,
+        name: &'static str,
+        sandboxes: u64,
+    ) -> (String, tokio::runtime::Runtime) {
+        let tls = tls(dir, Role::Edge, name);
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.set_nonblocking(true).unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let app = dsec_rpc::routes(EdgeServer::new(FakeEdge { name, sandboxes }));
+        rt.spawn(async move {
+            let l = tokio::net::TcpListener::from_std(l).unwrap();
+            let _ = dsec_mtls::serve(l, &tls, &[Role::Watcher], app, std::future::pending()).await;
+        });
+        (addr, rt)
     }
 
     #[tokio::test]
-    async fn polls_every_edge_and_marks_a_silent_one_unhealthy() {
-        let (u1, h1) = fake_edge("e1", 3).await;
-        let (u2, h2) = fake_edge("e2", 5).await;
-        let ep = |name: &str, url: &str, key: &str| EdgeEndpoint {
+    async fn polls_every_edge_over_grpc_and_marks_a_silent_one_unhealthy() {
+        let dir = tempfile::tempdir().unwrap();
+        pki::init_ca(dir.path()).unwrap();
+        let (a1, h1) = fake_edge(dir.path(), "e1", 3).await;
+        let (a2, h2) = fake_edge(dir.path(), "e2", 5).await;
+        let watcher = tls(dir.path(), Role::Watcher, "w");
+        let ep = |name: &str, addr: &str| EdgeEndpoint {
             name: name.into(),
-            url: url.into(),
-            auth: Some(("authorization".into(), format!("Bearer {key}"))),
+            addr: addr.into(),
         };
         let p = Poller::new(
-            vec![
-                ep("e1", &u1, "dsk.k"),
-                ep("e2", &u2, "dsk.k"),
-                ep("e3", &u1, "dsk.k"),
-            ],
-            Duration::from_millis(500),
-            dsec_mtls::Client::new(None),
+            vec![ep("e1", &a1), ep("e2", &a2), ep("e3", &a1)],
+            Duration::from_secs(5),
+            Channels::new(Some(watcher.client.clone())),
+            "p".into(),
         );
         p.poll_once().await;
         let v = p.view().read().unwrap().clone();
@@ -202,20 +197,23 @@ mod tests {
                 ("e3".into(), false, 0)
             ]
         );
-        h2.abort();
-        let _ = h2.await;
+        h2.shutdown_background();
         p.poll_once().await;
         assert!(
             !p.view().read().unwrap().nodes()[1].healthy,
             "a stopped edge stays unhealthy"
         );
-        let wrong_key = Poller::new(
-            vec![ep("e1", &u1, "dsk.bad")],
-            Duration::from_millis(500),
-            dsec_mtls::Client::new(None),
+        // A poller whose certificate the edge's listener does not admit (an edge's own)
+        // gets no status.
+        let other = tls(dir.path(), Role::Edge, "e9");
+        let refused = Poller::new(
+            vec![ep("e1", &a1)],
+            Duration::from_secs(5),
+            Channels::new(Some(other.client.clone())),
+            "p".into(),
         );
-        wrong_key.poll_once().await;
-        assert!(!wrong_key.view().read().unwrap().nodes()[0].healthy);
-        h1.abort();
+        refused.poll_once().await;
+        assert!(!refused.view().read().unwrap().nodes()[0].healthy);
+        h1.shutdown_background();
     }
 }

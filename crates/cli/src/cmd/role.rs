@@ -295,6 +295,7 @@ async fn run_apiserver(cfg: RoleConfig, tls: Tls) -> Result<i32> {
         },
         iam,
         client,
+        dsec_rpc::Channels::new(Some(tls.client.clone())),
     );
     let refresh = cluster.spawn_refresh();
     let internal = bind(cfg.listen).await?;
@@ -312,7 +313,6 @@ async fn run_apiserver(cfg: RoleConfig, tls: Tls) -> Result<i32> {
 }
 
 async fn run_watcher(cfg: RoleConfig, tls: Tls) -> Result<i32> {
-    let client = dsec_mtls::Client::new(Some(tls.client.clone()));
     let every = Duration::from_millis(cfg.watcher.as_ref().map_or(500, |w| w.poll_ms.max(50)));
     let endpoints = cfg
         .cluster
@@ -320,11 +320,15 @@ async fn run_watcher(cfg: RoleConfig, tls: Tls) -> Result<i32> {
         .iter()
         .map(|(name, addr)| dsec_watcher::EdgeEndpoint {
             name: name.clone(),
-            url: client.base(addr),
-            auth: Some(dsec_apiserver::component_auth(&cfg.name)),
+            addr: addr.clone(),
         })
         .collect();
-    let poller = dsec_watcher::Poller::new(endpoints, Duration::from_secs(2), client);
+    let poller = dsec_watcher::Poller::new(
+        endpoints,
+        Duration::from_secs(2),
+        dsec_rpc::Channels::new(Some(tls.client.clone())),
+        dsec_apiserver::component_auth(&cfg.name),
+    );
     let view = poller.view();
     let polling = tokio::spawn(poller.run(every));
     let app = dsec_watcher::router(view).merge(dsec_common::http::health());
@@ -363,11 +367,15 @@ async fn run_edge(cfg: RoleConfig, tls: Tls) -> Result<i32> {
         dsec_mtls::Client::new(Some(tls.client.clone())),
         others,
     )));
-    let app = dsec_edge_api::router(dsec_edge_api::AppState {
+    let state = dsec_edge_api::AppState {
         edge: edge.clone(),
         iam,
         forwarded: true,
-    });
+    };
+    // REST (and the byte streams the apiservers forward) and the gRPC control calls, on
+    // one mutual-TLS listener.
+    let app = dsec_edge_api::router(state.clone())
+        .merge(dsec_rpc::routes(dsec_edge_api::grpc::service(state)));
     let listener = bind(cfg.listen).await?;
     let (tx, rx) = tokio::sync::oneshot::channel();
     let server = dsec_mtls::serve(
