@@ -528,6 +528,9 @@ async def test_grpc_listeners_take_calls_from_cluster_peers_only(cluster):
 
     ask = iam_pb2.ActorRequest(actor="root")
     assert any(p.path == "root" for p in iam("api1").Projects(ask, timeout=10).projects)
+    # An edge reserves and releases quota; listing projects and key hashes is not its to do.
+    for listing in (lambda: iam("edge2").Keys(ask, timeout=10), lambda: iam("edge2").Projects(ask, timeout=10)):
+        assert _grpc_code(listing) == grpc.StatusCode.PERMISSION_DENIED
     codes = {
         "plaintext": _grpc_code(lambda: iam(None).Projects(ask, timeout=10)),
         "another CA": _grpc_code(lambda: iam("api1", foreign).Projects(ask, timeout=10)),

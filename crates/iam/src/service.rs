@@ -81,6 +81,7 @@ impl IamRpc for Service {
         &self,
         req: Request<pb::ActorRequest>,
     ) -> Result<Response<pb::ProjectList>, Status> {
+        listing_allowed(&req)?;
         let v = self
             .node
             .projects(&req.into_inner().actor)
@@ -91,6 +92,7 @@ impl IamRpc for Service {
     }
 
     async fn keys(&self, req: Request<pb::ActorRequest>) -> Result<Response<pb::KeyList>, Status> {
+        listing_allowed(&req)?;
         let v = self
             .node
             .keys(&req.into_inner().actor)
@@ -98,6 +100,22 @@ impl IamRpc for Service {
         Ok(Response::new(pb::KeyList {
             keys: v.into_iter().map(Into::into).collect(),
         }))
+    }
+}
+
+/// Projects and keys (with their principals and key hashes) are listed for apiservers and
+/// replicas only: an edge serves no such listing, so an escaped node learns nothing from
+/// asking.
+fn listing_allowed<T>(req: &Request<T>) -> Result<(), Status> {
+    match req.extensions().get::<dsec_mtls::Identity>() {
+        Some(p) if matches!(p.role, dsec_mtls::Role::Apiserver | dsec_mtls::Role::Iam) => Ok(()),
+        Some(p) => Err(Status::permission_denied(format!(
+            "a {} certificate may not list projects or keys",
+            p.role
+        ))),
+        None => Err(Status::unauthenticated(
+            "no cluster certificate on this connection",
+        )),
     }
 }
 

@@ -6,6 +6,7 @@ pub mod container;
 pub(crate) mod detached;
 pub mod microvm;
 pub(crate) mod moved_disk;
+pub mod saved;
 pub mod vm;
 
 use std::path::{Path, PathBuf};

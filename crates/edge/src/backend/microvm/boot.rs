@@ -2,6 +2,7 @@
 //! it may see, the channel's host end, a boot or a snapshot load, and a save.
 
 use super::*;
+use crate::backend::saved::SavedGuest;
 
 impl MicrovmBackend {
     /// Gives files the jailed VMM must open (a snapshot's state and memory, which may have
@@ -164,20 +165,22 @@ impl MicrovmBackend {
             guest::ensure_root_disks(&self.images, guest::DiskSource::Layers(&rec.layers), aether)?;
         let (kernel, initrd) = self.boot_files()?;
         let info = VmInfo {
-            disk: disks
-                .first()
-                .cloned()
-                .ok_or_else(|| MicrovmError::Refused("the VM has no root disk".into()))?,
-            lowers: disks[1..].to_vec(),
-            // The guest's writable layer is a tmpfs inside it: its disk limit is memory.
-            mem_mb: rec.limits.memory_mb.max(128) + rec.limits.disk_mb / 4,
-            cpus: vcpus(rec.limits.cpu_cores),
+            guest: SavedGuest {
+                disk: disks
+                    .first()
+                    .cloned()
+                    .ok_or_else(|| MicrovmError::Refused("the VM has no root disk".into()))?,
+                lowers: disks[1..].to_vec(),
+                // The guest's writable layer is a tmpfs inside it: its disk limit is memory.
+                mem_mb: rec.limits.memory_mb.max(128) + rec.limits.disk_mb / 4,
+                cpus: vcpus(rec.limits.cpu_cores),
+            },
             track_dirty_pages: self.diff_snapshots,
         };
         write_json(&paths.dir.join(INFO), &info)?;
         let plan = BootPlan {
-            vcpus: info.cpus,
-            mem_mb: info.mem_mb,
+            vcpus: info.guest.cpus,
+            mem_mb: info.guest.mem_mb,
             kernel,
             initrd,
             boot_args: format!(
@@ -200,7 +203,7 @@ impl MicrovmBackend {
             .into_iter()
             .chain(plan.disks.iter().cloned())
             .collect();
-        let c = self.spawn_vmm(fc, rec, paths, info.mem_mb, &visible)?;
+        let c = self.spawn_vmm(fc, rec, paths, info.guest.mem_mb, &visible)?;
         boot_calls(&c, &fc.caps, &plan)?;
         self.spawn_proxy(paths)
     }
@@ -215,23 +218,16 @@ impl MicrovmBackend {
     ) -> Result<SavedVm, MicrovmError> {
         let saved = snapshot::validate(saved_dir, fc)?;
         let info = VmInfo {
-            disk: saved.disk.clone(),
-            lowers: saved.lowers.clone(),
-            mem_mb: saved.mem_mb,
-            cpus: saved.cpus,
+            guest: saved.guest.clone(),
             track_dirty_pages: saved.track_dirty_pages,
         };
         write_json(&paths.dir.join(INFO), &info)?;
-        let visible: Vec<PathBuf> = [
-            saved_dir.join(snapshot::VMSTATE),
-            saved.mem.clone(),
-            saved.disk.clone(),
-        ]
-        .into_iter()
-        .chain(saved.lowers.iter().cloned())
-        .collect();
+        let visible: Vec<PathBuf> = [saved_dir.join(snapshot::VMSTATE), saved.mem.clone()]
+            .into_iter()
+            .chain(saved.guest.disks().map(Path::to_path_buf))
+            .collect();
         self.give_to_vmm(&[&visible[0], &visible[1]])?;
-        let c = self.spawn_vmm(fc, rec, paths, info.mem_mb, &visible)?;
+        let c = self.spawn_vmm(fc, rec, paths, info.guest.mem_mb, &visible)?;
         load_calls(
             &c,
             &fc.caps,
@@ -325,10 +321,7 @@ impl MicrovmBackend {
             format: snapshot::FORMAT.into(),
             firecracker: fc.version,
             snapshot_version: fc.snapshot_version.clone(),
-            disk: info.disk,
-            lowers: info.lowers,
-            mem_mb: info.mem_mb,
-            cpus: info.cpus,
+            guest: info.guest,
             track_dirty_pages: info.track_dirty_pages,
             mem: mem.to_path_buf(),
         };

@@ -134,14 +134,10 @@ pub struct MicrovmConfig {
 /// The VM's own description (`<sandbox dir>/microvm.json`).
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 struct VmInfo {
-    /// The root's top disk (the stage of [`guest::ensure_root_disks`], or a single ext4
-    /// disk in a VM saved before roots were layered).
-    disk: PathBuf,
-    /// The root's other disks, top first.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    lowers: Vec<PathBuf>,
-    mem_mb: u64,
-    cpus: u64,
+    /// Its root disks (the stage of [`guest::ensure_root_disks`] on top, or a single ext4
+    /// disk in a VM saved before roots were layered), memory and vCPUs.
+    #[serde(flatten)]
+    guest: crate::backend::saved::SavedGuest,
     track_dirty_pages: bool,
 }
 
@@ -515,7 +511,8 @@ impl Backend for MicrovmBackend {
             SavedFile::at(snapshot::MEM, meta.mem).map_err(|e| bad(e.to_string()))?,
         ];
         out.extend(
-            moved_disk::saved_files(&meta.disk, &meta.lowers).map_err(|e| bad(e.to_string()))?,
+            moved_disk::saved_files(&meta.guest.disk, &meta.guest.lowers)
+                .map_err(|e| bad(e.to_string()))?,
         );
         Ok(out)
     }
@@ -549,35 +546,35 @@ impl Backend for MicrovmBackend {
                 return Err(bad(format!("{n} is missing")));
             }
         }
+        // A format this edge does not read is refused here.
         let mut saved = snapshot::read_meta(staged).map_err(|e| bad(e.to_string()))?;
-        if saved.format != snapshot::FORMAT {
-            return Err(bad(format!("unknown format {:?}", saved.format)));
-        }
         if saved.firecracker != fc.version || saved.snapshot_version != fc.snapshot_version {
             return Err(ApiError::precondition(format!(
                 "the microVM was saved by Firecracker {} (snapshot format {}) and this edge runs {} (format {}); move it to an edge with the same version",
                 saved.firecracker, saved.snapshot_version, fc.version, fc.snapshot_version
             )));
         }
-        if saved.mem_mb == 0 || saved.mem_mb > 1 << 20 || saved.cpus == 0 || saved.cpus > 32 {
+        let g = &saved.guest;
+        if g.mem_mb == 0 || g.mem_mb > 1 << 20 || g.cpus == 0 || g.cpus > 32 {
             return Err(bad(format!(
                 "{} MiB and {} vCPUs is not a microVM",
-                saved.mem_mb, saved.cpus
+                g.mem_mb, g.cpus
             )));
         }
         let len = std::fs::metadata(staged.join(snapshot::MEM))
             .map_err(|e| bad(e.to_string()))?
             .len();
-        if len != saved.mem_mb << 20 {
+        if len != g.mem_mb << 20 {
             return Err(bad(format!(
                 "its memory has {len} bytes, not the guest's {} MiB",
-                saved.mem_mb
+                g.mem_mb
             )));
         }
         // Next to `fc.json` wherever `staged` goes (`home`, for a resume).
         saved.mem = PathBuf::from(snapshot::MEM);
-        (saved.disk, saved.lowers) = moved_disk::place(self.images.root(), staged, files, have)
-            .map_err(|e| bad(e.to_string()))?;
+        (saved.guest.disk, saved.guest.lowers) =
+            moved_disk::place(self.images.root(), staged, files, have)
+                .map_err(|e| bad(e.to_string()))?;
         Ok(snapshot::write_meta(staged, &saved)?)
     }
 

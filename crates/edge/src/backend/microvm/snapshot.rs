@@ -22,9 +22,12 @@ use dsec_common::IoContext;
 
 use super::probe::{Firecracker, Version};
 use crate::backend::StateError;
+use crate::backend::saved::{SavedGuest, SavedState};
 
-/// Bumped when the layout or `fc.json` changes.
+/// Bumped when the layout or `fc.json` changes (`FORMAT_NUMBER` with it).
 pub const FORMAT: &str = "dsec-fc-snapshot-v1";
+const FORMAT_PREFIX: &str = "dsec-fc-snapshot-v";
+const FORMAT_NUMBER: u32 = 1;
 pub const META: &str = "fc.json";
 pub const VMSTATE: &str = "vmstate";
 pub const MEM: &str = "mem";
@@ -38,13 +41,8 @@ pub struct SavedVm {
     /// minor release, so only the same version loads it.
     pub firecracker: Version,
     pub snapshot_version: String,
-    /// The read-only root disk the guest had (its page cache is in the saved memory).
-    pub disk: PathBuf,
-    /// Its other root disks, top first (the image's layers).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub lowers: Vec<PathBuf>,
-    pub mem_mb: u64,
-    pub cpus: u64,
+    #[serde(flatten)]
+    pub guest: SavedGuest,
     /// Whether the VM tracked dirty pages (Diff snapshots of its copies are possible).
     pub track_dirty_pages: bool,
     /// The guest memory file: absolute, or relative to the directory of `fc.json` (a kept
@@ -54,6 +52,20 @@ pub struct SavedVm {
 }
 
 /// Where a fork's memory file goes: on the RAM directory, named after the seed.
+impl SavedState for SavedVm {
+    const WHAT: &'static str = "a saved Firecracker microVM";
+    const FORMAT: u32 = FORMAT_NUMBER;
+    fn format(&self) -> u32 {
+        self.format
+            .strip_prefix(FORMAT_PREFIX)
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    }
+    fn guest(&self) -> &SavedGuest {
+        &self.guest
+    }
+}
+
 pub fn seed_mem(ram_dir: &Path, seed: &Path) -> PathBuf {
     let name = seed
         .file_name()
@@ -91,12 +103,7 @@ pub fn write_meta(dir: &Path, saved: &SavedVm) -> Result<(), StateError> {
 }
 
 pub fn read_meta(dir: &Path) -> Result<SavedVm, StateError> {
-    let p = dir.join(META);
-    let b = std::fs::read(&p).ctx(|| format!("reading {}", p.display()))?;
-    let mut saved: SavedVm = serde_json::from_slice(&b).map_err(|source| StateError::Json {
-        path: p.clone(),
-        source,
-    })?;
+    let mut saved: SavedVm = crate::backend::saved::read(&dir.join(META))?;
     saved.mem = dir.join(&saved.mem);
     Ok(saved)
 }
@@ -105,13 +112,6 @@ pub fn read_meta(dir: &Path) -> Result<SavedVm, StateError> {
 /// files present, the memory file the size of the guest's memory.
 pub fn validate(dir: &Path, fc: &Firecracker) -> Result<SavedVm, StateError> {
     let saved = read_meta(dir)?;
-    if saved.format != FORMAT {
-        return Err(StateError::Invalid(format!(
-            "{} is a {:?} snapshot; this edge reads {FORMAT:?}",
-            dir.display(),
-            saved.format
-        )));
-    }
     if saved.firecracker != fc.version || saved.snapshot_version != fc.snapshot_version {
         return Err(StateError::Invalid(format!(
             "the snapshot in {} was written by Firecracker {} (snapshot format {}), and this node runs {} (format {}); snapshots load only into the same version",
@@ -122,10 +122,7 @@ pub fn validate(dir: &Path, fc: &Firecracker) -> Result<SavedVm, StateError> {
             fc.snapshot_version
         )));
     }
-    for f in [dir.join(VMSTATE), saved.disk.clone()]
-        .into_iter()
-        .chain(saved.lowers.iter().cloned())
-    {
+    for f in std::iter::once(dir.join(VMSTATE)).chain(saved.guest.disks().map(Path::to_path_buf)) {
         if !f.is_file() {
             return Err(StateError::Invalid(format!("{} is missing", f.display())));
         }
@@ -133,11 +130,11 @@ pub fn validate(dir: &Path, fc: &Firecracker) -> Result<SavedVm, StateError> {
     let len = std::fs::metadata(&saved.mem)
         .ctx(|| format!("the snapshot's memory {}", saved.mem.display()))?
         .len();
-    if len != saved.mem_mb << 20 {
+    if len != saved.guest.mem_mb << 20 {
         return Err(StateError::Invalid(format!(
             "the snapshot's memory {} has {len} bytes, not the guest's {} MiB",
             saved.mem.display(),
-            saved.mem_mb
+            saved.guest.mem_mb
         )));
     }
     Ok(saved)
@@ -219,10 +216,12 @@ mod tests {
             format: FORMAT.into(),
             firecracker: Version::new(1, 16, 1),
             snapshot_version: "v10.0.0".into(),
-            disk: disk.to_path_buf(),
-            lowers: vec![],
-            mem_mb: 2,
-            cpus: 1,
+            guest: SavedGuest {
+                disk: disk.to_path_buf(),
+                lowers: vec![],
+                mem_mb: 2,
+                cpus: 1,
+            },
             track_dirty_pages: false,
             mem,
         };
@@ -262,6 +261,25 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let (seed, _, _, saved) = fixture(d.path(), "seed");
         assert_eq!(validate(&seed, &fc(Version::new(1, 16, 1))).unwrap(), saved);
+        // The guest's fields sit at the top of fc.json, as edges wrote them before the
+        // description was shared with the vm backend.
+        let json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(seed.join(META)).unwrap()).unwrap();
+        assert_eq!(
+            (json["mem_mb"].as_u64(), json["cpus"].as_u64()),
+            (Some(2), Some(1))
+        );
+        // A newer format is refused, not misread.
+        let newer = SavedVm {
+            format: "dsec-fc-snapshot-v2".into(),
+            ..saved.clone()
+        };
+        write_meta(&seed, &newer).unwrap();
+        let e = validate(&seed, &fc(Version::new(1, 16, 1)))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("format 2, newer"), "{e}");
+        write_meta(&seed, &saved).unwrap();
 
         let e = validate(&seed, &fc(Version::new(1, 17, 0)))
             .unwrap_err()

@@ -439,7 +439,10 @@ impl Backend for VmBackend {
         if let Some(ram) = ram {
             out.push(SavedFile::at("ram", ram).map_err(|e| bad(e.to_string()))?);
         }
-        out.extend(moved_disk::saved_files(&vm.disk, &vm.lowers).map_err(|e| bad(e.to_string()))?);
+        out.extend(
+            moved_disk::saved_files(&vm.guest.disk, &vm.guest.lowers)
+                .map_err(|e| bad(e.to_string()))?,
+        );
         Ok(out)
     }
 
@@ -474,10 +477,14 @@ impl Backend for VmBackend {
         if machine(&vm.machine).is_none() {
             return Err(bad(format!("unknown machine type {:?}", vm.machine)));
         }
-        if vm.mem_mb == 0 || vm.mem_mb > 1 << 20 || vm.cpus == 0 || vm.cpus > 256 {
+        if vm.guest.mem_mb == 0
+            || vm.guest.mem_mb > 1 << 20
+            || vm.guest.cpus == 0
+            || vm.guest.cpus > 256
+        {
             return Err(bad(format!(
                 "{} MiB and {} cpus is not a VM",
-                vm.mem_mb, vm.cpus
+                vm.guest.mem_mb, vm.guest.cpus
             )));
         }
         let here = self
@@ -496,7 +503,7 @@ impl Backend for VmBackend {
             SavedKind::Mapped => {
                 // Copies map its pages at the offset its header gives: a header that does
                 // not fit the memory size, or a file short of the pages, goes no further.
-                mapped::read_mem_of(&staged.join("ram"), vm.mem_mb << 20)
+                mapped::read_mem_of(&staged.join("ram"), vm.guest.mem_mb << 20)
                     .map_err(|e| bad(e.to_string()))?;
                 Some(home.join("ram"))
             }
@@ -504,8 +511,9 @@ impl Backend for VmBackend {
             SavedKind::Shared => return Err(bad("ram is missing".into())),
             SavedKind::Full => None,
         };
-        (vm.disk, vm.lowers) = moved_disk::place(self.images.root(), staged, files, have)
-            .map_err(|e| bad(e.to_string()))?;
+        (vm.guest.disk, vm.guest.lowers) =
+            moved_disk::place(self.images.root(), staged, files, have)
+                .map_err(|e| bad(e.to_string()))?;
         Ok(write_json(&staged.join("vm.json"), &vm)?)
     }
 

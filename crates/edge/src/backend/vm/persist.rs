@@ -12,6 +12,7 @@ use super::qemu::{Incoming, Mem, qmp_of_child};
 use super::{VmBackend, VmError, mapped, net};
 use crate::backend::SandboxPaths;
 use crate::backend::detached::{copy_sparse, kill, read_json, read_pid, write_json};
+use crate::backend::saved::{SavedGuest, SavedState};
 use crate::registry::SandboxRecord;
 
 /// The format of `vm.json` this edge writes; it reads this one and the ones before.
@@ -37,28 +38,26 @@ pub(super) enum SavedKind {
 /// A saved VM's description (`vm.json`), checked: a format newer than this edge's is
 /// refused rather than misread.
 pub(super) fn read_saved(path: &Path) -> Result<SavedVm, crate::backend::StateError> {
-    let saved: SavedVm = read_json(path)?;
-    if saved.format > SAVED_FORMAT {
-        return Err(crate::backend::StateError::Invalid(format!(
-            "{} is a saved VM of format {}, and this edge reads formats up to {SAVED_FORMAT}; restore it on a newer edge",
-            path.display(),
-            saved.format
-        )));
+    crate::backend::saved::read(path)
+}
+
+impl SavedState for SavedVm {
+    const WHAT: &'static str = "a saved QEMU VM";
+    const FORMAT: u32 = SAVED_FORMAT;
+    fn format(&self) -> u32 {
+        self.format
     }
-    Ok(saved)
+    fn guest(&self) -> &SavedGuest {
+        &self.guest
+    }
 }
 
 /// What a saved VM is, written next to its state as `vm.json`.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub(super) struct SavedVm {
-    /// The root disk the guest had (its page cache is in the saved memory, so a restore
-    /// must get the same disk even if the image's disk has been rebuilt since).
-    pub(super) disk: PathBuf,
-    /// The root's other disks (its layers, below `disk`).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub(super) lowers: Vec<PathBuf>,
-    pub(super) mem_mb: u64,
-    pub(super) cpus: u64,
+    /// The guest's root disks, memory and vCPUs.
+    #[serde(flatten)]
+    pub(super) guest: SavedGuest,
     /// [`SAVED_FORMAT`] when written (files from before it was recorded are format 1).
     #[serde(default = "first_format")]
     pub(super) format: u32,
@@ -85,10 +84,7 @@ impl SavedVm {
     /// else `full`.
     pub(super) fn of(info: VmInfo, ram: Option<&Path>, kernel: Option<String>) -> SavedVm {
         SavedVm {
-            disk: info.disk,
-            lowers: info.lowers,
-            mem_mb: info.mem_mb,
-            cpus: info.cpus,
+            guest: info.guest,
             format: SAVED_FORMAT,
             kind: if ram.is_some() {
                 SavedKind::Shared
@@ -106,10 +102,7 @@ impl SavedVm {
     /// The VM this save restores into; `shared_ram` says how its memory will be held.
     pub(super) fn info(&self, shared_ram: bool) -> VmInfo {
         VmInfo {
-            disk: self.disk.clone(),
-            lowers: self.lowers.clone(),
-            mem_mb: self.mem_mb,
-            cpus: self.cpus,
+            guest: self.guest.clone(),
             shared_ram,
             machine: self.machine.clone(),
             net: self.net,
@@ -125,14 +118,10 @@ pub(super) const SAVED_FILES: &[&str] = &["vm.json", "dev", "full", "ram"];
 /// The VM's own description (`<sandbox dir>/vm.json`): what a save and a restart need.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub(super) struct VmInfo {
-    /// The root's top disk: the stage of [`guest::ensure_root_disks`] (or, in a VM saved
-    /// before roots were layered, its one ext4 disk).
-    pub(super) disk: PathBuf,
-    /// The root's other disks, top first: the image's layers.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub(super) lowers: Vec<PathBuf>,
-    pub(super) mem_mb: u64,
-    pub(super) cpus: u64,
+    /// Its root disks (the stage of [`guest::ensure_root_disks`] on top, or, in a VM saved
+    /// before roots were layered, its one ext4 disk), memory and vCPUs.
+    #[serde(flatten)]
+    pub(super) guest: SavedGuest,
     /// Whether its memory is its own shared file (else a private mapping of a template).
     pub(super) shared_ram: bool,
     /// QEMU's machine type (a restore needs the same one).
@@ -283,7 +272,7 @@ impl VmBackend {
                 None,
             ),
             SavedKind::Mapped => {
-                let block = mapped::read_mem_of(&ram, info.mem_mb << 20)?;
+                let block = mapped::read_mem_of(&ram, info.guest.mem_mb << 20)?;
                 self.start(
                     rec,
                     paths,
@@ -327,7 +316,7 @@ impl VmBackend {
             .ram
             .clone()
             .ok_or_else(|| VmError::Refused("the planned snapshot names no file".into()))?;
-        let offset = mapped::planned_pages_offset(saved.mem_mb << 20);
+        let offset = mapped::planned_pages_offset(saved.guest.mem_mb << 20);
         let info = saved.info(false);
         let wait = || {
             let t0 = Instant::now();
@@ -342,7 +331,7 @@ impl VmBackend {
                     if now.kind != SavedKind::Mapped || now.ram.as_deref() != Some(ram.as_path()) {
                         return Err(VmError::Replanned);
                     }
-                    return match mapped::read_mem_of(&ram, saved.mem_mb << 20) {
+                    return match mapped::read_mem_of(&ram, saved.guest.mem_mb << 20) {
                         Ok(b) if b.pages_offset == offset => Ok(()),
                         Ok(_) => Err(VmError::Replanned),
                         Err(e) => Err(e.into()),
@@ -523,7 +512,7 @@ impl VmBackend {
     ) -> Result<u64, VmError> {
         let info: VmInfo = read_json(&self.sandboxes.join(&rec.id).join("vm.json"))?;
         let kernel = Some(self.boot_files()?.0.version);
-        let out = new_mapped_file(file, info.mem_mb << 20)?;
+        let out = new_mapped_file(file, info.guest.mem_mb << 20)?;
         let mut q = self.qmp_of(&rec.id)?;
         let t0 = Instant::now();
         let stalled = q.migrate_mapped(&out, crate::config::LIVE_FORK_WITHIN)?;
@@ -534,7 +523,7 @@ impl VmBackend {
             .write(true)
             .open(file)
             .ctx(|| format!("opening {}", file.display()))?;
-        mapped::seal(&f, info.mem_mb << 20)?;
+        mapped::seal(&f, info.guest.mem_mb << 20)?;
         tracing::info!(
             sandbox = %rec.id,
             saved_ms = saved_at.as_millis() as u64,
@@ -557,7 +546,7 @@ impl VmBackend {
         let ram = self
             .ram_dir
             .join(format!("seed-{}-{}.mr", rec.id, crate::random_hex(8)));
-        new_mapped_file(&ram, info.mem_mb << 20)?;
+        new_mapped_file(&ram, info.guest.mem_mb << 20)?;
         let mut saved = SavedVm::of(info, Some(&ram), kernel);
         saved.kind = SavedKind::Mapped;
         saved.pending = true;

@@ -2,6 +2,7 @@
 //! channel, the NIC in the sandbox's namespace, virtio-fs devices), the detached
 //! process and its QMP connection, the boot files, and stopping it again.
 
+use crate::backend::saved::SavedGuest;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -51,9 +52,9 @@ pub(super) enum Incoming<'a> {
 /// `root` (as VMs saved with a single disk had it), each layered one with the serial
 /// that tells the guest's `/init` its place ([`guest::disk_serial`]).
 pub(super) fn drive_args(info: &VmInfo, bus: &str) -> Vec<String> {
-    let layered = !info.lowers.is_empty();
+    let layered = !info.guest.lowers.is_empty();
     let mut out = Vec::new();
-    for (i, d) in std::iter::once(&info.disk).chain(&info.lowers).enumerate() {
+    for (i, d) in info.guest.disks().enumerate() {
         let id = if i == 0 {
             "root".to_string()
         } else {
@@ -157,7 +158,7 @@ impl VmBackend {
         // memory) and fork copies map it copy-on-write; or anonymous, where copies map a
         // `mapped-ram` save instead. No prealloc or mlock, which would touch every page
         // and end the sharing.
-        let size = info.mem_mb;
+        let size = info.guest.mem_mb;
         if info.shares > 0 && (incoming.is_some() || !matches!(mem, Mem::Own { fill: None })) {
             return Err(VmError::Refused(
                 "a VM that mounts volumes is never restored from a save".into(),
@@ -197,9 +198,9 @@ impl VmBackend {
             rec.limits.disk_mb,
             rec.limits.pids
         );
-        if !info.lowers.is_empty() {
+        if !info.guest.lowers.is_empty() {
             append.push(' ');
-            append.push_str(&guest::root_cmdline(1 + info.lowers.len()));
+            append.push_str(&guest::root_cmdline(1 + info.guest.lowers.len()));
         }
         if info.net {
             append.push(' ');
@@ -224,9 +225,9 @@ impl VmBackend {
         ])
         .args([
             "-m",
-            &format!("{}M", info.mem_mb),
+            &format!("{}M", info.guest.mem_mb),
             "-smp",
-            &info.cpus.to_string(),
+            &info.guest.cpus.to_string(),
         ])
         .args(["-object", &memory])
         .args([
@@ -308,7 +309,7 @@ impl VmBackend {
             &cgroup::sandbox_cgroup_path(&rec.id),
             cgroup::LeafLimits {
                 cpu_quota_us: cgroup::own::quota_us(rec.limits.cpu_cores),
-                memory_bytes: (info.mem_mb + overhead) << 20,
+                memory_bytes: (info.guest.mem_mb + overhead) << 20,
                 pids: 1024,
             },
         )?;
@@ -411,14 +412,16 @@ impl VmBackend {
             guest::ensure_root_disks(&self.images, guest::DiskSource::Layers(&rec.layers), aether)?
                 .into_iter();
         let info = VmInfo {
-            disk: disks
-                .next()
-                .ok_or_else(|| VmError::Refused("the VM has no root disk".into()))?,
-            lowers: disks.collect(),
-            // The guest's writable layer is a tmpfs inside it, so its disk limit is
-            // guest memory.
-            mem_mb: rec.limits.memory_mb.max(128) + rec.limits.disk_mb / 4,
-            cpus: rec.limits.cpu_cores.ceil().max(1.0) as u64,
+            guest: SavedGuest {
+                disk: disks
+                    .next()
+                    .ok_or_else(|| VmError::Refused("the VM has no root disk".into()))?,
+                lowers: disks.collect(),
+                // The guest's writable layer is a tmpfs inside it, so its disk limit is
+                // guest memory.
+                mem_mb: rec.limits.memory_mb.max(128) + rec.limits.disk_mb / 4,
+                cpus: rec.limits.cpu_cores.ceil().max(1.0) as u64,
+            },
             shared_ram: !self.anon_ram(),
             machine: self.options()?.machine.clone(),
             net: rec.network.as_ref().is_some_and(|n| n.gateway.is_some()),
