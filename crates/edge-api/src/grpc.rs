@@ -11,13 +11,15 @@ use dsec_common::api::{
     PauseRequest, ResumeRequest,
 };
 use dsec_iam::Principal;
-use dsec_iam::http::{check_create, decode_principal, status_for};
+use dsec_iam::http::{check_create, decode_principal};
 use dsec_mtls::{Identity, Role};
 use dsec_rpc::pb::edge_server::{Edge as EdgeRpc, EdgeServer};
 use dsec_rpc::{PRINCIPAL_METADATA, pb, to_status};
 use tonic::{Request, Response, Status};
 
-use crate::{AppState, group_ids, visible, volumes};
+use crate::{
+    AppState, create_checked, group_ids, resume_to, sandboxes_seen_by, status_seen_by, visible,
+};
 
 /// The `dsec.v1.Edge` service over `st` (whose `forwarded` must be set: a cluster listener).
 pub fn service(st: AppState) -> EdgeServer<Service> {
@@ -79,9 +81,7 @@ fn sandbox(info: dsec_common::api::SandboxInfo) -> Response<pb::Sandbox> {
 impl EdgeRpc for Service {
     async fn status(&self, req: Request<pb::StatusRequest>) -> Answer<pb::NodeStatus> {
         let p = caller(&self.st, &req, true)?;
-        let mut view = dsec_watcher::ClusterView::default();
-        view.update(self.st.edge.status());
-        let node = status_for(&p, view.status())
+        let node = status_seen_by(&self.st, &p)
             .nodes
             .into_iter()
             .next()
@@ -95,12 +95,8 @@ impl EdgeRpc for Service {
             .into_inner()
             .request
             .ok_or_else(|| Status::invalid_argument("the create names no request"))?;
-        let mut create = check_create(CreateSandboxRequest::from(call), &p).map_err(fail)?;
-        let project = create.project.clone().unwrap_or_else(|| p.project.clone());
-        let backend = create.backend.clone();
-        volumes::check_mounts(&self.st, &p, &project, &backend, &mut create.volumes)
-            .map_err(fail)?;
-        let info = self.st.edge.create(create).await.map_err(refuse)?;
+        let create = check_create(CreateSandboxRequest::from(call), &p).map_err(fail)?;
+        let info = create_checked(&self.st, &p, create).await.map_err(fail)?;
         Ok(sandbox(info))
     }
 
@@ -109,9 +105,7 @@ impl EdgeRpc for Service {
         req: Request<pb::ListSandboxesRequest>,
     ) -> Answer<pb::ListSandboxesResponse> {
         let p = caller(&self.st, &req, false)?;
-        let labels = req.into_inner().labels;
-        let mut sandboxes = self.st.edge.list(&labels);
-        sandboxes.retain(|s| dsec_iam::within(&s.project, &p.project));
+        let sandboxes = sandboxes_seen_by(&self.st, &p, &req.into_inner().labels);
         Ok(Response::new(ListSandboxesResponse { sandboxes }.into()))
     }
 
@@ -154,12 +148,9 @@ impl EdgeRpc for Service {
         let call = req.into_inner();
         visible(&self.st, &p, &call.id).map_err(fail)?;
         let resume = call.request.map(ResumeRequest::from).unwrap_or_default();
-        let edge = &self.st.edge;
-        let info = match resume.edge.filter(|e| e != edge.name()) {
-            Some(target) => edge.resume_on(&call.id, &target).await,
-            None => edge.resume(&call.id).await,
-        }
-        .map_err(refuse)?;
+        let info = resume_to(&self.st, &call.id, resume)
+            .await
+            .map_err(refuse)?;
         Ok(sandbox(info))
     }
 

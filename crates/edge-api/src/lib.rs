@@ -15,8 +15,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use dsec_common::ApiError;
 use dsec_common::api::{
-    ExecRequest, ForkRequest, GroupRequest, ListSandboxesResponse, PauseRequest, ResumeRequest,
-    SetNetworkRequest, SetTimeoutRequest,
+    ClusterStatus, CreateSandboxRequest, ExecRequest, ForkRequest, GroupRequest,
+    ListSandboxesResponse, PauseRequest, ResumeRequest, SandboxInfo, SetNetworkRequest,
+    SetTimeoutRequest, StringMap,
 };
 use dsec_common::http::{
     ApiResult, Failure, api_key, body, json, label_filter, method_not_allowed, missing_key,
@@ -170,10 +171,28 @@ pub(crate) fn route(st: &AppState, id: &str) -> ApiResult<()> {
     Ok(())
 }
 
-async fn status(State(st): State<AppState>, Extension(p): Extension<Principal>) -> Response {
+/// The node's status as `p` sees it (per-project counts of its subtree only).
+pub(crate) fn status_seen_by(st: &AppState, p: &Principal) -> ClusterStatus {
     let mut view = dsec_watcher::ClusterView::default();
     view.update(st.edge.status());
-    json(StatusCode::OK, &status_for(&p, view.status()))
+    status_for(p, view.status())
+}
+
+async fn status(State(st): State<AppState>, Extension(p): Extension<Principal>) -> Response {
+    json(StatusCode::OK, &status_seen_by(&st, &p))
+}
+
+/// A create whose project and image are checked against `p` (`check_create`): its volumes
+/// checked and looked up, then made. REST and gRPC alike.
+pub(crate) async fn create_checked(
+    st: &AppState,
+    p: &Principal,
+    mut req: CreateSandboxRequest,
+) -> ApiResult<SandboxInfo> {
+    let project = req.project.clone().unwrap_or_else(|| p.project.clone());
+    let backend = req.backend.clone();
+    volumes::check_mounts(st, p, &project, &backend, &mut req.volumes)?;
+    Ok(st.edge.create(req).await?)
 }
 
 async fn create(
@@ -181,12 +200,22 @@ async fn create(
     Extension(p): Extension<Principal>,
     bytes: Bytes,
 ) -> ApiResult<Response> {
-    let mut req = create_request(&bytes, &p)?;
-    let project = req.project.clone().unwrap_or_else(|| p.project.clone());
-    let backend = req.backend.clone();
-    volumes::check_mounts(&st, &p, &project, &backend, &mut req.volumes)?;
-    let info = st.edge.create(req).await?;
-    Ok(json(StatusCode::CREATED, &info))
+    let req = create_request(&bytes, &p)?;
+    Ok(json(
+        StatusCode::CREATED,
+        &create_checked(&st, &p, req).await?,
+    ))
+}
+
+/// The sandboxes with every one of `labels` that `p` may see (its project and inside).
+pub(crate) fn sandboxes_seen_by(
+    st: &AppState,
+    p: &Principal,
+    labels: &StringMap,
+) -> Vec<SandboxInfo> {
+    let mut sandboxes = st.edge.list(labels);
+    sandboxes.retain(|s| dsec_iam::within(&s.project, &p.project));
+    sandboxes
 }
 
 async fn list(
@@ -195,8 +224,7 @@ async fn list(
     RawQuery(q): RawQuery,
 ) -> ApiResult<Response> {
     let labels = label_filter(q.as_deref())?;
-    let mut sandboxes = st.edge.list(&labels);
-    sandboxes.retain(|s| dsec_iam::within(&s.project, &p.project));
+    let sandboxes = sandboxes_seen_by(&st, &p, &labels);
     Ok(json(StatusCode::OK, &ListSandboxesResponse { sandboxes }))
 }
 
@@ -306,11 +334,19 @@ async fn resume(
     } else {
         body(&bytes, "resume")?
     };
-    let info = match req.edge.filter(|e| e != st.edge.name()) {
-        Some(target) => st.edge.resume_on(&id, &target).await?,
-        None => st.edge.resume(&id).await?,
-    };
-    Ok(json(StatusCode::OK, &info))
+    Ok(json(StatusCode::OK, &resume_to(&st, &id, req).await?))
+}
+
+/// Resumes `id` here, or on the edge the request names.
+pub(crate) async fn resume_to(
+    st: &AppState,
+    id: &str,
+    req: ResumeRequest,
+) -> Result<SandboxInfo, ApiError> {
+    match req.edge.filter(|e| e != st.edge.name()) {
+        Some(target) => st.edge.resume_on(id, &target).await,
+        None => st.edge.resume(id).await,
+    }
 }
 
 /// The caller's sandboxes (its project and those inside it) that carry every label.
@@ -325,9 +361,10 @@ pub(crate) fn group_ids(
         )
         .into());
     }
-    let mut sandboxes = st.edge.list(&req.labels);
-    sandboxes.retain(|s| dsec_iam::within(&s.project, &p.project));
-    Ok(sandboxes.into_iter().map(|s| s.id).collect())
+    Ok(sandboxes_seen_by(st, p, &req.labels)
+        .into_iter()
+        .map(|s| s.id)
+        .collect())
 }
 
 async fn pause_group(

@@ -48,7 +48,8 @@ pub fn api_error(e: IamError) -> ApiError {
 }
 
 /// The principal an apiserver authenticated, passed on to the edge (base64url of its JSON).
-pub const PRINCIPAL_HEADER: &str = "x-dsec-principal";
+/// The same name as the gRPC metadata entry that carries it.
+pub const PRINCIPAL_HEADER: &str = dsec_rpc::PRINCIPAL_METADATA;
 
 pub fn encode_principal(p: &Principal) -> String {
     use base64::Engine;
