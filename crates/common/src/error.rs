@@ -55,6 +55,29 @@ impl ErrorCode {
     }
 }
 
+/// The document's one reusable error response (`#/components/responses/Error`): every
+/// operation's error statuses refer to it.
+#[cfg(feature = "openapi")]
+pub struct ErrorReply;
+
+#[cfg(feature = "openapi")]
+impl<'s> utoipa::ToResponse<'s> for ErrorReply {
+    fn response() -> (
+        &'s str,
+        utoipa::openapi::RefOr<utoipa::openapi::response::Response>,
+    ) {
+        use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
+        let body = ContentBuilder::new()
+            .schema(Some(Ref::from_schema_name("Error")))
+            .build();
+        let reply = ResponseBuilder::new()
+            .description("error")
+            .content("application/json", body)
+            .build();
+        ("Error", reply.into())
+    }
+}
+
 /// The JSON body of every error response: `{"code": "...", "message": "..."}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

@@ -61,11 +61,27 @@ pub fn body<T: DeserializeOwned>(bytes: &Bytes, what: &str) -> Result<T, Failure
 
 /// `/healthz`, answered by every listener of every role.
 pub fn health<S: Clone + Send + Sync + 'static>() -> Router<S> {
-    Router::new().route(
-        "/healthz",
-        get(|| async { axum::Json(serde_json::json!({"ok": true})) }),
-    )
+    Router::new().route("/healthz", get(healthz))
 }
+
+#[cfg_attr(feature = "openapi", utoipa::path(
+    get,
+    path = "/healthz",
+    summary = "Liveness",
+    responses(
+        (status = 200, description = "ok"),
+    ),
+    security(()),
+))]
+async fn healthz() -> axum::Json<serde_json::Value> {
+    axum::Json(serde_json::json!({"ok": true}))
+}
+
+/// The description of what [`health`] serves.
+#[cfg(feature = "openapi")]
+#[derive(utoipa::OpenApi)]
+#[openapi(paths(healthz))]
+pub struct HealthDoc;
 
 /// What any apiserver serves without a key: health and the API description.
 pub fn public_routes<S: Clone + Send + Sync + 'static>() -> Router<S> {

@@ -5,11 +5,13 @@
 //! sit in the edge's router, which a cluster's apiservers forward to with the caller's
 //! principal, so both paths enforce them.
 
+use dsec_common::error::ErrorReply;
 use dsec_common::http::ApiResult;
 use dsec_common::{ApiError, ErrorCode};
 use dsec_iam::Principal;
 use dsec_iam::http::check_read;
 use dsec_image::build::BuildSpec;
+use dsec_image::credentials::Login;
 use dsec_image::{ImageRef, store::ImageEntry};
 
 /// A commit's (or any other write's) target: 403 naming where the key may write.
@@ -135,8 +137,21 @@ mod tests {
     }
 }
 
+/// What these routes serve, for the generated API description.
+#[derive(utoipa::OpenApi)]
+#[openapi(paths(
+    remove_image,
+    pull_image,
+    push_image,
+    list_logins,
+    put_login,
+    delete_login
+))]
+pub(crate) struct Doc;
+
 /// `POST /v1/images:pull`'s body.
-#[derive(serde::Deserialize)]
+#[derive(serde::Deserialize, utoipa::ToSchema)]
+#[schema(as = PullRequest)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct PullBody {
     /// `[registry/]repository[:tag][@digest]`.
@@ -302,6 +317,17 @@ pub(crate) fn pull_error(e: dsec_image::ImageError) -> ApiError {
 /// `POST /v1/images:pull`: pulls an image from a registry into this node's store;
 /// answers NDJSON, a `{"log": …}` line per step and a last line with the image or the
 /// error.
+#[utoipa::path(
+    post,
+    path = "/v1/images:pull",
+    summary = "Pull an image from an OCI distribution registry into the node's store (index resolved to linux/amd64; manifest, config and every layer checked against its digest and declared size; gzip, zstd and plain tar layers; OCI whiteouts applied). Keys outside root pull only from the node's pull_registries; plain_http and ca_pem are for keys of root. The target must be in the key's project subtree.",
+    request_body = PullBody,
+    responses(
+        (status = 200, description = "NDJSON: {\"log\": line} per step, then {\"image\", \"digest\", \"source_digest\", \"layers\", \"fetched_layers\", \"cached_layers\", \"fetched_bytes\", \"size_bytes\", \"lazy\"} or {\"error\": {\"code\", \"message\"}} (not_found: no such tag, digest or repository; permission_denied: the registry refused the credentials; failed_precondition: a digest or size that does not match, a manifest over the limits; unavailable: the registry cannot be reached)"),
+        (status = 400, response = ErrorReply),
+        (status = 403, response = ErrorReply),
+    ),
+)]
 pub(crate) async fn pull_image(
     axum::extract::State(st): axum::extract::State<crate::AppState>,
     axum::extract::Extension(p): axum::extract::Extension<Principal>,
@@ -358,7 +384,8 @@ pub(crate) async fn pull_image(
 }
 
 /// `POST /v1/images:push`'s body.
-#[derive(serde::Deserialize)]
+#[derive(serde::Deserialize, utoipa::ToSchema)]
+#[schema(as = PushRequest)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct PushBody {
     /// The image here (`root/…`).
@@ -383,6 +410,18 @@ pub(crate) struct PushBody {
 
 /// `POST /v1/images:push`: sends an image the key may read to a registry it may reach;
 /// NDJSON as a pull answers.
+#[utoipa::path(
+    post,
+    path = "/v1/images:push",
+    summary = "Push an image of the node's store (one the key may read) to an OCI distribution registry (one the key may reach, as for pulls): its blobs the registry has not got, then its manifest.",
+    request_body = PushBody,
+    responses(
+        (status = 200, description = "NDJSON: {\"log\": line} per step, then {\"image\", \"reference\", \"digest\", \"pushed_blobs\", \"skipped_blobs\", \"pushed_bytes\", \"lazy_digest\"} or {\"error\": {\"code\", \"message\"}}"),
+        (status = 400, response = ErrorReply),
+        (status = 403, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 pub(crate) async fn push_image(
     axum::extract::State(st): axum::extract::State<crate::AppState>,
     axum::extract::Extension(p): axum::extract::Extension<Principal>,
@@ -439,7 +478,8 @@ pub(crate) async fn push_image(
 }
 
 /// `PUT /v1/registries/{registry}/login`'s body.
-#[derive(serde::Deserialize)]
+#[derive(serde::Deserialize, utoipa::ToSchema)]
+#[schema(as = RegistryLoginRequest)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct LoginBody {
     #[serde(default)]
@@ -491,6 +531,20 @@ fn login_error(e: dsec_image::ImageError) -> ApiError {
 
 /// `PUT /v1/registries/{registry}/login`: keeps a registry login for the project (sealed
 /// on the node); answers what is kept, never the secret.
+#[utoipa::path(
+    put,
+    path = "/v1/registries/{registry}/login",
+    summary = "Keep a login for a registry for a project (default: the key's; one the key may write images of), sealed on the node (AES-256-GCM under the node's key). Pulls, pushes and builds FROM the registry that give no credentials use it; a project's login also serves the pulls of the projects inside it, a push uses the pushing project's own only.",
+    params(
+        ("registry" = String, Path, description = "host[:port], e.g. registry.example.com or 127.0.0.1:5000 (Docker Hub's other names are docker.io)"),
+    ),
+    request_body = LoginBody,
+    responses(
+        (status = 200, description = "What is kept (never the secret)", body = Login),
+        (status = 400, response = ErrorReply),
+        (status = 403, response = ErrorReply),
+    ),
+)]
 pub(crate) async fn put_login(
     axum::extract::State(st): axum::extract::State<crate::AppState>,
     axum::extract::Extension(p): axum::extract::Extension<Principal>,
@@ -520,6 +574,20 @@ pub(crate) async fn put_login(
 }
 
 /// `DELETE /v1/registries/{registry}/login[?project=]`: forgets the project's login.
+#[utoipa::path(
+    delete,
+    path = "/v1/registries/{registry}/login",
+    summary = "Forget a project's login for a registry.",
+    params(
+        ("registry" = String, Path, description = "host[:port], e.g. registry.example.com or 127.0.0.1:5000 (Docker Hub's other names are docker.io)"),
+        ("project" = Option<String>, Query, description = "Whose login (default: the key's project)"),
+    ),
+    responses(
+        (status = 200, description = "{\"project\", \"registry\", \"removed\": true}"),
+        (status = 403, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 pub(crate) async fn delete_login(
     axum::extract::State(st): axum::extract::State<crate::AppState>,
     axum::extract::Extension(p): axum::extract::Extension<Principal>,
@@ -546,6 +614,14 @@ pub(crate) async fn delete_login(
 }
 
 /// `GET /v1/registries`: the logins kept for the key's project and those inside it.
+#[utoipa::path(
+    get,
+    path = "/v1/registries",
+    summary = "The registry logins kept for the key's project and the projects inside it; never their secrets.",
+    responses(
+        (status = 200, description = "the logins", body = LoginList),
+    ),
+)]
 pub(crate) async fn list_logins(
     axum::extract::State(st): axum::extract::State<crate::AppState>,
     axum::extract::Extension(p): axum::extract::Extension<Principal>,
@@ -557,13 +633,34 @@ pub(crate) async fn list_logins(
         .map_err(login_error)?;
     Ok(dsec_common::http::json(
         axum::http::StatusCode::OK,
-        &serde_json::json!({ "logins": logins }),
+        &LoginList { logins },
     ))
+}
+
+/// `GET /v1/registries`'s answer.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+#[schema(as = RegistryLoginList)]
+pub(crate) struct LoginList {
+    logins: Vec<Login>,
 }
 
 /// `DELETE /v1/images/{reference}` (the reference percent-encoded, `root%2Fenv:v1`):
 /// removes an image of the key's subtree, the layers nothing else uses (no image,
 /// sandbox or snapshot), and the disk it held in its project's quota.
+#[utoipa::path(
+    delete,
+    path = "/v1/images/{reference}",
+    summary = "Remove an image of the key's subtree and the layers nothing else uses (no other image, sandbox or snapshot); the disk its commit, build or pull held in its project's quota is given back.",
+    params(
+        ("reference" = String, Path, description = "The image, percent-encoded as one segment: root%2Fteam%2Fenv:v1"),
+    ),
+    responses(
+        (status = 200, description = "{\"image\", \"removed\": true, \"freed_layers\"}"),
+        (status = 400, response = ErrorReply),
+        (status = 403, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 pub(crate) async fn remove_image(
     axum::extract::State(st): axum::extract::State<crate::AppState>,
     axum::extract::Extension(p): axum::extract::Extension<Principal>,

@@ -4,6 +4,12 @@
 //! serves it on its mutual-TLS listener, where the apiserver forwards requests with the
 //! caller's principal, and where edges hand each other saved VMs and image chunks.
 
+use crate::openapi::{SandboxPath, StepHeaders};
+use dsec_common::api::{
+    CommitRequest, CommitResponse, ExecResult, ForkResponse, FunctionCallRequest,
+    FunctionCallResult, GroupResponse, MetricsHistory, SandboxMetrics,
+};
+use dsec_common::error::ErrorReply;
 use std::sync::Arc;
 
 use axum::Router;
@@ -32,6 +38,7 @@ use dsec_iam::{Iam, Principal};
 
 pub mod grpc;
 mod images;
+pub mod openapi;
 mod ports;
 pub mod quotas;
 mod runtime;
@@ -178,6 +185,15 @@ pub(crate) fn status_seen_by(st: &AppState, p: &Principal) -> ClusterStatus {
     status_for(p, view.status())
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/status",
+    summary = "Nodes, backends, capacity, sandboxes",
+    responses(
+        (status = 200, description = "cluster status"),
+        (status = 401, response = ErrorReply),
+    ),
+)]
 async fn status(State(st): State<AppState>, Extension(p): Extension<Principal>) -> Response {
     json(StatusCode::OK, &status_seen_by(&st, &p))
 }
@@ -195,6 +211,20 @@ pub(crate) async fn create_checked(
     Ok(st.edge.create(req).await?)
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/sandboxes",
+    summary = "Create a sandbox",
+    request_body = CreateSandboxRequest,
+    responses(
+        (status = 201, description = "running", body = SandboxInfo),
+        (status = 400, response = ErrorReply),
+        (status = 401, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+        (status = 429, response = ErrorReply),
+        (status = 503, response = ErrorReply),
+    ),
+)]
 async fn create(
     State(st): State<AppState>,
     Extension(p): Extension<Principal>,
@@ -218,6 +248,17 @@ pub(crate) fn sandboxes_seen_by(
     sandboxes
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/sandboxes",
+    summary = "List sandboxes",
+    params(
+        ("label" = Option<String>, Query, description = "KEY=VALUE; repeat to require several"),
+    ),
+    responses(
+        (status = 200, description = "sandboxes"),
+    ),
+)]
 async fn list(
     State(st): State<AppState>,
     Extension(p): Extension<Principal>,
@@ -228,17 +269,57 @@ async fn list(
     Ok(json(StatusCode::OK, &ListSandboxesResponse { sandboxes }))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/sandboxes/{id}",
+    summary = "Get a sandbox",
+    params(
+        SandboxPath,
+    ),
+    responses(
+        (status = 200, description = "sandbox"),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn get_one(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
     route(&st, &id)?;
     Ok(json(StatusCode::OK, &st.edge.get(&id)?))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/sandboxes/{id}/metrics",
+    summary = "What a running sandbox uses now: CPU time so far (a running total), memory and its writable disk",
+    params(
+        SandboxPath,
+    ),
+    responses(
+        (status = 200, description = "the readings", body = SandboxMetrics),
+        (status = 404, response = ErrorReply),
+        (status = 409, description = "the sandbox is not running"),
+    ),
+)]
 async fn metrics(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
     route(&st, &id)?;
     Ok(json(StatusCode::OK, &st.edge.metrics(&id).await?))
 }
 
 /// `?start_ms=&end_ms=` (milliseconds since the epoch, both optional).
+#[utoipa::path(
+    get,
+    path = "/v1/sandboxes/{id}/metrics/history",
+    summary = "The sandbox's kept readings of CPU time and memory (one every metrics_interval_ms while it ran; the last 360), oldest first",
+    params(
+        SandboxPath,
+        ("start_ms" = Option<u64>, Query, description = "the first reading's earliest time, milliseconds since the epoch"),
+        ("end_ms" = Option<u64>, Query, description = "the last reading's latest time, milliseconds since the epoch"),
+    ),
+    responses(
+        (status = 200, description = "the readings", body = MetricsHistory),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn metrics_history(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -275,12 +356,40 @@ async fn metrics_history(
     ))
 }
 
+#[utoipa::path(
+    delete,
+    path = "/v1/sandboxes/{id}",
+    summary = "Stop a sandbox: kills its processes, removes its mounts, cgroups and files",
+    params(
+        SandboxPath,
+    ),
+    responses(
+        (status = 204, description = "stopped"),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn stop(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
     route(&st, &id)?;
     st.edge.stop(&id).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/sandboxes/{id}/exec",
+    summary = "Run a command: wait for it, stream it (stream), or start it (background); see docs/RUNTIME_API.md",
+    params(
+        SandboxPath,
+        StepHeaders,
+    ),
+    request_body = ExecRequest,
+    responses(
+        (status = 200, description = "result", body = ExecResult),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+        (status = 201, description = "background process started", body = Object),
+    ),
+)]
 async fn exec(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -292,6 +401,20 @@ async fn exec(
     runtime::exec(&st, &id, &headers, req).await
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/sandboxes/{id}/fork",
+    summary = "Fork a running sandbox into count copies",
+    params(
+        SandboxPath,
+    ),
+    request_body = Option<ForkRequest>,
+    responses(
+        (status = 201, description = "copies", body = ForkResponse),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn fork(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -306,6 +429,22 @@ async fn fork(
     Ok(json(StatusCode::CREATED, &st.edge.fork(&id, req).await?))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/sandboxes/{id}/pause",
+    summary = "Pause a running sandbox: frozen in place, or (to_disk, vm backends) saved to disk with its memory and its processes ended",
+    params(
+        SandboxPath,
+    ),
+    request_body = Option<PauseRequest>,
+    responses(
+        (status = 200, description = "the sandbox, state paused", body = SandboxInfo),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+        (status = 409, response = ErrorReply),
+        (status = 501, response = ErrorReply),
+    ),
+)]
 async fn pause(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -323,6 +462,22 @@ async fn pause(
     ))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/sandboxes/{id}/resume",
+    summary = "Resume a paused sandbox where it stopped (from disk too)",
+    params(
+        SandboxPath,
+    ),
+    request_body = Option<ResumeRequest>,
+    responses(
+        (status = 200, description = "the sandbox, state running", body = SandboxInfo),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+        (status = 409, response = ErrorReply),
+        (status = 501, response = ErrorReply),
+    ),
+)]
 async fn resume(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -367,6 +522,16 @@ pub(crate) fn group_ids(
         .collect())
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/groups/pause",
+    summary = "Pause every sandbox of the caller's project that has all the given labels",
+    request_body = Option<GroupRequest>,
+    responses(
+        (status = 200, description = "what was done, sandbox by sandbox", body = GroupResponse),
+        (status = 400, response = ErrorReply),
+    ),
+)]
 async fn pause_group(
     State(st): State<AppState>,
     Extension(p): Extension<Principal>,
@@ -380,6 +545,16 @@ async fn pause_group(
     ))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/groups/resume",
+    summary = "Resume every paused sandbox of the caller's project that has all the given labels",
+    request_body = Option<GroupRequest>,
+    responses(
+        (status = 200, description = "what was done, sandbox by sandbox", body = GroupResponse),
+        (status = 400, response = ErrorReply),
+    ),
+)]
 async fn resume_group(
     State(st): State<AppState>,
     Extension(p): Extension<Principal>,
@@ -390,6 +565,19 @@ async fn resume_group(
     Ok(json(StatusCode::OK, &st.edge.group(ids, false, true).await))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/sandboxes/{id}/timeout",
+    summary = "Set the remaining lifetime (keep-alive)",
+    params(
+        SandboxPath,
+    ),
+    request_body = SetTimeoutRequest,
+    responses(
+        (status = 200, description = "sandbox"),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn set_timeout(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -403,6 +591,21 @@ async fn set_timeout(
     ))
 }
 
+#[utoipa::path(
+    put,
+    path = "/v1/sandboxes/{id}/network",
+    summary = "Replace the sandbox's egress rules (new connections follow them at once; addresses opened by DNS answers for names no longer allowed close)",
+    params(
+        SandboxPath,
+    ),
+    request_body = SetNetworkRequest,
+    responses(
+        (status = 200, description = "sandbox", body = SandboxInfo),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+        (status = 409, response = ErrorReply),
+    ),
+)]
 async fn set_network(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -420,6 +623,21 @@ async fn set_network(
 
 /// A commit names an image of the caller's project subtree (see [`images`]); an existing
 /// one is replaced only with `overwrite`.
+#[utoipa::path(
+    post,
+    path = "/v1/sandboxes/{id}/commit",
+    summary = "Commit the sandbox's filesystem changes as a new image (one layer on top of its image; env and workdir kept), usable by any backend",
+    params(
+        SandboxPath,
+    ),
+    request_body = CommitRequest,
+    responses(
+        (status = 201, description = "the new image", body = CommitResponse),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+        (status = 409, response = ErrorReply),
+    ),
+)]
 async fn commit(
     State(st): State<AppState>,
     Extension(p): Extension<Principal>,
@@ -435,6 +653,18 @@ async fn commit(
 /// `POST /v1/images/builds`: builds the spec (JSON) on this node, `run` steps in
 /// sandboxes; answers NDJSON as it goes: `{"log": line}`…, then `{"image", "digest"}` or
 /// `{"error": {"code", "message"}}`. The build goes on if the caller leaves.
+#[utoipa::path(
+    post,
+    path = "/v1/images/builds",
+    summary = "Build an image on the node (a spec as JSON: name, from or debian, env, workdir, start, step[] with run, file + content, env); run steps execute in sandboxes with egress to package services only. The image must be in the key's project subtree.",
+    request_body = Object,
+    responses(
+        (status = 200, description = "NDJSON: {\"log\": line} as the build goes, then {\"image\", \"digest\"} or {\"error\": {\"code\", \"message\"}}"),
+        (status = 400, response = ErrorReply),
+        (status = 403, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn build_image(
     State(st): State<AppState>,
     Extension(p): Extension<Principal>,
@@ -491,6 +721,14 @@ where
         .into_response()
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/images",
+    summary = "Images in the store",
+    responses(
+        (status = 200, description = "images"),
+    ),
+)]
 async fn images(
     State(st): State<AppState>,
     Extension(p): Extension<Principal>,
@@ -505,18 +743,45 @@ async fn images(
 }
 
 /// `GET /v1/functions`: the functions this key may call.
+#[utoipa::path(
+    get,
+    path = "/v1/functions",
+    summary = "Functions this key may call ([[edge.functions]] of the node)",
+    responses(
+        (status = 200, description = "functions", body = FunctionList),
+    ),
+)]
 async fn functions(
     State(st): State<AppState>,
     Extension(p): Extension<Principal>,
 ) -> ApiResult<Response> {
-    let list = st.edge.functions(&p.project);
-    Ok(json(
-        StatusCode::OK,
-        &serde_json::json!({ "functions": list }),
-    ))
+    let functions = st.edge.functions(&p.project);
+    Ok(json(StatusCode::OK, &FunctionList { functions }))
+}
+
+/// `GET /v1/functions`'s answer.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+struct FunctionList {
+    functions: Vec<dsec_common::api::FunctionInfo>,
 }
 
 /// `POST /v1/functions/{name}:call`.
+#[utoipa::path(
+    post,
+    path = "/v1/functions/{name}:call",
+    summary = "Call a function: its entry point runs in a sandbox of its own (a warm pool member when the function has a pool), with the input as JSON on stdin; the output is its stdout. A function that exits non-zero answers 200 with its exit_code and stderr.",
+    params(
+        ("name" = String, Path),
+    ),
+    request_body = FunctionCallRequest,
+    responses(
+        (status = 200, description = "the function ran", body = FunctionCallResult),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+        (status = 429, response = ErrorReply),
+        (status = 504, response = ErrorReply),
+    ),
+)]
 async fn call_function(
     State(st): State<AppState>,
     Extension(p): Extension<Principal>,

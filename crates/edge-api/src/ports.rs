@@ -5,6 +5,8 @@
 //! `X-Dsec-Port-Tls: 1` the server in the sandbox is spoken to over TLS, its certificate
 //! not checked (a server of the sandbox's own, self-signed as a rule).
 
+use crate::openapi::SandboxPath;
+use dsec_common::error::ErrorReply;
 use std::sync::Arc;
 
 use axum::Router;
@@ -26,6 +28,11 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/sandboxes/{id}/ports/{port}/{*rest}", any(proxy_path))
 }
 
+/// What these routes serve, for the generated API description.
+#[derive(utoipa::OpenApi)]
+#[openapi(paths(proxy_path))]
+pub(crate) struct Doc;
+
 async fn proxy_root(
     st: State<AppState>,
     Path((id, port)): Path<(String, String)>,
@@ -34,6 +41,24 @@ async fn proxy_root(
     marked(proxy(st, id, port, String::new(), req).await)
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/sandboxes/{id}/ports/{port}/{path}",
+    summary = "Proxy HTTP (and WebSocket upgrades) to a port inside the sandbox; the API key or the sandbox's port_token (X-Dsec-Token or dsec_token) opens it; any method works",
+    params(
+        SandboxPath,
+        ("port" = u64, Path),
+        ("path" = String, Path),
+        ("dsec_token" = Option<String>, Query),
+        ("X-Dsec-Port-Tls" = Option<String>, Header, description = "`1`: speak TLS to the server in the sandbox (its certificate is not checked)"),
+    ),
+    responses(
+        (status = 200, description = "the sandbox server's response"),
+        (status = 401, response = ErrorReply),
+        (status = 503, response = ErrorReply),
+    ),
+    security(()),
+)]
 async fn proxy_path(
     st: State<AppState>,
     Path((id, port, rest)): Path<(String, String, String)>,

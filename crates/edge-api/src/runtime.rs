@@ -2,6 +2,9 @@
 //! sessions and trajectories. Streams are NDJSON; file bodies stream in both directions in
 //! bounded memory.
 
+use crate::openapi::{Binary, SandboxPath, StepHeaders};
+use dsec_common::api::{FileStat, SessionInfo, SessionResult};
+use dsec_common::error::ErrorReply;
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 
@@ -43,7 +46,11 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/sandboxes/{id}/files/list", get(list))
         .route("/v1/sandboxes/{id}/files/exists", get(exists))
         .route("/v1/sandboxes/{id}/files/watch", get(watch))
-        .route("/v1/sandboxes/{id}/files/{op}", post(file_op))
+        .route("/v1/sandboxes/{id}/files/mkdir", post(mkdir))
+        .route("/v1/sandboxes/{id}/files/remove", post(remove))
+        .route("/v1/sandboxes/{id}/files/rename", post(rename))
+        .route("/v1/sandboxes/{id}/files/chmod", post(chmod))
+        .route("/v1/sandboxes/{id}/files/chown", post(chown))
         .route(
             "/v1/sandboxes/{id}/sessions",
             post(session_create).get(sessions),
@@ -60,6 +67,36 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/sandboxes/{id}/trajectories", get(trajectories))
         .route("/v1/sandboxes/{id}/trajectories/{name}", get(trajectory))
 }
+
+/// What these routes serve, for the generated API description.
+#[derive(utoipa::OpenApi)]
+#[openapi(paths(
+    processes,
+    attach,
+    stdin,
+    signal,
+    resize,
+    download,
+    upload,
+    batch,
+    stat,
+    exists,
+    list,
+    watch,
+    mkdir,
+    remove,
+    rename,
+    chmod,
+    chown,
+    session_create,
+    sessions,
+    session_kill,
+    session_run,
+    session_command,
+    trajectories,
+    trajectory
+))]
+pub(crate) struct Doc;
 
 /// The trajectory step a call is, from `X-Dsec-Trajectory` and `X-Dsec-Step`.
 pub fn step_ref(h: &HeaderMap) -> Result<Option<StepRef>, Failure> {
@@ -181,12 +218,39 @@ fn pid_of(s: &str) -> Result<u32, Failure> {
         .map_err(|_| ApiError::invalid(format!("process id {s:?} is not a number")).into())
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/sandboxes/{id}/processes",
+    summary = "List managed processes",
+    params(
+        SandboxPath,
+    ),
+    responses(
+        (status = 200, description = "List managed processes", body = Object),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn processes(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
     route(&st, &id)?;
     let p = st.edge.processes(&id).await?;
     Ok(json_response(StatusCode::OK, &json!({ "processes": p })))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/sandboxes/{id}/processes/{pid}/output",
+    summary = "Attach: kept output, then live output, then exit (NDJSON)",
+    params(
+        SandboxPath,
+        ("pid" = String, Path),
+    ),
+    responses(
+        (status = 200, description = "Attach: kept output, then live output, then exit (NDJSON)", body = String, content_type = "application/x-ndjson"),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn attach(
     State(st): State<AppState>,
     Path((id, pid)): Path<(String, String)>,
@@ -195,6 +259,22 @@ async fn attach(
     Ok(process_body(st.edge.attach(&id, pid_of(&pid)?).await?))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/sandboxes/{id}/processes/{pid}/stdin",
+    summary = "Write to stdin (close=true closes it)",
+    params(
+        SandboxPath,
+        ("pid" = String, Path),
+        ("close" = Option<bool>, Query),
+    ),
+    request_body(content = inline(Binary), content_type = "application/octet-stream"),
+    responses(
+        (status = 204, description = "Write to stdin (close=true closes it)"),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn stdin(
     State(st): State<AppState>,
     Path((id, pid)): Path<(String, String)>,
@@ -209,14 +289,16 @@ async fn stdin(
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
+#[schema(as = Signal)]
 #[serde(untagged)]
 enum SignalSpec {
     Number(i32),
     Name(String),
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
+#[schema(as = SignalRequest)]
 #[serde(deny_unknown_fields)]
 struct SignalBody {
     signal: SignalSpec,
@@ -251,6 +333,21 @@ fn signal_number(s: &SignalSpec) -> Result<i32, Failure> {
     }
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/sandboxes/{id}/processes/{pid}/signal",
+    summary = "Signal the process group",
+    params(
+        SandboxPath,
+        ("pid" = String, Path),
+    ),
+    request_body = SignalBody,
+    responses(
+        (status = 204, description = "Signal the process group"),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn signal(
     State(st): State<AppState>,
     Path((id, pid)): Path<(String, String)>,
@@ -264,6 +361,21 @@ async fn signal(
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/sandboxes/{id}/processes/{pid}/resize",
+    summary = "Resize the terminal",
+    params(
+        SandboxPath,
+        ("pid" = String, Path),
+    ),
+    request_body = PtySize,
+    responses(
+        (status = 204, description = "Resize the terminal"),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn resize(
     State(st): State<AppState>,
     Path((id, pid)): Path<(String, String)>,
@@ -275,6 +387,20 @@ async fn resize(
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/sandboxes/{id}/files",
+    summary = "Download a file (streamed)",
+    params(
+        SandboxPath,
+        ("path" = String, Query),
+    ),
+    responses(
+        (status = 200, description = "Download a file (streamed)", body = inline(Binary), content_type = "application/octet-stream"),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn download(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -313,6 +439,25 @@ pub(crate) fn parse_mode(v: Option<&String>) -> Result<Option<u32>, Failure> {
     .transpose()
 }
 
+#[utoipa::path(
+    put,
+    path = "/v1/sandboxes/{id}/files",
+    summary = "Upload a file (streamed; parents created)",
+    params(
+        SandboxPath,
+        ("path" = String, Query),
+        ("mode" = Option<String>, Query),
+        ("append" = Option<bool>, Query),
+        ("user" = Option<String>, Query, description = "Write as this user (a name from the sandbox's /etc/passwd or a uid): what the write makes is theirs, and it writes only where they may. Default root."),
+        StepHeaders,
+    ),
+    request_body(content = inline(Binary), content_type = "application/octet-stream"),
+    responses(
+        (status = 200, description = "Upload a file (streamed; parents created)", body = Object),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn upload(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -359,7 +504,8 @@ fn metadata_headers(h: &HeaderMap) -> Result<Option<StringMap>, Failure> {
     Ok((!m.is_empty()).then_some(m))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
+#[schema(as = FileBatchEntry)]
 #[serde(deny_unknown_fields)]
 struct BatchFile {
     path: String,
@@ -371,7 +517,8 @@ struct BatchFile {
     metadata: Option<BTreeMap<String, String>>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
+#[schema(as = FileBatch)]
 #[serde(deny_unknown_fields)]
 struct Batch {
     files: Vec<BatchFile>,
@@ -380,6 +527,20 @@ struct Batch {
     user: Option<String>,
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/sandboxes/{id}/files/batch",
+    summary = "Write many files: {files:[{path,data(base64),mode}], user?} (as user when given)",
+    params(
+        SandboxPath,
+    ),
+    request_body = Batch,
+    responses(
+        (status = 200, description = "Write many files: {files:[{path,data(base64),mode}], user?} (as user when given)", body = Object),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn batch(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -423,6 +584,20 @@ async fn file_query(st: &AppState, id: &str, req: Request) -> ApiResult<Response
     ))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/sandboxes/{id}/files/stat",
+    summary = "Stat a path",
+    params(
+        SandboxPath,
+        ("path" = String, Query),
+    ),
+    responses(
+        (status = 200, description = "Stat a path", body = FileStat),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn stat(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -432,6 +607,21 @@ async fn stat(
     file_query(&st, &id, Request::Stat { path }).await
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/sandboxes/{id}/files/list",
+    summary = "List a directory",
+    params(
+        SandboxPath,
+        ("path" = String, Query),
+        ("depth" = Option<u64>, Query),
+    ),
+    responses(
+        (status = 200, description = "List a directory", body = Object),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn list(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -450,6 +640,20 @@ async fn list(
     file_query(&st, &id, Request::List { path, depth }).await
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/sandboxes/{id}/files/exists",
+    summary = "Whether a path exists",
+    params(
+        SandboxPath,
+        ("path" = String, Query),
+    ),
+    responses(
+        (status = 200, description = "Whether a path exists", body = Object),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn exists(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -459,7 +663,8 @@ async fn exists(
     file_query(&st, &id, Request::Exists { path }).await
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
+#[schema(as = FilePathRequest)]
 #[serde(deny_unknown_fields)]
 struct PathBody {
     path: String,
@@ -470,21 +675,24 @@ struct PathBody {
     user: Option<String>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
+#[schema(as = FileRenameRequest)]
 #[serde(deny_unknown_fields)]
 struct RenameBody {
     from: String,
     to: String,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
+#[schema(as = FileChmodRequest)]
 #[serde(deny_unknown_fields)]
 struct ChmodBody {
     path: String,
     mode: u32,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
+#[schema(as = FileChownRequest)]
 #[serde(deny_unknown_fields)]
 struct ChownBody {
     path: String,
@@ -492,66 +700,199 @@ struct ChownBody {
     gid: u32,
 }
 
-async fn file_op(
-    State(st): State<AppState>,
-    Path((id, op)): Path<(String, String)>,
-    headers: HeaderMap,
-    bytes: Bytes,
+/// The file operations (`files/mkdir`, `remove`, `rename`, `chmod`, `chown`): one handler
+/// each, so that the router and the API description name the same paths, all parsing
+/// their body and running here.
+async fn file_op<B: serde::de::DeserializeOwned>(
+    st: &AppState,
+    id: &str,
+    headers: &HeaderMap,
+    bytes: &Bytes,
+    what: &str,
+    make: impl FnOnce(B) -> Request,
 ) -> ApiResult<Response> {
-    route(&st, &id)?;
-    let what = format!("files/{op}");
-    let req = match op.as_str() {
-        "mkdir" => {
-            let b: PathBody = body(&bytes, &what)?;
-            Request::Mkdir {
-                path: b.path,
-                user: b.user,
-            }
-        }
-        "remove" => {
-            let b: PathBody = body(&bytes, &what)?;
-            Request::Remove {
-                path: b.path,
-                recursive: b.recursive,
-            }
-        }
-        "rename" => {
-            let b: RenameBody = body(&bytes, &what)?;
-            Request::Rename {
-                from: b.from,
-                to: b.to,
-            }
-        }
-        "chmod" => {
-            let b: ChmodBody = body(&bytes, &what)?;
-            Request::Chmod {
-                path: b.path,
-                mode: b.mode,
-            }
-        }
-        "chown" => {
-            let b: ChownBody = body(&bytes, &what)?;
-            Request::Chown {
-                path: b.path,
-                uid: b.uid,
-                gid: b.gid,
-            }
-        }
-        other => {
-            return Err(ApiError::not_found(format!(
-                "no file operation {other:?}; use mkdir, remove, rename, chmod or chown"
-            ))
-            .into());
-        }
-    };
+    route(st, id)?;
+    let req = make(body(bytes, what)?);
     let removed = matches!(req, Request::Remove { .. });
-    let o = st.edge.file_op(&id, req, step_ref(&headers)?).await?;
+    let o = st.edge.file_op(id, req, step_ref(headers)?).await?;
     if removed && !o.replayed {
         return Ok(StatusCode::NO_CONTENT.into_response());
     }
     Ok(outcome(StatusCode::OK, o))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/sandboxes/{id}/files/mkdir",
+    summary = "mkdir -p: {path, user?} (as user when given: the directories made are theirs)",
+    params(
+        SandboxPath,
+        StepHeaders,
+    ),
+    request_body = PathBody,
+    responses(
+        (status = 200, description = "mkdir -p: {path, user?} (as user when given: the directories made are theirs)", body = FileStat),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
+async fn mkdir(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    file_op(&st, &id, &headers, &bytes, "files/mkdir", |b: PathBody| {
+        Request::Mkdir {
+            path: b.path,
+            user: b.user,
+        }
+    })
+    .await
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/sandboxes/{id}/files/remove",
+    summary = "Remove: {path, recursive}",
+    params(
+        SandboxPath,
+        StepHeaders,
+    ),
+    request_body = PathBody,
+    responses(
+        (status = 204, description = "removed"),
+        (status = 200, description = "a trajectory step replayed: its recorded result", body = Object),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
+async fn remove(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    file_op(&st, &id, &headers, &bytes, "files/remove", |b: PathBody| {
+        Request::Remove {
+            path: b.path,
+            recursive: b.recursive,
+        }
+    })
+    .await
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/sandboxes/{id}/files/rename",
+    summary = "Rename: {from, to}",
+    params(
+        SandboxPath,
+        StepHeaders,
+    ),
+    request_body = RenameBody,
+    responses(
+        (status = 200, description = "Rename: {from, to}", body = FileStat),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
+async fn rename(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    file_op(
+        &st,
+        &id,
+        &headers,
+        &bytes,
+        "files/rename",
+        |b: RenameBody| Request::Rename {
+            from: b.from,
+            to: b.to,
+        },
+    )
+    .await
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/sandboxes/{id}/files/chmod",
+    summary = "chmod: {path, mode}",
+    params(
+        SandboxPath,
+        StepHeaders,
+    ),
+    request_body = ChmodBody,
+    responses(
+        (status = 200, description = "chmod: {path, mode}", body = FileStat),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
+async fn chmod(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    file_op(&st, &id, &headers, &bytes, "files/chmod", |b: ChmodBody| {
+        Request::Chmod {
+            path: b.path,
+            mode: b.mode,
+        }
+    })
+    .await
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/sandboxes/{id}/files/chown",
+    summary = "chown: {path, uid, gid}",
+    params(
+        SandboxPath,
+        StepHeaders,
+    ),
+    request_body = ChownBody,
+    responses(
+        (status = 200, description = "chown: {path, uid, gid}", body = FileStat),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
+async fn chown(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    file_op(&st, &id, &headers, &bytes, "files/chown", |b: ChownBody| {
+        Request::Chown {
+            path: b.path,
+            uid: b.uid,
+            gid: b.gid,
+        }
+    })
+    .await
+}
+
+#[utoipa::path(
+    get,
+    path = "/v1/sandboxes/{id}/files/watch",
+    summary = "Watch a directory (NDJSON: ready, then create/write/remove/rename/chmod)",
+    params(
+        SandboxPath,
+        ("path" = String, Query),
+        ("recursive" = Option<bool>, Query),
+    ),
+    responses(
+        (status = 200, description = "Watch a directory (NDJSON: ready, then create/write/remove/rename/chmod)", body = String, content_type = "application/x-ndjson"),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn watch(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -578,6 +919,20 @@ async fn watch(
     Ok(ndjson(Body::from_stream(s)))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/sandboxes/{id}/sessions",
+    summary = "Start a persistent shell session: {cwd?, env?}",
+    params(
+        SandboxPath,
+    ),
+    request_body = SessionCreateRequest,
+    responses(
+        (status = 201, description = "Start a persistent shell session: {cwd?, env?}", body = SessionInfo),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn session_create(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -593,12 +948,41 @@ async fn session_create(
     Ok(json_response(StatusCode::CREATED, &s))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/sandboxes/{id}/sessions",
+    summary = "List sessions",
+    params(
+        SandboxPath,
+    ),
+    responses(
+        (status = 200, description = "List sessions", body = Object),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn sessions(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
     route(&st, &id)?;
     let s = st.edge.sessions(&id).await?;
     Ok(json_response(StatusCode::OK, &json!({ "sessions": s })))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/sandboxes/{id}/sessions/{sid}/run",
+    summary = "Run a command in the session: {cmd, timeout_seconds?, background?}",
+    params(
+        SandboxPath,
+        ("sid" = String, Path),
+        StepHeaders,
+    ),
+    request_body = SessionRunRequest,
+    responses(
+        (status = 200, description = "Run a command in the session: {cmd, timeout_seconds?, background?}", body = SessionResult),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn session_run(
     State(st): State<AppState>,
     Path((id, sid)): Path<(String, String)>,
@@ -614,6 +998,21 @@ async fn session_run(
     Ok(outcome(StatusCode::OK, o))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/sandboxes/{id}/sessions/{sid}/commands/{cid}",
+    summary = "A session command's result (running or done)",
+    params(
+        SandboxPath,
+        ("sid" = String, Path),
+        ("cid" = String, Path),
+    ),
+    responses(
+        (status = 200, description = "A session command's result (running or done)", body = SessionResult),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn session_command(
     State(st): State<AppState>,
     Path((id, sid, cid)): Path<(String, String, String)>,
@@ -626,6 +1025,20 @@ async fn session_command(
     Ok(json_response(StatusCode::OK, &c))
 }
 
+#[utoipa::path(
+    delete,
+    path = "/v1/sandboxes/{id}/sessions/{sid}",
+    summary = "End a session and every process it started",
+    params(
+        SandboxPath,
+        ("sid" = String, Path),
+    ),
+    responses(
+        (status = 204, description = "End a session and every process it started"),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn session_kill(
     State(st): State<AppState>,
     Path((id, sid)): Path<(String, String)>,
@@ -635,6 +1048,19 @@ async fn session_kill(
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/sandboxes/{id}/trajectories",
+    summary = "Trajectories and their step counts",
+    params(
+        SandboxPath,
+    ),
+    responses(
+        (status = 200, description = "Trajectories and their step counts", body = Object),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn trajectories(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
     route(&st, &id)?;
     Ok(json_response(
@@ -643,6 +1069,20 @@ async fn trajectories(State(st): State<AppState>, Path(id): Path<String>) -> Api
     ))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/sandboxes/{id}/trajectories/{name}",
+    summary = "A trajectory's steps",
+    params(
+        SandboxPath,
+        ("name" = String, Path),
+    ),
+    responses(
+        (status = 200, description = "A trajectory's steps", body = Object),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn trajectory(
     State(st): State<AppState>,
     Path((id, name)): Path<(String, String)>,

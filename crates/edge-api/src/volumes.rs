@@ -3,6 +3,9 @@
 //! project; a key sees the volumes of its project and those inside it, and others' are
 //! 404, as if they did not exist.
 
+use crate::openapi::Binary;
+use dsec_common::api::VolumeEntry;
+use dsec_common::error::ErrorReply;
 use std::collections::BTreeMap;
 
 use axum::Router;
@@ -34,6 +37,13 @@ pub(crate) fn routes() -> Router<AppState> {
         .route("/v1/volumes/{vid}/list", get(listing))
         .route("/v1/volumes/{vid}/mkdir", post(mkdir))
 }
+
+/// What these routes serve, for the generated API description.
+#[derive(utoipa::OpenApi)]
+#[openapi(paths(
+    create, list, show, delete, read, write, remove, stat, update, listing, mkdir
+))]
+pub(crate) struct Doc;
 
 fn gone(vid: &str) -> Failure {
     ApiError::not_found(format!(
@@ -79,6 +89,19 @@ pub(crate) fn check_mounts(
     Ok(())
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/volumes",
+    summary = "Create a volume",
+    request_body = CreateVolumeRequest,
+    responses(
+        (status = 201, description = "the volume", body = VolumeInfo),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+        (status = 409, response = ErrorReply),
+        (status = 429, response = ErrorReply),
+    ),
+)]
 async fn create(
     State(st): State<AppState>,
     Extension(p): Extension<Principal>,
@@ -94,6 +117,16 @@ async fn create(
     ))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/volumes",
+    summary = "The volumes of the key's project and those inside it",
+    responses(
+        (status = 200, description = "volumes", body = ListVolumesResponse),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn list(
     State(st): State<AppState>,
     Extension(p): Extension<Principal>,
@@ -103,6 +136,19 @@ async fn list(
     Ok(json(StatusCode::OK, &ListVolumesResponse { volumes }))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/volumes/{vid}",
+    summary = "One volume",
+    params(
+        ("vid" = String, Path),
+    ),
+    responses(
+        (status = 200, description = "the volume", body = VolumeInfo),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn show(
     State(st): State<AppState>,
     Extension(p): Extension<Principal>,
@@ -112,6 +158,19 @@ async fn show(
     Ok(json(StatusCode::OK, &st.edge.get_volume(&vid).await?))
 }
 
+#[utoipa::path(
+    delete,
+    path = "/v1/volumes/{vid}",
+    summary = "Delete a volume and its files (refused while a sandbox mounts it)",
+    params(
+        ("vid" = String, Path),
+    ),
+    responses(
+        (status = 204, description = "deleted"),
+        (status = 404, response = ErrorReply),
+        (status = 409, response = ErrorReply),
+    ),
+)]
 async fn delete(
     State(st): State<AppState>,
     Extension(p): Extension<Principal>,
@@ -154,6 +213,20 @@ fn target(
     Ok((q, path))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/volumes/{vid}/files",
+    summary = "Read a file of a volume",
+    params(
+        ("vid" = String, Path),
+        ("path" = String, Query, description = "a path in the volume, e.g. /data/a.txt (resolved inside it)"),
+    ),
+    responses(
+        (status = 200, description = "its bytes", body = inline(Binary), content_type = "application/octet-stream"),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn read(
     State(st): State<AppState>,
     Extension(p): Extension<Principal>,
@@ -177,6 +250,25 @@ async fn read(
         .into_response())
 }
 
+#[utoipa::path(
+    put,
+    path = "/v1/volumes/{vid}/files",
+    summary = "Write a file of a volume (made with missing directories above it, or replaced)",
+    params(
+        ("vid" = String, Path),
+        ("path" = String, Query, description = "a path in the volume, e.g. /data/a.txt (resolved inside it)"),
+        ("uid" = Option<u64>, Query),
+        ("gid" = Option<u64>, Query),
+        ("mode" = Option<String>, Query),
+    ),
+    request_body(content = inline(Binary), content_type = "application/octet-stream"),
+    responses(
+        (status = 201, description = "the file", body = VolumeEntry),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+        (status = 429, response = ErrorReply),
+    ),
+)]
 async fn write(
     State(st): State<AppState>,
     Extension(p): Extension<Principal>,
@@ -193,6 +285,20 @@ async fn write(
     Ok(json(StatusCode::CREATED, &e))
 }
 
+#[utoipa::path(
+    delete,
+    path = "/v1/volumes/{vid}/files",
+    summary = "Remove a file, link or directory (with what it holds) of a volume",
+    params(
+        ("vid" = String, Path),
+        ("path" = String, Query, description = "a path in the volume, e.g. /data/a.txt (resolved inside it)"),
+    ),
+    responses(
+        (status = 204, description = "removed"),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn remove(
     State(st): State<AppState>,
     Extension(p): Extension<Principal>,
@@ -204,6 +310,20 @@ async fn remove(
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/volumes/{vid}/stat",
+    summary = "What is at a path of a volume (a link itself)",
+    params(
+        ("vid" = String, Path),
+        ("path" = String, Query, description = "a path in the volume, e.g. /data/a.txt (resolved inside it)"),
+    ),
+    responses(
+        (status = 200, description = "the entry", body = VolumeEntry),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn stat(
     State(st): State<AppState>,
     Extension(p): Extension<Principal>,
@@ -217,6 +337,21 @@ async fn stat(
     ))
 }
 
+#[utoipa::path(
+    patch,
+    path = "/v1/volumes/{vid}/stat",
+    summary = "Change the owner or permission bits at a path",
+    params(
+        ("vid" = String, Path),
+        ("path" = String, Query, description = "a path in the volume, e.g. /data/a.txt (resolved inside it)"),
+    ),
+    request_body = Option<VolumeEntryUpdate>,
+    responses(
+        (status = 200, description = "the entry", body = VolumeEntry),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn update(
     State(st): State<AppState>,
     Extension(p): Extension<Principal>,
@@ -240,11 +375,27 @@ async fn update(
     ))
 }
 
-#[derive(serde::Serialize)]
+#[derive(serde::Serialize, utoipa::ToSchema)]
+#[schema(as = VolumeListing)]
 struct Listing {
     entries: Vec<dsec_common::api::VolumeEntry>,
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/volumes/{vid}/list",
+    summary = "A directory's entries, depth levels down",
+    params(
+        ("vid" = String, Path),
+        ("path" = Option<String>, Query, description = "a path in the volume, e.g. /data/a.txt (resolved inside it)"),
+        ("depth" = Option<u64>, Query, description = "1 to 64, default 1"),
+    ),
+    responses(
+        (status = 200, description = "entries", body = Listing),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
 async fn listing(
     State(st): State<AppState>,
     Extension(p): Extension<Principal>,
@@ -262,6 +413,25 @@ async fn listing(
     Ok(json(StatusCode::OK, &Listing { entries }))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/volumes/{vid}/mkdir",
+    summary = "Make a directory in a volume",
+    params(
+        ("vid" = String, Path),
+        ("path" = String, Query, description = "a path in the volume, e.g. /data/a.txt (resolved inside it)"),
+        ("parents" = Option<bool>, Query),
+        ("uid" = Option<u64>, Query),
+        ("gid" = Option<u64>, Query),
+        ("mode" = Option<String>, Query),
+    ),
+    responses(
+        (status = 201, description = "the directory", body = VolumeEntry),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+        (status = 409, response = ErrorReply),
+    ),
+)]
 async fn mkdir(
     State(st): State<AppState>,
     Extension(p): Extension<Principal>,

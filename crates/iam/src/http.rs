@@ -3,6 +3,8 @@
 //! key's project before the request reaches an edge. Served by the cluster front door and
 //! by a node's own REST face alike.
 
+#[cfg(feature = "openapi")]
+use dsec_common::error::ErrorReply;
 use std::sync::Arc;
 
 use axum::Router;
@@ -30,6 +32,20 @@ pub fn routes() -> Router<Arc<dyn Iam>> {
         .route("/v1/keys", get(keys).post(create_key))
         .route("/v1/keys/{key_id}", delete(revoke_key))
 }
+
+/// What these routes serve, for the generated API description.
+#[cfg(feature = "openapi")]
+#[derive(utoipa::OpenApi)]
+#[openapi(paths(
+    whoami,
+    projects,
+    create_project,
+    set_quota,
+    keys,
+    create_key,
+    revoke_key
+))]
+pub struct Doc;
 
 pub fn api_error(e: IamError) -> ApiError {
     match e {
@@ -137,6 +153,17 @@ pub fn check_read(p: &Principal, image: &str) -> ApiResult<()> {
     .into())
 }
 
+#[cfg_attr(feature = "openapi", utoipa::path(
+    get,
+    path = "/v1/whoami",
+    summary = "The key's principal, kind and project",
+    responses(
+        (status = 200, description = "The key's principal, kind and project", body = Object),
+        (status = 400, response = ErrorReply),
+        (status = 403, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+))]
 async fn whoami(Extension(p): Extension<Principal>) -> Response {
     json_response(
         StatusCode::OK,
@@ -144,6 +171,17 @@ async fn whoami(Extension(p): Extension<Principal>) -> Response {
     )
 }
 
+#[cfg_attr(feature = "openapi", utoipa::path(
+    get,
+    path = "/v1/projects",
+    summary = "Projects this key can see, with quota and usage",
+    responses(
+        (status = 200, description = "Projects this key can see, with quota and usage", body = Object),
+        (status = 400, response = ErrorReply),
+        (status = 403, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+))]
 async fn projects(
     State(iam): State<Arc<dyn Iam>>,
     Extension(p): Extension<Principal>,
@@ -156,6 +194,8 @@ async fn projects(
 }
 
 #[derive(Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "openapi", schema(as = ProjectRequest))]
 #[serde(deny_unknown_fields)]
 struct ProjectBody {
     project: String,
@@ -173,6 +213,18 @@ fn view(iam: &dyn Iam, p: &Principal, path: &str) -> ApiResult<Response> {
     Ok(json_response(StatusCode::OK, &v))
 }
 
+#[cfg_attr(feature = "openapi", utoipa::path(
+    post,
+    path = "/v1/projects",
+    summary = "Create a project: {project, quota}; the quota is delegated from the parent",
+    request_body = ProjectBody,
+    responses(
+        (status = 201, description = "Create a project: {project, quota}; the quota is delegated from the parent", body = Object),
+        (status = 400, response = ErrorReply),
+        (status = 403, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+))]
 async fn create_project(
     State(iam): State<Arc<dyn Iam>>,
     Extension(p): Extension<Principal>,
@@ -191,6 +243,18 @@ async fn create_project(
     Ok(r)
 }
 
+#[cfg_attr(feature = "openapi", utoipa::path(
+    post,
+    path = "/v1/projects/quota",
+    summary = "Set a project's quota: {project, quota} (a key of a parent project only)",
+    request_body = ProjectBody,
+    responses(
+        (status = 200, description = "Set a project's quota: {project, quota} (a key of a parent project only)", body = Object),
+        (status = 400, response = ErrorReply),
+        (status = 403, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+))]
 async fn set_quota(
     State(iam): State<Arc<dyn Iam>>,
     Extension(p): Extension<Principal>,
@@ -216,6 +280,17 @@ struct KeyView {
     revoked: bool,
 }
 
+#[cfg_attr(feature = "openapi", utoipa::path(
+    get,
+    path = "/v1/keys",
+    summary = "API keys of the projects this key can see (ids, never keys)",
+    responses(
+        (status = 200, description = "API keys of the projects this key can see (ids, never keys)", body = Object),
+        (status = 400, response = ErrorReply),
+        (status = 403, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+))]
 async fn keys(
     State(iam): State<Arc<dyn Iam>>,
     Extension(p): Extension<Principal>,
@@ -237,6 +312,8 @@ async fn keys(
 }
 
 #[derive(Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "openapi", schema(as = KeyRequest))]
 #[serde(deny_unknown_fields)]
 struct KeyBody {
     #[serde(default)]
@@ -254,6 +331,18 @@ fn human() -> PrincipalKind {
     PrincipalKind::Human
 }
 
+#[cfg_attr(feature = "openapi", utoipa::path(
+    post,
+    path = "/v1/keys",
+    summary = "Create a key: {principal, project?, kind: human|agent, format?: dsec|e2b (e2b_ and 40 hex digits)}; the key is in the answer only",
+    request_body = KeyBody,
+    responses(
+        (status = 201, description = "Create a key: {principal, project?, kind: human|agent, format?: dsec|e2b (e2b_ and 40 hex digits)}; the key is in the answer only", body = Object),
+        (status = 400, response = ErrorReply),
+        (status = 403, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+))]
 async fn create_key(
     State(iam): State<Arc<dyn Iam>>,
     Extension(p): Extension<Principal>,
@@ -276,6 +365,20 @@ async fn create_key(
     ))
 }
 
+#[cfg_attr(feature = "openapi", utoipa::path(
+    delete,
+    path = "/v1/keys/{key_id}",
+    summary = "Revoke a key",
+    params(
+        ("key_id" = String, Path),
+    ),
+    responses(
+        (status = 204, description = "Revoke a key", body = Object),
+        (status = 400, response = ErrorReply),
+        (status = 403, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+))]
 async fn revoke_key(
     State(iam): State<Arc<dyn Iam>>,
     Extension(p): Extension<Principal>,

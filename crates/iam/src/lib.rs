@@ -146,6 +146,7 @@ pub fn well_formed_key(key: &str) -> bool {
 
 /// The format of a key [`create_key_as`] makes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum KeyFormat {
     /// `dsk.` and 32 letters and digits.

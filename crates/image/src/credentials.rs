@@ -57,6 +57,8 @@ struct Entry {
 
 /// A kept login as the API shows it: never its secret.
 #[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "openapi", schema(as = RegistryLogin))]
 pub struct Login {
     pub project: String,
     pub registry: String,
