@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import DATA, ROOT, server_up, wait_for
+from conftest import DATA, ROOT, make_client, server_up, stop_what_is_left, wait_for
 from opendsec import (DSecClient, DSecError, DSecRunArgs, InvalidArgumentError, NotFoundError,
                       PreconditionError, ResourceExhaustedError)
 
@@ -79,6 +79,15 @@ class RssPoller:
     @property
     def peak_mib(self) -> float:
         return self.peak_kib / 1024
+
+
+@pytest.fixture(params=["async", "sync"])
+async def client(request):
+    """Every test here runs through the async client and through the synchronous one
+    (`opendsec.sync`, behind the async interface: `sync_facade.py`)."""
+    async with make_client(request.param) as c:
+        yield c
+        await stop_what_is_left(c)
 
 
 async def read_until(p, needle: bytes, timeout: float = 15.0) -> tuple[bytes, set]:
