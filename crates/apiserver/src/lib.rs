@@ -252,9 +252,19 @@ pub fn router(c: Arc<Cluster>) -> Router {
         .route("/v1/snapshots/{sid}/{*rest}", any(snapshot_rest))
         .route("/v1/sandboxes/{id}", any(sandbox))
         .route("/v1/sandboxes/{id}/{*rest}", any(sandbox_rest))
+        .route("/metrics", get(metrics_text))
         .merge(iam_routes)
         .fallback(|| async { no_such_endpoint() })
+        .layer(middleware::from_fn(|r, n| {
+            dsec_metrics::http::count("apiserver", r, n)
+        }))
         .with_state(c)
+}
+
+/// `GET /metrics`: this apiserver's Prometheus metrics, for a key of the root project
+/// only.
+async fn metrics_text(State(c): State<Arc<Cluster>>, headers: HeaderMap) -> ApiResult<Response> {
+    dsec_iam::http::metrics_for(&c.principal(&headers).await?)
 }
 
 async fn auth(State(c): State<Arc<Cluster>>, mut req: Request, next: Next) -> Response {

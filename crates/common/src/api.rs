@@ -288,6 +288,19 @@ pub enum SandboxState {
     Stopped,
 }
 
+impl SandboxState {
+    /// The state's name in the API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SandboxState::Creating => "creating",
+            SandboxState::Running => "running",
+            SandboxState::Paused => "paused",
+            SandboxState::Stopping => "stopping",
+            SandboxState::Stopped => "stopped",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Limits {

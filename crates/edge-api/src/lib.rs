@@ -106,6 +106,7 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/v1/functions", get(functions))
         .route("/v1/functions/{call}", post(call_function))
+        .route("/metrics", get(metrics_text))
         .merge(runtime::routes())
         .merge(snapshots::routes())
         .merge(volumes::routes())
@@ -119,8 +120,27 @@ pub fn router(state: AppState) -> Router {
         .merge(ports::routes())
         .fallback(|| async { no_such_endpoint() })
         .method_not_allowed_fallback(|| async { method_not_allowed() })
+        .layer(middleware::from_fn(|r, n| {
+            dsec_metrics::http::count("edge", r, n)
+        }))
         .layer(DefaultBodyLimit::max(64 << 20))
         .with_state(state)
+}
+
+/// `GET /metrics`: the process's Prometheus metrics, for a key of the root project only
+/// (they name every project's sandboxes).
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    summary = "Prometheus metrics of the node (OpenMetrics text): sandboxes made, stopped and running by project, create and exec latency, admission refusals, pools, requests, IAM's Raft; for keys of the root project",
+    responses(
+        (status = 200, description = "the metrics", body = String, content_type = "application/openmetrics-text; version=1.0.0; charset=utf-8"),
+        (status = 401, response = ErrorReply),
+        (status = 403, response = ErrorReply),
+    ),
+)]
+async fn metrics_text(Extension(p): Extension<Principal>) -> ApiResult<Response> {
+    dsec_iam::http::metrics_for(&p)
 }
 
 /// The caller: the forwarded principal (on an edge's cluster listener) or the API key's.

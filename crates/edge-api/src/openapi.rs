@@ -45,6 +45,7 @@ use utoipa::{Modify, OpenApi};
         crate::metrics_history,
         crate::functions,
         crate::call_function,
+        crate::metrics_text,
     ),
     components(
         responses(ErrorReply),

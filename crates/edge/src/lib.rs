@@ -22,6 +22,8 @@ mod fork;
 pub mod functions;
 pub mod host;
 mod lifecycle;
+mod metrics;
+pub(crate) use lifecycle::StopReason;
 pub mod mountns;
 pub mod net;
 mod pause;
@@ -514,6 +516,7 @@ impl Edge {
             let name = edge.cfg.name.clone();
             edge.quota(move |q| q.reconcile(&name, live)).await?;
         }
+        metrics::watch(&edge);
         Ok(edge)
     }
 

@@ -8,6 +8,25 @@ impl Edge {
         self: &Arc<Self>,
         req: CreateSandboxRequest,
     ) -> Result<SandboxInfo, ApiError> {
+        // Counted here, from its arrival, whatever ends it (a bad request, a missing image,
+        // admission, the backend); fork copies and pool members are counted by `launch`.
+        let started = Instant::now();
+        let backend = self.backend(&req.backend).map_or("unknown", |b| b.name());
+        let r = self.create_request(req).await;
+        dsec_metrics::sandbox::created(
+            backend,
+            match &r {
+                Ok(_) => Ok(started.elapsed().as_secs_f64()),
+                Err(e) => Err(e.code.as_str()),
+            },
+        );
+        r
+    }
+
+    async fn create_request(
+        self: &Arc<Self>,
+        req: CreateSandboxRequest,
+    ) -> Result<SandboxInfo, ApiError> {
         let v = validate::create(&self.cfg, &req)?;
         let image = ImageRef::parse(&req.image).map_err(|e| ApiError::invalid(e.to_string()))?;
         let images = self.images.clone();
@@ -252,8 +271,10 @@ impl Edge {
             disk_mb: self.cfg.reserved_disk_mb,
             max_load_per_core: self.cfg.max_load_per_core,
         };
-        host::admit(&self.cfg.name, &snapshot, &reserve)
-            .map_err(|r| ApiError::node_full(r.to_string()))
+        host::admit(&self.cfg.name, &snapshot, &reserve).map_err(|r| {
+            dsec_metrics::sandbox::refused(r.resource());
+            ApiError::node_full(r.to_string())
+        })
     }
 
     /// Starts `rec` on `backend`: the shared path of create and fork.
@@ -269,6 +290,8 @@ impl Edge {
             .then(|| self.use_volumes(&ids))
             .transpose()?;
         self.creating.fetch_add(1, Ordering::SeqCst);
+        let started = Instant::now();
+        let restored_or_pooled = seed.is_some() || rec.pool_waiting.is_some();
         let mut phases = Phases::start();
         let result = async {
             // Creates take turns; a fork's copies start together (the source waits for
@@ -335,6 +358,16 @@ impl Edge {
         }
         .await;
         self.creating.fetch_sub(1, Ordering::SeqCst);
+        // A create is counted by `create`; a fork's copy, a restore and a pool member here.
+        if restored_or_pooled {
+            dsec_metrics::sandbox::created(
+                backend.name(),
+                match &result {
+                    Ok(_) => Ok(started.elapsed().as_secs_f64()),
+                    Err(e) => Err(e.code.as_str()),
+                },
+            );
+        }
         match result {
             Ok(info) => {
                 self.insert(rec);
@@ -378,6 +411,7 @@ impl Edge {
         id: &str,
         req: ExecRequest,
     ) -> Result<ExecResult, ApiError> {
+        let started = Instant::now();
         let (e, sock) = self.running(id)?;
         let spec = validate::exec(&self.cfg, &req)?;
         let rec = e.snapshot();
@@ -409,13 +443,23 @@ impl Edge {
                     e.update(|r| r.oom_kills = after);
                     let _ = self.registry.save(&e.snapshot());
                 }
+                dsec_metrics::sandbox::exec_took(&rec.backend, started.elapsed().as_secs_f64());
                 Ok(r)
             }
             other => Err(channel::unexpected(&other)),
         }
     }
 
+    /// Stops a sandbox because it was asked to (by the API or the node's own work).
     pub async fn stop(self: &Arc<Self>, id: &str) -> Result<(), ApiError> {
+        self.stop_for(id, StopReason::Requested).await
+    }
+
+    pub(crate) async fn stop_for(
+        self: &Arc<Self>,
+        id: &str,
+        why: StopReason,
+    ) -> Result<(), ApiError> {
         let e = self.entry_any(id)?;
         let _g = e.op.lock().await;
         if let Some(d) = &self.deaths {
@@ -446,6 +490,7 @@ impl Edge {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(id);
+        dsec_metrics::sandbox::stopped(&rec.backend, why.as_str());
         tracing::info!(sandbox = %id, "sandbox stopped");
         Ok(())
     }
@@ -485,7 +530,7 @@ impl Edge {
             .for_each_concurrent(at_once, |id| {
                 let (edge, left, progress) = (self.clone(), &left, &progress);
                 async move {
-                    if let Err(e) = edge.stop(&id).await {
+                    if let Err(e) = edge.stop_for(&id, StopReason::Shutdown).await {
                         tracing::warn!(sandbox = %id, "stopping at shutdown: {}", e.message);
                     }
                     let n = left.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) - 1;
@@ -513,6 +558,33 @@ impl Edge {
             for t in &self.dns {
                 t.abort();
             }
+        }
+    }
+}
+
+/// Why a sandbox is stopped, as the metrics name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StopReason {
+    /// The API or the node's own work (a function call done, a pool gone) asked.
+    Requested,
+    /// Its time ran out.
+    Expired,
+    /// It was idle for its idle timeout.
+    Idle,
+    /// Its agent or its VM died.
+    Died,
+    /// The node is shutting down (`dsec down`).
+    Shutdown,
+}
+
+impl StopReason {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            StopReason::Requested => "requested",
+            StopReason::Expired => "expired",
+            StopReason::Idle => "idle",
+            StopReason::Died => "died",
+            StopReason::Shutdown => "shutdown",
         }
     }
 }

@@ -190,7 +190,7 @@ impl Edge {
         tracing::info!(sandbox = %id, to_disk, "ttl expired; pausing (on_timeout = pause)");
         if let Err(err) = self.pause(id, to_disk).await {
             tracing::warn!(sandbox = %id, "pausing at its timeout: {}; stopping", err.message);
-            if let Err(e) = self.stop(id).await {
+            if let Err(e) = self.stop_for(id, StopReason::Expired).await {
                 tracing::warn!(sandbox = %id, "stopping: {}", e.message);
             }
         }

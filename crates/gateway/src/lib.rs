@@ -212,6 +212,9 @@ pub fn router(cfg: Config) -> Router {
         .merge(volumes::routes())
         .merge(envd::routes())
         .fallback(|| async { e2b_error(404, "no such endpoint on the OpenDsec E2B gateway") })
+        .layer(axum::middleware::from_fn(|r, n| {
+            dsec_metrics::http::count("gateway", r, n)
+        }))
         .layer(axum::extract::DefaultBodyLimit::max(
             connect::MAX_MESSAGE * 2,
         ))

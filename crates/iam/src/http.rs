@@ -95,6 +95,26 @@ pub fn may_forward(peer: Option<&dsec_mtls::Identity>, method: &Method, path: &s
 
 /// The status a key sees: sandbox counts of its own project subtree only (other projects'
 /// names and counts are theirs); node-wide totals and capacity stay.
+/// `GET /metrics`'s answer for `p`: the process's Prometheus metrics for a key of the root
+/// project, refused to any other (the series name every project's sandboxes).
+pub fn metrics_for(p: &Principal) -> ApiResult<Response> {
+    if !p.is_admin() {
+        return Err(ApiError::new(
+            ErrorCode::PermissionDenied,
+            format!(
+                "/metrics is for keys of the root project (they show every project's sandboxes); this key is of {}",
+                p.project
+            ),
+        )
+        .into());
+    }
+    Ok((
+        [(axum::http::header::CONTENT_TYPE, dsec_metrics::CONTENT_TYPE)],
+        dsec_metrics::scrape(),
+    )
+        .into_response())
+}
+
 pub fn status_for(p: &Principal, mut s: ClusterStatus) -> ClusterStatus {
     for n in &mut s.nodes {
         n.projects

@@ -158,16 +158,27 @@ impl RaftIam {
         .await
         .map_err(|e| IamError::Storage(format!("starting the IAM replica {}: {e}", cfg.id)))?;
         tracing::info!(id = cfg.id, addr = %cfg.addr, dir = %cfg.dir.display(), "IAM replica started");
-        Ok(RaftIam {
-            inner: Arc::new(Inner {
-                cfg,
-                raft,
-                sm,
-                log,
-                http: network.http,
-                runtime: Handle::current(),
-            }),
-        })
+        let inner = Arc::new(Inner {
+            cfg,
+            raft,
+            sm,
+            log,
+            http: network.http,
+            runtime: Handle::current(),
+        });
+        // What Prometheus sees of this replica, read from openraft's own metrics.
+        let weak = Arc::downgrade(&inner);
+        dsec_metrics::on_scrape(move || {
+            let Some(inner) = weak.upgrade() else { return };
+            let m = inner.raft.metrics().borrow_watched().clone();
+            dsec_metrics::iam::set_raft(
+                m.current_term,
+                m.state == ServerState::Leader,
+                m.local_committed.map(|l| l.index).unwrap_or(0),
+                m.last_applied.map(|l| l.index).unwrap_or(0),
+            );
+        });
+        Ok(RaftIam { inner })
     }
 
     pub fn id(&self) -> NodeId {
@@ -290,9 +301,13 @@ impl RaftIam {
     }
 
     async fn local_write(&self, cmd: Command) -> WriteReply {
+        let started = std::time::Instant::now();
         match self.inner.raft.client_write(IamRequest(cmd)).await {
             Ok(r) => WriteReply::Applied {
-                response: r.data,
+                response: {
+                    dsec_metrics::iam::APPLY_SECONDS.observe(started.elapsed().as_secs_f64());
+                    r.data
+                },
                 index: r.log_id.index,
             },
             Err(e) => match leader_of(&e) {
