@@ -64,7 +64,31 @@ def test_image_build_inspect_run_and_rm(tmp_path):
     assert r.returncode == 1 and "not a valid image reference" in r.stderr
 
 
-@pytest.mark.parametrize("cmd", [[], ["up"], ["down"], ["status"], ["run"], ["exec"], ["ls"], ["rm"], ["fork"],
+def test_status_fits_80_columns_unless_wide():
+    s = json.loads(dsec("status", "--data-dir", str(DATA), "--json").stdout)
+    details = [b["detail"] for n in s["nodes"] for b in n["backends"] if b["detail"]]
+    narrow = dsec("status", "--data-dir", str(DATA)).stdout
+    too_long = [line for line in narrow.splitlines() if len(line) > 80]
+    assert too_long == [], too_long
+    wide = dsec("status", "--data-dir", str(DATA), "--wide").stdout
+    # Wide: each backend's detail whole on its line, however long.
+    for d in details:
+        assert any(d in line for line in wide.splitlines()), d
+    assert max(len(d) for d in details) <= 60 or max(map(len, wide.splitlines())) > 80
+
+
+def test_completion_scripts_for_each_shell():
+    r = subprocess.run(["bash", "-c", f"source <({DSEC} completion bash) && complete -p dsec"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and "-F _dsec dsec" in r.stdout, r.stderr
+    assert dsec("completion", "zsh").stdout.startswith("#compdef dsec")
+    fish = dsec("completion", "fish").stdout
+    assert "complete -c dsec" in fish and "status" in fish
+    r = dsec("completion", "nosh", check=False)
+    assert r.returncode != 0 and "possible values" in r.stderr
+
+
+@pytest.mark.parametrize("cmd", [[], ["up"], ["down"], ["status"], ["completion"], ["run"], ["exec"], ["ls"], ["rm"], ["fork"],
                                  ["set-timeout"], ["shell"], ["cp"], ["logs"], ["ps"], ["trajectory"], ["iam", "project-create"], ["iam", "key-create"], ["iam", "quota-set"], ["image", "build"], ["image", "ls"], ["image", "inspect"], ["image", "rm"],
                                  ["network"], ["serve"], ["certs", "init"], ["certs", "issue"], ["image", "vm-kernel"]])
 def test_every_command_has_help_with_an_example(cmd):

@@ -14,12 +14,17 @@ pub const DEFAULT_DATA_DIR: &str = "/var/lib/dsec";
 #[command(
     name = "dsec",
     version,
+    max_term_width = 80,
     about = "OpenDsec: sandboxes for agents and RL rollouts",
     after_help = "Example:\n  dsec up && dsec run root/py:3.11 -- python3 -c 'print(6*7)'"
 )]
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Print tables as wide as their cells (by default they fit the terminal, or 80
+    /// columns when the output is not one)
+    #[arg(long, global = true)]
+    wide: bool,
 }
 
 /// Flags every API client command takes.
@@ -62,6 +67,14 @@ enum Command {
     /// Stop the server started by `dsec up` (and, unless --keep-sandboxes, its sandboxes)
     #[command(after_help = "Example:\n  dsec down --data-dir /var/lib/dsec")]
     Down(cmd::up::DownArgs),
+    /// Print a shell's completion script for dsec
+    #[command(
+        after_help = "Example:\n  source <(dsec completion bash)\n  dsec completion zsh > \"${fpath[1]}/_dsec\"\n  dsec completion fish > ~/.config/fish/completions/dsec.fish"
+    )]
+    Completion {
+        /// bash, zsh, fish, elvish or powershell
+        shell: clap_complete::Shell,
+    },
     /// Show nodes, backends, capacity and sandboxes
     #[command(after_help = "Example:\n  dsec status --json")]
     Status(cmd::up::StatusArgs),
@@ -187,6 +200,7 @@ struct LazyfsArgs {
 
 fn main() {
     let cli = Cli::parse();
+    output::set_wide(cli.wide);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -204,6 +218,15 @@ fn main() {
             Command::Down(a) => cmd::up::down(a).await,
             Command::Gateway(a) => cmd::gateway::run(a).await,
             Command::Status(a) => cmd::up::status(a).await,
+            Command::Completion { shell } => {
+                use clap::CommandFactory;
+                use std::io::Write;
+                let mut script = Vec::new();
+                clap_complete::generate(shell, &mut Cli::command(), "dsec", &mut script);
+                // A closed pipe (`| head`) is the reader's choice, not an error.
+                let _ = std::io::stdout().write_all(&script);
+                Ok(0)
+            }
             Command::Run(a) => cmd::sandbox::run(*a).await,
             Command::Exec(a) => cmd::sandbox::exec(a).await,
             Command::Ls(a) => cmd::sandbox::ls(a).await,

@@ -1,11 +1,39 @@
 //! Human output: tables and durations.
 
-use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
+use std::sync::atomic::{AtomicBool, Ordering};
 
+use comfy_table::{ColumnConstraint, ContentArrangement, Table, presets::UTF8_BORDERS_ONLY};
+
+/// The width tables fit when the output is not a terminal (whose own width is used).
+pub const COLUMNS: u16 = 80;
+
+static WIDE: AtomicBool = AtomicBool::new(false);
+
+/// `--wide`: tables as wide as their cells, never wrapped.
+pub fn set_wide(wide: bool) {
+    WIDE.store(wide, Ordering::Relaxed);
+}
+
+/// A table that fits the terminal (80 columns when the output is not one), long cells
+/// wrapped, unless `--wide`.
 pub fn table(header: &[&str], rows: Vec<Vec<String>>) -> String {
     let mut t = Table::new();
     t.load_style(UTF8_BORDERS_ONLY);
+    if !WIDE.load(Ordering::Relaxed) {
+        t.set_content_arrangement(ContentArrangement::Dynamic);
+        if t.width().is_none() {
+            t.set_width(COLUMNS);
+        }
+    }
     t.set_header(header.to_vec());
+    // An id is copied whole into the next command: it never wraps.
+    for (i, h) in header.iter().enumerate() {
+        if *h == "id"
+            && let Some(c) = t.column_mut(i)
+        {
+            c.set_constraint(ColumnConstraint::ContentWidth);
+        }
+    }
     for r in rows {
         t.add_row(r);
     }
