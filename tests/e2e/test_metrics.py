@@ -2,7 +2,7 @@
 """Prometheus metrics as an operator reads them: Debian's Prometheus server scrapes the
 node's `/metrics` with a root key, and queries through its HTTP API return what this test
 did (creates by outcome, the create and exec latency histograms, sandboxes by state and
-project, the IAM replica's Raft leadership). A tenant's key, and no key, are refused."""
+project, a DNS refusal, the network set-up latency, the IAM replica's Raft leadership). A tenant's key, and no key, are refused."""
 
 from __future__ import annotations
 
@@ -118,6 +118,8 @@ async def test_prometheus_scrapes_what_the_node_did():
         missing_before = own_value(before, missing)
         count_before = own_value(before, 'dsec_sandbox_create_seconds_count{backend="container"}')
         exec_before = own_value(before, 'dsec_exec_seconds_count{backend="container"}')
+        refused_before = own_value(before, 'dsec_dns_answers_total{outcome="refused"}')
+        attach_before = own_value(before, 'dsec_netfilter_seconds_count{op="attach"}')
 
         prom = Prometheus(admin.api_key)
         tenant = DSecClient(api_url=admin.api_url, api_key=tenant_key)
@@ -128,6 +130,9 @@ async def test_prometheus_scrapes_what_the_node_did():
                                                                  ttl_seconds=300, project=project)))
             for sb in made:
                 assert (await sb.run_shell("echo hi")).stdout == "hi\n"
+            # A name the sandbox's rules do not allow: the DNS proxy refuses it.
+            r = await made[0].run_shell("getent hosts not-allowed.example.com; echo $?")
+            assert r.stdout.strip() != "0", r
             # A create the node refuses is counted under its error code.
             with pytest.raises(NotFoundError):
                 await admin.run_sandbox(DSecRunArgs(image="root/no-such-image:1"))
@@ -142,10 +147,15 @@ async def test_prometheus_scrapes_what_the_node_did():
             count = 'dsec_sandbox_create_seconds_count{backend="container"}'
             assert await asyncio.to_thread(prom.until, count, lambda v: v >= count_before + 2) == count_before + 2
             execs = 'dsec_exec_seconds_count{backend="container"}'
-            assert await asyncio.to_thread(prom.until, execs, lambda v: v >= exec_before + 2) == exec_before + 2
+            # Two echoes and the DNS lookup.
+            assert await asyncio.to_thread(prom.until, execs, lambda v: v >= exec_before + 3) == exec_before + 3
             # The histogram has a median that is a time, not a count.
             p50 = prom.value('histogram_quantile(0.5, dsec_sandbox_create_seconds_bucket{backend="container"})')
             assert p50 is not None and 0 < p50 < 60, p50
+            dns = 'dsec_dns_answers_total{outcome="refused"}'
+            assert (prom.until(dns, lambda v: v >= refused_before + 1) or 0) >= refused_before + 1
+            attach = 'dsec_netfilter_seconds_count{op="attach"}'
+            assert (prom.until(attach, lambda v: v >= attach_before + 2) or 0) >= attach_before + 2
             # `dsec up` runs one IAM replica: it leads, in a term of at least 1.
             assert prom.until("dsec_iam_raft_leader", lambda v: v == 1) == 1
             assert prom.value("dsec_iam_raft_term") >= 1

@@ -93,3 +93,22 @@ def test_calls_from_a_thread_whose_loop_is_running():
             with c.run_sandbox(image="root/base", memory_limit_mb=32, ttl_seconds=300) as sb:
                 return sb.run_shell("echo cell").stdout
     assert asyncio.run(notebook_cell()) == "cell\n"
+
+
+def test_a_forked_child_and_its_parent_both_keep_working():
+    # A rollout worker forks with a client in hand: the child makes its own connections,
+    # and the parent's kept-alive ones are not closed under it by the child.
+    with DSecClient(timeout=20) as c:
+        with c.run_sandbox(image="root/base", memory_limit_mb=32, ttl_seconds=300) as sb:
+            assert sb.run_shell("echo a").stdout == "a\n"
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    code = 0 if sb.run_shell("echo child").stdout == "child\n" else 2
+                finally:
+                    os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0
+            for _ in range(3):
+                assert sb.run_shell("echo parent").stdout == "parent\n"

@@ -132,7 +132,7 @@ pub fn router(state: AppState) -> Router {
 #[utoipa::path(
     get,
     path = "/metrics",
-    summary = "Prometheus metrics of the node (OpenMetrics text): sandboxes made, stopped and running by project, create and exec latency, admission refusals, pools, requests, IAM's Raft; for keys of the root project",
+    summary = "Prometheus metrics of the node (OpenMetrics text): sandboxes made, stopped and running by project, create and exec latency, admission refusals, pools, requests, DNS answers, network set-up, IAM's Raft; for keys of the root project",
     responses(
         (status = 200, description = "the metrics", body = String, content_type = "application/openmetrics-text; version=1.0.0; charset=utf-8"),
         (status = 401, response = ErrorReply),

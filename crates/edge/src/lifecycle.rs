@@ -10,16 +10,14 @@ impl Edge {
     ) -> Result<SandboxInfo, ApiError> {
         // Counted here, from its arrival, whatever ends it (a bad request, a missing image,
         // admission, the backend); fork copies and pool members are counted by `launch`.
-        let started = Instant::now();
         let backend = self.backend(&req.backend).map_or("unknown", |b| b.name());
-        let r = self.create_request(req).await;
-        dsec_metrics::sandbox::created(
+        let mut counted = CreateCount {
             backend,
-            match &r {
-                Ok(_) => Ok(started.elapsed().as_secs_f64()),
-                Err(e) => Err(e.code.as_str()),
-            },
-        );
+            started: Instant::now(),
+            done: false,
+        };
+        let r = self.create_request(req).await;
+        counted.end(r.as_ref().map(|_| ()).map_err(|e| e.code.as_str()));
         r
     }
 
@@ -152,7 +150,9 @@ impl Edge {
         }
         self.registry.save(rec)?;
         let (n2, id2) = (n.clone(), rec.id.clone());
+        let started = Instant::now();
         let s = blocking(move || n2.attach(&id2, slot, policy)).await??;
+        dsec_metrics::net::netfilter_took("attach", started.elapsed().as_secs_f64());
         if let Some(nr) = &mut rec.network {
             nr.ip = Some(s.ip.to_string());
             nr.gateway = Some(s.gateway.to_string());
@@ -462,6 +462,17 @@ impl Edge {
     ) -> Result<(), ApiError> {
         let e = self.entry_any(id)?;
         let _g = e.op.lock().await;
+        // A stop that waited for another one (a DELETE racing the TTL) has nothing left to
+        // do: its quota is not given back twice, nor is it counted twice.
+        let current = self
+            .sandboxes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .is_some_and(|now| Arc::ptr_eq(now, &e));
+        if !current {
+            return Ok(());
+        }
         if let Some(d) = &self.deaths {
             d.unwatch(id);
         }
@@ -481,7 +492,9 @@ impl Edge {
         }
         if let (Some(n), Some(nr)) = (self.net.clone(), rec.network.clone()) {
             let id2 = id.to_string();
+            let started = Instant::now();
             blocking(move || n.detach(&id2, nr.slot)).await?;
+            dsec_metrics::net::netfilter_took("detach", started.elapsed().as_secs_f64());
         }
         let _ = std::fs::remove_dir_all(self.registry.dir(id));
         self.trajectories.forget(&self.registry.dir(id));
@@ -585,6 +598,30 @@ impl StopReason {
             StopReason::Idle => "idle",
             StopReason::Died => "died",
             StopReason::Shutdown => "shutdown",
+        }
+    }
+}
+
+/// A create's count: its outcome when it ends, `cancelled` when its caller went away
+/// first (the sandbox is still made, by a task of its own, and counted as it stops).
+struct CreateCount {
+    backend: &'static str,
+    started: Instant,
+    done: bool,
+}
+
+impl CreateCount {
+    fn end(&mut self, outcome: Result<(), &str>) {
+        self.done = true;
+        let secs = self.started.elapsed().as_secs_f64();
+        dsec_metrics::sandbox::created(self.backend, outcome.map(|()| secs));
+    }
+}
+
+impl Drop for CreateCount {
+    fn drop(&mut self) {
+        if !self.done {
+            dsec_metrics::sandbox::created(self.backend, Err("cancelled"));
         }
     }
 }

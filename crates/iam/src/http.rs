@@ -93,8 +93,6 @@ pub fn may_forward(peer: Option<&dsec_mtls::Identity>, method: &Method, path: &s
     }
 }
 
-/// The status a key sees: sandbox counts of its own project subtree only (other projects'
-/// names and counts are theirs); node-wide totals and capacity stay.
 /// `GET /metrics`'s answer for `p`: the process's Prometheus metrics for a key of the root
 /// project, refused to any other (the series name every project's sandboxes).
 pub fn metrics_for(p: &Principal) -> ApiResult<Response> {
@@ -115,6 +113,8 @@ pub fn metrics_for(p: &Principal) -> ApiResult<Response> {
         .into_response())
 }
 
+/// The status a key sees: sandbox counts of its own project subtree only (other projects'
+/// names and counts are theirs); node-wide totals and capacity stay.
 pub fn status_for(p: &Principal, mut s: ClusterStatus) -> ClusterStatus {
     for n in &mut s.nodes {
         n.projects

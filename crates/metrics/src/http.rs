@@ -18,7 +18,7 @@ pub struct Answered {
     pub role: &'static str,
     pub method: String,
     pub route: String,
-    pub status: u16,
+    pub status: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -42,6 +42,22 @@ pub(crate) fn register(r: &mut Registry) {
         "Time to a request's answer (its head: a stream's body may go on), by role and route",
         REQUEST_SECONDS.clone(),
     );
+}
+
+/// A status as a label: the codes the API answers with by name, any other (a sandbox's
+/// server answering through the port proxy picks its own) by class.
+fn status_label(code: u16) -> &'static str {
+    const NAMED: [&str; 19] = [
+        "101", "200", "201", "204", "206", "304", "400", "401", "403", "404", "405", "409", "413",
+        "429", "500", "501", "502", "503", "504",
+    ];
+    const CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
+    let digits = code.to_string();
+    NAMED
+        .iter()
+        .find(|n| **n == digits)
+        .copied()
+        .unwrap_or(CLASSES[usize::from(code / 100).clamp(1, 5) - 1])
 }
 
 /// Middleware counting `role`'s requests: `axum::middleware::from_fn(move |r, n| count(role, r, n))`
@@ -71,7 +87,7 @@ pub async fn count(role: &'static str, req: Request, next: Next) -> Response {
             role,
             method,
             route,
-            status: res.status().as_u16(),
+            status: status_label(res.status().as_u16()),
         })
         .inc();
     res

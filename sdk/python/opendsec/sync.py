@@ -28,6 +28,7 @@ import asyncio
 import atexit
 import functools
 import inspect
+import os
 import sys
 import threading
 import weakref
@@ -39,6 +40,9 @@ from . import client as _aio
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 _thread: threading.Thread | None = None
+# Set at exit: from then on a call is refused rather than left waiting on a loop thread
+# that can no longer run.
+_closing = False
 
 
 def _the_loop() -> asyncio.AbstractEventLoop:
@@ -55,6 +59,9 @@ def _the_loop() -> asyncio.AbstractEventLoop:
 
 def _run(coro: Any) -> Any:
     """Runs a coroutine on the loop and waits for its result in the calling thread."""
+    if _closing or sys.is_finalizing():
+        coro.close()
+        raise RuntimeError("the interpreter is exiting: OpenDsec calls are no longer made")
     loop = _the_loop()
     if threading.current_thread() is _thread:
         coro.close()
@@ -76,7 +83,7 @@ async def _awaited(v: Any) -> Any:
 class _Proxy:
     """A synchronous face of one async SDK object (``_aio``)."""
 
-    __slots__ = ("_aio",)
+    __slots__ = ("_aio", "__weakref__")
     _async_type: type = object
 
     @classmethod
@@ -212,18 +219,51 @@ async def _new_client(*args: Any) -> _aio.DSecClient:
 
 @atexit.register
 def _close_all() -> None:
+    global _closing
     if _loop is None or _thread is None or not _thread.is_alive():
+        _closing = True
         return
     for c in list(_clients):
         try:
             asyncio.run_coroutine_threadsafe(c.close(), _loop).result(timeout=5)
         except Exception:  # noqa: BLE001 - nothing to do about it at exit
             pass
+    _closing = True
+    _loop.call_soon_threadsafe(_loop.stop)
+
+
+def _close_later(c: _aio.DSecClient) -> None:
+    """A client dropped unclosed: its connections are closed on the loop's own thread
+    (aiohttp's are not to be touched from another)."""
+    loop = _loop
+    if loop is not None and not _closing and _thread is not None and _thread.is_alive():
+        asyncio.run_coroutine_threadsafe(c.close(), loop)
+
+
+# The inherited connections of a forked child: kept, never closed here (closing them would
+# take the parent's sockets out of the epoll instance both processes share).
+_inherited: list[Any] = []
+
+
+def _after_fork_in_child() -> None:
+    global _lock, _loop, _thread
+    _lock = threading.Lock()
+    _loop, _thread = None, None
+    for c in list(_clients):
+        session = getattr(c._http, "_session", None)
+        if session is not None:
+            _inherited.append(session)
+            c._http._session = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _client_init(self: _Proxy, api_url: str | None = None, api_key: str | None = None,
                  timeout: float = 120.0) -> None:
-    object.__setattr__(self, "_aio", _run(_new_client(api_url, api_key, timeout)))
+    aio = _run(_new_client(api_url, api_key, timeout))
+    object.__setattr__(self, "_aio", aio)
+    weakref.finalize(self, _close_later, aio).atexit = False
 
 
 DSecClient = _sync_class(_aio.DSecClient, {"__init__": _client_init})

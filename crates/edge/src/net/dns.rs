@@ -245,23 +245,36 @@ async fn ask_tcp(upstream: SocketAddr, query: &[u8]) -> Result<Vec<u8>, Upstream
         .map_err(|_| UpstreamError::Silent(upstream))?
 }
 
-/// The answer to `query` from the sandbox at `src`.
+/// The answer to `query` from the sandbox at `src` (none to a message too short to
+/// answer), counted by outcome.
 async fn answer(net: &Arc<Network>, src: Ipv4Addr, query: &[u8], tcp: bool) -> Option<Vec<u8>> {
+    let (r, outcome) = judged(net, src, query, tcp).await?;
+    dsec_metrics::net::dns_answered(outcome);
+    Some(r)
+}
+
+/// [`answer`]'s work: the answer and its outcome's name.
+async fn judged(
+    net: &Arc<Network>,
+    src: Ipv4Addr,
+    query: &[u8],
+    tcp: bool,
+) -> Option<(Vec<u8>, &'static str)> {
     if query.len() < 12 {
         return None;
     }
     let Some((name, qtype, _)) = question(query) else {
-        return Some(reply(query, RCODE_FORMERR));
+        return Some((reply(query, RCODE_FORMERR), "malformed"));
     };
     let Some((id, policy)) = net.sandbox_at(src) else {
-        return Some(reply(query, RCODE_REFUSED));
+        return Some((reply(query, RCODE_REFUSED), "unknown_source"));
     };
     if !policy.allows_name(&name) {
         tracing::debug!(sandbox = %id, %name, "DNS refused: not allowed");
-        return Some(reply(query, RCODE_REFUSED));
+        return Some((reply(query, RCODE_REFUSED), "refused"));
     }
     if qtype == TYPE_AAAA {
-        return Some(reply(query, 0));
+        return Some((reply(query, 0), "answered"));
     }
     let mut last = UpstreamError::NoUpstream;
     for up in &net.upstream {
@@ -278,30 +291,33 @@ async fn answer(net: &Arc<Network>, src: Ipv4Addr, query: &[u8], tcp: bool) -> O
             }
         };
         return Some(match judge(&resp, &policy) {
-            None => reply(query, RCODE_SERVFAIL),
+            None => (reply(query, RCODE_SERVFAIL), "servfail"),
             Some(Verdict::Refuse(why)) => {
                 tracing::info!(sandbox = %id, %name, "DNS refused: {why}");
-                reply(query, RCODE_REFUSED)
+                (reply(query, RCODE_REFUSED), "refused")
             }
             Some(Verdict::Open(opened)) => {
                 let named: Vec<(Ipv4Addr, u32, String)> =
                     opened.iter().map(|o| (o.ip, o.ttl, name.clone())).collect();
-                match net.learn(src, &named).await {
+                let started = Instant::now();
+                let learned = net.learn(src, &named).await;
+                dsec_metrics::net::netfilter_took("learn", started.elapsed().as_secs_f64());
+                match learned {
                     Ok(ttls) => {
                         let mut resp = resp;
                         rewrite_ttls(&mut resp, &opened, &ttls);
-                        resp
+                        (resp, "answered")
                     }
                     Err(e) => {
                         tracing::warn!(sandbox = %id, "opening the answer's addresses: {e}");
-                        reply(query, RCODE_SERVFAIL)
+                        (reply(query, RCODE_SERVFAIL), "servfail")
                     }
                 }
             }
         });
     }
     tracing::warn!(%name, "no DNS upstream answered: {last}");
-    Some(reply(query, RCODE_SERVFAIL))
+    Some((reply(query, RCODE_SERVFAIL), "servfail"))
 }
 
 fn v4(a: SocketAddr) -> Option<Ipv4Addr> {
@@ -358,6 +374,7 @@ pub async fn spawn(net: Arc<Network>) -> Result<Vec<tokio::task::JoinHandle<()>>
             };
             let Some(src) = v4(from) else { continue };
             if !l1.allow(src, Instant::now()) {
+                dsec_metrics::net::dns_answered("rate_limited");
                 continue;
             }
             let query = buf[..n].to_vec();
@@ -388,6 +405,7 @@ pub async fn spawn(net: Arc<Network>) -> Result<Vec<tokio::task::JoinHandle<()>>
                     let r = if limiter.allow(src, Instant::now()) {
                         answer(&net, src, &q, true).await
                     } else {
+                        dsec_metrics::net::dns_answered("rate_limited");
                         (q.len() >= 12).then(|| reply(&q, RCODE_REFUSED))
                     };
                     let Some(r) = r else {
