@@ -59,7 +59,7 @@ impl Edge {
         // job resumes later); one in the middle of an operation (a pause, a fork) is not
         // judged dead: its agent may be stopped on purpose. A sandbox the kernel watches
         // for its death (`deaths.rs`) is not polled.
-        let mut due: Vec<(String, &'static str, StopReason)> = Vec::new();
+        let mut due: Vec<(String, StopReason)> = Vec::new();
         let mut to_pause: Vec<String> = Vec::new();
         // (id, backend, the record when its backend must be asked too: a VM with volumes,
         // whose daemons can die without its agent)
@@ -74,12 +74,12 @@ impl Edge {
                 if now >= r.expires_at_ms && r.pause_on_timeout {
                     to_pause.push(id.clone());
                 } else if now >= r.expires_at_ms {
-                    due.push((id.clone(), "ttl expired", StopReason::Expired));
+                    due.push((id.clone(), StopReason::Expired));
                 } else if r
                     .idle_timeout_seconds
                     .is_some_and(|s| now >= r.last_activity_ms + s * 1000)
                 {
-                    due.push((id.clone(), "idle timeout", StopReason::Idle));
+                    due.push((id.clone(), StopReason::Idle));
                 } else if check_alive
                     && e.op.try_lock().is_ok()
                     && !self.deaths.as_ref().is_some_and(|d| d.watching(id))
@@ -107,7 +107,7 @@ impl Edge {
                 let gone = !agent_alive(&self.paths(&id).channel)
                     || ask.is_some_and(|rec| self.backend(&b).is_ok_and(|be| be.exited(&rec)));
                 if gone {
-                    due.push((id, "sandbox died", StopReason::Died));
+                    due.push((id, StopReason::Died));
                 }
             }
         }
@@ -115,8 +115,8 @@ impl Edge {
             let edge = self.clone();
             tokio::spawn(async move { edge.pause_on_timeout(&id).await });
         }
-        for (id, why, reason) in due {
-            tracing::info!(sandbox = %id, "{why}; stopping");
+        for (id, reason) in due {
+            tracing::info!(sandbox = %id, reason = reason.as_str(), "stopping");
             let edge = self.clone();
             tokio::spawn(async move {
                 if let Err(e) = edge.stop_for(&id, reason).await {

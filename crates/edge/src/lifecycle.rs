@@ -290,8 +290,12 @@ impl Edge {
             .then(|| self.use_volumes(&ids))
             .transpose()?;
         self.creating.fetch_add(1, Ordering::SeqCst);
-        let started = Instant::now();
-        let restored_or_pooled = seed.is_some() || rec.pool_waiting.is_some();
+        // A create is counted by `create`; a fork's copy, a restore and a pool member here.
+        let mut counted = (seed.is_some() || rec.pool_waiting.is_some()).then(|| CreateCount {
+            backend: backend.name(),
+            started: Instant::now(),
+            done: false,
+        });
         let mut phases = Phases::start();
         let result = async {
             // Creates take turns; a fork's copies start together (the source waits for
@@ -358,15 +362,8 @@ impl Edge {
         }
         .await;
         self.creating.fetch_sub(1, Ordering::SeqCst);
-        // A create is counted by `create`; a fork's copy, a restore and a pool member here.
-        if restored_or_pooled {
-            dsec_metrics::sandbox::created(
-                backend.name(),
-                match &result {
-                    Ok(_) => Ok(started.elapsed().as_secs_f64()),
-                    Err(e) => Err(e.code.as_str()),
-                },
-            );
+        if let Some(c) = &mut counted {
+            c.end(result.as_ref().map(|_| ()).map_err(|e| e.code.as_str()));
         }
         match result {
             Ok(info) => {
