@@ -22,6 +22,8 @@ lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	CARGO=$(CARGO) sh .ci/layering
+	cd sdk/go && test -z "$$(gofmt -l .)" || { gofmt -l . >&2; exit 1; }
+	cd sdk/go && go vet ./...
 
 test-rust:
 	$(CARGO) test --workspace

@@ -55,6 +55,15 @@ elif [ "${VERSION_CODENAME:-}" != bookworm ] && ! [ -x /usr/libexec/virtiofsd ] 
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends virtiofsd >/dev/null \
     || echo "warning: virtiofsd could not be installed; vm sandboxes cannot mount volumes" >&2
 fi
+# Go (>= 1.22), for the Go client's tests (sdk/go). A Go already on the machine is used;
+# otherwise Debian's: on Debian 12 1.23 from bookworm-backports (its golang-go is 1.19).
+if ! command -v go >/dev/null && ! [ -x /usr/local/go/bin/go ] && ! [ -x /usr/lib/go-1.23/bin/go ]; then
+  echo "==> Go 1.23 from Debian"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -qq --no-install-recommends golang-1.23-go >/dev/null \
+    || apt-get install -y -qq --no-install-recommends golang-1.23-go/bookworm-backports >/dev/null \
+    || echo "warning: Go could not be installed; the Go client's tests cannot run" >&2
+fi
 if ! command -v cargo >/dev/null; then
   echo "error: Rust (cargo >= 1.90) is needed to build OpenDsec; install it with rustup (https://rustup.rs)" >&2
   exit 1

@@ -252,6 +252,9 @@ pub fn router(c: Arc<Cluster>) -> Router {
         .route("/v1/snapshots/{sid}/{*rest}", any(snapshot_rest))
         .route("/v1/sandboxes/{id}", any(sandbox))
         .route("/v1/sandboxes/{id}/{*rest}", any(sandbox_rest))
+        .route("/v1/events", any(events_per_node))
+        .route("/v1/webhooks", any(events_per_node))
+        .route("/v1/webhooks/{*rest}", any(events_per_node))
         .route("/metrics", get(metrics_text))
         .merge(iam_routes)
         .fallback(|| async { no_such_endpoint() })
@@ -447,6 +450,15 @@ async fn list_snapshots(State(c): State<Arc<Cluster>>, headers: HeaderMap) -> Ap
         resp.headers_mut().insert("x-dsec-unreachable-edges", v);
     }
     Ok(resp)
+}
+
+/// Lifecycle events and webhooks are kept by each node (`dsec up`); the apiserver does not
+/// gather them from its edges yet, and says so instead of a bare 404.
+async fn events_per_node() -> ApiResult<Response> {
+    Err(ApiError::unimplemented(
+        "lifecycle events and webhooks are served by a single node (dsec up); a cluster's apiserver does not gather them from its edges yet",
+    )
+    .into())
 }
 
 async fn status(State(c): State<Arc<Cluster>>, headers: HeaderMap) -> ApiResult<Response> {

@@ -164,6 +164,12 @@ enum Command {
     /// Keep a sandbox's state under an id and start sandboxes from it later
     #[command(subcommand)]
     Snapshot(cmd::snapshot::SnapshotCommand),
+    /// Show what happened to your sandboxes (created, paused, stopped, expired, ...), or
+    /// follow it as it happens
+    #[command(
+        after_help = "Example:\n  dsec events --sandbox local-0123456789ab\n  dsec events --follow --type expired --json\n\nWebhooks (POST /v1/webhooks) get the same events, signed: docs/RUNTIME_API.md"
+    )]
+    Events(cmd::events::EventsArgs),
     /// Volumes: file systems kept apart from sandboxes, mounted by many (`dsec run -v`)
     #[command(subcommand)]
     Volume(cmd::volume::VolumeCommand),
@@ -245,6 +251,7 @@ fn main() {
             Command::Trajectory(a) => cmd::runtime::trajectory(a).await,
             Command::Commit(a) => cmd::commit::commit(a).await,
             Command::Snapshot(c) => cmd::snapshot::run(c).await,
+            Command::Events(a) => cmd::events::run(a).await,
             Command::Volume(c) => cmd::volume::run(c).await,
             Command::Image(c) => cmd::image::run(c).await,
             Command::Iam(c) => cmd::iam::run(c).await,

@@ -858,6 +858,98 @@ pub struct FunctionInfo {
     pub pool: Option<String>,
 }
 
+/// One thing that happened to a sandbox (`GET /v1/events`, webhooks).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Event {
+    /// Unique: the edge's name and `seq`.
+    pub id: String,
+    /// Its place in the edge's order of events (ascending; `after=` pages by it).
+    pub seq: u64,
+    /// `created`, `paused`, `resumed`, `forked`, `snapshotted`, `stopped`, `expired`
+    /// (stopped by its TTL) or `oom_killed`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Unix milliseconds.
+    pub at_ms: u64,
+    pub sandbox: String,
+    pub project: String,
+    pub edge: String,
+    pub backend: String,
+    /// Why: for `stopped`, `requested`, `idle`, `died` or `shutdown`; for `paused`,
+    /// `requested`, `ttl` or `group`; for `created`, `create`, `pool`, `fork` or `restore`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    /// What else the event names: `forked_from`, `snapshot`, `copies` (a fork's new
+    /// sandboxes), `oom_kills`, `to_disk`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Object))]
+    pub detail: BTreeMap<String, serde_json::Value>,
+}
+
+/// `GET /v1/events`: events after `after`, oldest first.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ListEventsResponse {
+    pub events: Vec<Event>,
+    /// Pass as `after=` for the next page (the last event's `seq`, or `after` when there
+    /// was none).
+    pub next: u64,
+}
+
+/// `POST /v1/webhooks`: send a project's events to `url`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct WebhookRequest {
+    /// `http://` or `https://`; its host must resolve to a public address (or one the
+    /// node's `[edge.events] webhook_allow` lets through).
+    pub url: String,
+    /// Event types to send (none: all).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub types: Vec<String>,
+    /// Whose events (its sub-projects' too); default the key's project.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project: Option<String>,
+}
+
+/// A webhook. `secret` (signing key of `X-Dsec-Signature`) is in the create's answer only.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct WebhookInfo {
+    pub id: String,
+    pub url: String,
+    pub project: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub types: Vec<String>,
+    pub created_at_ms: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
+}
+
+/// One try to deliver an event to a webhook.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Delivery {
+    pub event: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// 1 for the first try.
+    pub attempt: u32,
+    pub at_ms: u64,
+    pub took_ms: u64,
+    /// The receiver's HTTP status (none: no answer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+    /// Delivered (a 2xx answer).
+    pub ok: bool,
+    /// Why it failed, or `dropped` when the queue overflowed, `given up` after the last try.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
 #[cfg(test)]
 mod metadata_tests {
     use super::*;

@@ -36,6 +36,7 @@ use dsec_iam::http::{
 };
 use dsec_iam::{Iam, Principal};
 
+mod events;
 pub mod grpc;
 mod images;
 pub mod openapi;
@@ -109,6 +110,7 @@ pub fn router(state: AppState) -> Router {
         .route("/metrics", get(metrics_text))
         .merge(runtime::routes())
         .merge(snapshots::routes())
+        .merge(events::routes())
         .merge(volumes::routes())
         .merge(dsec_iam::http::routes().with_state(state.iam.clone()))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));

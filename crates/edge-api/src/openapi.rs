@@ -60,6 +60,8 @@ use utoipa::{Modify, OpenApi};
             CommitResponse,
             CreateSandboxRequest,
             CreateVolumeRequest,
+            Delivery,
+            Event,
             ExecRequest,
             ExecResult,
             FileStat,
@@ -72,6 +74,7 @@ use utoipa::{Modify, OpenApi};
             GroupRequest,
             GroupResponse,
             Limits,
+            ListEventsResponse,
             ListSandboxesResponse,
             ListSnapshotsResponse,
             ListVolumesResponse,
@@ -97,6 +100,8 @@ use utoipa::{Modify, OpenApi};
             VolumeEntryUpdate,
             VolumeInfo,
             VolumeMount,
+            WebhookInfo,
+            WebhookRequest,
         ),
     ),
     security(("apiKey" = [])),
@@ -161,6 +166,7 @@ pub fn document() -> utoipa::openapi::OpenApi {
     let mut doc = Api::openapi();
     doc.merge(crate::runtime::Doc::openapi());
     doc.merge(crate::snapshots::Doc::openapi());
+    doc.merge(crate::events::Doc::openapi());
     doc.merge(crate::volumes::Doc::openapi());
     doc.merge(crate::images::Doc::openapi());
     doc.merge(crate::ports::Doc::openapi());

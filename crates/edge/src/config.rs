@@ -54,6 +54,8 @@ pub struct EdgeConfig {
     /// from the VMM lands there. Empty keeps it root, which can leave the jail's chroot:
     /// for debugging only.
     pub firecracker_run_as: String,
+    /// Lifecycle events and webhooks (`[edge.events]`, see `events/`).
+    pub events: EventsConfig,
     /// Warm pools (`[[edge.pools]]`): sandboxes made ahead, each handed to one create that
     /// asks for what they are (see `pools.rs`).
     pub pools: Vec<PoolConfig>,
@@ -326,6 +328,7 @@ impl Default for EdgeConfig {
             firecracker_binary: None,
             firecracker_diff_snapshots: false,
             firecracker_run_as: "nobody".into(),
+            events: EventsConfig::default(),
             pools: Vec::new(),
             functions: Vec::new(),
             create_parallelism: 0,
@@ -361,6 +364,44 @@ impl Default for SandboxMaxima {
             disk_mb: 65536,
             pids: 65536,
             ttl_seconds: 7 * 24 * 3600,
+        }
+    }
+}
+
+/// `[edge.events]`: how long lifecycle events are kept and how webhooks are sent.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EventsConfig {
+    /// Events older than this are dropped (from memory and from `<state_dir>/events/`).
+    pub keep_seconds: u64,
+    /// At most this many events are kept (the oldest go first).
+    pub max_events: usize,
+    /// Tries per webhook delivery before it is given up (the first included); waits
+    /// between tries double from one second, to at most a minute.
+    pub webhook_attempts: u32,
+    /// How long one try may take.
+    pub webhook_timeout_seconds: u64,
+    /// Webhooks a node keeps, all projects together.
+    pub max_webhooks: usize,
+    /// Events waiting to be sent to one webhook; past it the oldest are dropped (and
+    /// the delivery log says so).
+    pub webhook_queue: usize,
+    /// Addresses webhooks may be sent to besides public ones, as CIDRs (e.g.
+    /// `"127.0.0.0/8"`). Loopback, private, link-local and other special addresses are
+    /// refused otherwise, so a key cannot make the node call its own services.
+    pub webhook_allow: Vec<String>,
+}
+
+impl Default for EventsConfig {
+    fn default() -> Self {
+        EventsConfig {
+            keep_seconds: 7 * 86_400,
+            max_events: 200_000,
+            webhook_attempts: 8,
+            webhook_timeout_seconds: 10,
+            max_webhooks: 1024,
+            webhook_queue: 10_000,
+            webhook_allow: Vec::new(),
         }
     }
 }

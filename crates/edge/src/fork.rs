@@ -10,7 +10,16 @@ impl Edge {
         req: ForkRequest,
     ) -> Result<ForkResponse, ApiError> {
         let (edge, id) = (self.clone(), id.to_string());
-        finish(async move { edge.fork_now(&id, req).await }).await
+        finish(async move {
+            let r = edge.fork_now(&id, req).await?;
+            if let Ok(e) = edge.entry_any(&id) {
+                let copies: Vec<serde_json::Value> =
+                    r.sandboxes.iter().map(|s| s.id.clone().into()).collect();
+                edge.event("forked", &e.snapshot(), None, &[("copies", copies.into())]);
+            }
+            Ok(r)
+        })
+        .await
     }
 
     pub(crate) async fn fork_now(

@@ -18,6 +18,7 @@ pub use commit::layers_in_use;
 pub mod config;
 mod deaths;
 pub mod error;
+pub mod events;
 mod fork;
 pub mod functions;
 pub mod host;
@@ -136,6 +137,8 @@ pub struct Edge {
     /// Warm pools (`[[edge.pools]]`).
     pools: pools::Pools,
     volumes: volumes::Volumes,
+    /// Lifecycle events and webhooks.
+    events: Arc<events::Events>,
 }
 
 /// Runs an operation that changes a sandbox as a task of its own, so it ends in a
@@ -454,6 +457,7 @@ impl Edge {
                 Err(e) => tracing::warn!("mounting lazy image layers: {e}"),
             }
         }
+        let events = events::Events::start(&cfg.events, &cfg.name, &cfg.state_dir).await?;
         let edge = Arc::new(Edge {
             cfg,
             images,
@@ -479,6 +483,7 @@ impl Edge {
             died: Mutex::new(Some(died_rx)),
             pools,
             volumes: volumes::Volumes::default(),
+            events,
         });
         let e2 = edge.clone();
         blocking(move || {
@@ -522,6 +527,26 @@ impl Edge {
 
     pub fn name(&self) -> &str {
         &self.cfg.name
+    }
+
+    /// Lifecycle events and webhooks.
+    pub fn events(&self) -> &events::Events {
+        &self.events
+    }
+
+    /// Records a lifecycle event about `rec` (see `events/`).
+    pub(crate) fn event(
+        &self,
+        kind: &str,
+        rec: &SandboxRecord,
+        reason: Option<&str>,
+        detail: &[(&str, serde_json::Value)],
+    ) {
+        let detail = detail
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect();
+        self.events.emit(kind, rec, reason, detail);
     }
 
     pub fn images(&self) -> &ImageStore {

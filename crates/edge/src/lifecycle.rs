@@ -297,6 +297,7 @@ impl Edge {
             done: false,
         });
         let mut phases = Phases::start();
+        let from_seed = seed.is_some();
         let result = async {
             // Creates take turns; a fork's copies start together (the source waits for
             // them). The semaphore is never closed, so acquiring only waits.
@@ -367,6 +368,14 @@ impl Edge {
         }
         match result {
             Ok(info) => {
+                if rec.pool_waiting.is_none() {
+                    let (reason, detail) = match (&rec.forked_from, from_seed) {
+                        (Some(src), _) => ("fork", vec![("forked_from", src.clone().into())]),
+                        (None, true) => ("restore", Vec::new()),
+                        (None, false) => ("create", Vec::new()),
+                    };
+                    self.event("created", &rec, Some(reason), &detail);
+                }
                 self.insert(rec);
                 // Where the create's time went (`bench/create_latency.py` sums these).
                 tracing::info!(sandbox = %info.id, image = %info.image, phases = %phases, "sandbox running");
@@ -437,8 +446,14 @@ impl Edge {
             Response::Exec(mut r) => {
                 r.oom_killed = after > before;
                 if after != rec.oom_kills {
-                    e.update(|r| r.oom_kills = after);
-                    let _ = self.registry.save(&e.snapshot());
+                    let now = e.update(|r| {
+                        r.oom_kills = after;
+                        r.clone()
+                    });
+                    let _ = self.registry.save(&now);
+                    if after > rec.oom_kills {
+                        self.event("oom_killed", &now, None, &[("oom_kills", after.into())]);
+                    }
                 }
                 dsec_metrics::sandbox::exec_took(&rec.backend, started.elapsed().as_secs_f64());
                 Ok(r)
@@ -501,6 +516,13 @@ impl Edge {
             .unwrap_or_else(|p| p.into_inner())
             .remove(id);
         dsec_metrics::sandbox::stopped(&rec.backend, why.as_str());
+        // A pool member that was never handed out was nobody's: no event.
+        if rec.pool_waiting.is_none() {
+            match why {
+                StopReason::Expired => self.event("expired", &rec, None, &[]),
+                _ => self.event("stopped", &rec, Some(why.as_str()), &[]),
+            }
+        }
         tracing::info!(sandbox = %id, "sandbox stopped");
         Ok(())
     }

@@ -66,6 +66,7 @@ impl Edge {
         });
         self.registry.save(&rec)?;
         tracing::info!(sandbox = %id, to_disk, "sandbox paused");
+        self.event("paused", &rec, None, &[("to_disk", to_disk.into())]);
         Ok(rec.info())
     }
 
@@ -119,6 +120,7 @@ impl Edge {
         });
         self.registry.save(&rec)?;
         tracing::info!(sandbox = %id, "sandbox resumed");
+        self.event("resumed", &rec, None, &[]);
         Ok(rec.info())
     }
 

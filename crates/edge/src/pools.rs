@@ -329,6 +329,12 @@ impl Edge {
             phases.mark("agent");
             self.pools.changed.notify_waiters(); // its refill
             tracing::info!(sandbox = %id, pool = %pool, phases = %phases, "sandbox handed out from a warm pool");
+            self.event(
+                "created",
+                &rec,
+                Some("pool"),
+                &[("pool", pool.clone().into())],
+            );
             return Ok(Some(rec.info()));
         }
     }

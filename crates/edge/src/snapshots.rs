@@ -194,6 +194,14 @@ impl Edge {
         }
         if let Ok(info) = &made {
             tracing::info!(sandbox = %id, snapshot = %info.id, bytes = info.size_bytes, "snapshot kept");
+            if let Ok(e) = self.entry_any(id) {
+                self.event(
+                    "snapshotted",
+                    &e.snapshot(),
+                    None,
+                    &[("snapshot", info.id.clone().into())],
+                );
+            }
         }
         made
     }

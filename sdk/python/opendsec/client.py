@@ -482,6 +482,46 @@ class DSecClient:
             await r.aclose()
         raise UnavailableError("unavailable", f"{what} ended without a result")
 
+    # ---- lifecycle events and webhooks --------------------------------------------------
+
+    async def events(self, after: int = 0, *, limit: int | None = None, sandbox: str | None = None,
+                     type: str | None = None, wait_seconds: float | None = None) -> dict[str, Any]:
+        """Lifecycle events of the key's sandboxes (its project and inside) with ``seq`` over
+        ``after``, oldest first: ``{"events": [...], "next": seq}``; pass ``next`` as
+        ``after`` for the next page. ``wait_seconds`` (at most 60) waits for one when there
+        is none yet. Types: created, paused, resumed, forked, snapshotted, stopped, expired,
+        oom_killed."""
+        params: dict[str, Any] = {"after": int(after)}
+        for k, v in (("limit", limit), ("sandbox", sandbox), ("type", type), ("wait_seconds", wait_seconds)):
+            if v is not None:
+                params[k] = v
+        t = None if wait_seconds is None else self._timeout + float(wait_seconds)
+        return await self._request("GET", "/v1/events", params=params, timeout=t)
+
+    async def create_webhook(self, url: str, *, types: list[str] | None = None,
+                             project: str | None = None) -> dict[str, Any]:
+        """Sends the events of ``project`` (default the key's; its sub-projects' too) to
+        ``url``, one POST per event in order, retried with backoff. Each carries
+        ``X-Dsec-Signature: t=<unix>,v1=<hex HMAC-SHA256(secret, "<t>.<body>")>``; the
+        answer's ``secret`` is shown only now."""
+        body: dict[str, Any] = {"url": url}
+        if types:
+            body["types"] = list(types)
+        if project is not None:
+            body["project"] = project
+        return await self._request("POST", "/v1/webhooks", json=body)
+
+    async def webhooks(self) -> list[dict[str, Any]]:
+        return (await self._request("GET", "/v1/webhooks"))["webhooks"]
+
+    async def delete_webhook(self, webhook_id: str) -> None:
+        await self._request("DELETE", f"/v1/webhooks/{webhook_id}")
+
+    async def webhook_deliveries(self, webhook_id: str) -> list[dict[str, Any]]:
+        """The webhook's last tries, oldest first: ``event``, ``type``, ``attempt``,
+        ``status``, ``ok``, ``error``, ``at_ms``, ``took_ms``."""
+        return (await self._request("GET", f"/v1/webhooks/{webhook_id}/deliveries"))["deliveries"]
+
     async def whoami(self) -> dict[str, Any]:
         return await self._request("GET", "/v1/whoami")
 

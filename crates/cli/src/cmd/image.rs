@@ -250,7 +250,7 @@ async fn rm_on_node(a: &StoreArgs, r: &ImageRef) -> Result<Option<usize>> {
 
 /// `s` with every byte but unreserved ones percent-encoded (an image reference as one
 /// path segment).
-fn url_escape(s: &str) -> String {
+pub(crate) fn url_escape(s: &str) -> String {
     s.bytes()
         .map(|b| match b {
             b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' | b':' => {

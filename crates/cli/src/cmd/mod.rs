@@ -1,5 +1,6 @@
 pub mod certs;
 pub mod commit;
+pub mod events;
 pub mod gateway;
 pub mod iam;
 pub mod image;

@@ -1,0 +1,365 @@
+//! Lifecycle events: what happened to each sandbox (created, paused, resumed, forked,
+//! snapshotted, stopped, expired, oom_killed), kept in memory for `GET /v1/events` and in
+//! hourly files under `<state_dir>/events/` so a restart keeps them, for
+//! `[edge.events] keep_seconds`. Each event is also handed to the webhooks that want it
+//! (`webhooks.rs`).
+//!
+//! Recording one is a push onto a ring under a short lock and a send to a writer task:
+//! no file, no network and no wait on the path of the operation that caused it.
+
+mod webhooks;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dsec_common::ApiError;
+use dsec_common::api::{Delivery, Event, WebhookInfo, WebhookRequest};
+use dsec_common::now_ms;
+use tokio::sync::{Notify, mpsc};
+
+use crate::config::EventsConfig;
+use crate::registry::SandboxRecord;
+
+pub(crate) use webhooks::Webhooks;
+
+const HOUR_MS: u64 = 3_600_000;
+/// Where the next sequence number is kept.
+const SEQ_FILE: &str = "next-seq";
+/// Events one query passes over at most (the rest are the next page's).
+const SCAN_AT_MOST: usize = 100_000;
+/// The longest a query waits for a new event (`wait_seconds`).
+pub const MAX_WAIT: Duration = Duration::from_secs(60);
+
+pub struct Events {
+    edge: String,
+    keep_ms: u64,
+    max: usize,
+    log: Mutex<Log>,
+    /// Wakes queries waiting for a new event.
+    changed: Notify,
+    to_writer: mpsc::UnboundedSender<Arc<Event>>,
+    hooks: Arc<Webhooks>,
+}
+
+struct Log {
+    ring: VecDeque<Arc<Event>>,
+    next_seq: u64,
+}
+
+/// What a query asks for.
+#[derive(Debug, Default, Clone)]
+pub struct Query {
+    pub after: u64,
+    pub limit: usize,
+    pub sandbox: Option<String>,
+    pub kind: Option<String>,
+}
+
+impl Events {
+    /// Loads the kept events and webhooks and starts the writer and the deliveries.
+    pub(crate) async fn start(
+        cfg: &EventsConfig,
+        edge: &str,
+        state_dir: &Path,
+    ) -> Result<Arc<Events>, ApiError> {
+        let dir = state_dir.join("events");
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| ApiError::internal(format!("creating {}: {e}", dir.display())))?;
+        let keep_ms = cfg.keep_seconds.saturating_mul(1000);
+        let (dir2, max) = (dir.clone(), cfg.max_events.max(1));
+        let ring = tokio::task::spawn_blocking(move || load(&dir2, keep_ms, max))
+            .await
+            .map_err(|e| ApiError::internal(format!("loading events: {e}")))?;
+        // The next number also survives a time without events long enough for every file
+        // to go, so a client's `after` never points past new events.
+        let saved = std::fs::read_to_string(dir.join(SEQ_FILE))
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .unwrap_or(1);
+        let next_seq = ring.back().map_or(1, |e| e.seq + 1).max(saved);
+        let hooks = Webhooks::start(cfg, state_dir)?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let events = Arc::new(Events {
+            edge: edge.to_string(),
+            keep_ms,
+            max,
+            log: Mutex::new(Log { ring, next_seq }),
+            changed: Notify::new(),
+            to_writer: tx,
+            hooks: hooks.clone(),
+        });
+        tokio::spawn(writer(rx, dir, keep_ms, hooks));
+        Ok(events)
+    }
+
+    /// Records an event about `rec`.
+    pub(crate) fn emit(
+        &self,
+        kind: &str,
+        rec: &SandboxRecord,
+        reason: Option<&str>,
+        detail: BTreeMap<String, serde_json::Value>,
+    ) {
+        let mut ev = Event {
+            id: String::new(),
+            seq: 0,
+            kind: kind.to_string(),
+            at_ms: now_ms(),
+            sandbox: rec.id.clone(),
+            project: rec.project.clone(),
+            edge: self.edge.clone(),
+            backend: rec.backend.clone(),
+            reason: reason.map(str::to_string),
+            labels: rec.labels.clone(),
+            detail,
+        };
+        let ev = {
+            let mut log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+            ev.seq = log.next_seq;
+            log.next_seq += 1;
+            ev.id = format!("{}-{}", self.edge, ev.seq);
+            let ev = Arc::new(ev);
+            log.ring.push_back(ev.clone());
+            let cutoff = ev.at_ms.saturating_sub(self.keep_ms);
+            while log.ring.len() > self.max || log.ring.front().is_some_and(|e| e.at_ms < cutoff) {
+                log.ring.pop_front();
+            }
+            ev
+        };
+        self.changed.notify_waiters();
+        // The writer lives as long as the edge's runtime.
+        let _ = self.to_writer.send(ev);
+    }
+
+    /// Events after `q.after` that `visible` lets through, oldest first, and where the
+    /// next page starts. With `wait`, waits that long for one when there is none yet.
+    pub async fn list(
+        &self,
+        q: &Query,
+        visible: impl Fn(&Event) -> bool,
+        wait: Duration,
+    ) -> (Vec<Event>, u64) {
+        let deadline = tokio::time::Instant::now() + wait.min(MAX_WAIT);
+        loop {
+            // Registered before looking, so an event that lands in between still wakes it.
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let (found, next) = self.scan(q, &visible);
+            if !found.is_empty() || tokio::time::Instant::now() >= deadline {
+                return (found, next);
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return self.scan(q, &visible);
+            }
+        }
+    }
+
+    fn scan(&self, q: &Query, visible: &impl Fn(&Event) -> bool) -> (Vec<Event>, u64) {
+        let log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+        let start = log.ring.partition_point(|e| e.seq <= q.after);
+        let mut out = Vec::new();
+        let mut next = q.after;
+        for e in log.ring.iter().skip(start).take(SCAN_AT_MOST) {
+            next = e.seq;
+            let wanted = q.sandbox.as_deref().is_none_or(|s| e.sandbox == s)
+                && q.kind.as_deref().is_none_or(|k| e.kind == k)
+                && visible(e);
+            if wanted {
+                out.push(e.as_ref().clone());
+                if out.len() >= q.limit.max(1) {
+                    break;
+                }
+            }
+        }
+        (out, next)
+    }
+
+    pub fn add_webhook(
+        &self,
+        req: WebhookRequest,
+        project: String,
+    ) -> Result<WebhookInfo, ApiError> {
+        self.hooks.add(req, project)
+    }
+
+    pub fn webhooks(&self, visible: impl Fn(&str) -> bool) -> Vec<WebhookInfo> {
+        self.hooks.list(visible)
+    }
+
+    pub fn webhook(&self, id: &str) -> Option<WebhookInfo> {
+        self.hooks.get(id)
+    }
+
+    pub fn remove_webhook(&self, id: &str) -> Result<(), ApiError> {
+        self.hooks.remove(id)
+    }
+
+    pub fn deliveries(&self, id: &str) -> Option<Vec<Delivery>> {
+        self.hooks.deliveries(id)
+    }
+}
+
+/// The file of the hour `at_ms` falls in.
+fn hour_file(dir: &Path, at_ms: u64) -> PathBuf {
+    dir.join(format!("{}.ndjson", at_ms / HOUR_MS * HOUR_MS))
+}
+
+/// The hour a file holds, from its name.
+fn file_hour(p: &Path) -> Option<u64> {
+    p.file_name()?
+        .to_str()?
+        .strip_suffix(".ndjson")?
+        .parse()
+        .ok()
+}
+
+/// The events of the kept files, oldest first (at most `max`); files past `keep_ms` go.
+fn load(dir: &Path, keep_ms: u64, max: usize) -> VecDeque<Arc<Event>> {
+    let cutoff = now_ms().saturating_sub(keep_ms);
+    let mut files: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|d| file_hour(&d.path()).map(|h| (h, d.path())))
+        .collect();
+    files.sort();
+    let mut ring = VecDeque::new();
+    for (hour, path) in files {
+        if hour + HOUR_MS < cutoff {
+            let _ = std::fs::remove_file(&path);
+            continue;
+        }
+        let Ok(f) = std::fs::File::open(&path) else {
+            continue;
+        };
+        // A line cut short by a crash is skipped.
+        for line in std::io::BufReader::new(f).lines().map_while(Result::ok) {
+            if let Ok(e) = serde_json::from_str::<Event>(&line)
+                && e.at_ms >= cutoff
+                && ring.back().is_none_or(|b: &Arc<Event>| b.seq < e.seq)
+            {
+                ring.push_back(Arc::new(e));
+                if ring.len() > max {
+                    ring.pop_front();
+                }
+            }
+        }
+    }
+    ring
+}
+
+/// Appends events to their hour's file, in batches, and hands them to the webhooks;
+/// drops the files past the keep time once an hour.
+async fn writer(
+    mut rx: mpsc::UnboundedReceiver<Arc<Event>>,
+    dir: PathBuf,
+    keep_ms: u64,
+    hooks: Arc<Webhooks>,
+) {
+    let mut batch = Vec::with_capacity(1024);
+    let mut pruned_at = 0u64;
+    while rx.recv_many(&mut batch, 1024).await > 0 {
+        for e in &batch {
+            hooks.dispatch(e);
+        }
+        let (dir2, events) = (dir.clone(), std::mem::take(&mut batch));
+        let prune = now_ms() >= pruned_at + HOUR_MS;
+        if prune {
+            pruned_at = now_ms();
+        }
+        let r = tokio::task::spawn_blocking(move || {
+            append(&dir2, &events)?;
+            if prune {
+                prune_files(&dir2, keep_ms);
+            }
+            Ok::<(), std::io::Error>(())
+        })
+        .await;
+        if let Ok(Err(e)) = r {
+            tracing::warn!("writing events under {}: {e}", dir.display());
+        }
+    }
+}
+
+fn append(dir: &Path, events: &[Arc<Event>]) -> std::io::Result<()> {
+    if let Some(last) = events.last() {
+        std::fs::write(dir.join(SEQ_FILE), format!("{}\n", last.seq + 1))?;
+    }
+    let mut i = 0;
+    while i < events.len() {
+        let path = hour_file(dir, events[i].at_ms);
+        let mut buf = Vec::new();
+        while i < events.len() && hour_file(dir, events[i].at_ms) == path {
+            serde_json::to_writer(&mut buf, events[i].as_ref()).map_err(std::io::Error::other)?;
+            buf.push(b'\n');
+            i += 1;
+        }
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)?
+            .write_all(&buf)?;
+    }
+    Ok(())
+}
+
+fn prune_files(dir: &Path, keep_ms: u64) {
+    let cutoff = now_ms().saturating_sub(keep_ms);
+    for d in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if file_hour(&d.path()).is_some_and(|h| h + HOUR_MS < cutoff) {
+            let _ = std::fs::remove_file(d.path());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(seq: u64, at_ms: u64) -> Arc<Event> {
+        Arc::new(Event {
+            id: format!("e-{seq}"),
+            seq,
+            kind: "created".into(),
+            at_ms,
+            sandbox: "s".into(),
+            project: "root".into(),
+            edge: "e".into(),
+            backend: "container".into(),
+            reason: None,
+            labels: BTreeMap::new(),
+            detail: BTreeMap::new(),
+        })
+    }
+
+    #[test]
+    fn kept_files_load_back_in_order_and_old_ones_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let now = now_ms();
+        let old = now - 10 * HOUR_MS;
+        append(dir.path(), &[ev(1, old), ev(2, now - 1000), ev(3, now)]).unwrap();
+        // A line cut short by a crash.
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(hour_file(dir.path(), now))
+            .unwrap()
+            .write_all(b"{\"id\":\"e-4\",\"se")
+            .unwrap();
+        let ring = load(dir.path(), 2 * HOUR_MS, 100);
+        assert_eq!(ring.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![2, 3]);
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join(SEQ_FILE)).unwrap(),
+            "4\n"
+        );
+        assert!(
+            !hour_file(dir.path(), old).exists(),
+            "an expired file stayed"
+        );
+        let ring = load(dir.path(), 2 * HOUR_MS, 1);
+        assert_eq!(ring.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![3]);
+    }
+}

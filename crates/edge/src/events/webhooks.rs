@@ -1,0 +1,543 @@
+//! Webhooks: a project's events POSTed to a URL, signed, in order, retried with backoff,
+//! with a log of each try. Registrations are kept in `<state_dir>/webhooks.json` (with
+//! their secrets, mode 0600); each has one task that sends its queue's head until it is
+//! delivered or given up, so a receiver sees the events in the order they happened.
+//!
+//! The URL is a tenant's input and the node sends the requests: every address a delivery
+//! connects to must be public (or in `webhook_allow`), checked for the addresses the name
+//! resolves to at the time of sending (not at registration, which a DNS change would get
+//! round), and redirects are not followed.
+//!
+//! Signature: `X-Dsec-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256(secret,
+//! "<t>.<body>")>`; a receiver recomputes it and refuses stale `t`.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use aws_lc_rs::hmac;
+use dsec_common::ApiError;
+use dsec_common::api::{Delivery, Event, WebhookInfo, WebhookRequest};
+use dsec_common::now_ms;
+use tokio::sync::Notify;
+
+use crate::config::EventsConfig;
+use crate::net::rules::Cidr;
+
+/// Tries kept per webhook in its delivery log.
+const LOG_KEPT: usize = 200;
+/// Webhooks one project may have, so that no tenant takes the node's all.
+pub const PER_PROJECT: usize = 32;
+/// The event types there are.
+pub const TYPES: &[&str] = &[
+    "created",
+    "paused",
+    "resumed",
+    "forked",
+    "snapshotted",
+    "stopped",
+    "expired",
+    "oom_killed",
+];
+
+pub struct Webhooks {
+    path: PathBuf,
+    attempts: u32,
+    max: usize,
+    queue_max: usize,
+    allow: Arc<Vec<Cidr>>,
+    client: reqwest::Client,
+    hooks: Mutex<BTreeMap<String, Arc<Hook>>>,
+}
+
+struct Hook {
+    info: WebhookInfo,
+    queue: Mutex<VecDeque<Arc<Event>>>,
+    wake: Notify,
+    log: Mutex<VecDeque<Delivery>>,
+    gone: AtomicBool,
+}
+
+impl Webhooks {
+    pub(super) fn start(cfg: &EventsConfig, state_dir: &Path) -> Result<Arc<Webhooks>, ApiError> {
+        let mut allow = Vec::new();
+        for c in &cfg.webhook_allow {
+            allow.push(Cidr::parse(c).ok_or_else(|| {
+                ApiError::invalid(format!(
+                    "[edge.events] webhook_allow: {c:?} is not an IPv4 CIDR"
+                ))
+            })?);
+        }
+        let allow = Arc::new(allow);
+        let client = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .no_proxy()
+            .timeout(Duration::from_secs(cfg.webhook_timeout_seconds.max(1)))
+            .dns_resolver(Arc::new(CheckedResolver {
+                allow: allow.clone(),
+            }))
+            .user_agent("dsec-webhooks")
+            .build()
+            .map_err(|e| ApiError::internal(format!("webhook client: {e}")))?;
+        let path = state_dir.join("webhooks.json");
+        let saved: Vec<WebhookInfo> = match std::fs::read(&path) {
+            Ok(b) => serde_json::from_slice(&b)
+                .map_err(|e| ApiError::internal(format!("{}: {e}", path.display())))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(ApiError::internal(format!("{}: {e}", path.display()))),
+        };
+        let w = Arc::new(Webhooks {
+            path,
+            attempts: cfg.webhook_attempts.max(1),
+            max: cfg.max_webhooks,
+            queue_max: cfg.webhook_queue.max(1),
+            allow,
+            client,
+            hooks: Mutex::new(BTreeMap::new()),
+        });
+        for info in saved {
+            w.spawn(info);
+        }
+        Ok(w)
+    }
+
+    fn spawn(self: &Arc<Self>, info: WebhookInfo) {
+        let hook = Arc::new(Hook {
+            info,
+            queue: Mutex::new(VecDeque::new()),
+            wake: Notify::new(),
+            log: Mutex::new(VecDeque::new()),
+            gone: AtomicBool::new(false),
+        });
+        self.hooks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(hook.info.id.clone(), hook.clone());
+        tokio::spawn(deliver_loop(self.clone(), hook));
+    }
+
+    /// Queues `ev` for every webhook of its project (or a parent) that wants its type.
+    pub(super) fn dispatch(&self, ev: &Arc<Event>) {
+        let hooks = self.hooks.lock().unwrap_or_else(|p| p.into_inner());
+        for h in hooks.values() {
+            let i = &h.info;
+            if !dsec_common::project::within(&ev.project, &i.project)
+                || !(i.types.is_empty() || i.types.iter().any(|t| *t == ev.kind))
+            {
+                continue;
+            }
+            let dropped = {
+                let mut q = h.queue.lock().unwrap_or_else(|p| p.into_inner());
+                q.push_back(ev.clone());
+                (q.len() > self.queue_max).then(|| q.pop_front()).flatten()
+            };
+            if let Some(d) = dropped {
+                h.record(Delivery {
+                    event: d.id.clone(),
+                    kind: d.kind.clone(),
+                    attempt: 0,
+                    at_ms: now_ms(),
+                    took_ms: 0,
+                    status: None,
+                    ok: false,
+                    error: Some("dropped: the webhook's queue was full".into()),
+                });
+            }
+            h.wake.notify_one();
+        }
+    }
+
+    pub(super) fn add(
+        self: &Arc<Self>,
+        req: WebhookRequest,
+        project: String,
+    ) -> Result<WebhookInfo, ApiError> {
+        check_url(&req.url, &self.allow)?;
+        for t in &req.types {
+            if !TYPES.contains(&t.as_str()) {
+                return Err(ApiError::invalid(format!(
+                    "unknown event type {t:?}; the types are {}",
+                    TYPES.join(", ")
+                )));
+            }
+        }
+        let info = WebhookInfo {
+            id: format!("wh-{}", dsec_common::id::random_hex(8)),
+            url: req.url,
+            project,
+            types: req.types,
+            created_at_ms: now_ms(),
+            secret: Some(format!("whsec_{}", dsec_common::id::random_hex(24))),
+        };
+        {
+            let hooks = self.hooks.lock().unwrap_or_else(|p| p.into_inner());
+            if hooks.len() >= self.max {
+                return Err(ApiError::exhausted(format!(
+                    "this node keeps at most {} webhooks ([edge.events] max_webhooks)",
+                    self.max
+                )));
+            }
+            if hooks
+                .values()
+                .filter(|h| h.info.project == info.project)
+                .count()
+                >= PER_PROJECT
+            {
+                return Err(ApiError::exhausted(format!(
+                    "project {} has {PER_PROJECT} webhooks, the most one project may have; remove one first",
+                    info.project
+                )));
+            }
+        }
+        self.spawn(info.clone());
+        self.save()?;
+        Ok(info)
+    }
+
+    pub(super) fn list(&self, visible: impl Fn(&str) -> bool) -> Vec<WebhookInfo> {
+        self.hooks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .filter(|h| visible(&h.info.project))
+            .map(|h| WebhookInfo {
+                secret: None,
+                ..h.info.clone()
+            })
+            .collect()
+    }
+
+    pub(super) fn get(&self, id: &str) -> Option<WebhookInfo> {
+        let hooks = self.hooks.lock().unwrap_or_else(|p| p.into_inner());
+        hooks.get(id).map(|h| WebhookInfo {
+            secret: None,
+            ..h.info.clone()
+        })
+    }
+
+    pub(super) fn remove(&self, id: &str) -> Result<(), ApiError> {
+        let h = self
+            .hooks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id)
+            .ok_or_else(|| ApiError::not_found(format!("webhook {id} does not exist")))?;
+        h.gone.store(true, Ordering::SeqCst);
+        h.wake.notify_one();
+        self.save()
+    }
+
+    pub(super) fn deliveries(&self, id: &str) -> Option<Vec<Delivery>> {
+        let hooks = self.hooks.lock().unwrap_or_else(|p| p.into_inner());
+        let h = hooks.get(id)?;
+        let log = h.log.lock().unwrap_or_else(|p| p.into_inner());
+        Some(log.iter().cloned().collect())
+    }
+
+    /// Writes the registrations (secrets included) to a new file renamed over the old.
+    fn save(&self) -> Result<(), ApiError> {
+        let all: Vec<WebhookInfo> = self
+            .hooks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .map(|h| h.info.clone())
+            .collect();
+        let body =
+            serde_json::to_vec_pretty(&all).map_err(|e| ApiError::internal(e.to_string()))?;
+        let tmp = self.path.with_extension("json.tmp");
+        let write = || -> std::io::Result<()> {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .write(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&tmp)?;
+            f.write_all(&body)?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, &self.path)
+        };
+        write().map_err(|e| ApiError::internal(format!("{}: {e}", self.path.display())))
+    }
+}
+
+impl Hook {
+    fn record(&self, d: Delivery) {
+        let mut log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+        log.push_back(d);
+        while log.len() > LOG_KEPT {
+            log.pop_front();
+        }
+    }
+}
+
+/// Sends the hook's queue in order: the head until delivered or given up, then the next.
+async fn deliver_loop(hooks: Arc<Webhooks>, hook: Arc<Hook>) {
+    let secret = hook.info.secret.clone().unwrap_or_default();
+    let key = hmac::Key::new(hmac::HMAC_SHA256, secret.as_bytes());
+    loop {
+        if hook.gone.load(Ordering::SeqCst) {
+            return;
+        }
+        let head = hook
+            .queue
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .front()
+            .cloned();
+        let Some(ev) = head else {
+            // A notify_one sent while nothing waited is kept, so none is missed.
+            hook.wake.notified().await;
+            continue;
+        };
+        let body = serde_json::to_vec(ev.as_ref()).unwrap_or_default();
+        let mut wait = Duration::from_secs(1);
+        for attempt in 1..=hooks.attempts {
+            if hook.gone.load(Ordering::SeqCst) {
+                return;
+            }
+            let started = Instant::now();
+            let r = send(&hooks, &hook.info.url, &key, &ev, &body).await;
+            let ok = matches!(r, Ok(s) if (200..300).contains(&s));
+            let last = attempt == hooks.attempts;
+            let error = match &r {
+                Ok(s) if !ok => Some(format!("answered {s}")),
+                Err(e) => Some(e.clone()),
+                _ => None,
+            }
+            .map(|e| if last { format!("{e}; given up") } else { e });
+            hook.record(Delivery {
+                event: ev.id.clone(),
+                kind: ev.kind.clone(),
+                attempt,
+                at_ms: now_ms(),
+                took_ms: started.elapsed().as_millis() as u64,
+                status: r.ok(),
+                ok,
+                error,
+            });
+            if ok {
+                break;
+            }
+            if !last {
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(60));
+            } else {
+                tracing::warn!(webhook = %hook.info.id, event = %ev.id, "webhook delivery given up");
+            }
+        }
+        let mut q = hook.queue.lock().unwrap_or_else(|p| p.into_inner());
+        if q.front().is_some_and(|e| Arc::ptr_eq(e, &ev)) {
+            q.pop_front();
+        }
+    }
+}
+
+/// One try: the receiver's status, or why there was none.
+async fn send(
+    hooks: &Webhooks,
+    url: &str,
+    key: &hmac::Key,
+    ev: &Event,
+    body: &[u8],
+) -> Result<u16, String> {
+    // A literal address does not go through the resolver: checked here.
+    check_url(url, &hooks.allow).map_err(|e| e.message)?;
+    let t = now_ms() / 1000;
+    let mut signed = format!("{t}.").into_bytes();
+    signed.extend_from_slice(body);
+    let sig = hex::encode(hmac::sign(key, &signed).as_ref());
+    let r = hooks
+        .client
+        .post(url)
+        .header("content-type", "application/json")
+        .header("x-dsec-event", &ev.kind)
+        .header("x-dsec-delivery", &ev.id)
+        .header("x-dsec-signature", format!("t={t},v1={sig}"))
+        .body(body.to_vec())
+        .send()
+        .await
+        .map_err(|e| {
+            // The resolver's refusal is the one worth reading.
+            let mut msg = e.to_string();
+            let mut src = std::error::Error::source(&e);
+            while let Some(s) = src {
+                msg = s.to_string();
+                src = s.source();
+            }
+            msg
+        })?;
+    Ok(r.status().as_u16())
+}
+
+/// A webhook URL must be http(s), have a host, and (when the host is an address) be an
+/// address deliveries may go to.
+fn check_url(url: &str, allow: &[Cidr]) -> Result<(), ApiError> {
+    let u = reqwest::Url::parse(url)
+        .map_err(|e| ApiError::invalid(format!("webhook url {url:?} is not a URL: {e}")))?;
+    if u.scheme() != "http" && u.scheme() != "https" {
+        return Err(ApiError::invalid(format!(
+            "webhook url {url:?}: only http:// and https:// are sent to"
+        )));
+    }
+    if !u.username().is_empty() || u.password().is_some() {
+        return Err(ApiError::invalid(
+            "webhook url: credentials in the URL are refused; check the signature instead",
+        ));
+    }
+    let host = u
+        .host_str()
+        .filter(|h| !h.is_empty())
+        .ok_or_else(|| ApiError::invalid(format!("webhook url {url:?} has no host")))?;
+    // The URL parser has already made `http://2130706433/` and the like dotted quads.
+    match host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse::<IpAddr>()
+    {
+        Ok(ip) => allowed(ip, allow),
+        Err(_) => Ok(()),
+    }
+}
+
+fn allowed(ip: IpAddr, allow: &[Cidr]) -> Result<(), ApiError> {
+    let v4 = match ip {
+        IpAddr::V4(a) => Some(a),
+        IpAddr::V6(a) => a.to_ipv4_mapped(),
+    };
+    if let Some(a) = v4
+        && allow.iter().any(|c| c.contains(a))
+    {
+        return Ok(());
+    }
+    if public(ip) {
+        return Ok(());
+    }
+    Err(ApiError::invalid(format!(
+        "webhooks are not sent to {ip}: a loopback, private or otherwise special address \
+         (the node's [edge.events] webhook_allow lets such networks through)"
+    )))
+}
+
+/// Whether `ip` is a public unicast address.
+fn public(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(a) => public_v4(a),
+        IpAddr::V6(a) => {
+            if let Some(v4) = a.to_ipv4_mapped() {
+                return public_v4(v4);
+            }
+            let s = a.segments();
+            !(a.is_loopback()
+                || a.is_unspecified()
+                || a.is_multicast()
+                || (s[0] & 0xfe00) == 0xfc00 // unique local
+                || (s[0] & 0xffc0) == 0xfe80 // link-local
+                || (s[0] & 0xffc0) == 0xfec0 // site-local
+                || (s[0] == 0x2001 && s[1] == 0x0db8) // documentation
+                || (s[0] == 0x0064 && s[1] == 0xff9b) // NAT64, may reach IPv4 private
+                || (s[0] == 0x2002) // 6to4, may embed anything
+                || a == Ipv6Addr::from([0, 0, 0, 0, 0, 0, s[6], s[7]])) // IPv4-compatible
+        }
+    }
+}
+
+fn public_v4(a: Ipv4Addr) -> bool {
+    let o = a.octets();
+    !(a.is_loopback()
+        || a.is_private()
+        || a.is_link_local()
+        || a.is_broadcast()
+        || a.is_multicast()
+        || a.is_unspecified()
+        || a.is_documentation()
+        || o[0] == 0
+        || (o[0] == 100 && (o[1] & 0xc0) == 64) // shared (CGNAT)
+        || (o[0] == 192 && o[1] == 0 && o[2] == 0) // IETF protocol assignments
+        || (o[0] == 198 && (o[1] & 0xfe) == 18) // benchmarking
+        || o[0] >= 240)
+}
+
+/// Resolves a webhook's host and keeps only the addresses deliveries may go to.
+struct CheckedResolver {
+    allow: Arc<Vec<Cidr>>,
+}
+
+impl reqwest::dns::Resolve for CheckedResolver {
+    fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
+        let allow = self.allow.clone();
+        Box::pin(async move {
+            let host = name.as_str().to_string();
+            let addrs: Vec<SocketAddr> =
+                tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
+            let ok: Vec<SocketAddr> = addrs
+                .iter()
+                .copied()
+                .filter(|a| allowed(a.ip(), &allow).is_ok())
+                .collect();
+            if ok.is_empty() {
+                let shown: Vec<String> = addrs.iter().map(|a| a.ip().to_string()).collect();
+                return Err(format!(
+                    "webhooks are not sent to {host} ({}): a loopback, private or otherwise \
+                     special address",
+                    shown.join(", ")
+                )
+                .into());
+            }
+            Ok(Box::new(ok.into_iter()) as reqwest::dns::Addrs)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_to_the_node_and_private_networks_are_refused() {
+        let none: Vec<Cidr> = Vec::new();
+        for bad in [
+            "http://127.0.0.1:7600/v1/keys",
+            "http://[::1]/",
+            "http://[::ffff:127.0.0.1]/",
+            "http://169.254.169.254/latest/meta-data",
+            "http://10.200.0.2/",
+            "http://192.168.1.1/",
+            "http://100.64.0.1/",
+            "http://0.0.0.0/",
+            "http://[fd00::1]/",
+            "http://[64:ff9b::a00:1]/",
+            "file:///etc/passwd",
+            "gopher://example.com/",
+            "http://user:pw@example.com/",
+            "not a url",
+        ] {
+            assert!(check_url(bad, &none).is_err(), "{bad} was accepted");
+        }
+        for good in [
+            "https://example.com/hook",
+            "http://203.0.114.9:8080/x",
+            "http://[2a00::1]/",
+        ] {
+            assert!(check_url(good, &none).is_ok(), "{good} was refused");
+        }
+        let lo = vec![Cidr::parse("127.0.0.0/8").unwrap()];
+        assert!(check_url("http://127.0.0.1:9/", &lo).is_ok());
+        assert!(check_url("http://10.0.0.1:9/", &lo).is_err());
+    }
+
+    #[test]
+    fn the_signature_is_hmac_sha256_of_time_and_body() {
+        // RFC 4231 test case 2.
+        let key = hmac::Key::new(hmac::HMAC_SHA256, b"Jefe");
+        assert_eq!(
+            hex::encode(hmac::sign(&key, b"what do ya want for nothing?").as_ref()),
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+        );
+    }
+}

@@ -1,0 +1,3 @@
+module github.com/opendsec/opendsec/sdk/go
+
+go 1.22
