@@ -6,7 +6,7 @@ AETHER := target/$(AETHER_TARGET)/release/dsec-aether
 DSEC_TEST_DIR ?= /var/tmp/dsec-test
 CARGO_PROFILE_FLAG := $(if $(filter release,$(PROFILE)),--release,)
 
-.PHONY: build aether dsec test test-rust test-e2e test-nested lint images bench bench-runtime bench-cluster bench-network bench-vm bench-gateway bench-tenant bench-guest bench-vm-nested bench-burst bench-functions bench-vm-pool bench-headers clean-test
+.PHONY: build aether dsec test test-rust test-e2e test-deploy test-nested lint images bench bench-runtime bench-cluster bench-network bench-vm bench-gateway bench-tenant bench-guest bench-vm-nested bench-burst bench-functions bench-vm-pool bench-headers clean-test
 
 build: dsec aether
 
@@ -32,6 +32,11 @@ test-e2e: build
 	DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec DSEC_AETHER=$(CURDIR)/$(AETHER) \
 		python3 -m pytest -q tests/e2e
 
+# The Helm chart and the plain manifests (deploy/helm, deploy/k8s): rendered by a helm built
+# from deploy/helm/test/go.mod, every object decoded strictly; no cluster needed.
+test-deploy:
+	cd deploy/helm/test && go test -count=1 ./...
+
 # The microvm backend (Firecracker) and the vm backend on KVM, run one level down: inside
 # an outer QEMU VM under TCG with -cpu max, where kvm_amd loads (tests/nested/outer.py).
 # It uses the images test-e2e built in $(DSEC_TEST_DIR).
@@ -46,7 +51,7 @@ test-nested: build
 # In `make test` (CI): the seed example with a fork of 4 keeping memory, about 3 minutes.
 NESTED_CI_TESTS := tests/e2e/test_microvm.py::test_microvm_runs_the_seed_example_and_forks_with_memory
 
-test: lint test-rust test-e2e
+test: lint test-rust test-e2e test-deploy
 	$(MAKE) test-nested NESTED_TESTS=$(NESTED_CI_TESTS)
 
 bench: build
