@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs what OpenDsec needs on a Debian/Ubuntu host: OCI runtimes, the image builder,
-# kernel tools, a Prometheus server (the metrics tests scrape with it), and the Python
+# kernel tools, a Prometheus server (the metrics tests scrape with it), Chromium (the web
+# console test drives it headless), and the Python
 # packages the SDK and the tests use. Idempotent.
 set -euo pipefail
-pkgs=(crun runc mmdebstrap debootstrap busybox-static nftables iproute2 procps psmisc e2fsprogs util-linux tar xz-utils kmod qemu-system-x86 make gcc libc6-dev python3-pip docker-registry skopeo apache2-utils zstd openssl prometheus)
+pkgs=(crun runc mmdebstrap debootstrap busybox-static nftables iproute2 procps psmisc e2fsprogs util-linux tar xz-utils kmod qemu-system-x86 make gcc libc6-dev python3-pip docker-registry skopeo apache2-utils zstd openssl prometheus chromium)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

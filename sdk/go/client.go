@@ -19,6 +19,9 @@ import (
 	"time"
 )
 
+// maxAnswer bounds a JSON answer (listings of thousands of sandboxes stay far below it).
+const maxAnswer = 256 << 20
+
 // DefaultTimeout bounds a call that is not a stream when its context has no deadline.
 const DefaultTimeout = 120 * time.Second
 
@@ -171,7 +174,8 @@ func (c *Client) call(ctx context.Context, method, path string, query url.Values
 		_, _ = io.Copy(io.Discard, resp.Body)
 		return nil
 	}
-	if err := json.NewDecoder(resp.Body).Decode(out); err != nil {
+	// An answer is JSON of bounded size: a broken server cannot make this read forever.
+	if err := json.NewDecoder(io.LimitReader(resp.Body, maxAnswer)).Decode(out); err != nil {
 		return transportError(ctx, fmt.Sprintf("reading the answer to %s %s", method, path), err)
 	}
 	return nil

@@ -134,7 +134,8 @@ def build_images() -> None:
     installed = JS / "node_modules/e2b/package.json"
     if shutil.which("npm") and (not installed.exists()
                                 or json.loads(installed.read_text())["version"] != E2B_JS_VERSION
-                                or not (JS / "node_modules/@e2b/code-interpreter/package.json").exists()):
+                                or not (JS / "node_modules/@e2b/code-interpreter/package.json").exists()
+                                or not (JS / "node_modules/playwright-core/package.json").exists()):
         subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=JS,
                        check=True, timeout=600)
 

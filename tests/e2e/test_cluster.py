@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -97,6 +98,72 @@ async def _refused(coro, codes: set[str]) -> DSecError:
 
 
 # ---- 1. spread and exact quota --------------------------------------------------------
+
+
+@pytest.mark.skipif(not shutil.which("prometheus"), reason="Prometheus is not installed (deploy/deps.sh installs it)")
+async def test_prometheus_scrapes_every_role(cluster):
+    """Debian's Prometheus scrapes all nine components on their mutual-TLS listeners with
+    a `monitor` certificate (admitted to GET /metrics and nothing else) and the apiservers'
+    public API with the admin key; its queries return the creates, execs and latency
+    histograms this test caused and the IAM replica the cluster calls its leader."""
+    from test_metrics import Prometheus
+
+    cert, key = ch.issue_cert(ch.CERTS, "monitor", "prom")
+    tls = (f"    scheme: https\n"
+           f"    tls_config: {{ca_file: '{ch.CERTS / 'ca.pem'}', cert_file: '{cert}', key_file: '{key}'}}\n")
+    members = ", ".join(f"'{h.addr}'" for h in HOSTS.values())
+    apis = ", ".join(f"'{HOSTS[a].public_addr}'" for a in APIS)
+    jobs = ("  - job_name: cluster\n" + tls + f"    static_configs: [{{targets: [{members}]}}]\n"
+            "  - job_name: api\n"
+            f"    authorization: {{type: Bearer, credentials: '{cluster.admin_key}'}}\n"
+            f"    static_configs: [{{targets: [{apis}]}}]\n")
+    # The monitor certificate reads metrics only: an edge's API and IAM's are closed to it.
+    mctx = ch.tls_context(ch.CERTS / "ca.pem", cert, key)
+    assert ch.tls_get(HOSTS["edge1"].addr, "/metrics", mctx)[0] == 200
+    for host, path in (("edge1", "/v1/sandboxes"), ("iam1", "/iam/leader"), ("api1", "/healthz")):
+        code, body = ch.tls_get(HOSTS[host].addr, path, mctx)
+        assert code == 403 and b"GET /metrics only" in body, (host, path, code, body)
+    prom = Prometheus(jobs=jobs)
+    try:
+        n = len(HOSTS)
+        assert prom.until('count(up{job="cluster"} == 1)', lambda v: v == n, timeout=60) == n, \
+            prom.query('up{job="cluster"}')
+        assert prom.until('count(up{job="api"} == 1)', lambda v: v == 2) == 2
+        created = 'sum(dsec_sandbox_creates_total{job="cluster",outcome="ok"})'
+        latency = 'sum(dsec_sandbox_create_seconds_count{job="cluster"})'
+        execs = 'sum(dsec_exec_seconds_count{job="cluster"})'
+        before = {q: prom.value(q) or 0.0 for q in (created, latency, execs)}
+        async with _client(cluster, "api1") as c:
+            made = [await c.run_sandbox(DSecRunArgs(**SMALL, labels={"t": "prom"})) for _ in range(3)]
+            try:
+                for s in made[:2]:
+                    assert (await s.run_shell("echo hi")).stdout == "hi\n"
+            finally:
+                for s in made:
+                    await s.stop()
+        for q, more in ((created, 3), (latency, 3), (execs, 2)):
+            want = before[q] + more
+            assert prom.until(q, lambda v, w=want: v >= w) == want, (q, before[q], prom.value(q))
+        # The creates landed on the edges that made them.
+        by_edge = Counter(_edge_of(s.id) for s in made)
+        for edge, k in by_edge.items():
+            q = f'sum(dsec_sandbox_creates_total{{job="cluster",instance="{HOSTS[edge].addr}",outcome="ok"}})'
+            assert (prom.value(q) or 0) >= k, (edge, q)
+        p50 = prom.value(f'histogram_quantile(0.5, sum by (le) ({latency.replace("_count", "_bucket")[4:-1]}))')
+        assert p50 is not None and p50 > 0, p50
+        # One replica leads, the one the cluster calls its leader, and every replica has a term.
+        leader = cluster.iam_leader()
+        lead = prom.until('count(dsec_iam_raft_leader{job="cluster"} == 1)', lambda v: v == 1)
+        assert lead == 1, prom.query('dsec_iam_raft_leader{job="cluster"}')
+        who = prom.query('dsec_iam_raft_leader{job="cluster"} == 1')[0]["metric"]["instance"]
+        assert who == HOSTS[leader].addr, (who, leader)
+        assert prom.value('count(dsec_iam_raft_term{job="cluster"} >= 1)') == 3
+        # The apiservers counted the creates they forwarded.
+        posts = 'sum(dsec_http_requests_total{job="api",role="apiserver",route="/v1/sandboxes",method="POST"})'
+        assert (prom.until(posts, lambda v: v >= 3) or 0) >= 3
+        print(f"\nPrometheus scraped {n} components over mTLS and 2 apiservers; create p50 {p50:.3f} s")
+    finally:
+        prom.close()
 
 
 async def test_spread_and_exact_quota(cluster):

@@ -40,18 +40,20 @@ def own_value(text: str, series: str) -> float:
 
 
 class Prometheus:
-    """A Prometheus server scraping the node every second, with its own storage."""
+    """A Prometheus server scraping every second, with its own storage: the node with
+    `key`, or what the scrape configs `jobs` (YAML list items) say."""
 
-    def __init__(self, key: str):
+    def __init__(self, key: str = "", jobs: str | None = None):
         self.dir = Path(tempfile.mkdtemp(prefix="dsec-prom-"))
         self.port = free_port()
+        if jobs is None:
+            jobs = ("  - job_name: dsec\n"
+                    "    metrics_path: /metrics\n"
+                    f"    authorization: {{type: Bearer, credentials: '{key}'}}\n"
+                    f"    static_configs: [{{targets: ['{LISTEN}']}}]\n")
         (self.dir / "prometheus.yml").write_text(
             "global: {scrape_interval: 1s, scrape_timeout: 1s}\n"
-            "scrape_configs:\n"
-            "  - job_name: dsec\n"
-            "    metrics_path: /metrics\n"
-            f"    authorization: {{type: Bearer, credentials: '{key}'}}\n"
-            f"    static_configs: [{{targets: ['{LISTEN}']}}]\n")
+            "scrape_configs:\n" + jobs)
         self.log = open(self.dir / "prometheus.log", "wb")
         self.proc = subprocess.Popen(
             ["prometheus", f"--config.file={self.dir / 'prometheus.yml'}",

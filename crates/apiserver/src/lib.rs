@@ -256,6 +256,7 @@ pub fn router(c: Arc<Cluster>) -> Router {
         .route("/v1/webhooks", any(events_per_node))
         .route("/v1/webhooks/{*rest}", any(events_per_node))
         .route("/metrics", get(metrics_text))
+        .merge(dsec_console::routes())
         .merge(iam_routes)
         .fallback(|| async { no_such_endpoint() })
         .layer(middleware::from_fn(|r, n| {

@@ -152,7 +152,7 @@ async fn add_webhook(
     }
     Ok(json(
         StatusCode::CREATED,
-        &st.edge.events().add_webhook(req, project)?,
+        &st.edge.events().add_webhook(req, project, &p.project)?,
     ))
 }
 

@@ -116,6 +116,8 @@ pub fn router(state: AppState) -> Router {
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     public_routes()
         .merge(api)
+        // The web console's pages; it calls the API above with the key the user types.
+        .merge(dsec_console::routes())
         // Edge to edge over mutual TLS: each handler checks the peer's certificate.
         .merge(transfer::routes())
         // Checks the API key or the sandbox's port token itself.

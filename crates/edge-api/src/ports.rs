@@ -258,6 +258,10 @@ async fn proxy(
         .await
         .map_err(|e| bad_gateway(format!("port {port} in the sandbox: {e}")))?;
     dsec_common::http::splice_upgrade(client_upgrade, &mut resp);
+    // The sandbox's pages share the API's origin (and the console's): none may widen a
+    // service worker's reach beyond its own port's path, where it could serve the
+    // console's pages or see the API calls of this origin.
+    resp.headers_mut().remove("service-worker-allowed");
     Ok(resp.map(Body::new).into_response())
 }
 

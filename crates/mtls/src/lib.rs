@@ -40,9 +40,13 @@ pub enum Role {
     Apiserver,
     Watcher,
     Edge,
+    /// Not a component: a scraper's certificate (Prometheus), admitted by every listener
+    /// to `GET /metrics` and to nothing else (see `server.rs`).
+    Monitor,
 }
 
 impl Role {
+    /// The components' roles (not [`Role::Monitor`]).
     pub const ALL: [Role; 4] = [Role::Iam, Role::Apiserver, Role::Watcher, Role::Edge];
 
     pub fn as_str(self) -> &'static str {
@@ -51,6 +55,7 @@ impl Role {
             Role::Apiserver => "apiserver",
             Role::Watcher => "watcher",
             Role::Edge => "edge",
+            Role::Monitor => "monitor",
         }
     }
 }
@@ -66,10 +71,11 @@ impl std::str::FromStr for Role {
     fn from_str(s: &str) -> Result<Role, Error> {
         Role::ALL
             .into_iter()
+            .chain([Role::Monitor])
             .find(|r| r.as_str() == s)
             .ok_or_else(|| {
                 Error::Invalid(format!(
-                    "unknown role {s:?}: use one of iam, apiserver, watcher, edge"
+                    "unknown role {s:?}: use one of iam, apiserver, watcher, edge (components) or monitor (a metrics scraper)"
                 ))
             })
     }

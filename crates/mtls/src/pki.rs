@@ -127,7 +127,20 @@ pub fn issue(dir: &Path, role: Role, name: &str, hosts: &[String]) -> Result<Iss
             .try_into()
             .map_err(|e| pki("the identity URI", e))?,
     )];
-    let mut all: Vec<String> = vec!["localhost".into(), "127.0.0.1".into()];
+    // A monitor (a scraper) is only ever a client: its certificate names no host and
+    // cannot serve, so its key cannot pose as a component.
+    let monitor = role == Role::Monitor;
+    if monitor && !hosts.is_empty() {
+        return Err(Error::Invalid(
+            "a monitor certificate names no host (--host): it is a scraper's client certificate"
+                .into(),
+        ));
+    }
+    let mut all: Vec<String> = if monitor {
+        Vec::new()
+    } else {
+        vec!["localhost".into(), "127.0.0.1".into()]
+    };
     all.extend(hosts.iter().cloned());
     all.dedup();
     for h in all {
@@ -148,10 +161,14 @@ pub fn issue(dir: &Path, role: Role, name: &str, hosts: &[String]) -> Result<Iss
         KeyUsagePurpose::DigitalSignature,
         KeyUsagePurpose::KeyEncipherment,
     ];
-    params.extended_key_usages = vec![
-        ExtendedKeyUsagePurpose::ServerAuth,
-        ExtendedKeyUsagePurpose::ClientAuth,
-    ];
+    params.extended_key_usages = if monitor {
+        vec![ExtendedKeyUsagePurpose::ClientAuth]
+    } else {
+        vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ]
+    };
     validity(&mut params, VALID_YEARS);
     let key = KeyPair::generate().map_err(|e| pki("generating the key", e))?;
     let cert = params

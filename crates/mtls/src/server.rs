@@ -2,6 +2,10 @@
 //! fails the handshake; one whose role is not admitted is dropped right after it. Handlers
 //! find the peer's [`Identity`] in the request extensions. Connections speak HTTP/1.1
 //! (REST, upgrades) or HTTP/2 (gRPC), as the client's ALPN asks.
+//!
+//! A peer with a [`Role::Monitor`] certificate (a Prometheus server) is admitted by every
+//! listener, but its requests never reach the listener's router: it gets `GET /metrics`
+//! (the process's metrics) and a 403 for anything else.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -69,11 +73,17 @@ pub async fn serve(
                 .peer_certificates()
                 .and_then(|c| c.first())
                 .and_then(|c| Identity::from_der(c));
-            let Some(identity) = identity.filter(|i| allowed.contains(&i.role)) else {
+            let Some(identity) =
+                identity.filter(|i| i.role == Role::Monitor || allowed.contains(&i.role))
+            else {
                 tracing::warn!(peer = %peer_addr, "refusing a peer whose certificate names no admitted role");
                 return;
             };
-            let svc = app.layer(axum::Extension(identity));
+            let svc = if identity.role == Role::Monitor {
+                monitor()
+            } else {
+                app.layer(axum::Extension(identity))
+            };
             let mut builder = auto::Builder::new(TokioExecutor::new());
             builder
                 .http1()
@@ -95,6 +105,30 @@ pub async fn serve(
             }
         });
     }
+}
+
+/// What a monitor's certificate reaches: the metrics, read-only.
+fn monitor() -> Router {
+    use axum::http::{StatusCode, header};
+    use axum::response::IntoResponse;
+    Router::new()
+        .route(
+            "/metrics",
+            axum::routing::get(|| async {
+                (
+                    [(header::CONTENT_TYPE, dsec_metrics::CONTENT_TYPE)],
+                    dsec_metrics::scrape(),
+                )
+            }),
+        )
+        .fallback(|| async {
+            (
+                StatusCode::FORBIDDEN,
+                [(header::CONTENT_TYPE, "application/json")],
+                r#"{"code":"permission_denied","message":"a monitor certificate reaches GET /metrics only"}"#,
+            )
+                .into_response()
+        })
 }
 
 /// Runs `serve` in the background with no shutdown (for tests and simple roles).

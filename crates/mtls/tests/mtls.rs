@@ -85,6 +85,46 @@ async fn only_admitted_roles_with_cluster_certificates_get_in() {
     assert!(get_who(&Client::new(None), &addr).await.is_err());
 }
 
+async fn fetch(client: &Client, addr: &str, path: &str) -> (u16, String) {
+    let req = hyper::Request::get(format!("{}{path}", client.base(addr)))
+        .body(dsec_mtls::client::Body::empty())
+        .unwrap();
+    let resp = client.request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let b = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&b).into_owned())
+}
+
+#[tokio::test]
+async fn a_monitor_certificate_reads_metrics_and_nothing_else() {
+    let dir = tempfile::tempdir().unwrap();
+    pki::init_ca(dir.path()).unwrap();
+    // A listener that admits apiservers only still lets a scraper read its metrics.
+    let addr = server(dir.path(), &[Role::Apiserver]).await;
+    pki::issue(dir.path(), Role::Monitor, "prom", &[]).unwrap();
+    let m = Tls::load(&TlsFiles::in_dir(dir.path(), "prom")).unwrap();
+    assert_eq!(m.identity.to_string(), "monitor/prom");
+    let prom = Client::new(Some(m.client.clone()));
+    let (status, text) = fetch(&prom, &addr, "/metrics").await;
+    assert_eq!(status, 200, "{text}");
+    assert!(text.ends_with("# EOF\n"), "not OpenMetrics text: {text}");
+    // The listener's own routes are not its: the handler never runs for it.
+    let (status, text) = fetch(&prom, &addr, "/who").await;
+    assert_eq!(status, 403, "{text}");
+    assert!(text.contains("GET /metrics only"), "{text}");
+    // And a component that is not admitted gets no /metrics either.
+    pki::issue(dir.path(), Role::Watcher, "w1", &[]).unwrap();
+    let w = Tls::load(&TlsFiles::in_dir(dir.path(), "w1")).unwrap();
+    let wc = Client::new(Some(w.client.clone()));
+    let req = hyper::Request::get(format!("{}/metrics", wc.base(&addr)))
+        .body(dsec_mtls::client::Body::empty())
+        .unwrap();
+    assert!(wc.request(req).await.is_err());
+    assert_eq!("monitor".parse::<Role>().unwrap(), Role::Monitor);
+    // A scraper's certificate names no host: it cannot be made to serve.
+    assert!(pki::issue(dir.path(), Role::Monitor, "prom2", &["10.0.0.9".into()]).is_err());
+}
+
 #[test]
 fn bad_names_and_roles_are_refused() {
     let dir = tempfile::tempdir().unwrap();

@@ -94,6 +94,10 @@ impl RoleConfig {
         Identity::new(cfg.role, &cfg.name)
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         match cfg.role {
+            Role::Monitor => bail!(
+                "{}: monitor is the role of a metrics scraper's certificate (Prometheus), not a component to serve",
+                path.display()
+            ),
             Role::Iam if cfg.iam.is_none() => {
                 bail!("{}: role iam needs an [iam] table", path.display())
             }
@@ -163,6 +167,7 @@ pub async fn run(path: &Path) -> Result<i32> {
         Role::Apiserver => run_apiserver(cfg, tls).await,
         Role::Watcher => run_watcher(cfg, tls).await,
         Role::Edge => run_edge(cfg, tls).await,
+        Role::Monitor => bail!("monitor is not a role to serve"),
     }
 }
 

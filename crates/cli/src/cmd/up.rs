@@ -199,6 +199,7 @@ fn print_client(dir: &Path, copy: bool) -> Result<i32> {
     let c = ClientConfig::load(&path)?;
     println!("API URL:  {}", c.api_url);
     println!("API key:  {}", c.api_key);
+    println!("Console:  {}/console (log in with the key)", c.api_url);
     println!("Client config: {}", path.display());
     let e2b = dir.join(E2B_ENV);
     if let Ok(text) = std::fs::read_to_string(&e2b) {

@@ -28,6 +28,14 @@ pub(crate) use webhooks::Webhooks;
 const HOUR_MS: u64 = 3_600_000;
 /// Where the next sequence number is kept.
 const SEQ_FILE: &str = "next-seq";
+/// How far numbering jumps at each start (more than a writer ever holds unwritten).
+const SEQ_GAP: u64 = 1_000_000;
+/// Labels an event carries at most, and bytes of them together (the rest are left out;
+/// the sandbox's info has them all).
+const EVENT_LABELS: usize = 16;
+const EVENT_LABEL_BYTES: usize = 2048;
+/// Queries waiting for an event at once; more get an answer at once instead of waiting.
+const MAX_WAITERS: usize = 512;
 /// Events one query passes over at most (the rest are the next page's).
 const SCAN_AT_MOST: usize = 100_000;
 /// The longest a query waits for a new event (`wait_seconds`).
@@ -40,6 +48,7 @@ pub struct Events {
     log: Mutex<Log>,
     /// Wakes queries waiting for a new event.
     changed: Notify,
+    waiters: tokio::sync::Semaphore,
     to_writer: mpsc::UnboundedSender<Arc<Event>>,
     hooks: Arc<Webhooks>,
 }
@@ -79,7 +88,9 @@ impl Events {
             .ok()
             .and_then(|s| s.trim().parse::<u64>().ok())
             .unwrap_or(1);
-        let next_seq = ring.back().map_or(1, |e| e.seq + 1).max(saved);
+        // Events handed out but not yet written when the node died are not in the files:
+        // numbering goes on past any of them, so `after` never hides new events.
+        let next_seq = ring.back().map_or(1, |e| e.seq + 1).max(saved) + SEQ_GAP;
         let hooks = Webhooks::start(cfg, state_dir)?;
         let (tx, rx) = mpsc::unbounded_channel();
         let events = Arc::new(Events {
@@ -88,6 +99,7 @@ impl Events {
             max,
             log: Mutex::new(Log { ring, next_seq }),
             changed: Notify::new(),
+            waiters: tokio::sync::Semaphore::new(MAX_WAITERS),
             to_writer: tx,
             hooks: hooks.clone(),
         });
@@ -103,21 +115,32 @@ impl Events {
         reason: Option<&str>,
         detail: BTreeMap<String, serde_json::Value>,
     ) {
+        let mut labels = BTreeMap::new();
+        let mut bytes = 0;
+        for (k, v) in rec.labels.iter().take(EVENT_LABELS) {
+            bytes += k.len() + v.len();
+            if bytes > EVENT_LABEL_BYTES {
+                break;
+            }
+            labels.insert(k.clone(), v.clone());
+        }
         let mut ev = Event {
             id: String::new(),
             seq: 0,
             kind: kind.to_string(),
-            at_ms: now_ms(),
+            at_ms: 0,
             sandbox: rec.id.clone(),
             project: rec.project.clone(),
             edge: self.edge.clone(),
             backend: rec.backend.clone(),
             reason: reason.map(str::to_string),
-            labels: rec.labels.clone(),
+            labels,
             detail,
         };
         let ev = {
             let mut log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+            // Taken under the lock, so times ascend with numbers.
+            ev.at_ms = now_ms();
             ev.seq = log.next_seq;
             log.next_seq += 1;
             ev.id = format!("{}-{}", self.edge, ev.seq);
@@ -143,27 +166,43 @@ impl Events {
         wait: Duration,
     ) -> (Vec<Event>, u64) {
         let deadline = tokio::time::Instant::now() + wait.min(MAX_WAIT);
+        let mut q = q.clone();
+        // Too many waiting already: answer now (the client asks again).
+        let _slot = match self.waiters.try_acquire() {
+            Ok(p) => Some(p),
+            Err(_) => return self.scan(&q, &visible),
+        };
         loop {
             // Registered before looking, so an event that lands in between still wakes it.
             let notified = self.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let (found, next) = self.scan(q, &visible);
+            let (found, next) = self.scan(&q, &visible);
             if !found.is_empty() || tokio::time::Instant::now() >= deadline {
                 return (found, next);
             }
+            // What was passed over is not looked at again.
+            q.after = next;
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                return self.scan(q, &visible);
+                return self.scan(&q, &visible);
             }
         }
     }
 
     fn scan(&self, q: &Query, visible: &impl Fn(&Event) -> bool) -> (Vec<Event>, u64) {
-        let log = self.log.lock().unwrap_or_else(|p| p.into_inner());
-        let start = log.ring.partition_point(|e| e.seq <= q.after);
+        // Only the pointers are taken under the lock; filtering and copying happen after.
+        let page: Vec<Arc<Event>> = {
+            let log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+            let start = log.ring.partition_point(|e| e.seq <= q.after);
+            log.ring
+                .range(start..)
+                .take(SCAN_AT_MOST)
+                .cloned()
+                .collect()
+        };
         let mut out = Vec::new();
         let mut next = q.after;
-        for e in log.ring.iter().skip(start).take(SCAN_AT_MOST) {
+        for e in &page {
             next = e.seq;
             let wanted = q.sandbox.as_deref().is_none_or(|s| e.sandbox == s)
                 && q.kind.as_deref().is_none_or(|k| e.kind == k)
@@ -178,12 +217,15 @@ impl Events {
         (out, next)
     }
 
+    /// Adds a webhook for `project`, made with a key of `owner` (its limit is counted
+    /// over `owner`'s whole subtree).
     pub fn add_webhook(
         &self,
         req: WebhookRequest,
         project: String,
+        owner: &str,
     ) -> Result<WebhookInfo, ApiError> {
-        self.hooks.add(req, project)
+        self.hooks.add(req, project, owner)
     }
 
     pub fn webhooks(&self, visible: impl Fn(&str) -> bool) -> Vec<WebhookInfo> {
@@ -287,7 +329,10 @@ async fn writer(
 
 fn append(dir: &Path, events: &[Arc<Event>]) -> std::io::Result<()> {
     if let Some(last) = events.last() {
-        std::fs::write(dir.join(SEQ_FILE), format!("{}\n", last.seq + 1))?;
+        // A new file renamed over the old: a crash leaves one or the other whole.
+        let tmp = dir.join(format!("{SEQ_FILE}.tmp"));
+        std::fs::write(&tmp, format!("{}\n", last.seq + 1))?;
+        std::fs::rename(&tmp, dir.join(SEQ_FILE))?;
     }
     let mut i = 0;
     while i < events.len() {

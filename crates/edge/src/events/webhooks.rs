@@ -29,8 +29,15 @@ use crate::net::rules::Cidr;
 
 /// Tries kept per webhook in its delivery log.
 const LOG_KEPT: usize = 200;
-/// Webhooks one project may have, so that no tenant takes the node's all.
+/// Webhooks the keys of one project may have in its whole subtree, so that no tenant
+/// takes the node's all.
 pub const PER_PROJECT: usize = 32;
+/// The longest URL a webhook may have.
+const MAX_URL: usize = 2048;
+/// Name lookups of webhook hosts at once (each holds a thread of the blocking pool that
+/// the edge's own work shares), and how long one may take.
+const LOOKUPS_AT_ONCE: usize = 16;
+const LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
 /// The event types there are.
 pub const TYPES: &[&str] = &[
     "created",
@@ -51,6 +58,8 @@ pub struct Webhooks {
     allow: Arc<Vec<Cidr>>,
     client: reqwest::Client,
     hooks: Mutex<BTreeMap<String, Arc<Hook>>>,
+    /// Held across a change and its save, so saves never interleave and limits hold.
+    changes: Mutex<()>,
 }
 
 struct Hook {
@@ -84,8 +93,20 @@ impl Webhooks {
             .map_err(|e| ApiError::internal(format!("webhook client: {e}")))?;
         let path = state_dir.join("webhooks.json");
         let saved: Vec<WebhookInfo> = match std::fs::read(&path) {
-            Ok(b) => serde_json::from_slice(&b)
-                .map_err(|e| ApiError::internal(format!("{}: {e}", path.display())))?,
+            Ok(b) => match serde_json::from_slice(&b) {
+                Ok(v) => v,
+                Err(e) => {
+                    // Set aside, not fatal: the node starts, without these webhooks.
+                    let aside = path.with_extension("json.unreadable");
+                    tracing::warn!(
+                        "{} is not readable ({e}); moved to {} and starting without webhooks",
+                        path.display(),
+                        aside.display()
+                    );
+                    let _ = std::fs::rename(&path, &aside);
+                    Vec::new()
+                }
+            },
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
             Err(e) => return Err(ApiError::internal(format!("{}: {e}", path.display()))),
         };
@@ -97,6 +118,7 @@ impl Webhooks {
             allow,
             client,
             hooks: Mutex::new(BTreeMap::new()),
+            changes: Mutex::new(()),
         });
         for info in saved {
             w.spawn(info);
@@ -152,9 +174,16 @@ impl Webhooks {
 
     pub(super) fn add(
         self: &Arc<Self>,
-        req: WebhookRequest,
+        mut req: WebhookRequest,
         project: String,
+        owner: &str,
     ) -> Result<WebhookInfo, ApiError> {
+        if req.url.len() > MAX_URL {
+            return Err(ApiError::invalid(format!(
+                "webhook url is {} bytes; at most {MAX_URL}",
+                req.url.len()
+            )));
+        }
         check_url(&req.url, &self.allow)?;
         for t in &req.types {
             if !TYPES.contains(&t.as_str()) {
@@ -164,6 +193,9 @@ impl Webhooks {
                 )));
             }
         }
+        req.types.sort();
+        req.types.dedup();
+        let _change = self.changes.lock().unwrap_or_else(|p| p.into_inner());
         let info = WebhookInfo {
             id: format!("wh-{}", dsec_common::id::random_hex(8)),
             url: req.url,
@@ -180,20 +212,21 @@ impl Webhooks {
                     self.max
                 )));
             }
-            if hooks
+            let mine = hooks
                 .values()
-                .filter(|h| h.info.project == info.project)
-                .count()
-                >= PER_PROJECT
-            {
+                .filter(|h| dsec_common::project::within(&h.info.project, owner))
+                .count();
+            if mine >= PER_PROJECT {
                 return Err(ApiError::exhausted(format!(
-                    "project {} has {PER_PROJECT} webhooks, the most one project may have; remove one first",
-                    info.project
+                    "project {owner} and the projects inside it have {PER_PROJECT} webhooks, the most they may have; remove one first"
                 )));
             }
         }
         self.spawn(info.clone());
-        self.save()?;
+        if let Err(e) = self.save() {
+            self.forget(&info.id);
+            return Err(e);
+        }
         Ok(info)
     }
 
@@ -219,15 +252,28 @@ impl Webhooks {
     }
 
     pub(super) fn remove(&self, id: &str) -> Result<(), ApiError> {
+        let _change = self.changes.lock().unwrap_or_else(|p| p.into_inner());
+        if !self.forget(id) {
+            return Err(ApiError::not_found(format!("webhook {id} does not exist")));
+        }
+        self.save()
+    }
+
+    /// Drops a webhook and ends its task; false if there was none.
+    fn forget(&self, id: &str) -> bool {
         let h = self
             .hooks
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(id)
-            .ok_or_else(|| ApiError::not_found(format!("webhook {id} does not exist")))?;
-        h.gone.store(true, Ordering::SeqCst);
-        h.wake.notify_one();
-        self.save()
+            .remove(id);
+        match h {
+            Some(h) => {
+                h.gone.store(true, Ordering::SeqCst);
+                h.wake.notify_one();
+                true
+            }
+            None => false,
+        }
     }
 
     pub(super) fn deliveries(&self, id: &str) -> Option<Vec<Delivery>> {
@@ -363,17 +409,34 @@ async fn send(
         .send()
         .await
         .map_err(|e| {
-            // The resolver's refusal is the one worth reading.
-            let mut msg = e.to_string();
-            let mut src = std::error::Error::source(&e);
-            while let Some(s) = src {
-                msg = s.to_string();
-                src = s.source();
+            // Told in general terms: the log is the tenant's, and details (which address
+            // refused, how) would let it probe the node's network.
+            if is_refused_name(&e) {
+                "refused: the host is not a public address".to_string()
+            } else if e.is_timeout() {
+                "no answer in time".to_string()
+            } else if e.is_connect() {
+                "could not connect".to_string()
+            } else {
+                "the request failed".to_string()
             }
-            msg
         })?;
     Ok(r.status().as_u16())
 }
+
+/// Whether a failed request was the resolver's refusal of the host's addresses.
+fn is_refused_name(e: &reqwest::Error) -> bool {
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        if s.to_string().starts_with(REFUSED) {
+            return true;
+        }
+        src = s.source();
+    }
+    false
+}
+
+const REFUSED: &str = "webhooks are not sent to";
 
 /// A webhook URL must be http(s), have a host, and (when the host is an address) be an
 /// address deliveries may go to.
@@ -463,6 +526,9 @@ fn public_v4(a: Ipv4Addr) -> bool {
         || o[0] >= 240)
 }
 
+static LOOKUPS: std::sync::LazyLock<Arc<tokio::sync::Semaphore>> =
+    std::sync::LazyLock::new(|| Arc::new(tokio::sync::Semaphore::new(LOOKUPS_AT_ONCE)));
+
 /// Resolves a webhook's host and keeps only the addresses deliveries may go to.
 struct CheckedResolver {
     allow: Arc<Vec<Cidr>>,
@@ -473,21 +539,35 @@ impl reqwest::dns::Resolve for CheckedResolver {
         let allow = self.allow.clone();
         Box::pin(async move {
             let host = name.as_str().to_string();
-            let addrs: Vec<SocketAddr> =
-                tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
+            // The lookup runs on a thread of the blocking pool: a bounded number at once,
+            // each holding its turn until its thread is done, so a slow name server cannot
+            // take the pool the edge's own work needs.
+            let turn = LOOKUPS
+                .clone()
+                .acquire_owned()
+                .await
+                .map_err(|e| format!("lookup: {e}"))?;
+            let h2 = host.clone();
+            let lookup = tokio::spawn(async move {
+                let r = tokio::net::lookup_host((h2.as_str(), 0))
+                    .await
+                    .map(|a| a.collect::<Vec<SocketAddr>>());
+                drop(turn);
+                r
+            });
+            let addrs: Vec<SocketAddr> = match tokio::time::timeout(LOOKUP_TIMEOUT, lookup).await {
+                Ok(Ok(Ok(a))) => a,
+                Ok(Ok(Err(e))) => return Err(e.into()),
+                Ok(Err(e)) => return Err(format!("lookup: {e}").into()),
+                Err(_) => return Err(format!("looking up {host} took too long").into()),
+            };
             let ok: Vec<SocketAddr> = addrs
                 .iter()
                 .copied()
                 .filter(|a| allowed(a.ip(), &allow).is_ok())
                 .collect();
             if ok.is_empty() {
-                let shown: Vec<String> = addrs.iter().map(|a| a.ip().to_string()).collect();
-                return Err(format!(
-                    "webhooks are not sent to {host} ({}): a loopback, private or otherwise \
-                     special address",
-                    shown.join(", ")
-                )
-                .into());
+                return Err(format!("{REFUSED} {host}: not a public address").into());
             }
             Ok(Box::new(ok.into_iter()) as reqwest::dns::Addrs)
         })
@@ -529,6 +609,51 @@ mod tests {
         let lo = vec![Cidr::parse("127.0.0.0/8").unwrap()];
         assert!(check_url("http://127.0.0.1:9/", &lo).is_ok());
         assert!(check_url("http://10.0.0.1:9/", &lo).is_err());
+    }
+
+    #[tokio::test]
+    async fn a_tenant_has_a_bounded_number_of_webhooks_over_its_subtree() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = EventsConfig::default();
+        let hooks = Webhooks::start(&cfg, dir.path()).unwrap();
+        let req = |url: &str| WebhookRequest {
+            url: url.into(),
+            types: vec!["created".into(), "created".into()],
+            project: None,
+        };
+        // Spread over sub-projects (which need not exist), they still count as the owner's.
+        for i in 0..PER_PROJECT {
+            let w = hooks
+                .add(
+                    req("https://example.com/h"),
+                    format!("root/a/p{i}"),
+                    "root/a",
+                )
+                .unwrap();
+            assert_eq!(w.types, vec!["created".to_string()], "types kept twice");
+        }
+        let e = hooks
+            .add(req("https://example.com/h"), "root/a/more".into(), "root/a")
+            .unwrap_err();
+        assert!(
+            e.message.contains("the most they may have"),
+            "{}",
+            e.message
+        );
+        // Another tenant is not affected.
+        hooks
+            .add(req("https://example.com/h"), "root/b".into(), "root/b")
+            .unwrap();
+        let long = format!("https://example.com/{}", "x".repeat(MAX_URL));
+        assert!(hooks.add(req(&long), "root/b".into(), "root/b").is_err());
+        // What was saved loads back whole, secrets included.
+        let again = Webhooks::start(&cfg, dir.path()).unwrap();
+        assert_eq!(again.list(|_| true).len(), PER_PROJECT + 1);
+        // A file that cannot be read is set aside; the node still starts.
+        std::fs::write(dir.path().join("webhooks.json"), b"{not json").unwrap();
+        let fresh = Webhooks::start(&cfg, dir.path()).unwrap();
+        assert!(fresh.list(|_| true).is_empty());
+        assert!(dir.path().join("webhooks.json.unreadable").exists());
     }
 
     #[test]
