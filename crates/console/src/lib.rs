@@ -43,31 +43,25 @@ fn asset(body: &'static str, content_type: &'static str) -> Response {
     r
 }
 
+/// The console's pages: path, body and content type.
+const PAGES: [(&str, &str, &str); 6] = [
+    ("/console", INDEX, "text/html; charset=utf-8"),
+    ("/console/", INDEX, "text/html; charset=utf-8"),
+    ("/console/app.js", APP_JS, "text/javascript; charset=utf-8"),
+    ("/console/app.css", APP_CSS, "text/css; charset=utf-8"),
+    (
+        "/console/xterm.js",
+        XTERM_JS,
+        "text/javascript; charset=utf-8",
+    ),
+    ("/console/xterm.css", XTERM_CSS, "text/css; charset=utf-8"),
+];
+
 /// The console's routes, for any router (`dsec up`'s API and a cluster's apiserver).
 pub fn routes<S: Clone + Send + Sync + 'static>() -> Router<S> {
-    Router::new()
-        .route(
-            "/console",
-            get(|| async { asset(INDEX, "text/html; charset=utf-8") }),
-        )
-        .route(
-            "/console/",
-            get(|| async { asset(INDEX, "text/html; charset=utf-8") }),
-        )
-        .route(
-            "/console/app.js",
-            get(|| async { asset(APP_JS, "text/javascript; charset=utf-8") }),
-        )
-        .route(
-            "/console/app.css",
-            get(|| async { asset(APP_CSS, "text/css; charset=utf-8") }),
-        )
-        .route(
-            "/console/xterm.js",
-            get(|| async { asset(XTERM_JS, "text/javascript; charset=utf-8") }),
-        )
-        .route(
-            "/console/xterm.css",
-            get(|| async { asset(XTERM_CSS, "text/css; charset=utf-8") }),
-        )
+    PAGES
+        .into_iter()
+        .fold(Router::new(), |r, (path, body, content_type)| {
+            r.route(path, get(move || async move { asset(body, content_type) }))
+        })
 }

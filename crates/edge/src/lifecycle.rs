@@ -11,11 +11,7 @@ impl Edge {
         // Counted here, from its arrival, whatever ends it (a bad request, a missing image,
         // admission, the backend); fork copies and pool members are counted by `launch`.
         let backend = self.backend(&req.backend).map_or("unknown", |b| b.name());
-        let mut counted = CreateCount {
-            backend,
-            started: Instant::now(),
-            done: false,
-        };
+        let mut counted = CreateCount::start(backend);
         let r = self.create_request(req).await;
         counted.end(r.as_ref().map(|_| ()).map_err(|e| e.code.as_str()));
         r
@@ -291,11 +287,8 @@ impl Edge {
             .transpose()?;
         self.creating.fetch_add(1, Ordering::SeqCst);
         // A create is counted by `create`; a fork's copy, a restore and a pool member here.
-        let mut counted = (seed.is_some() || rec.pool_waiting.is_some()).then(|| CreateCount {
-            backend: backend.name(),
-            started: Instant::now(),
-            done: false,
-        });
+        let mut counted = (seed.is_some() || rec.pool_waiting.is_some())
+            .then(|| CreateCount::start(backend.name()));
         let mut phases = Phases::start();
         let from_seed = seed.is_some();
         let result = async {
@@ -630,6 +623,14 @@ struct CreateCount {
 }
 
 impl CreateCount {
+    fn start(backend: &'static str) -> CreateCount {
+        CreateCount {
+            backend,
+            started: Instant::now(),
+            done: false,
+        }
+    }
+
     fn end(&mut self, outcome: Result<(), &str>) {
         self.done = true;
         let secs = self.started.elapsed().as_secs_f64();

@@ -190,31 +190,27 @@ impl Events {
     }
 
     fn scan(&self, q: &Query, visible: &impl Fn(&Event) -> bool) -> (Vec<Event>, u64) {
-        // Only the pointers are taken under the lock; filtering and copying happen after.
-        let page: Vec<Arc<Event>> = {
+        // Under the lock only the matches' pointers are taken (a page of them at most);
+        // the events are copied after.
+        let mut page: Vec<Arc<Event>> = Vec::new();
+        let mut next = q.after;
+        {
             let log = self.log.lock().unwrap_or_else(|p| p.into_inner());
             let start = log.ring.partition_point(|e| e.seq <= q.after);
-            log.ring
-                .range(start..)
-                .take(SCAN_AT_MOST)
-                .cloned()
-                .collect()
-        };
-        let mut out = Vec::new();
-        let mut next = q.after;
-        for e in &page {
-            next = e.seq;
-            let wanted = q.sandbox.as_deref().is_none_or(|s| e.sandbox == s)
-                && q.kind.as_deref().is_none_or(|k| e.kind == k)
-                && visible(e);
-            if wanted {
-                out.push(e.as_ref().clone());
-                if out.len() >= q.limit.max(1) {
-                    break;
+            for e in log.ring.range(start..).take(SCAN_AT_MOST) {
+                next = e.seq;
+                let wanted = q.sandbox.as_deref().is_none_or(|s| e.sandbox == s)
+                    && q.kind.as_deref().is_none_or(|k| e.kind == k)
+                    && visible(e);
+                if wanted {
+                    page.push(e.clone());
+                    if page.len() >= q.limit.max(1) {
+                        break;
+                    }
                 }
             }
         }
-        (out, next)
+        (page.iter().map(|e| e.as_ref().clone()).collect(), next)
     }
 
     /// Adds a webhook for `project`, made with a key of `owner` (its limit is counted

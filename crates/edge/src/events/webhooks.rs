@@ -236,19 +236,13 @@ impl Webhooks {
             .unwrap_or_else(|p| p.into_inner())
             .values()
             .filter(|h| visible(&h.info.project))
-            .map(|h| WebhookInfo {
-                secret: None,
-                ..h.info.clone()
-            })
+            .map(|h| h.shown())
             .collect()
     }
 
     pub(super) fn get(&self, id: &str) -> Option<WebhookInfo> {
         let hooks = self.hooks.lock().unwrap_or_else(|p| p.into_inner());
-        hooks.get(id).map(|h| WebhookInfo {
-            secret: None,
-            ..h.info.clone()
-        })
+        hooks.get(id).map(|h| h.shown())
     }
 
     pub(super) fn remove(&self, id: &str) -> Result<(), ApiError> {
@@ -313,6 +307,14 @@ impl Webhooks {
 }
 
 impl Hook {
+    /// The webhook as the API shows it: without its secret.
+    fn shown(&self) -> WebhookInfo {
+        WebhookInfo {
+            secret: None,
+            ..self.info.clone()
+        }
+    }
+
     fn record(&self, d: Delivery) {
         let mut log = self.log.lock().unwrap_or_else(|p| p.into_inner());
         log.push_back(d);
