@@ -54,8 +54,11 @@ try {
   result.cwd = await page.textContent("#cwd");
   await shot("files");
 
+  // Each view replaces the last one's table: wait for this view's own rows.
+  const rowWith = (text) => page.waitForFunction(
+    (t) => [...document.querySelectorAll("tbody tr")].some((r) => r.innerText.includes(t)), text, { timeout: 20000 });
   await page.click('button[data-tab="processes"]');
-  await page.waitForSelector("tbody tr", { timeout: 20000 });
+  await rowWith("console");
   result.processes = await page.$$eval("tbody tr", (rs) => rs.map((r) => r.innerText));
   await shot("processes");
 
@@ -65,7 +68,7 @@ try {
   await shot("events");
 
   await page.click('a[data-view="projects"]');
-  await page.waitForSelector("tbody tr", { timeout: 20000 });
+  await rowWith("root/console-");
   await shot("projects");
   result.csp = (await (await fetch(`${base}/console`)).headers.get("content-security-policy")) || "";
 } catch (e) {
