@@ -269,6 +269,37 @@ func (c *Client) ListSandboxes(ctx context.Context, labels map[string]string) ([
 	return r.Sandboxes, nil
 }
 
+// SandboxUsage is what one sandbox uses, from the node's last readings: CPUPercent (of
+// one core, over the last reading interval) is nil before two readings or while paused.
+type SandboxUsage struct {
+	ID               string   `json:"id"`
+	Project          string   `json:"project"`
+	State            string   `json:"state"`
+	Backend          string   `json:"backend"`
+	Image            string   `json:"image"`
+	CPUCores         float64  `json:"cpu_cores"`
+	CPUPercent       *float64 `json:"cpu_percent,omitempty"`
+	MemoryUsedBytes  uint64   `json:"memory_used_bytes"`
+	MemoryLimitBytes uint64   `json:"memory_limit_bytes"`
+	SampledAtMs      uint64   `json:"sampled_at_ms"`
+}
+
+// Usage says what each of the key's sandboxes (those with all of labels, when set) uses,
+// in one call however many there are (what `dsec top` shows).
+func (c *Client) Usage(ctx context.Context, labels map[string]string) ([]SandboxUsage, error) {
+	q := url.Values{}
+	for k, v := range labels {
+		q.Add("label", k+"="+v)
+	}
+	var r struct {
+		Sandboxes []SandboxUsage `json:"sandboxes"`
+	}
+	if err := c.call(ctx, "GET", "/v1/usage", q, nil, &r, 0); err != nil {
+		return nil, err
+	}
+	return r.Sandboxes, nil
+}
+
 // Status is the node's (or cluster's) status as `dsec status --json` shows it.
 func (c *Client) Status(ctx context.Context) (map[string]any, error) {
 	var r map[string]any

@@ -225,3 +225,33 @@ func FuzzProcessStream(f *testing.F) {
 		}
 	})
 }
+
+func TestEventQueriesAndWebhookChangesAreSentAsTheAPIReadsThem(t *testing.T) {
+	var got []string
+	c := fakeAPI(t, func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		got = append(got, r.Method+" "+r.URL.Path+"?"+r.URL.RawQuery+" "+string(body))
+		if strings.HasPrefix(r.URL.Path, "/v1/webhooks/") {
+			fmt.Fprint(w, `{"id":"wh-1","url":"https://example.com/h","project":"root","created_at_ms":1,"enabled":false,"format":"e2b"}`)
+			return
+		}
+		fmt.Fprint(w, `{"events":[{"id":"e-9","seq":9,"type":"updated","at_ms":1,"sandbox":"s","project":"root","edge":"e","backend":"container"}],"next":9}`)
+	})
+	ctx := context.Background()
+	evs, next, err := c.Events(ctx, EventsQuery{Types: []string{"stopped", "expired"}, NewestFirst: true, Offset: 5})
+	if err != nil || next != 9 || len(evs) != 1 || evs[0].Type != "updated" {
+		t.Fatalf("events %v next %d err %v", evs, next, err)
+	}
+	off := false
+	w, err := c.UpdateWebhook(ctx, "wh-1", WebhookUpdate{Enabled: &off})
+	if err != nil || w.Enabled || w.Format != "e2b" {
+		t.Fatalf("webhook %+v err %v", w, err)
+	}
+	want := []string{
+		"GET /v1/events?after=0&offset=5&order=desc&type=stopped&type=expired ",
+		`PATCH /v1/webhooks/wh-1? {"enabled":false}`,
+	}
+	if len(got) != 2 || got[0] != want[0] || strings.TrimSpace(got[1]) != want[1] {
+		t.Fatalf("sent %q, want %q", got, want)
+	}
+}

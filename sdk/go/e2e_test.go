@@ -381,7 +381,7 @@ func TestLifecycleSessionsSnapshotsAndImages(t *testing.T) {
 	for _, e := range evs {
 		kinds = append(kinds, e.Type)
 	}
-	if got := strings.Join(kinds, ","); got != "created,paused,resumed,snapshotted,stopped" {
+	if got := strings.Join(kinds, ","); got != "created,paused,resumed,updated,snapshotted,stopped" {
 		t.Fatalf("events of %s: %s", sb.ID(), got)
 	}
 }

@@ -11,7 +11,7 @@ import (
 )
 
 // Event is one thing that happened to a sandbox: Type is "created", "paused", "resumed",
-// "forked", "snapshotted", "stopped", "expired" or "oom_killed".
+// "updated", "forked", "snapshotted", "stopped", "expired" or "oom_killed".
 type Event struct {
 	ID      string                     `json:"id"`
 	Seq     uint64                     `json:"seq"`
@@ -27,14 +27,18 @@ type Event struct {
 }
 
 // EventsQuery selects events: those with Seq over After (the previous answer's Next),
-// at most Limit (0: 100), of one Sandbox and one Type when set. Wait (at most a minute)
-// waits for one when there is none yet.
+// at most Limit (0: 100), of one Sandbox and one Type when set (or any of Types).
+// NewestFirst turns the order round; Offset passes over that many matches first. Wait
+// (at most a minute) waits for one when there is none yet.
 type EventsQuery struct {
-	After   uint64
-	Limit   int
-	Sandbox string
-	Type    string
-	Wait    time.Duration
+	After       uint64
+	Limit       int
+	Sandbox     string
+	Type        string
+	Types       []string
+	NewestFirst bool
+	Offset      int
+	Wait        time.Duration
 }
 
 // Events lists the lifecycle events of the key's sandboxes (its project and the projects
@@ -48,7 +52,16 @@ func (c *Client) Events(ctx context.Context, q EventsQuery) ([]Event, uint64, er
 		v.Set("sandbox", q.Sandbox)
 	}
 	if q.Type != "" {
-		v.Set("type", q.Type)
+		v.Add("type", q.Type)
+	}
+	for _, t := range q.Types {
+		v.Add("type", t)
+	}
+	if q.NewestFirst {
+		v.Set("order", "desc")
+	}
+	if q.Offset > 0 {
+		v.Set("offset", strconv.Itoa(q.Offset))
 	}
 	if q.Wait > 0 {
 		v.Set("wait_seconds", strconv.FormatFloat(q.Wait.Seconds(), 'f', 3, 64))
@@ -73,6 +86,30 @@ type Webhook struct {
 	Types       []string `json:"types,omitempty"`
 	CreatedAtMs uint64   `json:"created_at_ms"`
 	Secret      string   `json:"secret,omitempty"`
+	Name        string   `json:"name,omitempty"`
+	// Enabled: whether events are sent to it.
+	Enabled bool `json:"enabled"`
+	// Format: "dsec", or "e2b" for a webhook made through the E2B gateway (E2B's
+	// bodies and signature).
+	Format string `json:"format"`
+}
+
+// WebhookUpdate says what UpdateWebhook changes; a nil field stays as it is (Types set
+// to an empty slice: every type).
+type WebhookUpdate struct {
+	URL     *string   `json:"url,omitempty"`
+	Types   *[]string `json:"types,omitempty"`
+	Name    *string   `json:"name,omitempty"`
+	Enabled *bool     `json:"enabled,omitempty"`
+}
+
+// UpdateWebhook changes a webhook's URL, types, name or whether it is sent events.
+func (c *Client) UpdateWebhook(ctx context.Context, id string, u WebhookUpdate) (*Webhook, error) {
+	var w Webhook
+	if err := c.call(ctx, "PATCH", "/v1/webhooks/"+url.PathEscape(id), nil, u, &w, 0); err != nil {
+		return nil, err
+	}
+	return &w, nil
 }
 
 // CreateWebhook sends the events of project (default: the key's, with its sub-projects)

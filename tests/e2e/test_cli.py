@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: AGPL-3.0-only
-"""The dsec CLI: run, exec, ls, fork, rm, status, image build/ls/inspect/rm, --help."""
+"""The dsec CLI: run, exec, ls, fork, rm, status, top, image build/ls/inspect/rm, --help."""
 
 import json
 import os
 import subprocess
+import time
 
 from conftest import DATA, DSEC, dsec, leftovers
 
@@ -90,7 +91,7 @@ def test_completion_scripts_for_each_shell():
 
 @pytest.mark.parametrize("cmd", [[], ["up"], ["down"], ["status"], ["completion"], ["run"], ["exec"], ["ls"], ["rm"], ["fork"],
                                  ["set-timeout"], ["shell"], ["cp"], ["logs"], ["ps"], ["trajectory"], ["iam", "project-create"], ["iam", "key-create"], ["iam", "quota-set"], ["image", "build"], ["image", "ls"], ["image", "inspect"], ["image", "rm"],
-                                 ["network"], ["serve"], ["certs", "init"], ["certs", "issue"], ["image", "vm-kernel"]])
+                                 ["network"], ["top"], ["events"], ["serve"], ["certs", "init"], ["certs", "issue"], ["image", "vm-kernel"]])
 def test_every_command_has_help_with_an_example(cmd):
     r = dsec(*cmd, "--help")
     assert "Example" in r.stdout, r.stdout
@@ -159,3 +160,47 @@ def test_cp_shell_logs_ps_trajectory(tmp_path):
         assert "write_file" in dsec("trajectory", sid, "default").stdout
     finally:
         dsec("rm", sid)
+
+
+def test_top_shows_what_each_sandbox_uses_and_only_the_keys_own():
+    """`dsec top` (one GET /v1/usage): a sandbox spinning a core shows most of a core, an
+    idle one next to nothing; another project's key sees neither."""
+    import uuid
+
+    from opendsec.sync import DSecClient, DSecRunArgs
+
+    tag = uuid.uuid4().hex[:8]
+    with DSecClient() as c:
+        other = f"root/top-{tag}"
+        c.create_project(other, sandboxes=2)
+        okey = c.create_key("top", project=other, agent=True)["key"]
+        busy = c.run_sandbox(DSecRunArgs(image="root/base", memory_limit_mb=64, labels={"top": tag}))
+        idle = c.run_sandbox(DSecRunArgs(image="root/base", memory_limit_mb=64, labels={"top": tag}))
+        try:
+            busy.exec_background(cmd="while :; do :; done", tag="spin")
+            # Two readings after the spinning started (the node reads every 5 s by default).
+            deadline = time.monotonic() + 40
+            rows = {}
+            while time.monotonic() < deadline:
+                u = json.loads(dsec("top", "--once", "--json", "--label", f"top={tag}").stdout)
+                rows = {s["id"]: s for s in u["sandboxes"]}
+                if (rows.get(busy.id, {}).get("cpu_percent") or 0) > 50:
+                    break
+                time.sleep(1)
+            assert set(rows) == {busy.id, idle.id}, rows
+            assert rows[busy.id]["cpu_percent"] > 50, rows[busy.id]
+            assert (rows[idle.id].get("cpu_percent") or 0) < 20, rows[idle.id]
+            assert rows[busy.id]["memory_limit_bytes"] == 64 << 20
+            assert 0 < rows[busy.id]["memory_used_bytes"] < 64 << 20
+            # Sorted by CPU by default; the screen fits 80 columns.
+            screen = dsec("top", "--once", "--label", f"top={tag}").stdout
+            assert screen.index(busy.id) < screen.index(idle.id), screen
+            assert all(len(line) <= 80 for line in screen.splitlines()), screen
+            assert "2 sandboxes, 2 running" in screen, screen
+            # Another project's key sees none of them.
+            env = {"DSEC_API_URL": c.api_url, "DSEC_API_KEY": okey}
+            theirs = json.loads(dsec("top", "--once", "--json", env=env).stdout)["sandboxes"]
+            assert theirs == [], theirs
+        finally:
+            busy.stop()
+            idle.stop()

@@ -183,6 +183,9 @@ async def test_spread_and_exact_quota(cluster):
             assert set(counts) == set(EDGES), counts
             for e in EDGES:
                 assert 60 <= counts[e] <= 140, counts
+            # One usage call through either apiserver covers every edge's sandboxes.
+            used = (await a2.usage(labels={"test": "spread"}))["sandboxes"]
+            assert sorted(u["id"] for u in used) == sorted(s.id for s in made)
             await _exact_quota_across_apiservers(cluster, a1)
         finally:
             stop_failures = await _stop_all(made)
@@ -456,6 +459,62 @@ async def test_nested_delegation(cluster):
         assert not stop_failures, stop_failures[:3]
 
 
+async def test_events_of_every_edge_through_either_apiserver(cluster):
+    """`GET /v1/events` through an apiserver merges every edge's events: paged from a
+    cursor, each event comes once, in order; a long poll wakes on a new one; another
+    project sees none of them."""
+    team, other = "root/ev-team", "root/ev-other"
+    async with _client(cluster, "api1") as admin:
+        await admin.create_project(team, sandboxes=12)
+        await admin.create_project(other, sandboxes=2)
+        key = (await admin.create_key("ev", project=team, agent=True))["key"]
+        okey = (await admin.create_key("ev-other", project=other, agent=True))["key"]
+    async with _client(cluster, "api1", key) as c1, _client(cluster, "api2", key) as c2, \
+            _client(cluster, "api2", okey) as o:
+        start = (await c2.events(limit=1, newest_first=True))["next"]
+        made: list[Sandbox] = []
+        try:
+            made = list(await asyncio.gather(
+                *((c1, c2)[i % 2].run_sandbox(DSecRunArgs(**SMALL)) for i in range(8))))
+            assert len({_edge_of(s.id) for s in made}) >= 2, [s.id for s in made]
+        finally:
+            assert not await _stop_all(made)
+        want = {(t, s.id) for s in made for t in ("created", "stopped")}
+        seen: list[dict] = []
+        after = start
+        for _ in range(40):
+            page = await c1.events(after=after, limit=3)
+            seen += page["events"]
+            assert page["next"] >= after
+            after = page["next"]
+            if {(e["type"], e["sandbox"]) for e in seen} >= want:
+                break
+        got = [(e["type"], e["sandbox"]) for e in seen]
+        assert set(got) == want and len(got) == len(want), got
+        assert [e["seq"] for e in seen] == sorted(e["seq"] for e in seen)
+        assert {e["edge"] for e in seen} == {_edge_of(s.id) for s in made}
+        # Newest first, with an offset, through the other apiserver.
+        newest = (await c2.events(after=start, limit=2, offset=1, newest_first=True))["events"]
+        assert [e["id"] for e in newest] == [e["id"] for e in reversed(seen)][1:3]
+        assert (await o.events(after=start))["events"] == []
+        # A long poll through api2 wakes on an event of any edge.
+        t0 = time.monotonic()
+        waiting = asyncio.create_task(c2.events(after=after, wait_seconds=30))
+        await asyncio.sleep(0.5)
+        sb = await c1.run_sandbox(DSecRunArgs(**SMALL))
+        try:
+            polled = await asyncio.wait_for(waiting, 40)
+            assert [(e["type"], e["sandbox"]) for e in polled["events"]] == [("created", sb.id)], polled
+            assert time.monotonic() - t0 < 20, "the long poll did not wake on the event"
+        finally:
+            await sb.stop()
+        # Webhooks stay a single node's: the apiserver says so.
+        async with httpx.AsyncClient(base_url=cluster.api_url("api1"),
+                                     headers={"Authorization": f"Bearer {key}"}) as raw:
+            r = await raw.get("/v1/webhooks")
+            assert r.status_code == 501 and "GET /v1/events is served" in r.json()["message"], r.text
+
+
 # ---- 4. mTLS and isolation ------------------------------------------------------------
 
 
@@ -665,6 +724,7 @@ async def _assert_invisible(cluster: Cluster, api: str, key: str, info: SandboxI
         with pytest.raises(NotFoundError):
             await Sandbox(other, info).exec(cmd="true")
         assert info.id not in {s.id for s in await other.list_sandboxes()}
+        assert info.id not in {u["id"] for u in (await other.usage())["sandboxes"]}
     # The SDK's stop() ignores not_found (stopping twice is fine), so ask directly.
     async with httpx.AsyncClient(base_url=cluster.api_url(api), headers={"Authorization": f"Bearer {key}"}) as raw:
         r = await raw.delete(f"/v1/sandboxes/{info.id}")

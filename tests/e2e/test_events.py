@@ -3,15 +3,19 @@
 pause, resume, stop and expiry in order, and a retry after it answered 500 once;
 `GET /v1/events` shows a key only its project's subtree, long-polls, and keeps its events
 across a restart; a webhook cannot be aimed at the node's own or private addresses, nor
-seen or removed by another project."""
+seen or removed by another project. The E2B gateway serves the same events as E2B's
+lifecycle API, and its webhooks get E2B's bodies and signature."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -20,6 +24,7 @@ import pytest
 from conftest import dsec, node_config, server_down, server_up, wait_for
 from opendsec import InvalidArgumentError, NotFoundError
 from opendsec.sync import DSecClient, DSecRunArgs
+from test_e2b import E2B_VERSION, e2b_env, pip_pinned
 
 # Deliveries may go to loopback (the receiver below); nothing else private.
 CONFIG = '[edge.events]\nwebhook_allow = ["127.0.0.0/8"]\n'
@@ -189,3 +194,107 @@ def test_webhooks_are_not_aimed_at_private_or_special_addresses(url):
         with pytest.raises(InvalidArgumentError):
             c.create_webhook(url)
         assert all(w["url"] != url for w in c.webhooks())
+
+
+def gateway(method: str, path: str, key: str, body: dict | None = None) -> tuple[int, object]:
+    """One call of the E2B gateway's control plane, as E2B's documents make it."""
+    req = urllib.request.Request(e2b_env()["E2B_API_URL"] + path, method=method,
+                                 data=None if body is None else json.dumps(body).encode(),
+                                 headers={"X-API-Key": key, "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            raw = r.read()
+            return r.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def e2b_signed(secret: str, g: dict) -> bool:
+    want = base64.urlsafe_b64encode(hashlib.sha256(secret.encode() + g["body"]).digest()).decode().rstrip("=")
+    return hmac.compare_digest(want, g["headers"]["e2b-signature"])
+
+
+def test_the_e2b_gateway_serves_the_same_events_and_e2b_signed_webhooks(monkeypatch):
+    pip_pinned("e2b", E2B_VERSION)
+    import e2b
+
+    for k, v in e2b_env().items():
+        monkeypatch.setenv(k, v)
+
+    tag = uuid.uuid4().hex[:8]
+    team, other = f"root/e2bev-{tag}", f"root/e2bother-{tag}"
+    with DSecClient() as admin:
+        admin.create_project(team, sandboxes=4)
+        admin.create_project(other, sandboxes=2)
+        key = admin.create_key("e2b-ev", project=team, agent=True, e2b_format=True)["key"]
+        okey = admin.create_key("e2b-other", project=other, agent=True, e2b_format=True)["key"]
+    rcv = Receiver()
+    secret = f"e2b-secret-{uuid.uuid4().hex}"
+    kinds = ["sandbox.lifecycle.created", "sandbox.lifecycle.paused", "sandbox.lifecycle.resumed",
+             "sandbox.lifecycle.updated", "sandbox.lifecycle.killed"]
+    st, hook = gateway("POST", "/events/webhooks", key, {
+        "name": "rollouts", "url": rcv.url, "enabled": True, "events": kinds, "signatureSecret": secret})
+    assert st == 201, hook
+    wid = hook["id"]
+    try:
+        assert hook["events"] == ["sandbox.lifecycle.created", "sandbox.lifecycle.paused",
+                                  "sandbox.lifecycle.resumed", "sandbox.lifecycle.updated",
+                                  "sandbox.lifecycle.killed"], hook
+        assert hook["teamID"] == team and hook["name"] == "rollouts" and secret not in json.dumps(hook)
+        # Another team neither sees, changes nor removes it.
+        assert gateway("GET", "/events/webhooks", okey) == (200, [])
+        for method, body in (("GET", None), ("PATCH", {"enabled": False}), ("DELETE", None)):
+            assert gateway(method, f"/events/webhooks/{wid}", okey, body)[0] == 404, method
+        assert gateway("GET", "/events/webhooks/..%2F..%2Fv1%2Fkeys", key)[0] == 404
+        st, err = gateway("POST", "/events/webhooks", key, {"url": rcv.url, "events": ["sandbox.exploded"]})
+        assert st == 400 and "sandbox.lifecycle.killed" in err["message"], err
+
+        sb = e2b.Sandbox.create("base", timeout=120, metadata={"run": tag}, api_key=key)
+        sid = sb.sandbox_id
+        sb.set_timeout(200)
+        sb.pause()
+        e2b.Sandbox.connect(sid, api_key=key).kill()
+        want = [t for t in kinds if t != "sandbox.lifecycle.updated"]
+        wait_for(lambda: [e["type"] for e in rcv.events() if e["type"] != "sandbox.lifecycle.updated"] == want,
+                 timeout=30)
+        evs = rcv.events()
+        types = [e["type"] for e in evs]
+        # set_timeout is an update, between create and pause.
+        assert types[:2] == ["sandbox.lifecycle.created", "sandbox.lifecycle.updated"], types
+        first = evs[0]
+        assert first["version"] == "v1" and first["sandboxId"] == sid and first["sandboxTeamId"] == team
+        assert first["sandboxTemplateId"] == "base" and first["eventData"]["sandbox_metadata"] == {"run": tag}
+        assert evs[1]["eventData"]["set_timeout"].endswith("Z")
+        # Each try carries E2B's headers and signature; the first was answered 500 and sent again.
+        assert all(e2b_signed(secret, g) for g in rcv.got)
+        assert not e2b_signed("not-the-secret-0000", rcv.got[0])
+        assert all(g["headers"]["e2b-webhook-id"] == wid and g["headers"]["e2b-signature-version"] == "v1"
+                   for g in rcv.got)
+        assert rcv.got[0]["answered"] == 500 and rcv.got[0]["body"] == rcv.got[1]["body"]
+
+        # The lifecycle API reads the same events: newest first unless asked otherwise.
+        st, page = gateway("GET", f"/events/sandboxes/{sid}?limit=100", key)
+        assert st == 200 and [e["id"] for e in page] == [e["id"] for e in reversed(evs)], page
+        st, asc = gateway("GET", f"/events/sandboxes/{sid}?orderAsc=true&limit=2&offset=1", key)
+        assert [e["id"] for e in asc] == [e["id"] for e in evs[1:3]], asc
+        st, killed = gateway("GET", f"/events/sandboxes/{sid}?types=sandbox.lifecycle.killed", key)
+        assert [e["type"] for e in killed] == ["sandbox.lifecycle.killed"], killed
+        st, team_page = gateway("GET", "/events/sandboxes?limit=3", key)
+        assert st == 200 and [e["id"] for e in team_page] == [e["id"] for e in reversed(evs)][:3]
+        # Another team's key reads none of them, by sandbox or in its own list.
+        assert gateway("GET", f"/events/sandboxes/{sid}", okey) == (200, [])
+        assert all(e["sandboxTeamId"] == other for e in gateway("GET", "/events/sandboxes?limit=100", okey)[1])
+        assert gateway("GET", "/events/sandboxes?limit=1000", key)[0] == 400
+
+        # Disabled: nothing more is sent. Then removed.
+        st, off = gateway("PATCH", f"/events/webhooks/{wid}", key, {"enabled": False})
+        assert st == 200 and off["enabled"] is False
+        sent = len(rcv.got)
+        e2b.Sandbox.create("base", timeout=60, api_key=key).kill()
+        time.sleep(2)
+        assert len(rcv.got) == sent, rcv.events()[sent:]
+    finally:
+        st, _ = gateway("DELETE", f"/events/webhooks/{wid}", key)
+        rcv.close()
+    assert st == 200
+    assert gateway("GET", f"/events/webhooks/{wid}", key)[0] == 404

@@ -3,7 +3,8 @@
 //! recent placements overlaid; a node that refuses is skipped and the next one tried), and
 //! sends every request for a sandbox to the edge its id names, over mutual TLS, with the
 //! caller's principal. The control calls (create, list, stop, fork, pause, resume, groups,
-//! snapshot listings) are gRPC calls (`dsec.v1.Edge`); the rest (reads of one sandbox,
+//! snapshot listings) are gRPC calls (`dsec.v1.Edge`); lifecycle events and usage are
+//! gathered from every edge's REST face and merged; the rest (reads of one sandbox,
 //! exec, files, processes, ports, upgrades, images) is forwarded as HTTP, byte for byte,
 //! with the principal in [`PRINCIPAL_HEADER`]. The edge decides visibility (404 for other
 //! projects' sandboxes), admission and quota.
@@ -23,7 +24,7 @@ use dsec_common::ApiError;
 use dsec_common::api::{
     ClusterStatus, ForkRequest, ForkResponse, GroupFailure, GroupRequest, GroupResponse,
     ListSandboxesResponse, ListSnapshotsResponse, NodeStatus, PauseRequest, ResumeRequest,
-    SandboxInfo,
+    SandboxInfo, UsageResponse,
 };
 use dsec_common::http::{
     ApiResult, Failure, api_key, body, json, label_filter, missing_key, no_such_endpoint,
@@ -229,6 +230,47 @@ impl Cluster {
     }
 }
 
+impl Cluster {
+    /// A GET of `path_and_query` on `edge`'s REST face as `p`, its JSON answer read.
+    async fn get_json<T: serde::de::DeserializeOwned>(
+        &self,
+        edge: &str,
+        path_and_query: &str,
+        p: &Principal,
+        timeout: Duration,
+    ) -> Result<T, ApiError> {
+        let addr = self.edge_addr(edge).map_err(|f| f.0)?;
+        let req = hyper::Request::get(format!("{}{path_and_query}", self.client.base(addr)))
+            .header(PRINCIPAL_HEADER, encode_principal(p))
+            .body(Body::empty())
+            .map_err(|e| ApiError::internal(e.to_string()))?;
+        let call = async {
+            let resp = self.client.request(req).await.map_err(|e| {
+                ApiError::unavailable(format!("edge {edge} ({addr}) does not answer ({e})"))
+            })?;
+            let status = resp.status();
+            // Thousands of sandboxes' entries fit well inside this.
+            let bytes = axum::body::to_bytes(Body::new(resp.into_body()), 64 << 20)
+                .await
+                .map_err(|e| ApiError::unavailable(format!("edge {edge}: {e}")))?;
+            if !status.is_success() {
+                let m = String::from_utf8_lossy(&bytes);
+                return Err(ApiError::unavailable(format!(
+                    "edge {edge} answered {status}: {m}"
+                )));
+            }
+            serde_json::from_slice(&bytes).map_err(|e| {
+                ApiError::internal(format!(
+                    "edge {edge} gave an answer this apiserver cannot read: {e}"
+                ))
+            })
+        };
+        tokio::time::timeout(timeout, call)
+            .await
+            .map_err(|_| ApiError::unavailable(format!("edge {edge} did not answer in time")))?
+    }
+}
+
 pub fn router(c: Arc<Cluster>) -> Router {
     let iam: Arc<dyn Iam> = Arc::new(c.iam.clone());
     let iam_routes = dsec_iam::http::routes()
@@ -237,6 +279,7 @@ pub fn router(c: Arc<Cluster>) -> Router {
     public_routes()
         .route("/v1/status", get(status))
         .route("/v1/sandboxes", post(create).get(list))
+        .route("/v1/usage", get(usage))
         .route("/v1/images", get(images))
         .route("/v1/images/builds", post(images))
         .route("/v1/images:pull", post(images))
@@ -252,7 +295,7 @@ pub fn router(c: Arc<Cluster>) -> Router {
         .route("/v1/snapshots/{sid}/{*rest}", any(snapshot_rest))
         .route("/v1/sandboxes/{id}", any(sandbox))
         .route("/v1/sandboxes/{id}/{*rest}", any(sandbox_rest))
-        .route("/v1/events", any(events_per_node))
+        .route("/v1/events", get(events))
         .route("/v1/webhooks", any(events_per_node))
         .route("/v1/webhooks/{*rest}", any(events_per_node))
         .route("/metrics", get(metrics_text))
@@ -415,6 +458,17 @@ async fn snapshot_rest(
     c.forward(&edge, req, Some(&p)).await
 }
 
+/// An answer gathered from the edges, naming in `x-dsec-unreachable-edges` those that did
+/// not answer.
+fn naming_unreachable(mut resp: Response, missing: &[String]) -> Response {
+    if !missing.is_empty()
+        && let Ok(v) = HeaderValue::from_str(&missing.join(","))
+    {
+        resp.headers_mut().insert("x-dsec-unreachable-edges", v);
+    }
+    resp
+}
+
 /// Every edge's snapshots the caller may see.
 async fn list_snapshots(State(c): State<Arc<Cluster>>, headers: HeaderMap) -> ApiResult<Response> {
     let p = c.principal(&headers).await?;
@@ -444,22 +498,208 @@ async fn list_snapshots(State(c): State<Arc<Cluster>>, headers: HeaderMap) -> Ap
         }
     }
     out.snapshots.sort_by(|a, b| a.id.cmp(&b.id));
-    let mut resp = json(StatusCode::OK, &out);
-    if !missing.is_empty()
-        && let Ok(v) = HeaderValue::from_str(&missing.join(","))
-    {
-        resp.headers_mut().insert("x-dsec-unreachable-edges", v);
-    }
-    Ok(resp)
+    Ok(naming_unreachable(json(StatusCode::OK, &out), &missing))
 }
 
-/// Lifecycle events and webhooks are kept by each node (`dsec up`); the apiserver does not
-/// gather them from its edges yet, and says so instead of a bare 404.
+/// Every edge's usage of the caller's sandboxes, together (an edge that does not answer
+/// is named in `x-dsec-unreachable-edges`).
+async fn usage(
+    State(c): State<Arc<Cluster>>,
+    headers: HeaderMap,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Response> {
+    let p = c.principal(&headers).await?;
+    // Checked here, so a bad filter is one clear error, not one per edge.
+    label_filter(q.as_deref())?;
+    let pq = match &q {
+        Some(q) => format!("/v1/usage?{q}"),
+        None => "/v1/usage".to_string(),
+    };
+    let calls = c.edges.keys().map(|edge| {
+        let (c, p, pq) = (c.clone(), p.clone(), pq.clone());
+        async move {
+            let r = c
+                .get_json::<UsageResponse>(edge, &pq, &p, CALL_TIMEOUT)
+                .await;
+            (edge.clone(), r)
+        }
+    });
+    let mut out = UsageResponse {
+        sandboxes: Vec::new(),
+        interval_ms: 0,
+    };
+    let mut missing = Vec::new();
+    for (edge, r) in futures_util::future::join_all(calls).await {
+        match r {
+            Ok(u) => {
+                out.sandboxes.extend(u.sandboxes);
+                out.interval_ms = out.interval_ms.max(u.interval_ms);
+            }
+            Err(e) => {
+                tracing::warn!(edge = %edge, "usage: {}", e.message);
+                missing.push(edge)
+            }
+        }
+    }
+    out.sandboxes.sort_by(|a, b| a.id.cmp(&b.id));
+    Ok(naming_unreachable(json(StatusCode::OK, &out), &missing))
+}
+
+/// Webhooks are kept by each node (`dsec up`); a cluster's apiserver does not keep them
+/// for its edges yet, and says so instead of a bare 404.
 async fn events_per_node() -> ApiResult<Response> {
     Err(ApiError::unimplemented(
-        "lifecycle events and webhooks are served by a single node (dsec up); a cluster's apiserver does not gather them from its edges yet",
+        "webhooks are kept by a single node (dsec up); a cluster's apiserver does not keep them for its edges yet (GET /v1/events is served)",
     )
     .into())
+}
+
+/// `GET /v1/events` over every edge. Each edge numbers its events by its clock's
+/// microseconds and answers with where its next page starts (the last event of a full
+/// page, else its position then); the answer holds the events up to the least of those,
+/// merged by number, so an event an edge records later is never numbered below a `next`
+/// already given: nothing is passed over, nothing repeated. Every edge must answer (an
+/// edge that does not is an error, not a gap). One sandbox's events are its edge's alone.
+async fn events(
+    State(c): State<Arc<Cluster>>,
+    headers: HeaderMap,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Response> {
+    use dsec_common::api::{Event, ListEventsResponse};
+    use dsec_common::event_query::{EventQuery, MAX_LIMIT};
+    let p = c.principal(&headers).await?;
+    let q = EventQuery::parse(q.as_deref().unwrap_or(""))?;
+    if let Some(s) = &q.sandbox {
+        let edge = owning_edge(s)?;
+        let pq = format!(
+            "/v1/events?{}&wait_seconds={}",
+            q.to_query(),
+            q.wait.as_secs_f64()
+        );
+        let r: ListEventsResponse = c
+            .get_json(&edge, &pq, &p, CALL_TIMEOUT + q.wait)
+            .await
+            .map_err(Failure)?;
+        return Ok(json(StatusCode::OK, &r));
+    }
+    if q.newest_first && q.offset + q.limit > MAX_LIMIT {
+        return Err(ApiError::invalid(format!(
+            "a cluster's newest-first pages reach {MAX_LIMIT} events deep at most: offset + limit is {}",
+            q.offset + q.limit
+        ))
+        .into());
+    }
+    // Each edge is asked for enough to fill the page alone; newest first, the offset is
+    // taken over the merged list.
+    let per_edge = EventQuery {
+        limit: if q.newest_first {
+            q.offset + q.limit
+        } else {
+            q.limit
+        },
+        offset: 0,
+        wait: std::time::Duration::ZERO,
+        ..q.clone()
+    };
+    let round = |per_edge: EventQuery, wait: std::time::Duration| {
+        let (c, p) = (c.clone(), p.clone());
+        async move {
+            let pq = format!(
+                "/v1/events?{}&wait_seconds={}",
+                per_edge.to_query(),
+                wait.as_secs_f64()
+            );
+            let calls = c.edges.keys().map(|edge| {
+                let (c, p, pq) = (c.clone(), p.clone(), pq.clone());
+                async move {
+                    c.get_json::<ListEventsResponse>(edge, &pq, &p, CALL_TIMEOUT + wait)
+                        .await
+                }
+            });
+            futures_util::future::try_join_all(calls).await
+        }
+    };
+    let mut answers = round(per_edge.clone(), std::time::Duration::ZERO)
+        .await
+        .map_err(|e| {
+            Failure(ApiError::unavailable(format!(
+                "{}; events are read from every edge, so that none is passed over: ask again once it is back, or for one sandbox's with sandbox=",
+                e.message
+            )))
+        })?;
+    let nothing = |a: &[ListEventsResponse]| a.iter().all(|r| r.events.is_empty());
+    if nothing(&answers) && !q.wait.is_zero() {
+        // Wait on every edge at once for the first new event, then read them all again.
+        let horizon = answers.iter().map(|r| r.next).min().unwrap_or(q.after);
+        let waiting = EventQuery {
+            after: horizon.max(q.after),
+            limit: 1,
+            ..per_edge.clone()
+        };
+        let calls = c.edges.keys().map(|edge| {
+            let (c, p) = (c.clone(), p.clone());
+            let pq = format!(
+                "/v1/events?{}&wait_seconds={}",
+                waiting.to_query(),
+                q.wait.as_secs_f64()
+            );
+            Box::pin(async move {
+                c.get_json::<ListEventsResponse>(edge, &pq, &p, CALL_TIMEOUT + q.wait)
+                    .await
+            })
+        });
+        let mut pending: Vec<_> = calls.collect();
+        while !pending.is_empty() {
+            let (r, _, rest) = futures_util::future::select_all(pending).await;
+            if r.is_ok_and(|l| !l.events.is_empty()) {
+                break;
+            }
+            pending = rest;
+        }
+        answers = round(per_edge.clone(), std::time::Duration::ZERO)
+            .await
+            .map_err(Failure)?;
+    }
+    // Past this, an edge has not said what it holds.
+    let horizon = answers.iter().map(|r| r.next).min().unwrap_or(q.after);
+    let mut merged: Vec<Event> = answers
+        .into_iter()
+        .flat_map(|r| r.events)
+        .filter(|e| q.newest_first || e.seq <= horizon)
+        .collect();
+    let next;
+    if q.newest_first {
+        merged.sort_by(|a, b| b.seq.cmp(&a.seq).then(a.id.cmp(&b.id)));
+        merged = merged.into_iter().skip(q.offset).take(q.limit).collect();
+        next = horizon.max(q.after);
+    } else {
+        merged.sort_by(|a, b| a.seq.cmp(&b.seq).then(a.id.cmp(&b.id)));
+        next = if merged.len() > q.limit {
+            // Two edges may number events alike: a page never ends between two such.
+            let mut cut = q.limit;
+            let at = merged[cut].seq;
+            while cut > 0 && merged[cut - 1].seq == at {
+                cut -= 1;
+            }
+            if cut == 0 {
+                cut = merged.iter().take_while(|e| e.seq == at).count();
+            }
+            merged.truncate(cut);
+            merged.last().map_or(horizon, |e| e.seq)
+        } else if merged.len() == q.limit {
+            merged.last().map_or(horizon, |e| e.seq)
+        } else {
+            horizon
+        }
+        .max(q.after);
+    }
+    Ok(json(
+        StatusCode::OK,
+        &ListEventsResponse {
+            events: merged,
+            next,
+        },
+    ))
 }
 
 async fn status(State(c): State<Arc<Cluster>>, headers: HeaderMap) -> ApiResult<Response> {
@@ -576,14 +816,8 @@ async fn list(
         }
     }
     out.sandboxes.sort_by(|a, b| a.id.cmp(&b.id));
-    let mut resp = json(StatusCode::OK, &out);
-    if !missing.is_empty()
-        && let Ok(v) = HeaderValue::from_str(&missing.join(","))
-    {
-        // The listing lacks these edges' sandboxes (they did not answer).
-        resp.headers_mut().insert("x-dsec-unreachable-edges", v);
-    }
-    Ok(resp)
+    // The listing lacks these edges' sandboxes (they did not answer).
+    Ok(naming_unreachable(json(StatusCode::OK, &out), &missing))
 }
 
 /// A group pause or resume: every edge acts on its own sandboxes with the labels, at

@@ -170,6 +170,11 @@ enum Command {
         after_help = "Example:\n  dsec events --sandbox local-0123456789ab\n  dsec events --follow --type expired --json\n\nWebhooks (POST /v1/webhooks) get the same events, signed: docs/RUNTIME_API.md"
     )]
     Events(cmd::events::EventsArgs),
+    /// Show the sandboxes by what they use (CPU, memory), refreshed until interrupted
+    #[command(
+        after_help = "Example:\n  dsec top\n  dsec top --sort memory --label job=7\n  dsec top --once --json\n\nCPU is over the node's last reading interval ([edge] metrics_interval_ms), in\npercent of one core."
+    )]
+    Top(cmd::top::TopArgs),
     /// Volumes: file systems kept apart from sandboxes, mounted by many (`dsec run -v`)
     #[command(subcommand)]
     Volume(cmd::volume::VolumeCommand),
@@ -252,6 +257,7 @@ fn main() {
             Command::Commit(a) => cmd::commit::commit(a).await,
             Command::Snapshot(c) => cmd::snapshot::run(c).await,
             Command::Events(a) => cmd::events::run(a).await,
+            Command::Top(a) => cmd::top::run(a).await,
             Command::Volume(c) => cmd::volume::run(c).await,
             Command::Image(c) => cmd::image::run(c).await,
             Command::Iam(c) => cmd::iam::run(c).await,

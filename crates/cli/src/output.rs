@@ -40,6 +40,20 @@ pub fn table(header: &[&str], rows: Vec<Vec<String>>) -> String {
     t.to_string()
 }
 
+/// The terminal's columns and rows, from stdout (else stdin); 80x24 when neither is a
+/// terminal.
+pub fn term_size() -> (u16, u16) {
+    for fd in [libc::STDOUT_FILENO, libc::STDIN_FILENO] {
+        // SAFETY: TIOCGWINSZ writes a winsize into `ws`.
+        let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
+        let ok = unsafe { libc::ioctl(fd, libc::TIOCGWINSZ, &mut ws) } == 0;
+        if ok && ws.ws_col > 0 && ws.ws_row > 0 {
+            return (ws.ws_col, ws.ws_row);
+        }
+    }
+    (COLUMNS, 24)
+}
+
 pub fn ago_ms(ms: u64) -> String {
     let now = dsec_image::store::now_ms();
     human_secs(now.saturating_sub(ms) / 1000) + " ago"

@@ -182,6 +182,37 @@ pub struct SandboxMetrics {
     pub disk_total_bytes: u64,
 }
 
+/// What one sandbox uses, from the node's last kept readings (`GET /v1/usage`): no
+/// cgroup is read to answer, so a node with thousands of sandboxes answers at once.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct SandboxUsage {
+    pub id: String,
+    pub project: String,
+    pub state: SandboxState,
+    pub backend: String,
+    pub image: String,
+    pub cpu_cores: f64,
+    /// CPU used between the last two readings, in percent of one core (none: fewer than
+    /// two readings yet, or paused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_percent: Option<f64>,
+    /// Memory in use at the last reading, without page cache the kernel can drop.
+    pub memory_used_bytes: u64,
+    pub memory_limit_bytes: u64,
+    /// When the last reading was taken (0: none yet).
+    pub sampled_at_ms: u64,
+}
+
+/// `GET /v1/usage`: the caller's sandboxes' resource use.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct UsageResponse {
+    pub sandboxes: Vec<SandboxUsage>,
+    /// How far apart the node's readings are (0: it keeps none).
+    pub interval_ms: u64,
+}
+
 /// One kept reading of a sandbox's resource use (the node takes one every
 /// `metrics_interval_ms` while the sandbox runs). CPU time is a running total.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -858,6 +889,50 @@ pub struct FunctionInfo {
     pub pool: Option<String>,
 }
 
+/// The types an [`Event`] has.
+pub const EVENT_TYPES: &[&str] = &[
+    "created",
+    "paused",
+    "resumed",
+    "updated",
+    "forked",
+    "snapshotted",
+    "stopped",
+    "expired",
+    "oom_killed",
+];
+
+/// What a `GET /v1/events` asks for (its query string: `event_query`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EventQuery {
+    /// Only events numbered above this.
+    pub after: u64,
+    pub limit: usize,
+    pub sandbox: Option<String>,
+    /// Any of these types (none: all).
+    pub types: Vec<String>,
+    /// Newest first instead of oldest first.
+    pub newest_first: bool,
+    /// Matching events passed over before the page starts.
+    pub offset: usize,
+    /// How long to wait for an event when there is none yet.
+    pub wait: std::time::Duration,
+}
+
+impl Default for EventQuery {
+    fn default() -> Self {
+        EventQuery {
+            after: 0,
+            limit: 100,
+            sandbox: None,
+            types: Vec::new(),
+            newest_first: false,
+            offset: 0,
+            wait: std::time::Duration::ZERO,
+        }
+    }
+}
+
 /// One thing that happened to a sandbox (`GET /v1/events`, webhooks).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -866,8 +941,9 @@ pub struct Event {
     pub id: String,
     /// Its place in the edge's order of events (ascending; `after=` pages by it).
     pub seq: u64,
-    /// `created`, `paused`, `resumed`, `forked`, `snapshotted`, `stopped`, `expired`
-    /// (stopped by its TTL) or `oom_killed`.
+    /// `created`, `paused`, `resumed`, `updated` (its lifetime or network rules were
+    /// changed), `forked`, `snapshotted`, `stopped`, `expired` (stopped by its TTL) or
+    /// `oom_killed`.
     #[serde(rename = "type")]
     pub kind: String,
     /// Unix milliseconds.
@@ -877,7 +953,8 @@ pub struct Event {
     pub edge: String,
     pub backend: String,
     /// Why: for `stopped`, `requested`, `idle`, `died` or `shutdown`; for `paused`,
-    /// `requested`, `ttl` or `group`; for `created`, `create`, `pool`, `fork` or `restore`.
+    /// `requested`, `ttl` or `group`; for `created`, `create`, `pool`, `fork` or `restore`;
+    /// for `updated`, `timeout` or `network`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -900,7 +977,7 @@ pub struct ListEventsResponse {
 }
 
 /// `POST /v1/webhooks`: send a project's events to `url`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct WebhookRequest {
@@ -913,9 +990,62 @@ pub struct WebhookRequest {
     /// Whose events (its sub-projects' too); default the key's project.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub project: Option<String>,
+    /// A name to know it by (at most 128 bytes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Whether events are sent (default true); a disabled webhook is sent none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enabled: Option<bool>,
+    /// The signing secret (16 to 256 bytes); default a new random one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
+    /// `dsec` (the default: [`Event`] bodies signed with `X-Dsec-Signature`) or `e2b`
+    /// (E2B's lifecycle event bodies and `e2b-signature`, for programs written for E2B).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<WebhookFormat>,
 }
 
-/// A webhook. `secret` (signing key of `X-Dsec-Signature`) is in the create's answer only.
+/// How a webhook's deliveries are written and signed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum WebhookFormat {
+    /// The [`Event`] as JSON; `X-Dsec-Signature: t=<unix>,v1=<hex HMAC-SHA256(secret,
+    /// "<t>.<body>")>`.
+    #[default]
+    Dsec,
+    /// E2B's lifecycle event (`sandbox.lifecycle.*`); `e2b-signature`: unpadded
+    /// URL-safe base64 of SHA-256(secret ‖ body), as E2B signs.
+    E2b,
+}
+
+impl WebhookFormat {
+    pub fn is_dsec(self) -> bool {
+        self == WebhookFormat::Dsec
+    }
+}
+
+/// `PATCH /v1/webhooks/{id}`: what to change (a field left out stays).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct WebhookUpdate {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    /// Event types to send (empty: all).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub types: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enabled: Option<bool>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// A webhook. `secret` (its signing key) is in the create's answer only.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct WebhookInfo {
@@ -927,6 +1057,13 @@ pub struct WebhookInfo {
     pub created_at_ms: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secret: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Whether events are sent to it.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    #[serde(default)]
+    pub format: WebhookFormat,
 }
 
 /// One try to deliver an event to a webhook.

@@ -181,6 +181,19 @@ pub fn percent_decode(s: &str, form: bool) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// Encodes a query value: everything but unreserved characters as `%XX`.
+pub fn percent_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
 /// A query string as decoded `(name, value)` pairs, in order.
 pub fn query_pairs(q: &str) -> Vec<(String, String)> {
     q.split('&')

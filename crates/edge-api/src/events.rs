@@ -2,8 +2,6 @@
 //! `wait_seconds`) and per-project webhooks. A key sees and hooks the events of its project
 //! and the projects inside it only; anything else is 404, so ids do not leak.
 
-use std::time::Duration;
-
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{Extension, Path, RawQuery, State};
@@ -11,16 +9,13 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use dsec_common::ApiError;
-use dsec_common::api::{Delivery, ListEventsResponse, WebhookInfo, WebhookRequest};
+use dsec_common::api::{Delivery, ListEventsResponse, WebhookInfo, WebhookRequest, WebhookUpdate};
 use dsec_common::error::ErrorReply;
-use dsec_common::http::{ApiResult, body, json, query_pairs};
-use dsec_edge::events::Query;
+use dsec_common::event_query::EventQuery;
+use dsec_common::http::{ApiResult, body, json};
 use dsec_iam::Principal;
 
 use crate::AppState;
-
-/// Most events one call returns.
-const MAX_LIMIT: usize = 1000;
 
 pub(crate) fn routes() -> Router<AppState> {
     Router::new()
@@ -28,25 +23,37 @@ pub(crate) fn routes() -> Router<AppState> {
         .route("/v1/webhooks", get(webhooks).post(add_webhook))
         .route(
             "/v1/webhooks/{wid}",
-            get(show_webhook).delete(remove_webhook),
+            get(show_webhook)
+                .patch(update_webhook)
+                .delete(remove_webhook),
         )
         .route("/v1/webhooks/{wid}/deliveries", get(deliveries))
 }
 
 /// What these routes serve, for the generated API description.
 #[derive(utoipa::OpenApi)]
-#[openapi(paths(list, webhooks, add_webhook, show_webhook, remove_webhook, deliveries))]
+#[openapi(paths(
+    list,
+    webhooks,
+    add_webhook,
+    show_webhook,
+    update_webhook,
+    remove_webhook,
+    deliveries
+))]
 pub(crate) struct Doc;
 
 #[utoipa::path(
     get,
     path = "/v1/events",
-    summary = "Lifecycle events of the caller's sandboxes (its project and inside), oldest first, after a sequence number",
+    summary = "Lifecycle events of the caller's sandboxes (its project and inside), oldest first, after a sequence number; next is where the following page starts (once the answer is not a full page, the node's position then: every later event is numbered above it)",
     params(
         ("after" = Option<u64>, Query, description = "only events with a larger seq (the previous answer's next)"),
         ("limit" = Option<u64>, Query, description = "at most this many (default 100, at most 1000)"),
         ("sandbox" = Option<String>, Query, description = "only this sandbox's"),
-        ("type" = Option<String>, Query, description = "only this type"),
+        ("type" = Option<String>, Query, description = "only this type (repeat it for any of several)"),
+        ("order" = Option<String>, Query, description = "asc (oldest first, the default) or desc (newest first)"),
+        ("offset" = Option<u64>, Query, description = "pass over this many matching events first"),
         ("wait_seconds" = Option<f64>, Query, description = "wait up to this long (at most 60) for an event when there is none yet"),
     ),
     responses(
@@ -59,40 +66,18 @@ async fn list(
     Extension(p): Extension<Principal>,
     RawQuery(q): RawQuery,
 ) -> ApiResult<Response> {
-    let mut query = Query {
-        limit: 100,
-        ..Query::default()
-    };
-    let mut wait = Duration::ZERO;
-    for (k, v) in query_pairs(q.as_deref().unwrap_or("")) {
-        match k.as_str() {
-            "after" => query.after = number(&k, &v)? as u64,
-            "limit" => query.limit = (number(&k, &v)? as usize).clamp(1, MAX_LIMIT),
-            "sandbox" => query.sandbox = Some(v),
-            "type" => query.kind = Some(v),
-            "wait_seconds" => wait = Duration::from_secs_f64(number(&k, &v)?.min(60.0)),
-            _ => {
-                return Err(ApiError::invalid(format!(
-                    "unknown parameter {k:?}; /v1/events takes after, limit, sandbox, type and wait_seconds"
-                ))
-                .into());
-            }
-        }
-    }
+    let query = EventQuery::parse(q.as_deref().unwrap_or(""))?;
     let project = p.project.clone();
     let (events, next) = st
         .edge
         .events()
-        .list(&query, |e| dsec_iam::within(&e.project, &project), wait)
+        .list(
+            &query,
+            |e| dsec_iam::within(&e.project, &project),
+            query.wait,
+        )
         .await;
     Ok(json(StatusCode::OK, &ListEventsResponse { events, next }))
-}
-
-fn number(k: &str, v: &str) -> Result<f64, ApiError> {
-    v.parse::<f64>()
-        .ok()
-        .filter(|n| n.is_finite() && *n >= 0.0)
-        .ok_or_else(|| ApiError::invalid(format!("{k}={v:?} is not a number of at least 0")))
 }
 
 /// The webhook, if the caller's project may see it.
@@ -128,7 +113,7 @@ async fn webhooks(
 #[utoipa::path(
     post,
     path = "/v1/webhooks",
-    summary = "Send a project's events to a URL: POSTed one at a time in order, signed with X-Dsec-Signature (t=<unix>,v1=<hex HMAC-SHA256(secret, \"<t>.<body>\")>), retried with backoff; the secret is in this answer only",
+    summary = "Send a project's events to a URL: POSTed one at a time in order, signed with X-Dsec-Signature (t=<unix>,v1=<hex HMAC-SHA256(secret, \"<t>.<body>\")>) or, with format e2b, as E2B signs; retried with backoff; the secret is in this answer only",
     request_body = WebhookRequest,
     responses(
         (status = 201, description = "the webhook, with its secret", body = WebhookInfo),
@@ -172,6 +157,32 @@ async fn show_webhook(
     Path(wid): Path<String>,
 ) -> ApiResult<Response> {
     Ok(json(StatusCode::OK, &visible(&st, &p, &wid)?))
+}
+
+#[utoipa::path(
+    patch,
+    path = "/v1/webhooks/{wid}",
+    summary = "Change a webhook's url, types, name or whether it is sent events (a field left out stays)",
+    params(("wid" = String, Path)),
+    request_body = WebhookUpdate,
+    responses(
+        (status = 200, description = "the webhook", body = WebhookInfo),
+        (status = 400, response = ErrorReply),
+        (status = 404, response = ErrorReply),
+    ),
+)]
+async fn update_webhook(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+    Path(wid): Path<String>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    visible(&st, &p, &wid)?;
+    let u: WebhookUpdate = body(&bytes, "webhook update")?;
+    Ok(json(
+        StatusCode::OK,
+        &st.edge.events().update_webhook(&wid, u)?,
+    ))
 }
 
 #[utoipa::path(

@@ -7,7 +7,7 @@
 use crate::openapi::{SandboxPath, StepHeaders};
 use dsec_common::api::{
     CommitRequest, CommitResponse, ExecResult, ForkResponse, FunctionCallRequest,
-    FunctionCallResult, GroupResponse, MetricsHistory, SandboxMetrics,
+    FunctionCallResult, GroupResponse, MetricsHistory, SandboxMetrics, UsageResponse,
 };
 use dsec_common::error::ErrorReply;
 use std::sync::Arc;
@@ -78,6 +78,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/status", get(status))
         .route("/v1/sandboxes", post(create).get(list))
         .route("/v1/sandboxes/{id}", get(get_one).delete(stop))
+        .route("/v1/usage", get(usage))
         .route("/v1/sandboxes/{id}/metrics", get(metrics))
         .route("/v1/sandboxes/{id}/metrics/history", get(metrics_history))
         .route("/v1/sandboxes/{id}/exec", post(exec))
@@ -291,6 +292,30 @@ async fn list(
     let labels = label_filter(q.as_deref())?;
     let sandboxes = sandboxes_seen_by(&st, &p, &labels);
     Ok(json(StatusCode::OK, &ListSandboxesResponse { sandboxes }))
+}
+
+#[utoipa::path(
+    get,
+    path = "/v1/usage",
+    summary = "What each of the caller's sandboxes uses (CPU over the last interval, memory), from the node's kept readings: one call for all of them (dsec top)",
+    params(
+        ("label" = Option<String>, Query, description = "KEY=VALUE; repeat to require several"),
+    ),
+    responses(
+        (status = 200, description = "usage", body = UsageResponse),
+        (status = 400, response = ErrorReply),
+    ),
+)]
+async fn usage(
+    State(st): State<AppState>,
+    Extension(p): Extension<Principal>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Response> {
+    let labels = label_filter(q.as_deref())?;
+    let u = st
+        .edge
+        .usage(&labels, |project| dsec_iam::within(project, &p.project));
+    Ok(json(StatusCode::OK, &u))
 }
 
 #[utoipa::path(

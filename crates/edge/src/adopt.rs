@@ -215,6 +215,65 @@ impl Edge {
         }
     }
 
+    /// What each listed sandboxes that `visible` lets through uses, from the readings
+    /// already kept: a look at memory per sandbox, no cgroup read.
+    pub fn usage(
+        &self,
+        labels: &BTreeMap<String, String>,
+        visible: impl Fn(&str) -> bool,
+    ) -> dsec_common::api::UsageResponse {
+        let entries: Vec<Arc<Entry>> = self
+            .sandboxes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        let mut sandboxes = Vec::new();
+        for e in entries {
+            let mut u = {
+                let r = e.rec.lock().unwrap_or_else(|p| p.into_inner());
+                if r.pool_waiting.is_some()
+                    || !visible(&r.project)
+                    || !labels.iter().all(|(k, v)| r.labels.get(k) == Some(v))
+                {
+                    continue;
+                }
+                dsec_common::api::SandboxUsage {
+                    id: r.id.clone(),
+                    project: r.project.clone(),
+                    state: r.state,
+                    backend: r.backend.clone(),
+                    image: r.image.clone(),
+                    cpu_cores: r.limits.cpu_cores,
+                    cpu_percent: None,
+                    memory_used_bytes: 0,
+                    memory_limit_bytes: r.limits.memory_mb << 20,
+                    sampled_at_ms: 0,
+                }
+            };
+            let (before, last) = e.samples.last_two();
+            if let Some(l) = last {
+                u.memory_used_bytes = l.memory_used_bytes;
+                u.sampled_at_ms = l.timestamp_ms;
+                if let Some(b) = before
+                    && l.timestamp_ms > b.timestamp_ms
+                    && u.state == SandboxState::Running
+                {
+                    let ns = l.cpu_used_ns.saturating_sub(b.cpu_used_ns) as f64;
+                    let wall_ns = (l.timestamp_ms - b.timestamp_ms) as f64 * 1e6;
+                    u.cpu_percent = Some((ns / wall_ns * 1000.0).round() / 10.0);
+                }
+            }
+            sandboxes.push(u);
+        }
+        sandboxes.sort_by(|a, b| a.id.cmp(&b.id));
+        dsec_common::api::UsageResponse {
+            sandboxes,
+            interval_ms: self.cfg.metrics_interval_ms,
+        }
+    }
+
     /// The kept readings of sandbox `id` (running or paused) from `start_ms` to `end_ms`.
     pub fn metrics_history(
         &self,

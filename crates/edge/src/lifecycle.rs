@@ -242,6 +242,7 @@ impl Edge {
             r.clone()
         });
         self.registry.save(&rec)?;
+        self.event("updated", &rec, Some("network"), &[]);
         Ok(rec.info())
     }
 
@@ -529,6 +530,12 @@ impl Edge {
             r.clone()
         });
         self.registry.save(&rec)?;
+        self.event(
+            "updated",
+            &rec,
+            Some("timeout"),
+            &[("expires_at_ms", rec.expires_at_ms.into())],
+        );
         Ok(rec.info())
     }
 

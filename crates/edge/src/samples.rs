@@ -23,6 +23,14 @@ impl Ring {
         q.push_back(s);
     }
 
+    /// The last two samples, newest second.
+    pub fn last_two(&self) -> (Option<MetricsSample>, Option<MetricsSample>) {
+        let q = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let n = q.len();
+        let at = |i: Option<usize>| i.and_then(|i| q.get(i)).copied();
+        (at(n.checked_sub(2)), at(n.checked_sub(1)))
+    }
+
     /// The samples taken from `start_ms` to `end_ms` (both included; none: unbounded), in
     /// order.
     pub fn between(&self, start_ms: Option<u64>, end_ms: Option<u64>) -> Vec<MetricsSample> {

@@ -21,6 +21,7 @@ use sha2::{Digest, Sha256};
 pub mod connect;
 mod control;
 mod envd;
+mod events;
 mod files;
 mod multipart;
 mod ports;
@@ -49,7 +50,7 @@ pub const ENVD_VERSION: &str = "0.6.4";
 /// The port envd listens on in an E2B sandbox; the SDK names it in `E2b-Sandbox-Port`.
 pub const ENVD_PORT: u16 = 49983;
 /// The label that keeps a sandbox's E2B template id.
-pub const TEMPLATE_LABEL: &str = "e2b.template";
+pub const TEMPLATE_LABEL: &str = dsec_common::e2b::TEMPLATE_LABEL;
 /// The label of a sandbox the gateway created with `allowPublicTraffic` (E2B's default):
 /// its ports are open to anyone with the URL. Every other sandbox's ports want its traffic
 /// token or a key that can see it. (A native client may set the label on its own
@@ -61,7 +62,7 @@ pub const MASK_HOST_LABEL: &str = "e2b.mask_request_host";
 /// `network.httpsPorts`: ports whose servers speak TLS (comma-separated).
 pub const HTTPS_PORTS_LABEL: &str = "e2b.https_ports";
 /// Labels the gateway keeps for itself start so; they are not shown as metadata.
-pub const LABEL_PREFIX: &str = "e2b.";
+pub const LABEL_PREFIX: &str = dsec_common::e2b::LABEL_PREFIX;
 /// On sandboxes made with `auto_resume`: a request to a port of a paused one goes on to
 /// the API, which resumes it.
 pub const AUTO_RESUME_LABEL: &str = "e2b.auto_resume";
@@ -193,8 +194,8 @@ impl Gw {
     }
 }
 
-/// One router serves both sides: their paths do not overlap (`/sandboxes`, `/v2/…` for
-/// the control plane; `/health`, `/files`, `/process.Process/…`,
+/// One router serves both sides: their paths do not overlap (`/sandboxes`, `/v2/…`,
+/// `/events/…` for the control plane; `/health`, `/files`, `/process.Process/…`,
 /// `/filesystem.Filesystem/…` for envd), so `E2B_API_URL` and `E2B_SANDBOX_URL` can be
 /// the same URL.
 pub fn router(cfg: Config) -> Router {
@@ -210,6 +211,7 @@ pub fn router(cfg: Config) -> Router {
         .merge(snapshots::routes())
         .merge(templates::routes())
         .merge(volumes::routes())
+        .merge(events::routes())
         .merge(envd::routes())
         .fallback(|| async { e2b_error(404, "no such endpoint on the OpenDsec E2B gateway") })
         .layer(axum::middleware::from_fn(|r, n| {

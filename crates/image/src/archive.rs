@@ -641,28 +641,7 @@ fn put_blob(blobs: &Path, bytes: &[u8], media_type: &str) -> Result<serde_json::
     Ok(json!({"mediaType": media_type, "digest": format!("sha256:{hexd}"), "size": bytes.len()}))
 }
 
-/// RFC 3339 (UTC, milliseconds) of `ms` since the epoch.
-fn rfc3339(ms: u64) -> String {
-    let secs = (ms / 1000) as i64;
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    // The civil date of a day number (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60,
-        ms % 1000
-    )
-}
+use dsec_common::rfc3339;
 
 /// Writes image `r` as an OCI image layout in `dest` (made; it must not exist or be
 /// empty). Returns the manifest's digest.

@@ -293,6 +293,14 @@ class DSecClient:
         r = await self._request("GET", "/v1/sandboxes", params=params)
         return [SandboxInfo.from_json(s) for s in r["sandboxes"]]
 
+    async def usage(self, labels: dict[str, str] | None = None) -> dict[str, Any]:
+        """What each of the key's sandboxes uses, from the node's last readings (one call for
+        all of them): ``{"sandboxes": [{"id", "project", "state", "cpu_percent" (of one
+        core, over the last interval), "memory_used_bytes", "memory_limit_bytes", ...}],
+        "interval_ms"}``."""
+        params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        return await self._request("GET", "/v1/usage", params=params)
+
     async def status(self) -> dict[str, Any]:
         return await self._request("GET", "/v1/status")
 
@@ -485,31 +493,52 @@ class DSecClient:
     # ---- lifecycle events and webhooks --------------------------------------------------
 
     async def events(self, after: int = 0, *, limit: int | None = None, sandbox: str | None = None,
-                     type: str | None = None, wait_seconds: float | None = None) -> dict[str, Any]:
+                     type: str | list[str] | None = None, wait_seconds: float | None = None,
+                     newest_first: bool = False, offset: int | None = None) -> dict[str, Any]:
         """Lifecycle events of the key's sandboxes (its project and inside) with ``seq`` over
-        ``after``, oldest first: ``{"events": [...], "next": seq}``; pass ``next`` as
-        ``after`` for the next page. ``wait_seconds`` (at most 60) waits for one when there
-        is none yet. Types: created, paused, resumed, forked, snapshotted, stopped, expired,
-        oom_killed."""
-        params: dict[str, Any] = {"after": int(after)}
-        for k, v in (("limit", limit), ("sandbox", sandbox), ("type", type), ("wait_seconds", wait_seconds)):
+        ``after``, oldest first (``newest_first``: newest first): ``{"events": [...],
+        "next": seq}``; pass ``next`` as ``after`` for the next page, or page by
+        ``offset``. ``wait_seconds`` (at most 60) waits for one when there is none yet.
+        ``type`` is one type or a list of them: created, paused, resumed, updated, forked,
+        snapshotted, stopped, expired, oom_killed."""
+        params: list[tuple[str, Any]] = [("after", int(after))]
+        for k, v in (("limit", limit), ("sandbox", sandbox), ("wait_seconds", wait_seconds),
+                     ("offset", offset)):
             if v is not None:
-                params[k] = v
+                params.append((k, v))
+        for t in ([type] if isinstance(type, str) else (type or [])):
+            params.append(("type", t))
+        if newest_first:
+            params.append(("order", "desc"))
         t = None if wait_seconds is None else self._timeout + float(wait_seconds)
         return await self._request("GET", "/v1/events", params=params, timeout=t)
 
     async def create_webhook(self, url: str, *, types: list[str] | None = None,
-                             project: str | None = None) -> dict[str, Any]:
+                             project: str | None = None, name: str | None = None,
+                             enabled: bool = True, secret: str | None = None,
+                             format: str | None = None) -> dict[str, Any]:
         """Sends the events of ``project`` (default the key's; its sub-projects' too) to
         ``url``, one POST per event in order, retried with backoff. Each carries
-        ``X-Dsec-Signature: t=<unix>,v1=<hex HMAC-SHA256(secret, "<t>.<body>")>``; the
-        answer's ``secret`` is shown only now."""
-        body: dict[str, Any] = {"url": url}
-        if types:
-            body["types"] = list(types)
-        if project is not None:
-            body["project"] = project
+        ``X-Dsec-Signature: t=<unix>,v1=<hex HMAC-SHA256(secret, "<t>.<body>")>``
+        (``format="e2b"``: E2B's body and ``e2b-signature``). ``secret`` (16 to 256
+        bytes) is made when not given; the answer's ``secret`` is shown only now."""
+        body: dict[str, Any] = {"url": url, "enabled": bool(enabled)}
+        for k, v in (("types", list(types or []) or None), ("project", project), ("name", name),
+                     ("secret", secret), ("format", format)):
+            if v is not None:
+                body[k] = v
         return await self._request("POST", "/v1/webhooks", json=body)
+
+    async def update_webhook(self, webhook_id: str, *, url: str | None = None,
+                             types: list[str] | None = None, name: str | None = None,
+                             enabled: bool | None = None) -> dict[str, Any]:
+        """Changes what is given (``types=[]``: all types); the rest stays."""
+        body: dict[str, Any] = {}
+        for k, v in (("url", url), ("types", None if types is None else list(types)), ("name", name),
+                     ("enabled", enabled)):
+            if v is not None:
+                body[k] = v
+        return await self._request("PATCH", f"/v1/webhooks/{webhook_id}", json=body)
 
     async def webhooks(self) -> list[dict[str, Any]]:
         return (await self._request("GET", "/v1/webhooks"))["webhooks"]

@@ -15,8 +15,8 @@ pub struct EventsArgs {
     /// Only this sandbox's events
     #[arg(long)]
     pub sandbox: Option<String>,
-    /// Only events of this type (created, paused, resumed, forked, snapshotted, stopped,
-    /// expired, oom_killed)
+    /// Only events of this type (created, paused, resumed, updated, forked, snapshotted,
+    /// stopped, expired, oom_killed)
     #[arg(long = "type")]
     pub kind: Option<String>,
     /// Keep printing events as they happen (until interrupted)

@@ -9,6 +9,7 @@ pub mod role;
 pub mod runtime;
 pub mod sandbox;
 pub mod snapshot;
+pub mod top;
 pub mod up;
 pub mod volume;
 

@@ -224,15 +224,8 @@ impl Drop for RawMode {
 
 /// The local terminal's size, from stdout (else stdin); 80x24 when neither is a terminal.
 fn term_size() -> Value {
-    for fd in [libc::STDOUT_FILENO, libc::STDIN_FILENO] {
-        // SAFETY: TIOCGWINSZ writes a winsize into `ws`.
-        let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
-        let ok = unsafe { libc::ioctl(fd, libc::TIOCGWINSZ, &mut ws) } == 0;
-        if ok && ws.ws_col > 0 && ws.ws_row > 0 {
-            return json!({"cols": ws.ws_col, "rows": ws.ws_row});
-        }
-    }
-    json!({"cols": 80, "rows": 24})
+    let (cols, rows) = crate::output::term_size();
+    json!({"cols": cols, "rows": rows})
 }
 
 fn shell_argv(cmd: Option<String>) -> Vec<String> {

@@ -1,5 +1,5 @@
-//! Lifecycle events: what happened to each sandbox (created, paused, resumed, forked,
-//! snapshotted, stopped, expired, oom_killed), kept in memory for `GET /v1/events` and in
+//! Lifecycle events: what happened to each sandbox (created, paused, resumed, updated,
+//! forked, snapshotted, stopped, expired, oom_killed), kept in memory for `GET /v1/events` and in
 //! hourly files under `<state_dir>/events/` so a restart keeps them, for
 //! `[edge.events] keep_seconds`. Each event is also handed to the webhooks that want it
 //! (`webhooks.rs`).
@@ -16,13 +16,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dsec_common::ApiError;
-use dsec_common::api::{Delivery, Event, WebhookInfo, WebhookRequest};
+use dsec_common::api::{Delivery, Event, WebhookInfo, WebhookRequest, WebhookUpdate};
 use dsec_common::now_ms;
 use tokio::sync::{Notify, mpsc};
 
 use crate::config::EventsConfig;
 use crate::registry::SandboxRecord;
 
+pub use webhooks::TYPES;
 pub(crate) use webhooks::Webhooks;
 
 const HOUR_MS: u64 = 3_600_000;
@@ -38,7 +39,8 @@ const EVENT_LABEL_BYTES: usize = 2048;
 const MAX_WAITERS: usize = 512;
 /// Events one query passes over at most (the rest are the next page's).
 const SCAN_AT_MOST: usize = 100_000;
-/// The longest a query waits for a new event (`wait_seconds`).
+/// The longest a query waits for a new event (`wait_seconds`, which the API caps the
+/// same).
 pub const MAX_WAIT: Duration = Duration::from_secs(60);
 
 pub struct Events {
@@ -55,17 +57,28 @@ pub struct Events {
 
 struct Log {
     ring: VecDeque<Arc<Event>>,
+    /// The least number the next event may have. Numbers are the microseconds of the
+    /// node's clock when each was recorded (one more than the last when the clock has
+    /// not moved on), so one node's numbers can be compared with another's: a cluster's
+    /// apiserver merges every edge's events by them.
     next_seq: u64,
 }
 
-/// What a query asks for.
-#[derive(Debug, Default, Clone)]
-pub struct Query {
-    pub after: u64,
-    pub limit: usize,
-    pub sandbox: Option<String>,
-    pub kind: Option<String>,
+impl Log {
+    /// The number the next event gets.
+    fn upcoming(&self) -> u64 {
+        self.next_seq.max(now_us())
+    }
 }
+
+fn now_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+/// What a query asks for (its `wait` is `list`'s own argument).
+pub use dsec_common::api::EventQuery as Query;
 
 impl Events {
     /// Loads the kept events and webhooks and starts the writer and the deliveries.
@@ -141,8 +154,8 @@ impl Events {
             let mut log = self.log.lock().unwrap_or_else(|p| p.into_inner());
             // Taken under the lock, so times ascend with numbers.
             ev.at_ms = now_ms();
-            ev.seq = log.next_seq;
-            log.next_seq += 1;
+            ev.seq = log.upcoming();
+            log.next_seq = ev.seq + 1;
             ev.id = format!("{}-{}", self.edge, ev.seq);
             let ev = Arc::new(ev);
             log.ring.push_back(ev.clone());
@@ -158,7 +171,9 @@ impl Events {
     }
 
     /// Events after `q.after` that `visible` lets through, oldest first, and where the
-    /// next page starts. With `wait`, waits that long for one when there is none yet.
+    /// next page starts: after the last event looked at when the page is full, else
+    /// the node's position now (every event recorded later is numbered above it). With
+    /// `wait`, waits that long for one when there is none yet.
     pub async fn list(
         &self,
         q: &Query,
@@ -193,23 +208,54 @@ impl Events {
         // Under the lock only the matches' pointers are taken (a page of them at most);
         // the events are copied after.
         let mut page: Vec<Arc<Event>> = Vec::new();
-        let mut next = q.after;
-        {
+        let mut skip = q.offset;
+        let wanted = |e: &Event| {
+            q.sandbox.as_deref().is_none_or(|s| e.sandbox == s)
+                && (q.types.is_empty() || q.types.contains(&e.kind))
+                && visible(e)
+        };
+        let mut take = |e: &Arc<Event>| {
+            if !wanted(e) {
+                return false;
+            }
+            if skip > 0 {
+                skip -= 1;
+                return false;
+            }
+            page.push(e.clone());
+            page.len() >= q.limit.max(1)
+        };
+        let next = {
             let log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+            // Every event recorded from here on is numbered above this.
+            let now = (log.upcoming() - 1).max(q.after);
             let start = log.ring.partition_point(|e| e.seq <= q.after);
-            for e in log.ring.range(start..).take(SCAN_AT_MOST) {
-                next = e.seq;
-                let wanted = q.sandbox.as_deref().is_none_or(|s| e.sandbox == s)
-                    && q.kind.as_deref().is_none_or(|k| e.kind == k)
-                    && visible(e);
-                if wanted {
-                    page.push(e.clone());
-                    if page.len() >= q.limit.max(1) {
+            let range = log.ring.range(start..);
+            let mut next = now;
+            if q.newest_first {
+                // The next page of newer events starts after the newest there is.
+                for e in range.rev().take(SCAN_AT_MOST) {
+                    if take(e) {
                         break;
                     }
                 }
+            } else {
+                let more = range.len() > SCAN_AT_MOST;
+                let mut last = q.after;
+                let mut full = false;
+                for e in range.take(SCAN_AT_MOST) {
+                    last = e.seq;
+                    if take(e) {
+                        full = true;
+                        break;
+                    }
+                }
+                if full || more {
+                    next = last;
+                }
             }
-        }
+            next
+        };
         (page.iter().map(|e| e.as_ref().clone()).collect(), next)
     }
 
@@ -230,6 +276,10 @@ impl Events {
 
     pub fn webhook(&self, id: &str) -> Option<WebhookInfo> {
         self.hooks.get(id)
+    }
+
+    pub fn update_webhook(&self, id: &str, u: WebhookUpdate) -> Result<WebhookInfo, ApiError> {
+        self.hooks.update(id, u)
     }
 
     pub fn remove_webhook(&self, id: &str) -> Result<(), ApiError> {
@@ -375,6 +425,82 @@ mod tests {
             labels: BTreeMap::new(),
             detail: BTreeMap::new(),
         })
+    }
+
+    #[tokio::test]
+    async fn a_query_pages_newest_first_by_offset_and_types() {
+        let dir = tempfile::tempdir().unwrap();
+        let ev_log = Events::start(&EventsConfig::default(), "e", dir.path())
+            .await
+            .unwrap();
+        {
+            let mut log = ev_log.log.lock().unwrap();
+            for (seq, kind) in [
+                (1, "created"),
+                (2, "paused"),
+                (3, "resumed"),
+                (4, "stopped"),
+            ] {
+                let mut e = ev(seq, seq);
+                Arc::make_mut(&mut e).kind = kind.into();
+                log.ring.push_back(e);
+            }
+        }
+        let seqs = |q: Query| {
+            let (evs, next) = ev_log.scan(&q, &|_| true);
+            (evs.iter().map(|e| e.seq).collect::<Vec<_>>(), next)
+        };
+        let q = Query {
+            limit: 100,
+            ..Query::default()
+        };
+        // A page that is not full says where the node is: past every event it has,
+        // and below any it records later.
+        let (all, now) = seqs(q.clone());
+        assert_eq!(all, [1, 2, 3, 4]);
+        assert!(now >= 4 && now < now_us());
+        // A full page says where it stopped.
+        assert_eq!(
+            seqs(Query {
+                limit: 2,
+                ..q.clone()
+            }),
+            (vec![1, 2], 2)
+        );
+        let desc = Query {
+            newest_first: true,
+            ..q.clone()
+        };
+        assert_eq!(seqs(desc.clone()).0, [4, 3, 2, 1]);
+        assert_eq!(
+            seqs(Query {
+                offset: 1,
+                limit: 2,
+                ..desc.clone()
+            })
+            .0,
+            [3, 2]
+        );
+        assert_eq!(
+            seqs(Query {
+                types: vec!["paused".into(), "stopped".into()],
+                ..desc
+            })
+            .0,
+            [4, 2]
+        );
+        assert_eq!(
+            seqs(Query {
+                offset: 3,
+                after: 1,
+                ..q
+            })
+            .0,
+            Vec::<u64>::new()
+        );
+        // What is recorded next is numbered above what was said.
+        let upcoming = ev_log.log.lock().unwrap().upcoming();
+        assert!(upcoming > now, "{upcoming} <= {now}");
     }
 
     #[test]

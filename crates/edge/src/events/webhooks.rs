@@ -9,7 +9,9 @@
 //! round), and redirects are not followed.
 //!
 //! Signature: `X-Dsec-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256(secret,
-//! "<t>.<body>")>`; a receiver recomputes it and refuses stale `t`.
+//! "<t>.<body>")>`; a receiver recomputes it and refuses stale `t`. A webhook made with
+//! `format: "e2b"` (the E2B gateway's `/events/webhooks`) gets E2B's event bodies and
+//! headers instead, signed as E2B signs (`e2b-signature`: SHA-256 of secret and body).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -20,7 +22,9 @@ use std::time::{Duration, Instant};
 
 use aws_lc_rs::hmac;
 use dsec_common::ApiError;
-use dsec_common::api::{Delivery, Event, WebhookInfo, WebhookRequest};
+use dsec_common::api::{
+    Delivery, Event, WebhookFormat, WebhookInfo, WebhookRequest, WebhookUpdate,
+};
 use dsec_common::now_ms;
 use tokio::sync::Notify;
 
@@ -34,21 +38,15 @@ const LOG_KEPT: usize = 200;
 pub const PER_PROJECT: usize = 32;
 /// The longest URL a webhook may have.
 const MAX_URL: usize = 2048;
+/// The longest name, and the shortest and longest secret a caller may choose.
+const MAX_NAME: usize = 128;
+const SECRET_BYTES: std::ops::RangeInclusive<usize> = 16..=256;
 /// Name lookups of webhook hosts at once (each holds a thread of the blocking pool that
 /// the edge's own work shares), and how long one may take.
 const LOOKUPS_AT_ONCE: usize = 16;
 const LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
 /// The event types there are.
-pub const TYPES: &[&str] = &[
-    "created",
-    "paused",
-    "resumed",
-    "forked",
-    "snapshotted",
-    "stopped",
-    "expired",
-    "oom_killed",
-];
+pub use dsec_common::api::EVENT_TYPES as TYPES;
 
 pub struct Webhooks {
     path: PathBuf,
@@ -63,7 +61,9 @@ pub struct Webhooks {
 }
 
 struct Hook {
-    info: WebhookInfo,
+    id: String,
+    /// What `PATCH` may change (url, types, name, enabled); the rest stays as made.
+    info: Mutex<WebhookInfo>,
     queue: Mutex<VecDeque<Arc<Event>>>,
     wake: Notify,
     log: Mutex<VecDeque<Delivery>>,
@@ -128,7 +128,8 @@ impl Webhooks {
 
     fn spawn(self: &Arc<Self>, info: WebhookInfo) {
         let hook = Arc::new(Hook {
-            info,
+            id: info.id.clone(),
+            info: Mutex::new(info),
             queue: Mutex::new(VecDeque::new()),
             wake: Notify::new(),
             log: Mutex::new(VecDeque::new()),
@@ -137,7 +138,7 @@ impl Webhooks {
         self.hooks
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(hook.info.id.clone(), hook.clone());
+            .insert(hook.id.clone(), hook.clone());
         tokio::spawn(deliver_loop(self.clone(), hook));
     }
 
@@ -145,10 +146,15 @@ impl Webhooks {
     pub(super) fn dispatch(&self, ev: &Arc<Event>) {
         let hooks = self.hooks.lock().unwrap_or_else(|p| p.into_inner());
         for h in hooks.values() {
-            let i = &h.info;
-            if !dsec_common::project::within(&ev.project, &i.project)
-                || !(i.types.is_empty() || i.types.iter().any(|t| *t == ev.kind))
-            {
+            let wanted = {
+                let i = h.info.lock().unwrap_or_else(|p| p.into_inner());
+                i.enabled
+                    && dsec_common::project::within(&ev.project, &i.project)
+                    && (i.types.is_empty() || i.types.iter().any(|t| *t == ev.kind))
+                    // E2B has no word for some types; such a webhook is not sent them.
+                    && (i.format.is_dsec() || dsec_common::e2b::e2b_type(&ev.kind).is_some())
+            };
+            if !wanted {
                 continue;
             }
             let dropped = {
@@ -185,16 +191,20 @@ impl Webhooks {
             )));
         }
         check_url(&req.url, &self.allow)?;
-        for t in &req.types {
-            if !TYPES.contains(&t.as_str()) {
-                return Err(ApiError::invalid(format!(
-                    "unknown event type {t:?}; the types are {}",
-                    TYPES.join(", ")
-                )));
-            }
+        check_types(&mut req.types)?;
+        if let Some(n) = &req.name {
+            check_name(n)?;
         }
-        req.types.sort();
-        req.types.dedup();
+        if let Some(s) = &req.secret
+            && (!SECRET_BYTES.contains(&s.len()) || s.chars().any(char::is_control))
+        {
+            return Err(ApiError::invalid(format!(
+                "webhook secret: {} to {} bytes without control characters; it is {} bytes",
+                SECRET_BYTES.start(),
+                SECRET_BYTES.end(),
+                s.len()
+            )));
+        }
         let _change = self.changes.lock().unwrap_or_else(|p| p.into_inner());
         let info = WebhookInfo {
             id: format!("wh-{}", dsec_common::id::random_hex(8)),
@@ -202,7 +212,13 @@ impl Webhooks {
             project,
             types: req.types,
             created_at_ms: now_ms(),
-            secret: Some(format!("whsec_{}", dsec_common::id::random_hex(24))),
+            secret: Some(
+                req.secret
+                    .unwrap_or_else(|| format!("whsec_{}", dsec_common::id::random_hex(24))),
+            ),
+            name: req.name,
+            enabled: req.enabled.unwrap_or(true),
+            format: req.format.unwrap_or_default(),
         };
         {
             let hooks = self.hooks.lock().unwrap_or_else(|p| p.into_inner());
@@ -214,7 +230,10 @@ impl Webhooks {
             }
             let mine = hooks
                 .values()
-                .filter(|h| dsec_common::project::within(&h.info.project, owner))
+                .filter(|h| {
+                    let i = h.info.lock().unwrap_or_else(|p| p.into_inner());
+                    dsec_common::project::within(&i.project, owner)
+                })
                 .count();
             if mine >= PER_PROJECT {
                 return Err(ApiError::exhausted(format!(
@@ -235,9 +254,65 @@ impl Webhooks {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .values()
-            .filter(|h| visible(&h.info.project))
             .map(|h| h.shown())
+            .filter(|i| visible(&i.project))
             .collect()
+    }
+
+    /// Changes a webhook's url, types, name or whether it is sent events; events already
+    /// queued go to the new url.
+    pub(super) fn update(&self, id: &str, u: WebhookUpdate) -> Result<WebhookInfo, ApiError> {
+        let WebhookUpdate {
+            url,
+            mut types,
+            name,
+            enabled,
+        } = u;
+        if let Some(url) = &url {
+            if url.len() > MAX_URL {
+                return Err(ApiError::invalid(format!(
+                    "webhook url is {} bytes; at most {MAX_URL}",
+                    url.len()
+                )));
+            }
+            check_url(url, &self.allow)?;
+        }
+        if let Some(t) = &mut types {
+            check_types(t)?;
+        }
+        if let Some(n) = &name {
+            check_name(n)?;
+        }
+        let _change = self.changes.lock().unwrap_or_else(|p| p.into_inner());
+        let hook = self
+            .hooks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned()
+            .ok_or_else(|| ApiError::not_found(format!("webhook {id} does not exist")))?;
+        let before = hook.info();
+        {
+            let mut i = hook.info.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(url) = url {
+                i.url = url;
+            }
+            if let Some(t) = types {
+                i.types = t;
+            }
+            if let Some(n) = name {
+                i.name = Some(n);
+            }
+            if let Some(e) = enabled {
+                i.enabled = e;
+            }
+        }
+        if let Err(e) = self.save() {
+            *hook.info.lock().unwrap_or_else(|p| p.into_inner()) = before;
+            return Err(e);
+        }
+        hook.wake.notify_one();
+        Ok(hook.shown())
     }
 
     pub(super) fn get(&self, id: &str) -> Option<WebhookInfo> {
@@ -284,7 +359,7 @@ impl Webhooks {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .values()
-            .map(|h| h.info.clone())
+            .map(|h| h.info())
             .collect();
         let body =
             serde_json::to_vec_pretty(&all).map_err(|e| ApiError::internal(e.to_string()))?;
@@ -307,11 +382,15 @@ impl Webhooks {
 }
 
 impl Hook {
+    fn info(&self) -> WebhookInfo {
+        self.info.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     /// The webhook as the API shows it: without its secret.
     fn shown(&self) -> WebhookInfo {
         WebhookInfo {
             secret: None,
-            ..self.info.clone()
+            ..self.info()
         }
     }
 
@@ -326,8 +405,15 @@ impl Hook {
 
 /// Sends the hook's queue in order: the head until delivered or given up, then the next.
 async fn deliver_loop(hooks: Arc<Webhooks>, hook: Arc<Hook>) {
-    let secret = hook.info.secret.clone().unwrap_or_default();
-    let key = hmac::Key::new(hmac::HMAC_SHA256, secret.as_bytes());
+    let (secret, format) = {
+        let i = hook.info();
+        (i.secret.unwrap_or_default(), i.format)
+    };
+    let signer = Signer {
+        key: hmac::Key::new(hmac::HMAC_SHA256, secret.as_bytes()),
+        secret,
+        format,
+    };
     loop {
         if hook.gone.load(Ordering::SeqCst) {
             return;
@@ -343,14 +429,20 @@ async fn deliver_loop(hooks: Arc<Webhooks>, hook: Arc<Hook>) {
             hook.wake.notified().await;
             continue;
         };
-        let body = serde_json::to_vec(ev.as_ref()).unwrap_or_default();
+        let body = match format {
+            WebhookFormat::Dsec => serde_json::to_vec(ev.as_ref()).unwrap_or_default(),
+            WebhookFormat::E2b => dsec_common::e2b::event(&ev)
+                .map(|v| v.to_string().into_bytes())
+                .unwrap_or_default(),
+        };
         let mut wait = Duration::from_secs(1);
         for attempt in 1..=hooks.attempts {
             if hook.gone.load(Ordering::SeqCst) {
                 return;
             }
             let started = Instant::now();
-            let r = send(&hooks, &hook.info.url, &key, &ev, &body).await;
+            let url = hook.info().url;
+            let r = send(&hooks, &hook.id, &url, &signer, &ev, &body, attempt).await;
             let ok = matches!(r, Ok(s) if (200..300).contains(&s));
             let last = attempt == hooks.attempts;
             let error = match &r {
@@ -376,7 +468,7 @@ async fn deliver_loop(hooks: Arc<Webhooks>, hook: Arc<Hook>) {
                 tokio::time::sleep(wait).await;
                 wait = (wait * 2).min(Duration::from_secs(60));
             } else {
-                tracing::warn!(webhook = %hook.info.id, event = %ev.id, "webhook delivery given up");
+                tracing::warn!(webhook = %hook.id, event = %ev.id, "webhook delivery given up");
             }
         }
         let mut q = hook.queue.lock().unwrap_or_else(|p| p.into_inner());
@@ -386,44 +478,110 @@ async fn deliver_loop(hooks: Arc<Webhooks>, hook: Arc<Hook>) {
     }
 }
 
+/// How a webhook's deliveries are signed.
+struct Signer {
+    key: hmac::Key,
+    secret: String,
+    format: WebhookFormat,
+}
+
+impl Signer {
+    /// The headers that name and sign one try.
+    fn headers(
+        &self,
+        hook: &str,
+        ev: &Event,
+        body: &[u8],
+        attempt: u32,
+    ) -> Vec<(&'static str, String)> {
+        match self.format {
+            WebhookFormat::Dsec => {
+                let t = now_ms() / 1000;
+                let mut signed = format!("{t}.").into_bytes();
+                signed.extend_from_slice(body);
+                let sig = hex::encode(hmac::sign(&self.key, &signed).as_ref());
+                vec![
+                    ("x-dsec-event", ev.kind.clone()),
+                    ("x-dsec-delivery", ev.id.clone()),
+                    ("x-dsec-signature", format!("t={t},v1={sig}")),
+                ]
+            }
+            WebhookFormat::E2b => vec![
+                ("e2b-webhook-id", hook.to_string()),
+                ("e2b-delivery-id", format!("{}-{attempt}", ev.id)),
+                ("e2b-signature-version", "v1".to_string()),
+                ("e2b-signature", e2b_signature(&self.secret, body)),
+            ],
+        }
+    }
+}
+
+/// E2B's webhook signature: SHA-256 of the secret followed by the body, in unpadded
+/// URL-safe base64. (Not an HMAC; it is what E2B's receivers check.)
+fn e2b_signature(secret: &str, body: &[u8]) -> String {
+    use base64::Engine;
+    let mut d = aws_lc_rs::digest::Context::new(&aws_lc_rs::digest::SHA256);
+    d.update(secret.as_bytes());
+    d.update(body);
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(d.finish().as_ref())
+}
+
 /// One try: the receiver's status, or why there was none.
 async fn send(
     hooks: &Webhooks,
+    hook: &str,
     url: &str,
-    key: &hmac::Key,
+    signer: &Signer,
     ev: &Event,
     body: &[u8],
+    attempt: u32,
 ) -> Result<u16, String> {
     // A literal address does not go through the resolver: checked here.
     check_url(url, &hooks.allow).map_err(|e| e.message)?;
-    let t = now_ms() / 1000;
-    let mut signed = format!("{t}.").into_bytes();
-    signed.extend_from_slice(body);
-    let sig = hex::encode(hmac::sign(key, &signed).as_ref());
-    let r = hooks
+    let mut req = hooks
         .client
         .post(url)
-        .header("content-type", "application/json")
-        .header("x-dsec-event", &ev.kind)
-        .header("x-dsec-delivery", &ev.id)
-        .header("x-dsec-signature", format!("t={t},v1={sig}"))
-        .body(body.to_vec())
-        .send()
-        .await
-        .map_err(|e| {
-            // Told in general terms: the log is the tenant's, and details (which address
-            // refused, how) would let it probe the node's network.
-            if is_refused_name(&e) {
-                "refused: the host is not a public address".to_string()
-            } else if e.is_timeout() {
-                "no answer in time".to_string()
-            } else if e.is_connect() {
-                "could not connect".to_string()
-            } else {
-                "the request failed".to_string()
-            }
-        })?;
+        .header("content-type", "application/json");
+    for (k, v) in signer.headers(hook, ev, body, attempt) {
+        req = req.header(k, v);
+    }
+    let r = req.body(body.to_vec()).send().await.map_err(|e| {
+        // Told in general terms: the log is the tenant's, and details (which address
+        // refused, how) would let it probe the node's network.
+        if is_refused_name(&e) {
+            "refused: the host is not a public address".to_string()
+        } else if e.is_timeout() {
+            "no answer in time".to_string()
+        } else if e.is_connect() {
+            "could not connect".to_string()
+        } else {
+            "the request failed".to_string()
+        }
+    })?;
     Ok(r.status().as_u16())
+}
+
+fn check_types(types: &mut Vec<String>) -> Result<(), ApiError> {
+    for t in types.iter() {
+        if !TYPES.contains(&t.as_str()) {
+            return Err(ApiError::invalid(format!(
+                "unknown event type {t:?}; the types are {}",
+                TYPES.join(", ")
+            )));
+        }
+    }
+    types.sort();
+    types.dedup();
+    Ok(())
+}
+
+fn check_name(n: &str) -> Result<(), ApiError> {
+    if n.len() > MAX_NAME || n.chars().any(char::is_control) {
+        return Err(ApiError::invalid(format!(
+            "webhook name: at most {MAX_NAME} bytes without control characters"
+        )));
+    }
+    Ok(())
 }
 
 /// Whether a failed request was the resolver's refusal of the host's addresses.
@@ -621,7 +779,7 @@ mod tests {
         let req = |url: &str| WebhookRequest {
             url: url.into(),
             types: vec!["created".into(), "created".into()],
-            project: None,
+            ..Default::default()
         };
         // Spread over sub-projects (which need not exist), they still count as the owner's.
         for i in 0..PER_PROJECT {
@@ -656,6 +814,72 @@ mod tests {
         let fresh = Webhooks::start(&cfg, dir.path()).unwrap();
         assert!(fresh.list(|_| true).is_empty());
         assert!(dir.path().join("webhooks.json.unreadable").exists());
+    }
+
+    #[test]
+    fn the_e2b_signature_is_what_e2b_receivers_compute() {
+        // base64url(sha256("secret" + "{}")) without padding, as E2B's verification
+        // examples compute it (Python: hashlib.sha256(b"secret{}")).
+        assert_eq!(
+            e2b_signature("secret", b"{}"),
+            "e9B8ejqc2_sG6v6Lh2cAHsXgRKkAkGentpGLCOuoSYs"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_update_changes_what_it_says_and_keeps_the_rest() {
+        let dir = tempfile::tempdir().unwrap();
+        let hooks = Webhooks::start(&EventsConfig::default(), dir.path()).unwrap();
+        let w = hooks
+            .add(
+                WebhookRequest {
+                    url: "https://example.com/a".into(),
+                    secret: Some("0123456789abcdef".into()),
+                    format: Some(WebhookFormat::E2b),
+                    ..Default::default()
+                },
+                "root/a".into(),
+                "root/a",
+            )
+            .unwrap();
+        assert_eq!(w.secret.as_deref(), Some("0123456789abcdef"));
+        let u = hooks
+            .update(
+                &w.id,
+                WebhookUpdate {
+                    enabled: Some(false),
+                    types: Some(vec!["stopped".into()]),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        assert!(!u.enabled && u.types == ["stopped"] && u.url == "https://example.com/a");
+        assert!(u.secret.is_none() && u.format == WebhookFormat::E2b);
+        // Bad changes are refused and change nothing.
+        for bad in [
+            WebhookUpdate {
+                url: Some("http://127.0.0.1/".into()),
+                ..Default::default()
+            },
+            WebhookUpdate {
+                types: Some(vec!["nope".into()]),
+                ..Default::default()
+            },
+        ] {
+            assert!(hooks.update(&w.id, bad).is_err());
+        }
+        assert!(hooks.update("wh-none", WebhookUpdate::default()).is_err());
+        // Kept across a restart, the secret too.
+        let again = Webhooks::start(&EventsConfig::default(), dir.path()).unwrap();
+        let i = again.hooks.lock().unwrap().get(&w.id).unwrap().info();
+        assert!(!i.enabled && i.secret.as_deref() == Some("0123456789abcdef"));
+        // A short secret is refused.
+        let short = WebhookRequest {
+            url: "https://example.com/a".into(),
+            secret: Some("short".into()),
+            ..Default::default()
+        };
+        assert!(hooks.add(short, "root/a".into(), "root/a").is_err());
     }
 
     #[test]
