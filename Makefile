@@ -6,7 +6,7 @@ AETHER := target/$(AETHER_TARGET)/release/dsec-aether
 DSEC_TEST_DIR ?= /var/tmp/dsec-test
 CARGO_PROFILE_FLAG := $(if $(filter release,$(PROFILE)),--release,)
 
-.PHONY: build aether dsec test test-rust test-e2e test-deploy test-nested lint images bench bench-runtime bench-cluster bench-network bench-vm bench-gateway bench-tenant bench-guest bench-vm-nested bench-burst bench-functions bench-vm-pool bench-headers clean-test
+.PHONY: build aether dsec test test-rust test-e2e test-deploy test-nested lint images bench bench-runtime bench-cluster bench-network bench-vm bench-gateway bench-tenant bench-guest bench-observe bench-vm-nested bench-burst bench-functions bench-vm-pool bench-headers clean-test
 
 build: dsec aether
 
@@ -97,6 +97,9 @@ bench-tenant: build
 
 bench-guest: build
 	DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec DSEC_AETHER=$(CURDIR)/$(AETHER) python3 bench/guest_flood.py $(BENCH_ARGS)
+
+bench-observe: build
+	DSEC_BIN=$(CURDIR)/target/$(PROFILE)/dsec DSEC_AETHER=$(CURDIR)/$(AETHER) python3 bench/observe.py $(BENCH_ARGS)
 
 clean-test:
 	-target/$(PROFILE)/dsec down --data-dir $${DSEC_TEST_DIR:-/var/tmp/dsec-test}
