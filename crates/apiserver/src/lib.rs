@@ -569,17 +569,22 @@ async fn events(
     use dsec_common::event_query::{EventQuery, MAX_LIMIT};
     let p = c.principal(&headers).await?;
     let q = EventQuery::parse(q.as_deref().unwrap_or(""))?;
-    if let Some(s) = &q.sandbox {
-        let edge = owning_edge(s)?;
+    // One edge's answer to `query`, waiting up to its `wait`.
+    let ask = |edge: String, query: &EventQuery| {
+        let (c, p) = (c.clone(), p.clone());
         let pq = format!(
             "/v1/events?{}&wait_seconds={}",
-            q.to_query(),
-            q.wait.as_secs_f64()
+            query.to_query(),
+            query.wait.as_secs_f64()
         );
-        let r: ListEventsResponse = c
-            .get_json(&edge, &pq, &p, CALL_TIMEOUT + q.wait)
-            .await
-            .map_err(Failure)?;
+        let timeout = CALL_TIMEOUT + query.wait;
+        Box::pin(async move {
+            c.get_json::<ListEventsResponse>(&edge, &pq, &p, timeout)
+                .await
+        })
+    };
+    if let Some(s) = &q.sandbox {
+        let r = ask(owning_edge(s)?, &q).await.map_err(Failure)?;
         return Ok(json(StatusCode::OK, &r));
     }
     if q.newest_first && q.offset + q.limit > MAX_LIMIT {
@@ -601,25 +606,13 @@ async fn events(
         wait: std::time::Duration::ZERO,
         ..q.clone()
     };
-    let round = |per_edge: EventQuery, wait: std::time::Duration| {
-        let (c, p) = (c.clone(), p.clone());
-        async move {
-            let pq = format!(
-                "/v1/events?{}&wait_seconds={}",
-                per_edge.to_query(),
-                wait.as_secs_f64()
-            );
-            let calls = c.edges.keys().map(|edge| {
-                let (c, p, pq) = (c.clone(), p.clone(), pq.clone());
-                async move {
-                    c.get_json::<ListEventsResponse>(edge, &pq, &p, CALL_TIMEOUT + wait)
-                        .await
-                }
-            });
-            futures_util::future::try_join_all(calls).await
-        }
+    let every_edge = |query: &EventQuery| -> Vec<_> {
+        c.edges
+            .keys()
+            .map(|edge| ask(edge.clone(), query))
+            .collect()
     };
-    let mut answers = round(per_edge.clone(), std::time::Duration::ZERO)
+    let mut answers = futures_util::future::try_join_all(every_edge(&per_edge))
         .await
         .map_err(|e| {
             Failure(ApiError::unavailable(format!(
@@ -627,28 +620,16 @@ async fn events(
                 e.message
             )))
         })?;
-    let nothing = |a: &[ListEventsResponse]| a.iter().all(|r| r.events.is_empty());
-    if nothing(&answers) && !q.wait.is_zero() {
+    if answers.iter().all(|r| r.events.is_empty()) && !q.wait.is_zero() {
         // Wait on every edge at once for the first new event, then read them all again.
         let horizon = answers.iter().map(|r| r.next).min().unwrap_or(q.after);
         let waiting = EventQuery {
             after: horizon.max(q.after),
             limit: 1,
+            wait: q.wait,
             ..per_edge.clone()
         };
-        let calls = c.edges.keys().map(|edge| {
-            let (c, p) = (c.clone(), p.clone());
-            let pq = format!(
-                "/v1/events?{}&wait_seconds={}",
-                waiting.to_query(),
-                q.wait.as_secs_f64()
-            );
-            Box::pin(async move {
-                c.get_json::<ListEventsResponse>(edge, &pq, &p, CALL_TIMEOUT + q.wait)
-                    .await
-            })
-        });
-        let mut pending: Vec<_> = calls.collect();
+        let mut pending = every_edge(&waiting);
         while !pending.is_empty() {
             let (r, _, rest) = futures_util::future::select_all(pending).await;
             if r.is_ok_and(|l| !l.events.is_empty()) {
@@ -656,7 +637,7 @@ async fn events(
             }
             pending = rest;
         }
-        answers = round(per_edge.clone(), std::time::Duration::ZERO)
+        answers = futures_util::future::try_join_all(every_edge(&per_edge))
             .await
             .map_err(Failure)?;
     }
